@@ -1,0 +1,115 @@
+"""Where each Hugging Face Llama tensor lives in this library's parameter tree, and how it turns.
+
+HF stores nn.Linear weights as [out, in]; the Flax model keeps einsum-ready kernels
+([in, heads, head_dim] for q/k/v, [heads, head_dim, out] for o, [in, out] for the MLP) stacked on
+a leading layer axis. Each rule is exact (a transpose and a reshape), so conversion round-trips
+bit for bit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Callable
+
+import numpy as np
+
+from jax_longctx.config import LlamaConfig
+
+Path = tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+  hf: str  # name with {i} for the layer index
+  path: Path  # location in the params tree
+  to_flax: Callable[[np.ndarray, LlamaConfig], np.ndarray]
+  to_hf: Callable[[np.ndarray, LlamaConfig], np.ndarray]
+
+  @property
+  def stacked(self) -> bool:
+    return "{i}" in self.hf
+
+
+def _same(w, cfg):
+  return w
+
+
+def _t(w, cfg):
+  return w.T
+
+
+def _in_heads(heads_of: Callable[[LlamaConfig], int]):
+
+  def to_flax(w, cfg):  # [heads*hd, D] -> [D, heads, hd]
+    return w.T.reshape(cfg.hidden_size, heads_of(cfg), cfg.head_dim)
+
+  def to_hf(w, cfg):
+    return w.reshape(cfg.hidden_size, -1).T
+
+  return to_flax, to_hf
+
+
+def _o_to_flax(w, cfg):  # [D, H*hd] -> [H, hd, D]
+  return w.T.reshape(cfg.num_heads, cfg.head_dim, cfg.hidden_size)
+
+
+def _o_to_hf(w, cfg):
+  return w.reshape(-1, cfg.hidden_size).T
+
+
+_Q = _in_heads(lambda c: c.num_heads)
+_KV = _in_heads(lambda c: c.num_kv_heads)
+_L = "model.layers.{i}."
+
+RULES: tuple[Rule, ...] = (
+    Rule("model.embed_tokens.weight", ("embed",), _same, _same),
+    Rule("model.norm.weight", ("final_norm", "scale"), _same, _same),
+    Rule("lm_head.weight", ("lm_head",), _t, _t),
+    Rule(_L + "input_layernorm.weight", ("layers", "attn_norm", "scale"), _same, _same),
+    Rule(_L + "post_attention_layernorm.weight", ("layers", "mlp_norm", "scale"), _same, _same),
+    Rule(_L + "self_attn.q_proj.weight", ("layers", "attn", "q_proj"), *_Q),
+    Rule(_L + "self_attn.k_proj.weight", ("layers", "attn", "k_proj"), *_KV),
+    Rule(_L + "self_attn.v_proj.weight", ("layers", "attn", "v_proj"), *_KV),
+    Rule(_L + "self_attn.o_proj.weight", ("layers", "attn", "o_proj"), _o_to_flax, _o_to_hf),
+    Rule(_L + "mlp.gate_proj.weight", ("layers", "mlp", "gate_proj"), _t, _t),
+    Rule(_L + "mlp.up_proj.weight", ("layers", "mlp", "up_proj"), _t, _t),
+    Rule(_L + "mlp.down_proj.weight", ("layers", "mlp", "down_proj"), _t, _t),
+)
+
+
+def rules_for(cfg: LlamaConfig) -> tuple[Rule, ...]:
+  return tuple(r for r in RULES if not (r.path == ("lm_head",) and cfg.tie_word_embeddings))
+
+
+def match(name: str, cfg: LlamaConfig) -> tuple[Rule, int | None] | None:
+  """The rule for an HF tensor name and its layer index; None for tensors the model does not use."""
+  for rule in rules_for(cfg):
+    pattern = "^" + re.escape(rule.hf).replace(r"\{i\}", r"(\d+)") + "$"
+    m = re.match(pattern, name)
+    if m:
+      return rule, (int(m.group(1)) if rule.stacked else None)
+  return None
+
+
+def hf_names(cfg: LlamaConfig) -> list[tuple[str, Rule, int | None]]:
+  """Every HF tensor name of a checkpoint of this config, in a stable order."""
+  out = []
+  for rule in rules_for(cfg):
+    if rule.stacked:
+      out += [(rule.hf.format(i=i), rule, i) for i in range(cfg.num_layers)]
+    else:
+      out.append((rule.hf, rule, None))
+  return out
+
+
+def get_path(tree: dict, path: Path):
+  for key in path:
+    tree = tree[key]
+  return tree
+
+
+def set_path(tree: dict, path: Path, value) -> None:
+  for key in path[:-1]:
+    tree = tree.setdefault(key, {})
+  tree[path[-1]] = value

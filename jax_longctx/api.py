@@ -1,0 +1,101 @@
+"""The small, stable Python API: `lm = load("default")`, `lm.logits(ids)`, `lm.generate(...)`."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Sequence
+
+import jax.numpy as jnp
+import numpy as np
+
+from jax_longctx import methods as methods_lib
+from jax_longctx.config import LlamaConfig
+from jax_longctx.generate import DEFAULT_CHUNK, GenerationError, Sampling, generate
+from jax_longctx.model import forward, new_cache
+from jax_longctx.tokenizer import Tokenizer
+
+
+@dataclasses.dataclass
+class LM:
+  config: LlamaConfig
+  params: Any
+  tokenizer: Tokenizer | None
+  path: str | None = None
+
+  def stop_tokens(self) -> tuple[int, ...]:
+    ids = set(self.config.eos_token_ids)
+    if self.tokenizer is not None:
+      for text in (self.tokenizer.eos_token, "<|im_end|>", "<|eot_id|>"):
+        tid = self.tokenizer.token_id(text)
+        if tid is not None:
+          ids.add(tid)
+    return tuple(sorted(ids))
+
+  def logits(self, token_ids) -> jnp.ndarray:
+    """[batch, len] token ids -> [batch, len, vocab] fp32 logits from one uncached forward."""
+    ids = jnp.asarray(token_ids, jnp.int32)
+    if ids.ndim == 1:
+      ids = ids[None]
+    if ids.shape[0] == 0 or ids.shape[1] == 0:
+      raise GenerationError(f"logits() needs a non-empty [batch, len] array, got {ids.shape}")
+    full = methods_lib.get("full")
+    b, n = ids.shape
+    cache = new_cache(self.config, full, b, n)
+    positions = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n))
+    logits, _ = forward(self.params, ids, positions, cache, full, self.config)
+    return logits
+
+  def encode(self, prompt: str, chat: bool = False) -> list[int]:
+    if self.tokenizer is None:
+      raise ValueError("this model was loaded without a tokenizer; pass token ids instead")
+    if chat:
+      prompt = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    return self.tokenizer.encode(prompt)
+
+  def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]], method="full", *,
+               max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
+               seed: int = 0, chat: bool = False, method_args: dict | None = None,
+               chunk_size: int = DEFAULT_CHUNK, cache_len: int | None = None,
+               stop_tokens: Sequence[int] | None = None) -> list[str] | list[list[int]]:
+    """Continues each prompt. Text prompts give text back; token-id prompts give token ids."""
+    if isinstance(prompts, str):
+      prompts = [prompts]
+    as_text = len(prompts) > 0 and all(isinstance(p, str) for p in prompts)
+    ids = [self.encode(p, chat) for p in prompts] if as_text else [list(p) for p in prompts]
+    result = generate(
+        self.params, self.config, ids, methods_lib.get(method, **(method_args or {})),
+        max_new_tokens=max_new_tokens, sampling=Sampling(temperature, top_p, seed),
+        stop_tokens=self.stop_tokens() if stop_tokens is None else tuple(stop_tokens),
+        chunk_size=chunk_size, cache_len=cache_len)
+    if as_text:
+      return [self.tokenizer.decode(t) for t in result.tokens]
+    return result.tokens
+
+
+def load(name_or_path: str = "default", dtype=None) -> LM:
+  """'default' (SmolLM2-135M-Instruct), a converted checkpoint, an HF directory or a GGUF file."""
+  from checkpoints_convert import load_source, restore
+  from checkpoints_convert.sources import CheckpointError
+  from jax_longctx import default_model
+
+  path = default_model.checkpoint_dir() if name_or_path == "default" else name_or_path
+  if not os.path.exists(path):
+    raise CheckpointError(f"checkpoint not found: {path}")
+  if os.path.isdir(path) and os.path.isdir(os.path.join(path, "params")):
+    cfg, params = restore(path, dtype=dtype)
+    tok_dir = path
+  else:
+    cfg, params, source = load_source(path)
+    if dtype is not None:
+      cfg = cfg.replace(dtype=np.dtype(dtype).name)
+    params = {k: v for k, v in params.items()}
+    import jax
+    params = jax.tree.map(lambda a: jnp.asarray(a, cfg.jnp_dtype), params)
+    tok_dir = path if os.path.isdir(path) else None
+    if tok_dir is None:  # a GGUF carries its tokenizer in its metadata
+      import tempfile
+      tok_dir = tempfile.mkdtemp(prefix="jax-longctx-tok-")
+      source.write_tokenizer(tok_dir)
+  tokenizer = Tokenizer(tok_dir) if os.path.exists(os.path.join(tok_dir, "tokenizer.json")) else None
+  return LM(cfg, params, tokenizer, path)

@@ -1,0 +1,174 @@
+"""Chunked prefill and an on-device decode loop.
+
+Prompts are left-aligned (every sequence starts at position 0) and consumed in fixed-size chunks;
+one jitted chunk step serves all chunks (its start is traced). Decoding is one jitted
+`lax.while_loop` that samples, runs the model one token at a time and stops when every sequence
+has hit a stop token or the budget: no host round-trip per token, the cache donated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_longctx.cache import Cache
+from jax_longctx.config import LlamaConfig
+from jax_longctx.methods.base import Method
+from jax_longctx.model import forward, new_cache
+
+DEFAULT_CHUNK = 512
+
+
+class GenerationError(ValueError):
+  """Bad generation input: empty batch or prompt, a prompt that does not fit the cache, ..."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+  temperature: float = 0.0  # 0 means greedy
+  top_p: float = 1.0
+  seed: int = 0
+
+  def __post_init__(self):
+    if self.temperature < 0:
+      raise GenerationError(f"temperature must be >= 0, got {self.temperature}")
+    if not 0 < self.top_p <= 1:
+      raise GenerationError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclasses.dataclass
+class GenerationResult:
+  tokens: list[list[int]]  # new tokens per prompt, stop token excluded
+  cache: Cache
+  prompt_lengths: list[int]
+
+
+def sample(logits: jnp.ndarray, key, sampling: Sampling) -> jnp.ndarray:
+  """logits [B, V] fp32 -> token ids [B] int32."""
+  if sampling.temperature == 0:
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  logits = logits / sampling.temperature
+  if sampling.top_p < 1:
+    order = jnp.argsort(-logits, axis=-1)
+    sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
+    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+    drop = (jnp.cumsum(probs, axis=-1) - probs) >= sampling.top_p
+    sorted_logits = jnp.where(drop, -jnp.inf, sorted_logits)
+    logits = jnp.full_like(logits, -jnp.inf).at[
+        jnp.arange(logits.shape[0])[:, None], order].set(sorted_logits)
+  return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "method"), donate_argnames=("cache", "last"))
+def prefill_chunk(params, tokens, start, prompt_lengths, cache: Cache, last, *, cfg: LlamaConfig,
+                  method: Method):
+  """One prompt chunk [B, C] at positions start..start+C-1; keeps each row's last-token logits."""
+  b, c = tokens.shape
+  positions = start + jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32), (b, c))
+  valid = positions < prompt_lengths[:, None]
+  idx = jnp.clip(prompt_lengths - 1 - start, 0, c - 1)
+  logits, cache = forward(params, tokens, positions, cache, method, cfg, valid=valid,
+                          logits_index=idx)
+  ends_here = (prompt_lengths - 1 >= start) & (prompt_lengths - 1 < start + c)
+  return cache, jnp.where(ends_here[:, None], logits, last)
+
+
+# Counts how often the decode loop is traced (= compiled); tests read it.
+DECODE_TRACES = [0]
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "method", "max_new_tokens", "sampling"),
+                   donate_argnames=("cache",))
+def decode_loop(params, cache: Cache, last_logits, stop_tokens, key, *, cfg: LlamaConfig,
+                method: Method, max_new_tokens: int, sampling: Sampling):
+  """Samples up to max_new_tokens per row on device. Returns (tokens [B, N], steps, cache)."""
+  DECODE_TRACES[0] += 1
+  b = last_logits.shape[0]
+  key, sub = jax.random.split(key)
+  tok = sample(last_logits, sub, sampling)
+  out = jnp.zeros((b, max_new_tokens), jnp.int32).at[:, 0].set(tok)
+  done = jnp.isin(tok, stop_tokens)
+
+  def cond(carry):
+    step, _, _, _, done, _ = carry
+    return (step < max_new_tokens) & ~jnp.all(done)
+
+  def body(carry):
+    step, cache, tok, out, done, key = carry
+    positions = cache.lengths[:, None]
+    logits, cache = forward(params, tok[:, None], positions, cache, method, cfg, decode=True,
+                            logits_index=jnp.zeros((b,), jnp.int32))
+    key, sub = jax.random.split(key)
+    nxt = jnp.where(done, tok, sample(logits, sub, sampling))
+    out = jax.lax.dynamic_update_slice_in_dim(out, nxt[:, None], step, axis=1)
+    return step + 1, cache, nxt, out, done | jnp.isin(nxt, stop_tokens), key
+
+  step, cache, _, out, _, _ = jax.lax.while_loop(
+      cond, body, (jnp.int32(1), cache, tok, out, done, key))
+  return out, step, cache
+
+
+def _check_prompts(prompts: Sequence[Sequence[int]]) -> list[int]:
+  if len(prompts) == 0:
+    raise GenerationError("batch of zero prompts: pass at least one prompt")
+  lengths = [len(p) for p in prompts]
+  empty = [i for i, n in enumerate(lengths) if n == 0]
+  if empty:
+    raise GenerationError(f"empty prompt at batch index {empty[0]}: a prompt needs >= 1 token")
+  return lengths
+
+
+def prefill(params, cfg: LlamaConfig, prompts: Sequence[Sequence[int]], method: Method, *,
+            cache_len: int, chunk_size: int = DEFAULT_CHUNK):
+  """Runs the prompts through the model chunk by chunk. Returns (cache, last-token logits [B, V])."""
+  lengths = _check_prompts(prompts)
+  longest = max(lengths)
+  if longest > cache_len:
+    raise GenerationError(
+        f"prompt of {longest} tokens is longer than the cache ({cache_len} slots)")
+  chunk = method.prefill_chunk or chunk_size
+  n_chunks = -(-longest // chunk)
+  tokens = np.zeros((len(prompts), n_chunks * chunk), np.int32)
+  for i, p in enumerate(prompts):
+    tokens[i, :len(p)] = p
+  cache = new_cache(cfg, method, len(prompts), cache_len)
+  last = jnp.zeros((len(prompts), cfg.vocab_size), jnp.float32)
+  plen = jnp.asarray(lengths, jnp.int32)
+  for c in range(n_chunks):
+    cache, last = prefill_chunk(params, jnp.asarray(tokens[:, c * chunk:(c + 1) * chunk]),
+                                jnp.int32(c * chunk), plen, cache, last, cfg=cfg, method=method)
+  return cache, last
+
+
+def generate(params, cfg: LlamaConfig, prompts: Sequence[Sequence[int]], method: Method, *,
+             max_new_tokens: int, sampling: Sampling = Sampling(), stop_tokens=(),
+             chunk_size: int = DEFAULT_CHUNK, cache_len: int | None = None) -> GenerationResult:
+  """Generates up to max_new_tokens for each prompt (token id lists of any lengths)."""
+  lengths = _check_prompts(prompts)
+  if max_new_tokens < 1:
+    raise GenerationError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+  needed = max(lengths) + max_new_tokens
+  if cache_len is None:
+    cache_len = -(-needed // 128) * 128  # round up so nearby lengths share a compile
+  elif needed > cache_len:
+    raise GenerationError(
+        f"prompt of {max(lengths)} tokens plus {max_new_tokens} new tokens does not fit the cache "
+        f"({cache_len} slots)")
+  cache, last = prefill(params, cfg, prompts, method, cache_len=cache_len, chunk_size=chunk_size)
+  stops = jnp.asarray(list(stop_tokens) or [-1], jnp.int32)
+  out, steps, cache = decode_loop(params, cache, last, stops, jax.random.key(sampling.seed),
+                                  cfg=cfg, method=method, max_new_tokens=max_new_tokens,
+                                  sampling=sampling)
+  out = np.asarray(out)[:, :int(steps)]
+  stop_set = set(int(s) for s in stop_tokens)
+  result = []
+  for row in out.tolist():
+    cut = next((i for i, t in enumerate(row) if t in stop_set), len(row))
+    result.append(row[:cut])
+  return GenerationResult(result, cache, lengths)

@@ -1,0 +1,109 @@
+"""The attention-method interface and the registry of methods.
+
+The model never knows which method runs: every attention layer hands the method its pre-RoPE
+q, k, v and the token positions, and the method owns that layer's cache state and returns the
+attention output. A method is a frozen dataclass of hyper-parameters (hashable, so it can be a
+static argument of a jitted step).
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+from typing import Any, ClassVar
+
+import jax.numpy as jnp
+
+from jax_longctx.config import LlamaConfig
+
+_REGISTRY: dict[str, type["Method"]] = {}
+
+
+class MethodError(ValueError):
+  """Unknown method, unknown hyper-parameter or an invalid hyper-parameter value."""
+
+
+@dataclasses.dataclass(frozen=True)
+class AttnContext:
+  """What one attention layer knows about the tokens it processes (built inside the trace)."""
+
+  layer: Any  # int32 scalar (traced under the layer scan)
+  q_pos: jnp.ndarray  # [B, S] int32 position of each new token
+  valid: jnp.ndarray  # [B, S] bool, False for padding
+  freqs: jnp.ndarray  # [head_dim // 2] RoPE inverse frequencies for this step
+  cfg: LlamaConfig
+
+  def replace(self, **kw) -> "AttnContext":
+    return dataclasses.replace(self, **kw)
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+  """Base class. Subclasses set `name` and implement the three methods below.
+
+  State is a pytree of fixed-shape arrays whose leaves carry a leading layer axis; `prefill` and
+  `decode` receive the whole stacked state plus `ctx.layer` and update that layer's part in place
+  (the state is the layer scan's carry, so XLA updates it without copying).
+  """
+
+  name: ClassVar[str] = ""
+  keys_before_rope: ClassVar[bool] = False
+  # Prefill chunk this method needs (None: the caller's choice).
+  prefill_chunk: ClassVar[int | None] = None
+
+  def init_state(self, cfg: LlamaConfig, batch: int, max_len: int, dtype) -> Any:
+    raise NotImplementedError
+
+  def prefill(self, state, q, k, v, ctx: AttnContext):
+    """One prompt chunk. q [B,S,H,d], k/v [B,S,KV,d] before RoPE -> (out [B,S,H,d], state)."""
+    raise NotImplementedError
+
+  def decode(self, state, q, k, v, ctx: AttnContext):
+    """One generated token (S = 1, or a few). Same shapes as `prefill`."""
+    return self.prefill(state, q, k, v, ctx)
+
+  def hparams(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+
+def register(cls: type[Method]) -> type[Method]:
+  if not cls.name:
+    raise TypeError(f"{cls.__name__} has no registry name")
+  _REGISTRY[cls.name] = cls
+  return cls
+
+
+def names() -> list[str]:
+  return sorted(_REGISTRY)
+
+
+def get(name: str | Method, **overrides) -> Method:
+  """A method by registry name with hyper-parameter overrides (or a method object, returned)."""
+  if isinstance(name, Method):
+    return dataclasses.replace(name, **overrides) if overrides else name
+  if name not in _REGISTRY:
+    raise MethodError(f"unknown method {name!r}; known methods: {', '.join(names())}")
+  cls = _REGISTRY[name]
+  fields = {f.name for f in dataclasses.fields(cls)}
+  unknown = sorted(set(overrides) - fields)
+  if unknown:
+    known = ", ".join(sorted(fields)) or "none"
+    raise MethodError(
+        f"method {name!r} has no hyper-parameter {', '.join(map(repr, unknown))}; it takes: {known}")
+  return cls(**overrides)
+
+
+def parse_method_args(pairs: list[str] | None) -> dict[str, Any]:
+  """['budget=256', 'lam=0.5'] -> {'budget': 256, 'lam': 0.5} (Python literals, else strings)."""
+  out: dict[str, Any] = {}
+  for pair in pairs or []:
+    key, sep, raw = pair.partition("=")
+    if not sep or not key.strip():
+      raise MethodError(f"--method-arg expects key=value, got {pair!r}")
+    try:
+      value = ast.literal_eval(raw)
+    except (ValueError, SyntaxError):
+      value = raw
+    out[key.strip()] = value
+  return out
+

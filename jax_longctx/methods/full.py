@@ -1,0 +1,36 @@
+"""Full (exact) attention over a preallocated cache: the reference every method is compared to."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from jax_longctx.attention import attention
+from jax_longctx.cache import KVCache
+from jax_longctx.methods.base import AttnContext, Method, register
+from jax_longctx.rope import apply_rope
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class Full(Method):
+  """Exact causal attention; keys are cached after RoPE at slot = position.
+
+  Memory: the whole context, O(L) per decode step.
+  """
+
+  name = "full"
+
+  def init_state(self, cfg, batch, max_len, dtype) -> KVCache:
+    return KVCache.zeros(cfg, batch, max_len, dtype)
+
+  def prefill(self, state: KVCache, q, k, v, ctx: AttnContext):
+    q = apply_rope(q, ctx.q_pos, ctx.freqs)
+    k = apply_rope(k, ctx.q_pos, ctx.freqs)
+    state = state.write(ctx.layer, ctx.q_pos, k, v)
+    k_all, v_all = state.layer(ctx.layer)
+    b, t = ctx.q_pos.shape[0], state.max_len
+    k_pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    out, _ = attention(q, k_all, v_all, ctx.q_pos, k_pos, kv_extent=jnp.max(ctx.q_pos) + 1)
+    return out, state

@@ -1,0 +1,171 @@
+"""Flax NNX Llama whose KV cache is data passed in and out, never module state.
+
+    logits, cache = forward(graphdef, params, tokens, positions, cache, method)
+
+Layers are stacked on a leading axis and run under `lax.scan`, so a step compiles once whatever
+the depth; the method's cache state is the scan's carry and each layer updates its own slice.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jax_longctx.cache import Cache
+from jax_longctx.config import LlamaConfig
+from jax_longctx.methods.base import AttnContext, Method
+from jax_longctx.rope import inv_freq
+
+_INIT_STD = 0.02
+
+
+def _param(rngs: nnx.Rngs, shape, dtype):
+  return nnx.Param(jax.random.normal(rngs.params(), shape, jnp.float32).astype(dtype) * _INIT_STD)
+
+
+class RMSNorm(nnx.Module):
+
+  def __init__(self, dim: int, eps: float, dtype):
+    self.scale = nnx.Param(jnp.ones((dim,), dtype))
+    self.eps = eps
+
+  def __call__(self, x):
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+    return self.scale[...] * xf.astype(x.dtype)
+
+
+class Attention(nnx.Module):
+
+  def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+    d, h, kv, hd, dt = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.jnp_dtype
+    self.q_proj = _param(rngs, (d, h, hd), dt)
+    self.k_proj = _param(rngs, (d, kv, hd), dt)
+    self.v_proj = _param(rngs, (d, kv, hd), dt)
+    self.o_proj = _param(rngs, (h, hd, d), dt)
+
+  def __call__(self, x, state, ctx: AttnContext, method: Method, decode: bool):
+    q = jnp.einsum("bsd,dhk->bshk", x, self.q_proj[...])  # [B, S, H, hd]
+    k = jnp.einsum("bsd,dhk->bshk", x, self.k_proj[...])  # [B, S, KV, hd]
+    v = jnp.einsum("bsd,dhk->bshk", x, self.v_proj[...])
+    step = method.decode if decode else method.prefill
+    out, state = step(state, q, k, v, ctx)  # [B, S, H, hd]
+    return jnp.einsum("bshk,hkd->bsd", out.astype(x.dtype), self.o_proj[...]), state
+
+
+class MLP(nnx.Module):
+
+  def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+    d, f, dt = cfg.hidden_size, cfg.intermediate_size, cfg.jnp_dtype
+    self.gate_proj = _param(rngs, (d, f), dt)
+    self.up_proj = _param(rngs, (d, f), dt)
+    self.down_proj = _param(rngs, (f, d), dt)
+
+  def __call__(self, x):
+    gate = jnp.einsum("bsd,df->bsf", x, self.gate_proj[...])
+    up = jnp.einsum("bsd,df->bsf", x, self.up_proj[...])
+    return jnp.einsum("bsf,fd->bsd", jax.nn.silu(gate) * up, self.down_proj[...])
+
+
+class DecoderLayer(nnx.Module):
+
+  def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+    self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.jnp_dtype)
+    self.attn = Attention(cfg, rngs)
+    self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.jnp_dtype)
+    self.mlp = MLP(cfg, rngs)
+
+  def __call__(self, x, state, ctx, method, decode):
+    h, state = self.attn(self.attn_norm(x), state, ctx, method, decode)
+    x = x + h
+    return x + self.mlp(self.mlp_norm(x)), state
+
+
+class Llama(nnx.Module):
+
+  def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+    self.cfg = cfg
+    self.embed = _param(rngs, (cfg.vocab_size, cfg.hidden_size), cfg.jnp_dtype)
+
+    @nnx.split_rngs(splits=cfg.num_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make_layers(rngs):
+      return DecoderLayer(cfg, rngs)
+
+    self.layers = make_layers(rngs)
+    self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.jnp_dtype)
+    if not cfg.tie_word_embeddings:
+      self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), cfg.jnp_dtype)
+
+  def unembed(self, h):
+    """h [..., D] (already normed) -> fp32 logits [..., V]."""
+    if self.cfg.tie_word_embeddings:
+      return jnp.einsum("...d,vd->...v", h, self.embed[...], preferred_element_type=jnp.float32)
+    return jnp.einsum("...d,dv->...v", h, self.lm_head[...], preferred_element_type=jnp.float32)
+
+  def __call__(self, tokens, positions, cache: Cache, method: Method, valid=None,
+               decode: bool = False):
+    """tokens, positions [B, S] -> (normed hidden states [B, S, D], new cache)."""
+    cfg = self.cfg
+    if valid is None:
+      valid = jnp.ones(tokens.shape, bool)
+    x = jnp.take(self.embed[...], tokens, axis=0)
+    ctx = AttnContext(layer=0, q_pos=positions.astype(jnp.int32), valid=valid,
+                      freqs=inv_freq(cfg, jnp.max(positions) + 1), cfg=cfg)
+    layer_def, layer_params = nnx.split(self.layers)
+
+    def body(carry, xs):
+      x, state = carry
+      params, i = xs
+      layer = nnx.merge(layer_def, params)
+      x, state = layer(x, state, ctx.replace(layer=i), method, decode)
+      return (x, state), None
+
+    layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+    (x, state), _ = jax.lax.scan(body, (x, cache.state), (layer_params, layer_ids))
+    lengths = cache.lengths + jnp.sum(valid, axis=1, dtype=jnp.int32)
+    return self.final_norm(x), cache.replace(lengths=lengths, state=state)
+
+
+def abstract_model(cfg: LlamaConfig):
+  """(graphdef, params shape tree) without allocating weights."""
+  graphdef, state = nnx.split(nnx.eval_shape(lambda: Llama(cfg, nnx.Rngs(0))))
+  return graphdef, nnx.to_pure_dict(state)
+
+
+def random_params(cfg: LlamaConfig, seed: int = 0):
+  """Random weights (std 0.02, norms 1) built on the default device; for tests and benchmarks."""
+
+  @jax.jit
+  def make():
+    return nnx.to_pure_dict(nnx.state(Llama(cfg, nnx.Rngs(seed))))
+
+  return make()
+
+
+@functools.lru_cache(maxsize=None)
+def graphdef_for(cfg: LlamaConfig):
+  return abstract_model(cfg)[0]
+
+
+def forward(params, tokens, positions, cache: Cache, method: Method, cfg: LlamaConfig, *,
+            valid=None, decode: bool = False, logits_index=None):
+  """Pure forward. Returns (logits fp32, cache).
+
+  logits_index: None -> logits for every token [B, S, V]; an int32 array [B] -> only at that index
+  of each row [B, V] (what generation needs, without a [B, S, V] buffer).
+  """
+  model = nnx.merge(graphdef_for(cfg), params)
+  h, cache = model(tokens, positions, cache, method, valid=valid, decode=decode)
+  if logits_index is not None:
+    h = jnp.take_along_axis(h, logits_index[:, None, None], axis=1)[:, 0]
+  return model.unembed(h), cache
+
+
+def new_cache(cfg: LlamaConfig, method: Method, batch: int, max_len: int, dtype=None) -> Cache:
+  dtype = cfg.jnp_dtype if dtype is None else dtype
+  state = method.init_state(cfg, batch, max_len, dtype)
+  return Cache(lengths=jnp.zeros((batch,), jnp.int32), state=state, max_len=max_len)

@@ -1,0 +1,65 @@
+"""Rotary position embeddings at arbitrary positions (HF's rotate-half layout).
+
+Methods that store keys before RoPE (ReAttention, CItruS, StreamingLLM's position shift) rotate
+them at positions of their own choosing, so RoPE is a function of (x, positions), never of a slot.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+
+from jax_longctx.config import LlamaConfig
+
+
+def _exponents(head_dim: int) -> np.ndarray:
+  return np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim
+
+
+def _base_inv_freq(head_dim: int, theta: float) -> np.ndarray:
+  return (1.0 / (np.float32(theta) ** _exponents(head_dim))).astype(np.float32)
+
+
+def _llama3_inv_freq(cfg: LlamaConfig) -> np.ndarray:
+  s = cfg.rope_scaling
+  inv = _base_inv_freq(cfg.head_dim, cfg.rope_theta)
+  old = s.original_max_position_embeddings
+  low_wavelen, high_wavelen = old / s.low_freq_factor, old / s.high_freq_factor
+  wavelen = 2 * math.pi / inv
+  scaled = np.where(wavelen > low_wavelen, inv / s.factor, inv)
+  smooth = (old / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+  smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+  medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+  return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def inv_freq(cfg: LlamaConfig, seq_len=None) -> jnp.ndarray:
+  """[head_dim // 2] fp32 inverse frequencies.
+
+  `seq_len` matters only for dynamic NTK, which (as in transformers) rescales the base once the
+  sequence outgrows the original window; it may be a traced scalar.
+  """
+  s = cfg.rope_scaling
+  if s.type == "default":
+    return jnp.asarray(_base_inv_freq(cfg.head_dim, cfg.rope_theta))
+  if s.type == "linear":
+    return jnp.asarray(_base_inv_freq(cfg.head_dim, cfg.rope_theta) / np.float32(s.factor))
+  if s.type == "llama3":
+    return jnp.asarray(_llama3_inv_freq(cfg))
+  # dynamic NTK, measured against max_position_embeddings as transformers does
+  orig = cfg.max_position_embeddings
+  n = jnp.maximum(jnp.asarray(orig if seq_len is None else seq_len, jnp.float32), orig)
+  d = cfg.head_dim
+  base = cfg.rope_theta * ((s.factor * n / orig) - (s.factor - 1)) ** (d / (d - 2))
+  return 1.0 / (base ** jnp.asarray(_exponents(d)))
+
+
+def apply_rope(x: jnp.ndarray, positions: jnp.ndarray, freqs: jnp.ndarray) -> jnp.ndarray:
+  """Rotates x [batch, seq, heads, head_dim] at integer positions [batch, seq]."""
+  angles = positions.astype(jnp.float32)[..., None] * freqs  # [B, S, hd/2]
+  cos = jnp.cos(angles)[:, :, None, :].astype(x.dtype)
+  sin = jnp.sin(angles)[:, :, None, :].astype(x.dtype)
+  x1, x2 = jnp.split(x, 2, axis=-1)
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)

