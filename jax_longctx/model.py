@@ -9,6 +9,7 @@ the depth; the method's cache state is the scan's carry and each layer updates i
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +21,8 @@ from jax_longctx.methods.base import AttnContext, Method
 from jax_longctx.rope import inv_freq
 
 _INIT_STD = 0.02
+# Layers per scan iteration (1 = a rolled loop; num_layers = fully unrolled). Benchmarks set it.
+SCAN_UNROLL = int(os.environ.get("JAX_LONGCTX_SCAN_UNROLL", "1"))
 
 
 def _param(rngs: nnx.Rngs, shape, dtype):
@@ -125,7 +128,8 @@ class Llama(nnx.Module):
       return (x, state), None
 
     layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-    (x, state), _ = jax.lax.scan(body, (x, cache.state), (layer_params, layer_ids))
+    (x, state), _ = jax.lax.scan(body, (x, cache.state), (layer_params, layer_ids),
+                                 unroll=SCAN_UNROLL)
     lengths = cache.lengths + jnp.sum(valid, axis=1, dtype=jnp.int32)
     return self.final_norm(x), cache.replace(lengths=lengths, state=state)
 

@@ -1,0 +1,209 @@
+"""Prefill tokens/s and decode ms/token: jax-longctx (full attention) against transformers.
+
+    python benchmarks/decode.py --model llama-3.1-8b --contexts 8192,32768,131072 \
+        --batches 1,8 --impls jax,hf --out $OUT/decode.jsonl
+
+Random bf16 weights at the named model's shape (speed does not depend on the values). Each
+(impl, context, batch) runs in its own process so peak memory is per configuration. Decode is
+timed after prefill over the real prompt; `bound_ms` is the HBM bound: bytes of weights + KV
+cache read per token over the copy bandwidth measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.common import device_facts, jax_peak_bytes, median_time, write_json  # noqa: E402
+
+
+def _bytes_per_token(cfg, ctx: int, batch: int) -> tuple[int, int]:
+  """(weight bytes read per decode step, KV bytes read per step) in bf16."""
+  weights = cfg.num_params() - cfg.vocab_size * cfg.hidden_size  # embedding: one row per token
+  if cfg.tie_word_embeddings:
+    weights += cfg.vocab_size * cfg.hidden_size  # ... unless it is also the output head
+  kv = 2 * cfg.num_layers * batch * cfg.num_kv_heads * ctx * cfg.head_dim
+  return 2 * weights, 2 * kv
+
+
+def run_jax(args) -> dict:
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from jax_longctx import preset
+  from jax_longctx.generate import Sampling, decode_loop, prefill_chunk
+  from jax_longctx.methods import get
+  from jax_longctx.model import new_cache, random_params
+
+  cfg = preset(args.model, dtype="bfloat16")
+  method = get("full")
+  params = random_params(cfg)
+  b, ctx, chunk = args.batch, args.context, args.chunk
+  cache_len = -(-(ctx + args.new_tokens * (args.reps + 2)) // 128) * 128
+  tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (b, ctx)).astype(np.int32)
+  plen = jnp.full((b,), ctx, jnp.int32)
+  cache = new_cache(cfg, method, b, cache_len)
+  last = jnp.zeros((b, cfg.vocab_size), jnp.float32)
+
+  def run_chunk(c, cache, last):
+    return prefill_chunk(params, jnp.asarray(tokens[:, c * chunk:(c + 1) * chunk]),
+                         jnp.int32(c * chunk), plen, cache, last, cfg=cfg, method=method)
+
+  n_chunks = ctx // chunk
+  t0 = time.perf_counter()
+  cache, last = run_chunk(0, cache, last)
+  jax.block_until_ready(last)
+  first = time.perf_counter() - t0  # includes compilation
+  t0 = time.perf_counter()
+  for c in range(1, n_chunks):
+    cache, last = run_chunk(c, cache, last)
+  jax.block_until_ready(last)
+  prefill_s = time.perf_counter() - t0
+  stops = jnp.asarray([-1], jnp.int32)
+  state = {"cache": cache}
+
+  def decode():
+    out, steps, state["cache"] = decode_loop(
+        params, state["cache"], last, stops, jax.random.key(0), cfg=cfg, method=method,
+        max_new_tokens=args.new_tokens, sampling=Sampling())
+    jax.block_until_ready(out)
+
+  t0 = time.perf_counter()
+  decode()
+  decode_compile_s = time.perf_counter() - t0
+  med, times = median_time(decode, warmup=0, reps=args.reps)
+  per_token = med / (args.new_tokens - 1)
+  wbytes, kvbytes = _bytes_per_token(cfg, ctx, b)
+  return {"prefill_tok_s": b * (n_chunks - 1) * chunk / prefill_s,
+          "prefill_first_chunk_s": first, "decode_ms": per_token * 1e3,
+          "decode_times_s": times, "decode_compile_s": decode_compile_s,
+          "weight_bytes": wbytes, "kv_bytes": kvbytes, "peak_bytes": jax_peak_bytes(),
+          "scan_unroll": int(os.environ.get("JAX_LONGCTX_SCAN_UNROLL", "1"))}
+
+
+def run_hf(args) -> dict:
+  import torch
+  from transformers import LlamaConfig as HFConfig
+  from transformers import LlamaForCausalLM
+
+  from jax_longctx import preset
+
+  cfg = preset(args.model, dtype="bfloat16")
+  hf = HFConfig(**{k: v for k, v in cfg.to_hf().items() if v is not None})
+  hf._attn_implementation = "sdpa"
+  dev = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: smoke tests of this script only
+  sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+  torch.set_default_dtype(torch.bfloat16)
+  with torch.device(dev):
+    model = LlamaForCausalLM(hf).eval()
+  b, ctx = args.batch, args.context
+  ids = torch.randint(0, cfg.vocab_size, (b, ctx), device=dev)
+  with torch.no_grad():
+    model(ids[:, :256], logits_to_keep=1)  # warm-up
+    sync()
+    t0 = time.perf_counter()
+    out = model(ids, use_cache=True, logits_to_keep=1)
+    sync()
+    prefill_s = time.perf_counter() - t0
+    cache, tok = out.past_key_values, out.logits[:, -1:].argmax(-1)
+    times = []
+    for _ in range(args.new_tokens):
+      t0 = time.perf_counter()
+      out = model(tok, past_key_values=cache, use_cache=True)
+      tok = out.logits[:, -1:].argmax(-1)
+      sync()
+      times.append(time.perf_counter() - t0)
+  times = sorted(times[2:])
+  wbytes, kvbytes = _bytes_per_token(cfg, ctx, b)
+  return {"prefill_tok_s": b * ctx / prefill_s, "decode_ms": times[len(times) // 2] * 1e3,
+          "weight_bytes": wbytes, "kv_bytes": kvbytes,
+          "peak_bytes": torch.cuda.max_memory_allocated() if dev == "cuda" else None,
+          "torch": torch.__version__}
+
+
+def copy_bandwidth() -> float:
+  """Bytes read + written per second by a large device-to-device copy (torch copy_)."""
+  import torch
+  n = 1 << 31  # 4 GiB of bf16
+  x = torch.randn(n // 2, dtype=torch.float32, device="cuda").view(torch.bfloat16)
+  y = torch.empty_like(x)
+  start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+  ms = []
+  for _ in range(12):
+    start.record()
+    y.copy_(x)
+    end.record()
+    torch.cuda.synchronize()
+    ms.append(start.elapsed_time(end))
+  ms = sorted(ms[2:])
+  return 2 * x.numel() * x.element_size() / (ms[len(ms) // 2] / 1e3)
+
+
+def _has_cuda() -> bool:
+  try:
+    import torch
+    return torch.cuda.is_available()
+  except ImportError:
+    return False
+
+
+def child(args) -> None:
+  rec = {"impl": args.impl, "model": args.model, "context": args.context, "batch": args.batch,
+         "new_tokens": args.new_tokens}
+  try:
+    rec.update(run_jax(args) if args.impl == "jax" else run_hf(args))
+  except Exception as e:  # out of memory at large batch x context is a result, not a crash
+    rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+  rec.update(device_facts() if args.impl == "jax" else {})
+  print("RESULT " + json.dumps(rec), flush=True)
+
+
+def main() -> None:
+  p = argparse.ArgumentParser(description=__doc__)
+  p.add_argument("--model", default="llama-3.1-8b")
+  p.add_argument("--contexts", default="8192,32768,131072")
+  p.add_argument("--batches", default="1,8")
+  p.add_argument("--impls", default="jax,hf")
+  p.add_argument("--skip", default="131072x8", help="context x batch pairs that cannot fit")
+  p.add_argument("--new-tokens", type=int, default=64)
+  p.add_argument("--reps", type=int, default=3)
+  p.add_argument("--chunk", type=int, default=512)
+  p.add_argument("--out", default="decode.jsonl")
+  p.add_argument("--child", action="store_true")
+  p.add_argument("--impl")
+  p.add_argument("--context", type=int)
+  p.add_argument("--batch", type=int)
+  args = p.parse_args()
+  if args.child:
+    return child(args)
+  skip = set(args.skip.split(",")) if args.skip else set()
+  bw = copy_bandwidth() if _has_cuda() else None
+  for impl in args.impls.split(","):
+    for ctx in map(int, args.contexts.split(",")):
+      for b in map(int, args.batches.split(",")):
+        if f"{ctx}x{b}" in skip:
+          continue
+        cmd = [sys.executable, __file__, "--child", "--impl", impl, "--context", str(ctx),
+               "--batch", str(b), "--model", args.model, "--new-tokens", str(args.new_tokens),
+               "--reps", str(args.reps), "--chunk", str(args.chunk)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+        rec = json.loads(lines[-1][7:]) if lines else {
+            "impl": impl, "context": ctx, "batch": b, "error": proc.stderr[-500:]}
+        if bw and "decode_ms" in rec:
+          rec["copy_bw"] = bw
+          rec["bound_ms"] = (rec["weight_bytes"] + rec["kv_bytes"]) / bw * 1e3
+          rec["of_bound"] = rec["bound_ms"] / rec["decode_ms"]
+        write_json(args.out, rec)
+        print(json.dumps({k: v for k, v in rec.items() if not isinstance(v, list)}), flush=True)
+
+
+if __name__ == "__main__":
+  main()
