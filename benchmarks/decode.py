@@ -75,6 +75,11 @@ def run_jax(args) -> dict:
         max_new_tokens=args.new_tokens, sampling=Sampling())
     jax.block_until_ready(out)
 
+  if os.environ.get("JAX_LONGCTX_DUMP_HLO"):
+    hlo = decode_loop.lower(params, cache, last, stops, jax.random.key(0), cfg=cfg, method=method,
+                            max_new_tokens=args.new_tokens, sampling=Sampling()).compile().as_text()
+    with open(os.environ["JAX_LONGCTX_DUMP_HLO"], "w") as f:
+      f.write(hlo)
   t0 = time.perf_counter()
   decode()
   decode_compile_s = time.perf_counter() - t0
@@ -85,7 +90,8 @@ def run_jax(args) -> dict:
           "prefill_first_chunk_s": first, "decode_ms": per_token * 1e3,
           "decode_times_s": times, "decode_compile_s": decode_compile_s,
           "weight_bytes": wbytes, "kv_bytes": kvbytes, "peak_bytes": jax_peak_bytes(),
-          "scan_unroll": int(os.environ.get("JAX_LONGCTX_SCAN_UNROLL", "1"))}
+          "variant": {k: v for k, v in os.environ.items()
+                      if k.startswith("JAX_LONGCTX_") or k == "XLA_FLAGS"}}
 
 
 def run_hf(args) -> dict:

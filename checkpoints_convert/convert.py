@@ -2,7 +2,7 @@
 
 A converted checkpoint is a directory:
     config.json      this library's LlamaConfig (format "jax-longctx")
-    params/          orbax (StandardCheckpointer), the stacked parameter tree
+    params/          orbax (StandardCheckpointer), the parameter tree
     tokenizer.json   and the other tokenizer files of the source
 Every writer builds the result in a temporary sibling directory and renames it into place, so an
 interrupted conversion leaves no destination behind.
@@ -40,7 +40,7 @@ def _first_dtype(source: Source):
 
 def assemble(source: Source, allocate: Callable[[tuple, tuple, np.dtype], np.ndarray],
              desc: str = "converting") -> tuple[LlamaConfig, dict]:
-  """Fills a stacked parameter tree tensor by tensor. allocate(path, shape, dtype) -> array."""
+  """Fills the parameter tree tensor by tensor. allocate(path, shape, dtype) -> array."""
   from jax_longctx.model import abstract_model
 
   dtype = np.dtype(_first_dtype(source))
@@ -49,26 +49,24 @@ def assemble(source: Source, allocate: Callable[[tuple, tuple, np.dtype], np.nda
   cfg = source.cfg.replace(dtype=_dtype_name(dtype))
   _, shapes = abstract_model(cfg)
   params: dict = {}
-  expected = {(r.path, i) for _, r, i in layout.hf_names(cfg)}
-  for rule in layout.rules_for(cfg):
-    shape = layout.get_path(shapes, rule.path).shape
-    layout.set_path(params, rule.path, allocate(rule.path, shape, dtype))
+  expected = {rule.full_path(i) for _, rule, i in layout.hf_names(cfg)}
+  for path in expected:
+    layout.set_path(params, path, allocate(path, layout.get_path(shapes, path).shape, dtype))
   seen = set()
   for name, w in progress(source.tensors(), total=source.num_tensors, desc=desc):
     found = layout.match(name, cfg)
     if found is None:
       continue  # e.g. a tied lm_head copy or rotary buffers
     rule, i = found
-    dst = layout.get_path(params, rule.path)
+    target = layout.get_path(params, rule.full_path(i))
     value = rule.to_flax(np.asarray(w), cfg)
-    target = dst if i is None else dst[i]
     if value.shape != target.shape:
       raise CheckpointError(f"{name}: shape {w.shape} does not fit the config ({target.shape})")
     target[...] = value.astype(dtype)
-    seen.add((rule.path, i))
+    seen.add(rule.full_path(i))
   missing = expected - seen
   if missing:
-    names = sorted(r.hf.format(i=i) for _, r, i in layout.hf_names(cfg) if (r.path, i) in missing)
+    names = sorted(n for n, r, i in layout.hf_names(cfg) if r.full_path(i) in missing)
     raise CheckpointError(f"checkpoint lacks {len(names)} tensors, e.g. {names[:3]}")
   return cfg, params
 
@@ -121,7 +119,7 @@ def convert(src: str, dst: str, overwrite: bool = False) -> LlamaConfig:
     os.makedirs(scratch)
 
     def allocate(path, shape, dtype):
-      fname = os.path.join(scratch, "_".join(path) + ".npy")
+      fname = os.path.join(scratch, "_".join(map(str, path)) + ".npy")
       return np.lib.format.open_memmap(fname, mode="w+", dtype=dtype, shape=shape)
 
     cfg, params = assemble(source, allocate, desc=f"converting {os.path.basename(src)}")
@@ -166,8 +164,8 @@ def export_hf(params: dict, cfg: LlamaConfig, dst: str, tokenizer_dir: str | Non
   entries = layout.hf_names(cfg)
   specs, shards, size = {}, [[]], 0
   for name, rule, i in entries:
-    leaf = layout.get_path(params, rule.path)
-    one = jax.ShapeDtypeStruct(leaf.shape[1:] if i is not None else leaf.shape, leaf.dtype)
+    leaf = layout.get_path(params, rule.full_path(i))
+    one = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
     shape = tuple(jax.eval_shape(lambda w, rule=rule: rule.to_hf(w, cfg), one).shape)
     nbytes = int(np.prod(shape)) * np.dtype(leaf.dtype).itemsize
     if size and size + nbytes > _SHARD_BYTES:
@@ -179,9 +177,7 @@ def export_hf(params: dict, cfg: LlamaConfig, dst: str, tokenizer_dir: str | Non
 
   def produce(name):
     _, _, rule, i = specs[name]
-    leaf = np.asarray(layout.get_path(params, rule.path)[i] if i is not None else
-                      layout.get_path(params, rule.path))
-    return rule.to_hf(leaf, cfg)
+    return rule.to_hf(np.asarray(layout.get_path(params, rule.full_path(i))), cfg)
 
   with atomic_dir(dst, overwrite) as tmp:
     files = (["model.safetensors"] if len(shards) == 1 else

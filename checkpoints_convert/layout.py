@@ -1,9 +1,9 @@
 """Where each Hugging Face Llama tensor lives in this library's parameter tree, and how it turns.
 
 HF stores nn.Linear weights as [out, in]; the Flax model keeps einsum-ready kernels
-([in, heads, head_dim] for q/k/v, [heads, head_dim, out] for o, [in, out] for the MLP) stacked on
-a leading layer axis. Each rule is exact (a transpose and a reshape), so conversion round-trips
-bit for bit.
+([in, heads, head_dim] for q/k/v, [heads, head_dim, out] for o, [in, out] for the MLP), one set
+per layer under params["layers"][i]. Each rule is exact (a transpose and a reshape), so
+conversion round-trips bit for bit.
 """
 
 from __future__ import annotations
@@ -16,19 +16,22 @@ import numpy as np
 
 from jax_longctx.config import LlamaConfig
 
-Path = tuple[str, ...]
+Path = tuple[str | int, ...]
 
 
 @dataclasses.dataclass(frozen=True)
 class Rule:
   hf: str  # name with {i} for the layer index
-  path: Path  # location in the params tree
+  path: Path  # location in the params tree (inside params["layers"][i] for per-layer rules)
   to_flax: Callable[[np.ndarray, LlamaConfig], np.ndarray]
   to_hf: Callable[[np.ndarray, LlamaConfig], np.ndarray]
 
   @property
-  def stacked(self) -> bool:
+  def per_layer(self) -> bool:
     return "{i}" in self.hf
+
+  def full_path(self, i: int | None) -> Path:
+    return ("layers", i) + self.path if self.per_layer else self.path
 
 
 def _same(w, cfg):
@@ -66,15 +69,15 @@ RULES: tuple[Rule, ...] = (
     Rule("model.embed_tokens.weight", ("embed",), _same, _same),
     Rule("model.norm.weight", ("final_norm", "scale"), _same, _same),
     Rule("lm_head.weight", ("lm_head",), _t, _t),
-    Rule(_L + "input_layernorm.weight", ("layers", "attn_norm", "scale"), _same, _same),
-    Rule(_L + "post_attention_layernorm.weight", ("layers", "mlp_norm", "scale"), _same, _same),
-    Rule(_L + "self_attn.q_proj.weight", ("layers", "attn", "q_proj"), *_Q),
-    Rule(_L + "self_attn.k_proj.weight", ("layers", "attn", "k_proj"), *_KV),
-    Rule(_L + "self_attn.v_proj.weight", ("layers", "attn", "v_proj"), *_KV),
-    Rule(_L + "self_attn.o_proj.weight", ("layers", "attn", "o_proj"), _o_to_flax, _o_to_hf),
-    Rule(_L + "mlp.gate_proj.weight", ("layers", "mlp", "gate_proj"), _t, _t),
-    Rule(_L + "mlp.up_proj.weight", ("layers", "mlp", "up_proj"), _t, _t),
-    Rule(_L + "mlp.down_proj.weight", ("layers", "mlp", "down_proj"), _t, _t),
+    Rule(_L + "input_layernorm.weight", ("attn_norm", "scale"), _same, _same),
+    Rule(_L + "post_attention_layernorm.weight", ("mlp_norm", "scale"), _same, _same),
+    Rule(_L + "self_attn.q_proj.weight", ("attn", "q_proj"), *_Q),
+    Rule(_L + "self_attn.k_proj.weight", ("attn", "k_proj"), *_KV),
+    Rule(_L + "self_attn.v_proj.weight", ("attn", "v_proj"), *_KV),
+    Rule(_L + "self_attn.o_proj.weight", ("attn", "o_proj"), _o_to_flax, _o_to_hf),
+    Rule(_L + "mlp.gate_proj.weight", ("mlp", "gate_proj"), _t, _t),
+    Rule(_L + "mlp.up_proj.weight", ("mlp", "up_proj"), _t, _t),
+    Rule(_L + "mlp.down_proj.weight", ("mlp", "down_proj"), _t, _t),
 )
 
 
@@ -88,7 +91,7 @@ def match(name: str, cfg: LlamaConfig) -> tuple[Rule, int | None] | None:
     pattern = "^" + re.escape(rule.hf).replace(r"\{i\}", r"(\d+)") + "$"
     m = re.match(pattern, name)
     if m:
-      return rule, (int(m.group(1)) if rule.stacked else None)
+      return rule, (int(m.group(1)) if rule.per_layer else None)
   return None
 
 
@@ -96,7 +99,7 @@ def hf_names(cfg: LlamaConfig) -> list[tuple[str, Rule, int | None]]:
   """Every HF tensor name of a checkpoint of this config, in a stable order."""
   out = []
   for rule in rules_for(cfg):
-    if rule.stacked:
+    if rule.per_layer:
       out += [(rule.hf.format(i=i), rule, i) for i in range(cfg.num_layers)]
     else:
       out.append((rule.hf, rule, None))

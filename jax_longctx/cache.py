@@ -1,8 +1,9 @@
 """KV-cache pytrees: preallocated, static shapes, per-sequence int32 lengths.
 
 `Cache` is what the model takes and returns: the number of tokens each sequence has consumed
-(`lengths`, [batch] int32) and the attention method's own state (a pytree whose leaves carry a
-leading layer axis). `KVCache` is the plain preallocated key/value store most methods build on.
+(`lengths`, [batch] int32) and the attention method's own state, one pytree per layer (separate
+buffers, so each layer's update happens in place and its reads need no slicing). `KVCache` is the
+plain preallocated key/value store most methods build on.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from jax_longctx.config import LlamaConfig
 @struct.dataclass
 class Cache:
   lengths: jnp.ndarray  # [B] int32, tokens consumed per sequence (next position to write)
-  state: Any  # the method's per-layer state, leaves shaped [num_layers, ...]
+  state: tuple  # the method's state, one pytree per layer
   max_len: int = struct.field(pytree_node=False, default=0)
 
   @property
@@ -28,7 +29,7 @@ class Cache:
 
 @struct.dataclass
 class KVCache:
-  """Keys and values for every layer: [num_layers, batch, kv_heads, max_len, head_dim].
+  """One layer's keys and values: [batch, kv_heads, max_len, head_dim].
 
   Slot j of a sequence holds its token at position j; slots at or past the sequence's length hold
   stale data that the causal rule (slot position <= query position) never lets a query see.
@@ -39,22 +40,18 @@ class KVCache:
 
   @classmethod
   def zeros(cls, cfg: LlamaConfig, batch: int, max_len: int, dtype) -> "KVCache":
-    shape = (cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim)
+    shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
     return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
   @property
   def max_len(self) -> int:
-    return self.k.shape[3]
+    return self.k.shape[2]
 
-  def layer(self, i):
-    return self.k[i], self.v[i]
-
-  def write(self, layer, positions: jnp.ndarray, k_new: jnp.ndarray, v_new: jnp.ndarray,
-            ) -> "KVCache":
-    """Stores k/v_new [B, S, KV, d] of one layer at slots `positions` [B, S] (out of range: dropped)."""
+  def write(self, positions: jnp.ndarray, k_new: jnp.ndarray, v_new: jnp.ndarray) -> "KVCache":
+    """Stores k/v_new [B, S, KV, d] at slots `positions` [B, S] (out of range: dropped)."""
     b_idx = jnp.arange(positions.shape[0])[:, None]
-    k = self.k.at[layer, b_idx, :, positions].set(k_new.astype(self.k.dtype), mode="drop")
-    v = self.v.at[layer, b_idx, :, positions].set(v_new.astype(self.v.dtype), mode="drop")
+    k = self.k.at[b_idx, :, positions].set(k_new.astype(self.k.dtype), mode="drop")
+    v = self.v.at[b_idx, :, positions].set(v_new.astype(self.v.dtype), mode="drop")
     return KVCache(k, v)
 
   def nbytes(self) -> int:

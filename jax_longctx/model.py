@@ -1,15 +1,17 @@
 """Flax NNX Llama whose KV cache is data passed in and out, never module state.
 
-    logits, cache = forward(graphdef, params, tokens, positions, cache, method)
+    logits, cache = forward(params, tokens, positions, cache, method, cfg)
 
-Layers are stacked on a leading axis and run under `lax.scan`, so a step compiles once whatever
-the depth; the method's cache state is the scan's carry and each layer updates its own slice.
+Each layer owns separate weight and cache buffers and the layer loop is unrolled at trace time.
+A step still compiles once per shape, with compile time growing with depth. Measured on an H200
+(8B shape, batch 1, 32K context): stacking layers on a leading axis under `lax.scan` made XLA copy
+each layer's weights and cache slice out of the stacked buffers every step (3x the HBM traffic;
+15.3 ms/token against a 4.5 ms bound); separate buffers let every matmul read them in place.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -21,8 +23,6 @@ from jax_longctx.methods.base import AttnContext, Method
 from jax_longctx.rope import inv_freq
 
 _INIT_STD = 0.02
-# Layers per scan iteration (1 = a rolled loop; num_layers = fully unrolled). Benchmarks set it.
-SCAN_UNROLL = int(os.environ.get("JAX_LONGCTX_SCAN_UNROLL", "1"))
 
 
 def _param(rngs: nnx.Rngs, shape, dtype):
@@ -92,13 +92,7 @@ class Llama(nnx.Module):
   def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
     self.cfg = cfg
     self.embed = _param(rngs, (cfg.vocab_size, cfg.hidden_size), cfg.jnp_dtype)
-
-    @nnx.split_rngs(splits=cfg.num_layers)
-    @nnx.vmap(in_axes=(0,), out_axes=0)
-    def make_layers(rngs):
-      return DecoderLayer(cfg, rngs)
-
-    self.layers = make_layers(rngs)
+    self.layers = nnx.List([DecoderLayer(cfg, rngs) for _ in range(cfg.num_layers)])
     self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.jnp_dtype)
     if not cfg.tie_word_embeddings:
       self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), cfg.jnp_dtype)
@@ -116,22 +110,13 @@ class Llama(nnx.Module):
     if valid is None:
       valid = jnp.ones(tokens.shape, bool)
     x = jnp.take(self.embed[...], tokens, axis=0)
-    ctx = AttnContext(layer=0, q_pos=positions.astype(jnp.int32), valid=valid,
+    ctx = AttnContext(layer=-1, q_pos=positions.astype(jnp.int32), valid=valid,
                       freqs=inv_freq(cfg, jnp.max(positions) + 1), cfg=cfg)
-    layer_def, layer_params = nnx.split(self.layers)
-
-    def body(carry, xs):
-      x, state = carry
-      params, i = xs
-      layer = nnx.merge(layer_def, params)
-      x, state = layer(x, state, ctx.replace(layer=i), method, decode)
-      return (x, state), None
-
-    layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-    (x, state), _ = jax.lax.scan(body, (x, cache.state), (layer_params, layer_ids),
-                                 unroll=SCAN_UNROLL)
+    state = list(cache.state)
+    for i, layer in enumerate(self.layers):
+      x, state[i] = layer(x, state[i], ctx.replace(layer=i), method, decode)
     lengths = cache.lengths + jnp.sum(valid, axis=1, dtype=jnp.int32)
-    return self.final_norm(x), cache.replace(lengths=lengths, state=state)
+    return self.final_norm(x), cache.replace(lengths=lengths, state=tuple(state))
 
 
 def abstract_model(cfg: LlamaConfig):
@@ -171,5 +156,5 @@ def forward(params, tokens, positions, cache: Cache, method: Method, cfg: LlamaC
 
 def new_cache(cfg: LlamaConfig, method: Method, batch: int, max_len: int, dtype=None) -> Cache:
   dtype = cfg.jnp_dtype if dtype is None else dtype
-  state = method.init_state(cfg, batch, max_len, dtype)
+  state = tuple(method.init_state(cfg, batch, max_len, dtype) for _ in range(cfg.num_layers))
   return Cache(lengths=jnp.zeros((batch,), jnp.int32), state=state, max_len=max_len)

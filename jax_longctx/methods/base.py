@@ -27,7 +27,7 @@ class MethodError(ValueError):
 class AttnContext:
   """What one attention layer knows about the tokens it processes (built inside the trace)."""
 
-  layer: Any  # int32 scalar (traced under the layer scan)
+  layer: int  # which layer (a Python int: the layer loop is unrolled)
   q_pos: jnp.ndarray  # [B, S] int32 position of each new token
   valid: jnp.ndarray  # [B, S] bool, False for padding
   freqs: jnp.ndarray  # [head_dim // 2] RoPE inverse frequencies for this step
@@ -41,9 +41,9 @@ class AttnContext:
 class Method:
   """Base class. Subclasses set `name` and implement the three methods below.
 
-  State is a pytree of fixed-shape arrays whose leaves carry a leading layer axis; `prefill` and
-  `decode` receive the whole stacked state plus `ctx.layer` and update that layer's part in place
-  (the state is the layer scan's carry, so XLA updates it without copying).
+  State is one layer's pytree of fixed-shape arrays: `init_state` builds it, the model keeps one
+  per layer, and `prefill` / `decode` get that layer's state and return its successor (donated
+  through the step, so XLA updates it in place). `ctx.layer` says which layer it is.
   """
 
   name: ClassVar[str] = ""

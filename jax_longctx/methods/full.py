@@ -28,9 +28,8 @@ class Full(Method):
   def prefill(self, state: KVCache, q, k, v, ctx: AttnContext):
     q = apply_rope(q, ctx.q_pos, ctx.freqs)
     k = apply_rope(k, ctx.q_pos, ctx.freqs)
-    state = state.write(ctx.layer, ctx.q_pos, k, v)
-    k_all, v_all = state.layer(ctx.layer)
+    state = state.write(ctx.q_pos, k, v)
     b, t = ctx.q_pos.shape[0], state.max_len
     k_pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    out, _ = attention(q, k_all, v_all, ctx.q_pos, k_pos, kv_extent=jnp.max(ctx.q_pos) + 1)
+    out, _ = attention(q, state.k, state.v, ctx.q_pos, k_pos, kv_extent=jnp.max(ctx.q_pos) + 1)
     return out, state
