@@ -32,6 +32,10 @@ def _bytes_per_token(cfg, ctx: int, batch: int) -> tuple[int, int]:
   return 2 * weights, 2 * kv
 
 
+def _stage(msg: str) -> None:
+  print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
 def run_jax(args) -> dict:
   import jax
   import jax.numpy as jnp
@@ -44,7 +48,10 @@ def run_jax(args) -> dict:
 
   cfg = preset(args.model, dtype="bfloat16")
   method = get("full")
+  _stage("random params")
   params = random_params(cfg)
+  jax.block_until_ready(params)
+  _stage("params ready")
   b, ctx, chunk = args.batch, args.context, args.chunk
   cache_len = -(-(ctx + args.new_tokens * (args.reps + 2)) // 128) * 128
   tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (b, ctx)).astype(np.int32)
@@ -61,11 +68,13 @@ def run_jax(args) -> dict:
   cache, last = run_chunk(0, cache, last)
   jax.block_until_ready(last)
   first = time.perf_counter() - t0  # includes compilation
+  _stage(f"first prefill chunk (compile) {first:.1f}s")
   t0 = time.perf_counter()
   for c in range(1, n_chunks):
     cache, last = run_chunk(c, cache, last)
   jax.block_until_ready(last)
   prefill_s = time.perf_counter() - t0
+  _stage(f"prefill {prefill_s:.1f}s")
   stops = jnp.asarray([-1], jnp.int32)
   state = {"cache": cache}
 
@@ -83,6 +92,7 @@ def run_jax(args) -> dict:
   t0 = time.perf_counter()
   decode()
   decode_compile_s = time.perf_counter() - t0
+  _stage(f"decode compile+run {decode_compile_s:.1f}s")
   med, times = median_time(decode, warmup=0, reps=args.reps)
   per_token = med / (args.new_tokens - 1)
   wbytes, kvbytes = _bytes_per_token(cfg, ctx, b)
@@ -149,7 +159,10 @@ def copy_bandwidth() -> float:
     torch.cuda.synchronize()
     ms.append(start.elapsed_time(end))
   ms = sorted(ms[2:])
-  return 2 * x.numel() * x.element_size() / (ms[len(ms) // 2] / 1e3)
+  bw = 2 * x.numel() * x.element_size() / (ms[len(ms) // 2] / 1e3)
+  del x, y
+  torch.cuda.empty_cache()  # the children need the memory
+  return bw
 
 
 def _has_cuda() -> bool:
