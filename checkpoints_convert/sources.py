@@ -14,14 +14,11 @@ from typing import Callable, Iterator
 import numpy as np
 
 from checkpoints_convert import safetensors_io
+from checkpoints_convert.errors import CheckpointError
 from jax_longctx.config import ConfigError, LlamaConfig
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json")
-
-
-class CheckpointError(ValueError):
-  """A missing, unreadable or inconsistent checkpoint."""
 
 
 @dataclasses.dataclass

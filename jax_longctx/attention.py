@@ -19,6 +19,7 @@ import jax.numpy as jnp
 # that no [queries x cache] matrix is ever held for a long context.
 _DENSE_LIMIT = 1 << 24
 _KEY_BLOCK = 1024
+_MAX_SPLITS = 64
 
 
 def _group(q: jnp.ndarray, num_kv_heads: int) -> jnp.ndarray:
@@ -47,14 +48,28 @@ def _finish(acc, m, l, out_shape, dtype):
   return out, lse
 
 
+def _key_splits(t: int) -> int:
+  """Parts to split a long key axis into for P.V (a power of two dividing t, parts >= 512)."""
+  n = 1
+  while n < _MAX_SPLITS and t % (2 * n) == 0 and t // (2 * n) >= 512:
+    n *= 2
+  return n
+
+
 def _dense(qg, k, v, q_pos, k_pos, scale):
   s = jnp.where(_visible(q_pos, k_pos), _scores(qg, k, scale), -jnp.inf)
   m = jnp.max(s, axis=-1)
   m = jnp.where(jnp.isfinite(m), m, 0.0)
   p = jnp.exp(s - m[..., None])
   l = jnp.sum(p, axis=-1)
-  acc = jnp.einsum("bkgst,bktd->bkgsd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-  return acc, m, l
+  # P.V reduces over the whole key axis; with few queries that is a handful of long reductions
+  # that leave most of a GPU idle, so the key axis is split into parts summed afterwards.
+  b, kvh, g, sq, t = p.shape
+  n = _key_splits(t)
+  pn = p.astype(v.dtype).reshape(b, kvh, g, sq, n, t // n)
+  vn = v.reshape(b, kvh, n, t // n, v.shape[-1])
+  acc = jnp.einsum("bkgsnt,bkntd->bkngsd", pn, vn, preferred_element_type=jnp.float32)
+  return jnp.sum(acc, axis=2), m, l
 
 
 def _blocked(qg, k, v, q_pos, k_pos, scale, kv_extent, block):

@@ -1,0 +1,55 @@
+"""The command line, as a user runs it."""
+
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _cli(*args):
+  env = dict(os.environ, PYTHONPATH=ROOT, JAX_LONGCTX_QUIET="1")
+  return subprocess.run([sys.executable, "-m", "jax_longctx.cli", *args], capture_output=True,
+                        text=True, env=env, timeout=600)
+
+
+def test_generate_continues_with_paris(default_lm):
+  # default_lm set JAX_LONGCTX_CACHE, so the CLI finds the converted checkpoint there.
+  out = _cli("generate", "--model", "default", "--prompt", "The capital of France is",
+             "--max-new-tokens", "8")
+  assert out.returncode == 0, out.stderr
+  assert "Paris" in out.stdout
+
+
+def test_prompt_file_and_chat(default_lm, tmp_path):
+  f = tmp_path / "prompt.txt"
+  f.write_text("What is the capital of France?")
+  out = _cli("generate", "--prompt-file", str(f), "--chat", "--max-new-tokens", "12")
+  assert out.returncode == 0, out.stderr
+  assert "Paris" in out.stdout
+
+
+def test_unknown_method_is_a_clean_error():
+  out = _cli("generate", "--prompt", "hi", "--method", "magic")
+  assert out.returncode == 2
+  assert "unknown method 'magic'; known methods: full" in out.stderr
+  assert "Traceback" not in out.stderr
+
+
+def test_bad_method_arg():
+  out = _cli("generate", "--prompt", "hi", "--method-arg", "budget")
+  assert out.returncode == 2 and "key=value" in out.stderr
+
+
+def test_convert_and_export(tmp_path):
+  from checkpoints_convert import export_hf
+  from jax_longctx.model import random_params
+  from tests.conftest import tiny_config
+  cfg = tiny_config()
+  export_hf(random_params(cfg), cfg, str(tmp_path / "hf"))
+  out = _cli("convert", str(tmp_path / "hf"), str(tmp_path / "ckpt"))
+  assert out.returncode == 0, out.stderr
+  out = _cli("export", str(tmp_path / "ckpt"), str(tmp_path / "back"))
+  assert out.returncode == 0 and (tmp_path / "back" / "model.safetensors").exists()
+  out = _cli("convert", str(tmp_path / "hf"), str(tmp_path / "ckpt"))
+  assert out.returncode == 2 and "exists" in out.stderr

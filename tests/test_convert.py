@@ -1,0 +1,122 @@
+"""Conversion: HF <-> orbax round trips, sharded checkpoints, GGUF, atomic writes."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from checkpoints_convert import CheckpointError, convert, export_hf, load_source, restore
+import importlib
+from checkpoints_convert import safetensors_io
+from jax_longctx.model import random_params
+from tests.conftest import TINY_LLAMA3, tiny_config
+
+convert_mod = importlib.import_module("checkpoints_convert.convert")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _hf_tensors(directory):
+  out = {}
+  for f in sorted(os.listdir(directory)):
+    if f.endswith(".safetensors"):
+      for name, arr in safetensors_io.iter_tensors(os.path.join(directory, f)):
+        out[name] = np.array(arr)
+  return out
+
+
+def _make_hf_dir(path, dtype, shard_bytes=None, monkeypatch=None):
+  cfg = tiny_config(**TINY_LLAMA3)
+  params = random_params(cfg, seed=5)
+  params = {k: v for k, v in params.items()}
+  import jax
+  params = jax.tree.map(lambda a: np.asarray(a).astype(dtype), params)
+  cfg = cfg.replace(dtype=np.dtype(dtype).name if dtype != ml_dtypes.bfloat16 else "bfloat16")
+  if shard_bytes:
+    monkeypatch.setattr(convert_mod, "_SHARD_BYTES", shard_bytes)
+  export_hf(params, cfg, str(path))
+  return cfg
+
+
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
+def test_hf_orbax_hf_round_trip_is_bit_exact(tmp_path, dtype, monkeypatch):
+  _make_hf_dir(tmp_path / "src", dtype, shard_bytes=20_000, monkeypatch=monkeypatch)
+  assert os.path.exists(tmp_path / "src" / "model.safetensors.index.json")  # sharded
+  convert(str(tmp_path / "src"), str(tmp_path / "ckpt"))
+  cfg, params = restore(str(tmp_path / "ckpt"))
+  export_hf(params, cfg, str(tmp_path / "back"))
+  a, b = _hf_tensors(tmp_path / "src"), _hf_tensors(tmp_path / "back")
+  assert sorted(a) == sorted(b)
+  for name in a:
+    assert a[name].dtype == b[name].dtype and a[name].tobytes() == b[name].tobytes(), name
+  with open(tmp_path / "back" / "config.json") as f:
+    assert json.load(f)["num_key_value_heads"] == cfg.num_kv_heads
+
+
+def test_hf_directory_loads_directly(tmp_path):
+  cfg = _make_hf_dir(tmp_path / "src", np.float32)
+  cfg2, params, _ = load_source(str(tmp_path / "src"))
+  assert cfg2.num_layers == cfg.num_layers and len(params["layers"]) == cfg.num_layers
+
+
+def test_default_gguf_converted(default_lm):
+  cfg = default_lm.config
+  assert (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (30, 9, 3, 64)
+  assert cfg.tie_word_embeddings and cfg.rope_theta == 100000.0
+  assert os.path.exists(os.path.join(default_lm.path, "tokenizer.json"))
+  assert default_lm.tokenizer.chat_template and "<|im_start|>" in default_lm.tokenizer.chat_template
+
+
+def test_existing_destination_is_not_overwritten(tmp_path):
+  _make_hf_dir(tmp_path / "src", np.float32)
+  os.makedirs(tmp_path / "dst")
+  with pytest.raises(FileExistsError):
+    convert(str(tmp_path / "src"), str(tmp_path / "dst"))
+  convert(str(tmp_path / "src"), str(tmp_path / "dst"), overwrite=True)
+  assert os.path.isdir(tmp_path / "dst" / "params")
+
+
+def test_failed_conversion_leaves_nothing(tmp_path):
+  _make_hf_dir(tmp_path / "src", np.float32)
+  victim = next(f for f in os.listdir(tmp_path / "src") if f.endswith(".safetensors"))
+  with open(tmp_path / "src" / victim, "r+b") as f:  # truncate the data section
+    f.truncate(os.path.getsize(tmp_path / "src" / victim) // 2)
+  with pytest.raises(CheckpointError):
+    convert(str(tmp_path / "src"), str(tmp_path / "dst"))
+  assert os.listdir(tmp_path) == ["src"]
+
+
+_SLOW_CONVERT = """
+import sys, time
+from checkpoints_convert import safetensors_io
+real = safetensors_io.iter_tensors
+def slow(path):
+    for i, item in enumerate(real(path)):
+        if i == 3:
+            open(sys.argv[3], "w").close()  # tell the test we are mid-way
+            time.sleep(60)
+        yield item
+safetensors_io.iter_tensors = slow
+from checkpoints_convert import convert
+convert(sys.argv[1], sys.argv[2])
+"""
+
+
+def test_killed_conversion_leaves_no_destination(tmp_path):
+  _make_hf_dir(tmp_path / "src", np.float32)
+  marker = tmp_path / "midway"
+  env = dict(os.environ, PYTHONPATH=ROOT, JAX_LONGCTX_QUIET="1")
+  proc = subprocess.Popen([sys.executable, "-c", _SLOW_CONVERT, str(tmp_path / "src"),
+                           str(tmp_path / "dst"), str(marker)], env=env)
+  deadline = time.time() + 120
+  while not marker.exists() and time.time() < deadline and proc.poll() is None:
+    time.sleep(0.2)
+  assert marker.exists(), "conversion never reached the middle"
+  proc.send_signal(signal.SIGKILL)
+  proc.wait()
+  assert not (tmp_path / "dst").exists()
