@@ -32,9 +32,14 @@ def _scores(qg, k, scale):
 
 
 def _visible(q_pos, k_pos):
-  """[B, 1, 1, S, T] mask of which slots each query sees."""
-  m = (k_pos[:, None, :] >= 0) & (k_pos[:, None, :] <= q_pos[:, :, None])
-  return m[:, None, None]
+  """[B, KV or 1, 1, S, T] mask of which slots each query sees (k_pos [B, KV, T])."""
+  kp = k_pos[:, :, None, :]
+  m = (kp >= 0) & (kp <= q_pos[:, None, :, None])
+  return m[:, :, None]
+
+
+def _per_head(k_pos):
+  return k_pos[:, None, :] if k_pos.ndim == 2 else k_pos
 
 
 def _finish(acc, m, l, out_shape, dtype):
@@ -83,9 +88,9 @@ def _blocked(qg, k, v, q_pos, k_pos, scale, kv_extent, block):
     start = jnp.minimum(i * block, t - block)  # the last block may overlap the one before it
     kb = jax.lax.dynamic_slice_in_dim(k, start, block, axis=2)
     vb = jax.lax.dynamic_slice_in_dim(v, start, block, axis=2)
-    pb = jax.lax.dynamic_slice_in_dim(k_pos, start, block, axis=1)
+    pb = jax.lax.dynamic_slice_in_dim(k_pos, start, block, axis=2)
     fresh = (start + jnp.arange(block)) >= i * block  # slots not seen by an earlier block
-    pb = jnp.where(fresh[None, :], pb, -1)
+    pb = jnp.where(fresh, pb, -1)
     sc = jnp.where(_visible(q_pos, pb), _scores(qg, kb, scale), -jnp.inf)
     m_new = jnp.maximum(m, jnp.max(sc, axis=-1))
     m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
@@ -106,7 +111,8 @@ def _blocked(qg, k, v, q_pos, k_pos, scale, kv_extent, block):
 def attention(q, k, v, q_pos, k_pos, *, scale=None, kv_extent=None, key_block=_KEY_BLOCK):
   """Softmax attention of q over cache slots, with its log-sum-exp.
 
-  q: [B, S, H, d]; k, v: [B, KV, T, d]; q_pos: [B, S] int; k_pos: [B, T] int (-1 = empty).
+  q: [B, S, H, d]; k, v: [B, KV, T, d]; q_pos: [B, S] int; k_pos: [B, T] or [B, KV, T] int
+  positions of the slots (-1 = empty; per kv head when methods keep different tokens per head).
   kv_extent: optional scalar bound, all visible slots lie below it (lets long caches stop early).
   Returns out [B, S, H, d] in q's dtype and lse [B, S, H] fp32 (-inf where nothing is visible).
   """
@@ -116,12 +122,32 @@ def attention(q, k, v, q_pos, k_pos, *, scale=None, kv_extent=None, key_block=_K
     raise ValueError(f"{h} query heads do not divide into {kvh} kv heads")
   scale = d ** -0.5 if scale is None else scale
   qg = _group(q, kvh)
+  k_pos = _per_head(k_pos)
   if b * h * s * t <= _DENSE_LIMIT or t <= key_block:
     acc, m, l = _dense(qg, k, v, q_pos, k_pos, scale)
   else:
     extent = t if kv_extent is None else kv_extent
     acc, m, l = _blocked(qg, k, v, q_pos, k_pos, scale, extent, key_block)
   return _finish(acc, m, l, q.shape, q.dtype)
+
+
+def attention_probs_sum(q, k, q_pos, k_pos, lse, q_valid, *, scale=None, group="sum"):
+  """Attention probability each slot receives, summed over the valid queries: [B, KV, T] fp32.
+
+  Uses the LSE that `attention` returned over the same slots, so the probabilities are exact
+  without a second softmax; cost and memory are those of one [queries x slots] score block, so
+  callers keep the slot count bounded (a method's budget plus one chunk). `group` reduces the
+  query heads that share a kv head: "sum", "max" or "mean".
+  """
+  kvh = k.shape[1]
+  scale = q.shape[-1] ** -0.5 if scale is None else scale
+  s = _scores(_group(q, kvh), k, scale)  # [B, KV, G, S, T]
+  lse_g = jnp.transpose(lse.reshape(lse.shape[0], lse.shape[1], kvh, -1), (0, 2, 3, 1))
+  ok = _visible(q_pos, _per_head(k_pos)) & q_valid[:, None, None, :, None]
+  ok = ok & jnp.isfinite(lse_g)[..., None]
+  p = jnp.where(ok, jnp.exp(s - jnp.where(ok, lse_g[..., None], 0.0)), 0.0)
+  p = jnp.sum(p, axis=3)  # over queries -> [B, KV, G, T]
+  return {"sum": jnp.sum, "max": jnp.max, "mean": jnp.mean}[group](p, axis=2)
 
 
 def merge_attention(outs, lses):

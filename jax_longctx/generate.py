@@ -18,7 +18,7 @@ import numpy as np
 
 from jax_longctx.cache import Cache
 from jax_longctx.config import LlamaConfig
-from jax_longctx.methods.base import Method
+from jax_longctx.methods.base import Method, PrefillEnd
 from jax_longctx.model import forward, new_cache
 
 DEFAULT_CHUNK = 512
@@ -137,13 +137,24 @@ def prefill(params, cfg: LlamaConfig, prompts: Sequence[Sequence[int]], method: 
   tokens = np.zeros((len(prompts), n_chunks * chunk), np.int32)
   for i, p in enumerate(prompts):
     tokens[i, :len(p)] = p
-  cache = new_cache(cfg, method, len(prompts), cache_len)
+  cache = new_cache(cfg, method, len(prompts), cache_len, chunk=chunk)
   last = jnp.zeros((len(prompts), cfg.vocab_size), jnp.float32)
   plen = jnp.asarray(lengths, jnp.int32)
   for c in range(n_chunks):
     cache, last = prefill_chunk(params, jnp.asarray(tokens[:, c * chunk:(c + 1) * chunk]),
                                 jnp.int32(c * chunk), plen, cache, last, cfg=cfg, method=method)
+  if type(method).end_of_prefill is not Method.end_of_prefill:
+    cache = finish_prefill(cache, cfg=cfg, method=method, decode_room=cache_len - longest)
   return cache, last
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "method", "decode_room"))
+def finish_prefill(cache: Cache, *, cfg: LlamaConfig, method: Method, decode_room: int) -> Cache:
+  """Runs the method's end-of-prefill hook on every layer (SnapKV's one-time compression)."""
+  state = tuple(
+      method.end_of_prefill(s, PrefillEnd(cfg, i, cache.lengths, decode_room))
+      for i, s in enumerate(cache.state))
+  return cache.replace(state=state)
 
 
 def generate(params, cfg: LlamaConfig, prompts: Sequence[Sequence[int]], method: Method, *,

@@ -162,7 +162,11 @@ def forward(params, tokens, positions, cache: Cache, method: Method, cfg: LlamaC
   return model.unembed(h), cache
 
 
-def new_cache(cfg: LlamaConfig, method: Method, batch: int, max_len: int, dtype=None) -> Cache:
+def new_cache(cfg: LlamaConfig, method: Method, batch: int, max_len: int, dtype=None,
+              chunk: int | None = None) -> Cache:
+  """An empty cache; `chunk` is the longest step that will be fed (default: max_len)."""
   dtype = cfg.jnp_dtype if dtype is None else dtype
-  state = tuple(method.init_state(cfg, batch, max_len, dtype) for _ in range(cfg.num_layers))
+  chunk = max_len if chunk is None else chunk
+  state = tuple(method.init_state(cfg, batch, max_len, dtype, chunk)
+                for _ in range(cfg.num_layers))
   return Cache(lengths=jnp.zeros((batch,), jnp.int32), state=state, max_len=max_len)

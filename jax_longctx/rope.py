@@ -58,8 +58,13 @@ def inv_freq(cfg: LlamaConfig, seq_len=None) -> jnp.ndarray:
 
 def apply_rope(x: jnp.ndarray, positions: jnp.ndarray, freqs: jnp.ndarray) -> jnp.ndarray:
   """Rotates x [batch, seq, heads, head_dim] at integer positions [batch, seq]."""
-  angles = positions.astype(jnp.float32)[..., None] * freqs  # [B, S, hd/2]
-  cos = jnp.cos(angles)[:, :, None, :].astype(x.dtype)
-  sin = jnp.sin(angles)[:, :, None, :].astype(x.dtype)
+  return rotate(x, positions[:, :, None], freqs)
+
+
+def rotate(x: jnp.ndarray, positions: jnp.ndarray, freqs: jnp.ndarray) -> jnp.ndarray:
+  """Rotates x [..., head_dim] at positions broadcastable to x.shape[:-1]."""
+  angles = positions.astype(jnp.float32)[..., None] * freqs
+  cos = jnp.cos(angles).astype(x.dtype)
+  sin = jnp.sin(angles).astype(x.dtype)
   x1, x2 = jnp.split(x, 2, axis=-1)
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)

@@ -1,8 +1,11 @@
 """Attention methods: one file each, all reachable through the registry."""
 
-from jax_longctx.methods.base import (AttnContext, Method, MethodError, get, names,
-                                      parse_method_args, register)
+from jax_longctx.methods.base import (AttnContext, Method, MethodError, PrefillEnd, get, names,
+                                      parse_method_args, register, resolve_budget)
 from jax_longctx.methods.full import Full
 
-__all__ = ["AttnContext", "Full", "Method", "MethodError", "get", "names", "parse_method_args",
-           "register"]
+__all__ = ["AttnContext", "Full", "Method", "MethodError", "PrefillEnd", "get", "names",
+           "parse_method_args", "register", "resolve_budget"]
+
+# Importing a method module registers it.
+from jax_longctx.methods import h2o, quest, snapkv, streaming_llm, topk, tova  # noqa: E402,F401

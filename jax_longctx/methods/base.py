@@ -51,8 +51,13 @@ class Method:
   # Prefill chunk this method needs (None: the caller's choice).
   prefill_chunk: ClassVar[int | None] = None
 
-  def init_state(self, cfg: LlamaConfig, batch: int, max_len: int, dtype) -> Any:
+  def init_state(self, cfg: LlamaConfig, batch: int, max_len: int, dtype, chunk: int) -> Any:
+    """One layer's state for `batch` sequences of up to `max_len` tokens, fed `chunk` at a time."""
     raise NotImplementedError
+
+  def end_of_prefill(self, state, info: "PrefillEnd"):
+    """Called once per layer after the whole prompt is in (SnapKV compresses here)."""
+    return state
 
   def prefill(self, state, q, k, v, ctx: AttnContext):
     """One prompt chunk. q [B,S,H,d], k/v [B,S,KV,d] before RoPE -> (out [B,S,H,d], state)."""
@@ -64,6 +69,29 @@ class Method:
 
   def hparams(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillEnd:
+  """What `Method.end_of_prefill` knows: the prompt lengths and the room decoding needs."""
+
+  cfg: LlamaConfig
+  layer: int
+  prompt_lengths: jnp.ndarray  # [B] int32
+  decode_room: int  # slots the decode phase will append at most
+
+
+def resolve_budget(budget: float, max_len: int, name: str = "budget") -> int:
+  """Tokens when >= 1, a fraction of the cache length when in (0, 1)."""
+  if budget <= 0:
+    raise MethodError(f"{name} must be > 0 (tokens, or a fraction of the context), got {budget}")
+  if budget < 1:
+    return max(1, int(-(-budget * max_len // 1)))
+  if budget != int(budget):
+    raise MethodError(f"{name}={budget} must be a whole number of tokens or a fraction < 1")
+  if budget > max_len:
+    raise MethodError(f"{name}={int(budget)} is larger than the cache ({max_len} slots)")
+  return int(budget)
 
 
 def register(cls: type[Method]) -> type[Method]:

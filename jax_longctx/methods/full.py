@@ -22,14 +22,16 @@ class Full(Method):
 
   name = "full"
 
-  def init_state(self, cfg, batch, max_len, dtype) -> KVCache:
+  def init_state(self, cfg, batch, max_len, dtype, chunk) -> KVCache:
     return KVCache.zeros(cfg, batch, max_len, dtype)
 
-  def prefill(self, state: KVCache, q, k, v, ctx: AttnContext):
-    q = apply_rope(q, ctx.q_pos, ctx.freqs)
-    k = apply_rope(k, ctx.q_pos, ctx.freqs)
-    state = state.write(ctx.q_pos, k, v)
+  def attend(self, state: KVCache, q, ctx: AttnContext):
+    """q (after RoPE) over every cached slot it may see. Returns (out, lse)."""
     b, t = ctx.q_pos.shape[0], state.max_len
     k_pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    out, _ = attention(q, state.k, state.v, ctx.q_pos, k_pos, kv_extent=jnp.max(ctx.q_pos) + 1)
+    return attention(q, state.k, state.v, ctx.q_pos, k_pos, kv_extent=jnp.max(ctx.q_pos) + 1)
+
+  def prefill(self, state: KVCache, q, k, v, ctx: AttnContext):
+    state = state.write(ctx.q_pos, apply_rope(k, ctx.q_pos, ctx.freqs), v)
+    out, _ = self.attend(state, apply_rope(q, ctx.q_pos, ctx.freqs), ctx)
     return out, state

@@ -1,0 +1,89 @@
+"""Quest: query-aware page selection over the full cache.
+
+Tang et al., "Quest: Query-Aware Sparsity for Efficient Long-Context LLM Inference", ICML 2024
+(arXiv:2406.10774). Keys live in pages of `page_size` tokens (16); each page keeps the
+elementwise min and max of its post-RoPE keys, and a query head scores a page by
+sum_d max(q_d * kmax_d, q_d * kmin_d), an upper bound of its best q.k. Each query head attends to
+its top pages within the token budget; the page holding the current token is always chosen. The
+first `dense_layers` layers (2 in the paper) and prefill stay dense; nothing is evicted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jax_longctx.cache import KVCache
+from jax_longctx.methods.base import AttnContext, Method, MethodError, register, resolve_budget
+from jax_longctx.methods.full import Full
+from jax_longctx.methods.selection import gathered_attention
+from jax_longctx.rope import apply_rope
+
+
+@struct.dataclass
+class QuestState:
+  kv: KVCache  # slots rounded up to whole pages
+  kmin: jnp.ndarray  # [B, KV, pages, d]
+  kmax: jnp.ndarray  # [B, KV, pages, d]
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class Quest(Method):
+  name = "quest"
+
+  budget: float = 1024
+  page_size: int = 16
+  dense_layers: int = 2
+
+  def init_state(self, cfg, batch, max_len, dtype, chunk) -> QuestState:
+    if self.page_size < 1:
+      raise MethodError(f"page_size={self.page_size} must be >= 1")
+    n = resolve_budget(self.budget, max_len)
+    if n % self.page_size:
+      raise MethodError(f"page_size={self.page_size} does not divide the budget ({n} tokens)")
+    pages = -(-max_len // self.page_size)
+    shape = (batch, cfg.num_kv_heads, pages, cfg.head_dim)
+    return QuestState(KVCache.zeros(cfg, batch, pages * self.page_size, dtype),
+                      jnp.full(shape, jnp.inf, dtype), jnp.full(shape, -jnp.inf, dtype))
+
+  def _write(self, state: QuestState, k, v, ctx: AttnContext) -> QuestState:
+    """Stores post-RoPE k and folds it into its page's min/max (padding is dropped)."""
+    kv = state.kv.write(ctx.q_pos, k, v)
+    page = jnp.where(ctx.valid, ctx.q_pos // self.page_size, state.kmin.shape[2])
+    b_idx = jnp.arange(k.shape[0])[:, None]
+    kmin = state.kmin.at[b_idx, :, page].min(k.astype(state.kmin.dtype), mode="drop")
+    kmax = state.kmax.at[b_idx, :, page].max(k.astype(state.kmax.dtype), mode="drop")
+    return QuestState(kv, kmin, kmax)
+
+  def prefill(self, state: QuestState, q, k, v, ctx: AttnContext):
+    k = apply_rope(k, ctx.q_pos, ctx.freqs)
+    state = self._write(state, k, v, ctx)
+    out, _ = Full().attend(state.kv, apply_rope(q, ctx.q_pos, ctx.freqs), ctx)
+    return out, state
+
+  def decode(self, state: QuestState, q, k, v, ctx: AttnContext):
+    if ctx.layer < self.dense_layers:
+      return self.prefill(state, q, k, v, ctx)
+    if q.shape[1] != 1:
+      raise MethodError("quest decodes one token per step")
+    state = self._write(state, apply_rope(k, ctx.q_pos, ctx.freqs), v, ctx)
+    q = apply_rope(q, ctx.q_pos, ctx.freqs)
+    b, _, h, d = q.shape
+    kvh, pages = state.kmin.shape[1], state.kmin.shape[2]
+    qg = q[:, 0].reshape(b, kvh, h // kvh, 1, d).astype(jnp.float32)
+    bound = jnp.maximum(qg * state.kmax[:, :, None].astype(jnp.float32),
+                        qg * state.kmin[:, :, None].astype(jnp.float32))
+    score = jnp.sum(bound, axis=-1).reshape(b, h, pages)  # [B, H, pages]
+    page_ids = jnp.arange(pages)[None, None, :]
+    current = (ctx.q_pos[:, :, None] // self.page_size)  # [B, 1, 1]
+    score = jnp.where(page_ids * self.page_size > ctx.q_pos[:, :, None], -jnp.inf, score)
+    score = jnp.where(page_ids == current, jnp.inf, score)
+    n_pages = min(resolve_budget(self.budget, state.kv.max_len) // self.page_size, pages)
+    _, top = jax.lax.top_k(score, n_pages)  # [B, H, n_pages]
+    slots = (top[..., None] * self.page_size + jnp.arange(self.page_size)).reshape(b, h, -1)
+    out, _ = gathered_attention(q, state.kv, slots, ctx.q_pos)
+    return out, state

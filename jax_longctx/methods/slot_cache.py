@@ -1,0 +1,106 @@
+"""A bounded cache whose slots remember which token they hold: the base of evicting methods.
+
+Every (sequence, kv head) row keeps at most `budget` tokens. A step appends its new tokens after
+them (slots budget .. budget+S-1), attends, and `keep` gathers the `budget` best slots back to
+the front in position order, emptying the rest. Rows may keep different tokens per kv head.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jax_longctx.attention import attention
+from jax_longctx.methods.base import AttnContext, Method, resolve_budget
+from jax_longctx.rope import apply_rope
+
+_LAST = jnp.iinfo(jnp.int32).max
+
+
+@struct.dataclass
+class SlotCache:
+  k: jnp.ndarray  # [B, KV, C, d]
+  v: jnp.ndarray  # [B, KV, C, d]
+  pos: jnp.ndarray  # [B, KV, C] int32 position of the token in each slot, -1 if empty
+  score: jnp.ndarray  # [B, KV, C] fp32 per-method importance (H2O's accumulated attention)
+  budget: int = struct.field(pytree_node=False, default=0)
+
+  @classmethod
+  def empty(cls, cfg, batch: int, budget: int, capacity: int, dtype) -> "SlotCache":
+    shape = (batch, cfg.num_kv_heads, capacity)
+    return cls(jnp.zeros(shape + (cfg.head_dim,), dtype), jnp.zeros(shape + (cfg.head_dim,), dtype),
+               jnp.full(shape, -1, jnp.int32), jnp.zeros(shape, jnp.float32), budget)
+
+  @property
+  def capacity(self) -> int:
+    return self.pos.shape[-1]
+
+  def append(self, k_new, v_new, q_pos, valid) -> "SlotCache":
+    """New tokens k/v_new [B, S, KV, d] into slots budget..budget+S-1 (padding gets pos -1)."""
+    start = (0, 0, self.budget, 0)
+    k = jax.lax.dynamic_update_slice(self.k, jnp.swapaxes(k_new, 1, 2).astype(self.k.dtype), start)
+    v = jax.lax.dynamic_update_slice(self.v, jnp.swapaxes(v_new, 1, 2).astype(self.v.dtype), start)
+    pos_new = jnp.broadcast_to(jnp.where(valid, q_pos, -1)[:, None, :],
+                               (q_pos.shape[0], self.pos.shape[1], q_pos.shape[1]))
+    pos = jax.lax.dynamic_update_slice(self.pos, pos_new.astype(jnp.int32), start[:3])
+    score = jax.lax.dynamic_update_slice(self.score, jnp.zeros(pos_new.shape, jnp.float32),
+                                         start[:3])
+    return self.replace(k=k, v=v, pos=pos, score=score)
+
+  def keep(self, priority: jnp.ndarray) -> "SlotCache":
+    """Keeps the `budget` occupied slots of highest priority [B, KV, C], in position order."""
+    priority = jnp.where(self.pos >= 0, priority.astype(jnp.float32), -jnp.inf)
+    _, idx = jax.lax.top_k(priority, self.budget)
+    kept_pos = jnp.take_along_axis(self.pos, idx, axis=-1)
+    order = jnp.argsort(jnp.where(kept_pos >= 0, kept_pos, _LAST), axis=-1)
+    idx = jnp.take_along_axis(idx, order, axis=-1)
+    pad = self.capacity - self.budget
+
+    def gather(a, fill):
+      taken = jnp.take_along_axis(a, idx.reshape(idx.shape + (1,) * (a.ndim - 3)), axis=2)
+      return jnp.concatenate([taken, jnp.full(a.shape[:2] + (pad,) + a.shape[3:], fill, a.dtype)],
+                             axis=2)
+
+    return self.replace(k=gather(self.k, 0), v=gather(self.v, 0), pos=gather(self.pos, -1),
+                        score=gather(self.score, 0))
+
+  def most_recent(self, n: int) -> jnp.ndarray:
+    """[B, KV, C] bool: the n occupied slots with the latest positions."""
+    if n <= 0:
+      return jnp.zeros(self.pos.shape, bool)
+    kth = jax.lax.top_k(self.pos, min(n, self.capacity))[0][..., -1:]
+    return (self.pos >= 0) & (self.pos >= kth)
+
+
+@dataclasses.dataclass(frozen=True)
+class EvictingMethod(Method):
+  """Shared step of methods that keep a bounded set of tokens and evict after every step.
+
+  Subclasses define `priority(state, q, lse, ctx)`, which may also update `state.score`.
+  Keys are cached after RoPE at their original positions unless `keys_before_rope`.
+  """
+
+  budget: float = 1024
+
+  def init_state(self, cfg, batch, max_len, dtype, chunk) -> SlotCache:
+    n = resolve_budget(self.budget, max_len)
+    return SlotCache.empty(cfg, batch, n, n + chunk, dtype)
+
+  def attend(self, state: SlotCache, q, ctx: AttnContext):
+    q = apply_rope(q, ctx.q_pos, ctx.freqs)
+    out, lse = attention(q, state.k, state.v, ctx.q_pos, state.pos)
+    return q, out, lse
+
+  def prefill(self, state: SlotCache, q, k, v, ctx: AttnContext):
+    if not self.keys_before_rope:
+      k = apply_rope(k, ctx.q_pos, ctx.freqs)
+    state = state.append(k, v, ctx.q_pos, ctx.valid)
+    q, out, lse = self.attend(state, q, ctx)
+    state, priority = self.priority(state, q, lse, ctx)
+    return out, state.keep(priority)
+
+  def priority(self, state: SlotCache, q, lse, ctx: AttnContext):
+    raise NotImplementedError

@@ -1,0 +1,110 @@
+"""SnapKV: compress the prompt once, using what its last queries attend to.
+
+Li et al., "SnapKV: LLM Knows What You are Looking for Before Generation", 2024
+(arXiv:2404.14469). Prefill is exact. At its end each layer scores every prompt token by the
+attention of the observation window (the last `window` prompt tokens, 32 in the paper), summed
+over the window's queries, max-pooled over neighbouring positions (kernel 7) and aggregated over
+the query heads of a GQA group by max; per kv head it keeps the window plus the best other tokens
+up to `budget`. Generated tokens are appended without further eviction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jax_longctx.attention import attention, attention_probs_sum
+from jax_longctx.cache import KVCache
+from jax_longctx.methods.base import (AttnContext, Method, MethodError, PrefillEnd, register,
+                                      resolve_budget)
+from jax_longctx.methods.full import Full
+from jax_longctx.methods.slot_cache import SlotCache
+from jax_longctx.rope import apply_rope
+
+
+@struct.dataclass
+class SnapPrefill:
+  kv: KVCache  # the whole prompt, exact
+  q_win: jnp.ndarray  # [B, window, H, d] post-RoPE queries of the latest prompt tokens
+  q_win_pos: jnp.ndarray  # [B, window] their positions (-1: none yet)
+  budget: int = struct.field(pytree_node=False, default=0)
+
+
+@struct.dataclass
+class SnapDecode:
+  slots: SlotCache  # the kept prompt tokens, then the generated ones
+  prompt_lengths: jnp.ndarray  # [B]
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class SnapKV(Method):
+  name = "snapkv"
+
+  budget: float = 1024
+  window: int = 32
+  pool_kernel: int = 7
+
+  def init_state(self, cfg, batch, max_len, dtype, chunk) -> SnapPrefill:
+    n = resolve_budget(self.budget, max_len)
+    if not 0 < self.window <= n:
+      raise MethodError(f"window={self.window} must be in 1..budget ({n})")
+    if self.pool_kernel < 1 or self.pool_kernel % 2 == 0:
+      raise MethodError(f"pool_kernel={self.pool_kernel} must be a positive odd number")
+    q_win = jnp.zeros((batch, self.window, cfg.num_heads, cfg.head_dim), dtype)
+    return SnapPrefill(KVCache.zeros(cfg, batch, max_len, dtype), q_win,
+                       jnp.full((batch, self.window), -1, jnp.int32), n)
+
+  def prefill(self, state: SnapPrefill, q, k, v, ctx: AttnContext):
+    out, kv = Full().prefill(state.kv, q, k, v, ctx)
+    q_rot = apply_rope(q, ctx.q_pos, ctx.freqs).astype(state.q_win.dtype)
+    # Keep the `window` latest valid queries seen so far.
+    pos = jnp.concatenate([state.q_win_pos, jnp.where(ctx.valid, ctx.q_pos, -1)], axis=1)
+    latest, idx = jax.lax.top_k(pos, self.window)
+    q_all = jnp.concatenate([state.q_win, q_rot], axis=1)
+    q_win = jnp.take_along_axis(q_all, idx[:, :, None, None], axis=1)
+    return out, state.replace(kv=kv, q_win=q_win, q_win_pos=latest)
+
+  def end_of_prefill(self, state: SnapPrefill, info: PrefillEnd) -> SnapDecode:
+    kv, b = state.kv, state.q_win.shape[0]
+    t = kv.max_len
+    k_pos = jnp.where(jnp.arange(t)[None, :] < info.prompt_lengths[:, None],
+                      jnp.arange(t, dtype=jnp.int32)[None, :], -1)  # [B, T]
+    valid_q = state.q_win_pos >= 0
+    # LSE of the window queries over the prompt (key-blocked for long prompts), then the
+    # attention each prompt token receives: [window x prompt] scores, never [prompt x prompt].
+    _, lse = attention(state.q_win, kv.k, kv.v, state.q_win_pos, k_pos)
+    score = attention_probs_sum(state.q_win, kv.k, state.q_win_pos, k_pos, lse, valid_q,
+                                group="max")  # [B, KV, T]
+    score = jax.lax.reduce_window(score, -jnp.inf, jax.lax.max, (1, 1, self.pool_kernel),
+                                  (1, 1, 1), "SAME")
+    in_window = k_pos >= (info.prompt_lengths[:, None] - self.window)
+    priority = jnp.where(in_window[:, None, :], jnp.inf, score)
+    n, kvh = state.budget, kv.k.shape[1]
+    full = SlotCache(kv.k, kv.v, jnp.broadcast_to(k_pos[:, None, :], (b, kvh, t)),
+                     jnp.zeros((b, kvh, t), jnp.float32), n)
+    kept = full.keep(priority)  # the first n slots now hold the kept tokens in position order
+
+    def room(a, fill):
+      pad = jnp.full(a.shape[:2] + (info.decode_room,) + a.shape[3:], fill, a.dtype)
+      return jnp.concatenate([a[:, :, :n], pad], axis=2)
+
+    slots = SlotCache(room(kept.k, 0), room(kept.v, 0), room(kept.pos, -1),
+                      room(kept.score, 0), n)
+    return SnapDecode(slots, info.prompt_lengths)
+
+  def decode(self, state: SnapDecode, q, k, v, ctx: AttnContext):
+    s = state.slots
+    slot = s.budget + ctx.q_pos - state.prompt_lengths[:, None]  # [B, S]
+    slot = jnp.where(ctx.valid, slot, s.capacity)  # dropped
+    b_idx = jnp.arange(q.shape[0])[:, None]
+    k = apply_rope(k, ctx.q_pos, ctx.freqs)
+    s = s.replace(
+        k=s.k.at[b_idx, :, slot].set(k.astype(s.k.dtype), mode="drop"),
+        v=s.v.at[b_idx, :, slot].set(v.astype(s.v.dtype), mode="drop"),
+        pos=s.pos.at[b_idx, :, slot].set(ctx.q_pos[:, :, None], mode="drop"))
+    out, _ = attention(apply_rope(q, ctx.q_pos, ctx.freqs), s.k, s.v, ctx.q_pos, s.pos)
+    return out, state.replace(slots=s)

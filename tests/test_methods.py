@@ -1,0 +1,128 @@
+"""Every registered method: jit, one decode compile, batching, GQA, budgets, full-attention parity."""
+
+import importlib
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_longctx.methods import MethodError, get, names
+from jax_longctx.model import forward
+
+gen = importlib.import_module("jax_longctx.generate")  # the package exports a function of that name
+
+EVICTING = ("h2o", "streaming_llm", "tova", "snapkv")
+CACHE_LEN = 48
+
+
+def _method(name, budget):
+  """The method at a given budget, with settings small enough for tiny prompts."""
+  if name == "full":
+    return get("full")
+  kw = {"budget": budget}
+  if name == "snapkv":
+    kw["window"] = 4
+  if name == "quest":
+    kw.update(page_size=4, dense_layers=0)
+  return get(name, **kw)
+
+
+def _prompts(cfg, lengths, seed=0):
+  rng = np.random.default_rng(seed)
+  return [rng.integers(0, cfg.vocab_size, n).tolist() for n in lengths]
+
+
+def _step_logits(params, cfg, prompts, method, n_decode, chunk=8):
+  """Prefill (last-token logits), then decode teacher-forced tokens; logits of every step."""
+  cache, last = gen.prefill(params, cfg, prompts, method, cache_len=CACHE_LEN, chunk_size=chunk)
+  out = [np.asarray(last)]
+  rng = np.random.default_rng(1)
+  for _ in range(n_decode):
+    tok = jnp.asarray(rng.integers(0, cfg.vocab_size, (len(prompts), 1)), jnp.int32)
+    logits, cache = forward(params, tok, cache.lengths[:, None], cache, method, cfg, decode=True)
+    out.append(np.asarray(logits[:, 0]))
+  return np.stack(out, axis=1), cache
+
+
+@pytest.mark.parametrize("name", names())
+def test_budget_covering_the_context_reproduces_full_attention(tiny, name):
+  cfg, params = tiny  # GQA (6 query / 2 kv heads): a wrong grouping changes the output
+  prompts = _prompts(cfg, (13, 29))
+  ref, _ = _step_logits(params, cfg, prompts, get("full"), 6)
+  got, _ = _step_logits(params, cfg, prompts, _method(name, CACHE_LEN), 6)
+  np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("name", names())
+def test_batch_of_different_lengths_equals_each_alone(tiny, name):
+  cfg, params = tiny
+  prompts = _prompts(cfg, (9, 26), seed=4)
+  method = _method(name, 16)  # small enough that evicting and selecting methods drop tokens
+  batched = gen.generate(params, cfg, prompts, method, max_new_tokens=8, chunk_size=8,
+                         cache_len=CACHE_LEN).tokens
+  for p, row in zip(prompts, batched):
+    alone = gen.generate(params, cfg, [p], method, max_new_tokens=8, chunk_size=8,
+                         cache_len=CACHE_LEN).tokens[0]
+    assert row == alone
+
+
+@pytest.mark.parametrize("name", names())
+def test_decode_compiles_once_per_generation_shape(tiny, name):
+  cfg, params = tiny
+  method = _method(name, 16)
+  before = gen.DECODE_TRACES[0]
+  for seed in range(2):
+    gen.generate(params, cfg, _prompts(cfg, (11, 20), seed), method, max_new_tokens=5,
+                 chunk_size=8, cache_len=CACHE_LEN)
+  assert gen.DECODE_TRACES[0] - before == 1
+
+
+@pytest.mark.parametrize("name", EVICTING)
+def test_evicting_state_respects_the_budget(tiny, name):
+  cfg, params = tiny
+  budget, n_decode = 12, 5
+  _, cache = _step_logits(params, cfg, _prompts(cfg, (21, 33)), _method(name, budget), n_decode)
+  for layer in cache.state:
+    slots = getattr(layer, "slots", layer)
+    held = np.asarray(np.sum(np.asarray(slots.pos) >= 0, axis=-1))
+    limit = budget + n_decode if name == "snapkv" else budget  # SnapKV appends generated tokens
+    assert held.max() <= limit
+    assert held.min() > 0
+    if name != "snapkv":
+      assert slots.pos.shape[-1] == budget + 8  # budget plus one chunk, never the context
+
+
+def test_selection_methods_differ_from_full_when_budget_is_small(tiny):
+  cfg, params = tiny
+  prompts = _prompts(cfg, (29, 29))
+  ref, _ = _step_logits(params, cfg, prompts, get("full"), 3)
+  for name in names():
+    if name == "full":
+      continue
+    got, _ = _step_logits(params, cfg, prompts, _method(name, 8), 3)
+    assert np.max(np.abs(got[:, 1:] - ref[:, 1:])) > 1e-4, name
+
+
+@pytest.mark.parametrize("name", [n for n in names() if n != "full"])
+def test_budget_errors_name_the_parameter(name):
+  with pytest.raises(MethodError, match=r"budget=100 is larger than the cache \(48 slots\)"):
+    get(name, budget=100).init_state(_cfg(), 1, CACHE_LEN, jnp.float32, 8)
+  with pytest.raises(MethodError, match="budget must be > 0"):
+    get(name, budget=0).init_state(_cfg(), 1, CACHE_LEN, jnp.float32, 8)
+  with pytest.raises(MethodError, match=f"method '{name}' has no hyper-parameter 'budgte'"):
+    get(name, budgte=3)
+
+
+def test_page_size_must_divide_the_budget():
+  with pytest.raises(MethodError, match="page_size=16 does not divide the budget"):
+    get("quest", budget=40).init_state(_cfg(), 1, CACHE_LEN, jnp.float32, 8)
+
+
+def test_fractional_budget():
+  state = get("h2o", budget=0.25).init_state(_cfg(), 1, CACHE_LEN, jnp.float32, 8)
+  assert state.budget == 12
+
+
+def _cfg():
+  from tests.conftest import tiny_config
+  return tiny_config()
