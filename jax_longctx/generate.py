@@ -114,6 +114,25 @@ def decode_loop(params, cache: Cache, last_logits, stop_tokens, key, *, cfg: Lla
   return out, step, cache
 
 
+@functools.partial(jax.jit, static_argnames=("cfg", "method"), donate_argnames=("cache",))
+def teacher_forced_nll(params, cache: Cache, last_logits, targets, *, cfg: LlamaConfig,
+                       method: Method):
+  """NLL [B, N] of `targets` fed one token per decode step after a prefill (teacher forcing)."""
+
+  def nll(logits, tok):
+    return -jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tok[:, None], axis=1)[:, 0]
+
+  def step(cache, pair):
+    tok, nxt = pair
+    logits, cache = forward(params, tok[:, None], cache.lengths[:, None], cache, method, cfg,
+                            decode=True, logits_index=jnp.zeros(tok.shape, jnp.int32))
+    return cache, nll(logits, nxt)
+
+  first = nll(last_logits, targets[:, 0])
+  cache, rest = jax.lax.scan(step, cache, (targets[:, :-1].T, targets[:, 1:].T))
+  return jnp.concatenate([first[:, None], rest.T], axis=1), cache
+
+
 def _check_prompts(prompts: Sequence[Sequence[int]]) -> list[int]:
   if len(prompts) == 0:
     raise GenerationError("batch of zero prompts: pass at least one prompt")

@@ -32,7 +32,7 @@ def test_prompt_file_and_chat(default_lm, tmp_path):
 def test_unknown_method_is_a_clean_error():
   out = _cli("generate", "--prompt", "hi", "--method", "magic")
   assert out.returncode == 2
-  assert "unknown method 'magic'; known methods: full" in out.stderr
+  assert "unknown method 'magic'; known methods: full, h2o, quest, snapkv" in out.stderr
   assert "Traceback" not in out.stderr
 
 
@@ -53,3 +53,17 @@ def test_convert_and_export(tmp_path):
   assert out.returncode == 0 and (tmp_path / "back" / "model.safetensors").exists()
   out = _cli("convert", str(tmp_path / "hf"), str(tmp_path / "ckpt"))
   assert out.returncode == 2 and "exists" in out.stderr
+
+
+def test_snapkv_on_a_few_thousand_token_prompt(default_lm, tmp_path):
+  filler = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+  parts = [filler] * 110
+  parts.insert(60, "The pass key is 68213. Remember it. 68213 is the pass key. ")
+  f = tmp_path / "long.txt"
+  f.write_text("There is important info hidden inside a lot of irrelevant text. " + "".join(parts) +
+               "What is the pass key? The pass key is")
+  assert len(default_lm.encode(f.read_text())) > 2500
+  out = _cli("generate", "--model", "default", "--method", "snapkv", "--method-arg", "budget=256",
+             "--prompt-file", str(f), "--max-new-tokens", "8")
+  assert out.returncode == 0, out.stderr
+  assert out.stdout.strip()
