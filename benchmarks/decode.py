@@ -42,12 +42,12 @@ def run_jax(args) -> dict:
   import numpy as np
 
   from jax_longctx import preset
-  from jax_longctx.generate import Sampling, decode_loop, prefill_chunk
-  from jax_longctx.methods import get
+  from jax_longctx.generate import Sampling, decode_loop, end_prefill, prefill_chunk
+  from jax_longctx.methods import get, parse_method_args
   from jax_longctx.model import new_cache, random_params
 
   cfg = preset(args.model, dtype="bfloat16")
-  method = get("full")
+  method = get(args.method, **parse_method_args(args.method_arg))
   _stage("random params")
   params = random_params(cfg)
   jax.block_until_ready(params)
@@ -56,7 +56,7 @@ def run_jax(args) -> dict:
   cache_len = -(-(ctx + args.new_tokens * (args.reps + 2)) // 128) * 128
   tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (b, ctx)).astype(np.int32)
   plen = jnp.full((b,), ctx, jnp.int32)
-  cache = new_cache(cfg, method, b, cache_len)
+  cache = new_cache(cfg, method, b, cache_len, chunk=chunk)
   last = jnp.zeros((b, cfg.vocab_size), jnp.float32)
 
   def run_chunk(c, cache, last):
@@ -73,6 +73,8 @@ def run_jax(args) -> dict:
   for c in range(1, n_chunks):
     cache, last = run_chunk(c, cache, last)
   jax.block_until_ready(last)
+  cache = end_prefill(cache, cfg, method, decode_room=cache_len - ctx)
+  jax.block_until_ready(cache)
   prefill_s = time.perf_counter() - t0
   _stage(f"prefill {prefill_s:.1f}s")
   stops = jnp.asarray([-1], jnp.int32)
@@ -96,7 +98,7 @@ def run_jax(args) -> dict:
   med, times = median_time(decode, warmup=0, reps=args.reps)
   per_token = med / (args.new_tokens - 1)
   wbytes, kvbytes = _bytes_per_token(cfg, ctx, b)
-  return {"prefill_tok_s": b * (n_chunks - 1) * chunk / prefill_s,
+  return {"hparams": method.hparams(), "prefill_tok_s": b * (n_chunks - 1) * chunk / prefill_s,
           "prefill_first_chunk_s": first, "decode_ms": per_token * 1e3,
           "decode_times_s": times, "decode_compile_s": decode_compile_s,
           "weight_bytes": wbytes, "kv_bytes": kvbytes, "peak_bytes": jax_peak_bytes(),
@@ -175,7 +177,7 @@ def _has_cuda() -> bool:
 
 def child(args) -> None:
   rec = {"impl": args.impl, "model": args.model, "context": args.context, "batch": args.batch,
-         "new_tokens": args.new_tokens}
+         "new_tokens": args.new_tokens, "method": args.method, "method_args": args.method_arg}
   try:
     rec.update(run_jax(args) if args.impl == "jax" else run_hf(args))
   except Exception as e:  # out of memory at large batch x context is a result, not a crash
@@ -190,6 +192,8 @@ def main() -> None:
   p.add_argument("--contexts", default="8192,32768,131072")
   p.add_argument("--batches", default="1,8")
   p.add_argument("--impls", default="jax,hf")
+  p.add_argument("--methods", default="full", help="jax-longctx methods to time (jax impl only)")
+  p.add_argument("--method-arg", action="append", default=[], metavar="METHOD.KEY=VALUE")
   p.add_argument("--skip", default="131072x8", help="context x batch pairs that cannot fit")
   p.add_argument("--new-tokens", type=int, default=64)
   p.add_argument("--reps", type=int, default=3)
@@ -197,6 +201,7 @@ def main() -> None:
   p.add_argument("--out", default="decode.jsonl")
   p.add_argument("--child", action="store_true")
   p.add_argument("--impl")
+  p.add_argument("--method", default="full")
   p.add_argument("--context", type=int)
   p.add_argument("--batch", type=int)
   args = p.parse_args()
@@ -204,14 +209,18 @@ def main() -> None:
     return child(args)
   skip = set(args.skip.split(",")) if args.skip else set()
   bw = copy_bandwidth() if _has_cuda() else None
-  for impl in args.impls.split(","):
+  runs = [("hf", "full") if impl == "hf" else ("jax", m) for impl in args.impls.split(",")
+          for m in (args.methods.split(",") if impl == "jax" else ["full"])]
+  for impl, method in runs:
+    margs = [a.split(".", 1)[1] for a in args.method_arg if a.startswith(method + ".")]
     for ctx in map(int, args.contexts.split(",")):
       for b in map(int, args.batches.split(",")):
         if f"{ctx}x{b}" in skip:
           continue
         cmd = [sys.executable, __file__, "--child", "--impl", impl, "--context", str(ctx),
                "--batch", str(b), "--model", args.model, "--new-tokens", str(args.new_tokens),
-               "--reps", str(args.reps), "--chunk", str(args.chunk)]
+               "--reps", str(args.reps), "--chunk", str(args.chunk), "--method", method]
+        cmd += [x for a in margs for x in ("--method-arg", a)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
         rec = json.loads(lines[-1][7:]) if lines else {

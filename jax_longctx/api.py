@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import tempfile
 from typing import Any, Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -57,14 +59,20 @@ class LM:
                max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
                seed: int = 0, chat: bool = False, method_args: dict | None = None,
                chunk_size: int = DEFAULT_CHUNK, cache_len: int | None = None,
-               stop_tokens: Sequence[int] | None = None) -> list[str] | list[list[int]]:
-    """Continues each prompt. Text prompts give text back; token-id prompts give token ids."""
+               stop_tokens: Sequence[int] | None = None,
+               **method_kwargs) -> list[str] | list[list[int]]:
+    """Continues each prompt. Text prompts give text back; token-id prompts give token ids.
+
+    `method` is a registry name or a method object; its hyper-parameters come as keywords
+    (`lm.generate(p, "snapkv", budget=256)`) or as `method_args`.
+    """
     if isinstance(prompts, str):
       prompts = [prompts]
     as_text = len(prompts) > 0 and all(isinstance(p, str) for p in prompts)
     ids = [self.encode(p, chat) for p in prompts] if as_text else [list(p) for p in prompts]
     result = generate(
-        self.params, self.config, ids, methods_lib.get(method, **(method_args or {})),
+        self.params, self.config, ids,
+        methods_lib.get(method, **{**(method_args or {}), **method_kwargs}),
         max_new_tokens=max_new_tokens, sampling=Sampling(temperature, top_p, seed),
         stop_tokens=self.stop_tokens() if stop_tokens is None else tuple(stop_tokens),
         chunk_size=chunk_size, cache_len=cache_len)
@@ -89,12 +97,9 @@ def load(name_or_path: str = "default", dtype=None) -> LM:
     cfg, params, source = load_source(path)
     if dtype is not None:
       cfg = cfg.replace(dtype=np.dtype(dtype).name)
-    params = {k: v for k, v in params.items()}
-    import jax
     params = jax.tree.map(lambda a: jnp.asarray(a, cfg.jnp_dtype), params)
-    tok_dir = path if os.path.isdir(path) else None
-    if tok_dir is None:  # a GGUF carries its tokenizer in its metadata
-      import tempfile
+    tok_dir = path
+    if not os.path.isdir(path):  # a GGUF carries its tokenizer in its metadata
       tok_dir = tempfile.mkdtemp(prefix="jax-longctx-tok-")
       source.write_tokenizer(tok_dir)
   tokenizer = Tokenizer(tok_dir) if os.path.exists(os.path.join(tok_dir, "tokenizer.json")) else None

@@ -1,4 +1,4 @@
-"""`jax-longctx` command line: generate, convert, export."""
+"""`jax-longctx` command line: generate, eval, convert, export."""
 
 from __future__ import annotations
 
@@ -54,6 +54,26 @@ def _cmd_export(args) -> int:
   return 0
 
 
+def _cmd_eval(args) -> int:
+  from jax_longctx import eval as eval_lib
+  from jax_longctx.api import load
+  from jax_longctx.report import summary_table
+  from jax_longctx.tasks import parse_length
+
+  specs = eval_lib.MethodSpec.parse(args.methods, args.method_arg)
+  lengths = [parse_length(x) for x in args.lengths.split(",")]
+  depths = [float(x) for x in args.depths.split(",")]
+  if any(not 0 <= d <= 1 for d in depths):
+    raise ValueError(f"--depths must lie in [0, 1], got {depths}")
+  options = methods_lib.parse_method_args(args.task_arg)
+  lm = load(args.model, dtype=args.dtype)
+  records = eval_lib.run_sweep(lm, args.task, specs, lengths, depths, args.samples, args.out,
+                               chat=args.chat, chunk=args.chunk_size, task_options=options)
+  print(summary_table(records))
+  print(f"results in {args.out}")
+  return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="jax-longctx", description=__doc__)
   sub = parser.add_subparsers(dest="command", required=True)
@@ -72,6 +92,24 @@ def build_parser() -> argparse.ArgumentParser:
   g.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
   _add_method_args(g)
   g.set_defaults(func=_cmd_generate)
+
+  ev = sub.add_parser("eval", help="evaluate methods on a long-context task")
+  ev.add_argument("--model", default="default")
+  ev.add_argument("--task", required=True,
+                  help="passkey, niah_single, niah_single_text, niah_multikey, niah_multivalue, "
+                       "niah_multiquery, chain_of_key, ppl")
+  ev.add_argument("--task-arg", action="append", default=[], metavar="KEY=VALUE",
+                  help="a task option, e.g. value_type=uuid, chain=5, n_scored=128")
+  ev.add_argument("--methods", default="full", help="comma-separated method names")
+  ev.add_argument("--method-arg", action="append", default=[], metavar="METHOD.KEY=VALUE")
+  ev.add_argument("--lengths", default="4k", help="prompt lengths in tokens, e.g. 4k,8k")
+  ev.add_argument("--depths", default="0.1,0.3,0.5,0.7,0.9", help="needle depths in [0, 1]")
+  ev.add_argument("--samples", type=int, default=20, help="samples per method and length")
+  ev.add_argument("--out", required=True, help="directory for results.jsonl, summary.md, plots")
+  ev.add_argument("--chat", action="store_true", help="use the model's chat template")
+  ev.add_argument("--chunk-size", type=int, default=512)
+  ev.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
+  ev.set_defaults(func=_cmd_eval)
 
   c = sub.add_parser("convert", help="HF directory or GGUF file -> orbax checkpoint")
   c.add_argument("src")

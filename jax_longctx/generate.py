@@ -162,9 +162,14 @@ def prefill(params, cfg: LlamaConfig, prompts: Sequence[Sequence[int]], method: 
   for c in range(n_chunks):
     cache, last = prefill_chunk(params, jnp.asarray(tokens[:, c * chunk:(c + 1) * chunk]),
                                 jnp.int32(c * chunk), plen, cache, last, cfg=cfg, method=method)
-  if type(method).end_of_prefill is not Method.end_of_prefill:
-    cache = finish_prefill(cache, cfg=cfg, method=method, decode_room=cache_len - longest)
-  return cache, last
+  return end_prefill(cache, cfg, method, decode_room=cache_len - longest), last
+
+
+def end_prefill(cache: Cache, cfg: LlamaConfig, method: Method, decode_room: int) -> Cache:
+  """The method's end-of-prefill hook on every layer, if the method has one."""
+  if type(method).end_of_prefill is Method.end_of_prefill:
+    return cache
+  return finish_prefill(cache, cfg=cfg, method=method, decode_room=decode_room)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "method", "decode_room"))

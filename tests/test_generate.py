@@ -75,6 +75,10 @@ def test_default_model_batched_equals_alone(default_lm):
   batched = default_lm.generate(prompts, max_new_tokens=8, chunk_size=8)
   for p, text in zip(prompts, batched):
     assert default_lm.generate(p, max_new_tokens=8, chunk_size=8) == [text]
+  # a method by name with keyword hyper-parameters, and as an object
+  by_name = default_lm.generate(prompts, "h2o", budget=64, max_new_tokens=8, chunk_size=8)
+  assert by_name == default_lm.generate(prompts, get("h2o", budget=64), max_new_tokens=8,
+                                        chunk_size=8)
 
 
 def test_greedy_generation_matches_uncached_argmax(tiny):

@@ -1,0 +1,155 @@
+"""Evaluation sweeps: task x method x length x sample, resumable, with JSON, markdown and plots.
+
+    jax-longctx eval --model default --task passkey --methods full,snapkv --lengths 4k,8k \
+        --samples 20 --depths 0.1,0.5,0.9 --out DIR --method-arg snapkv.budget=256
+
+DIR/results.jsonl gets one line per finished sample (appended and flushed as it goes, so an
+interrupted sweep resumes where it stopped); DIR/summary.md and DIR/*.png are rewritten at the end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_longctx import methods as methods_lib
+from jax_longctx import tasks as tasks_lib
+from jax_longctx.generate import Sampling, decode_loop, prefill, teacher_forced_nll
+from jax_longctx.progress import progress
+
+RESULTS = "results.jsonl"
+
+
+class EvalError(ValueError):
+  pass
+
+
+@dataclasses.dataclass(frozen=True)
+class MethodSpec:
+  label: str  # the name shown in tables
+  method: Any
+
+  @classmethod
+  def parse(cls, names: str, method_args: list[str] | None) -> list["MethodSpec"]:
+    """'full,snapkv' + ['snapkv.budget=256'] -> specs (args without a dot go to every method)."""
+    per: dict[str, list[str]] = {}
+    for arg in method_args or []:
+      key = arg.split("=", 1)[0]
+      target, _, _ = key.rpartition(".")
+      per.setdefault(target, []).append(arg.split(".", 1)[1] if target else arg)
+    out = []
+    for name in [n.strip() for n in names.split(",") if n.strip()]:
+      args = per.get(name, []) + ([] if name == "full" else per.get("", []))
+      out.append(cls(name, methods_lib.get(name, **methods_lib.parse_method_args(args))))
+    unknown = set(per) - {s.label for s in out} - {""}
+    if unknown:
+      raise EvalError(f"--method-arg names methods not in --methods: {sorted(unknown)}")
+    return out
+
+
+def _key(rec: dict) -> tuple:
+  return (rec["task"], rec["method"], rec["length"], rec["depth"], rec["seed"])
+
+
+def load_results(out_dir: str) -> list[dict]:
+  """Finished samples; a line that is not valid JSON is an error, never silently dropped."""
+  path = os.path.join(out_dir, RESULTS)
+  if not os.path.exists(path):
+    return []
+  out = []
+  with open(path) as f:
+    for i, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      try:
+        rec = json.loads(line)
+        _key(rec)
+      except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise EvalError(f"{path} line {i} is corrupt ({e}); fix or move the file, then rerun") from e
+      out.append(rec)
+  return out
+
+
+def _cache_len(length: int, new_tokens: int) -> int:
+  # One size per requested length, so every sample of a length shares the compiled steps.
+  return -(-(int(length * 1.02) + new_tokens + 1) // 256) * 256
+
+
+def _peak_bytes():
+  stats = jax.devices()[0].memory_stats() or {}
+  return stats.get("peak_bytes_in_use")
+
+
+def run_sample(lm, task, spec: MethodSpec, sample, chunk: int) -> dict:
+  """One sample through one method: prediction, score and timings."""
+  method = spec.method
+  if task.name == "ppl":
+    prefix, targets = task.split(sample)
+    t0 = time.perf_counter()
+    cache, last = prefill(lm.params, lm.config, [prefix], method,
+                          cache_len=_cache_len(sample.length, 0), chunk_size=chunk)
+    jax.block_until_ready(last)
+    t1 = time.perf_counter()
+    nll, _ = teacher_forced_nll(lm.params, cache, last, jnp.asarray([targets], jnp.int32),
+                                cfg=lm.config, method=method)
+    nll = np.asarray(nll[0], np.float64)
+    t2 = time.perf_counter()
+    ppl = float(math.exp(nll.mean()))
+    return {"prediction": None, "expected": None, "score": ppl, "nll": nll.round(5).tolist(),
+            "prefill_s": t1 - t0, "decode_s": t2 - t1}
+  ids = lm.tokenizer.encode(sample.prompt)
+  t0 = time.perf_counter()
+  cache, last = prefill(lm.params, lm.config, [ids], method,
+                        cache_len=_cache_len(sample.length, task.max_new_tokens), chunk_size=chunk)
+  jax.block_until_ready(last)
+  t1 = time.perf_counter()
+  out, steps, _ = decode_loop(lm.params, cache, last, jnp.asarray(lm.stop_tokens() or (-1,)),
+                              jax.random.key(0), cfg=lm.config, method=method,
+                              max_new_tokens=task.max_new_tokens, sampling=Sampling())
+  row = np.asarray(out)[0, :int(steps)].tolist()
+  t2 = time.perf_counter()
+  stops = set(lm.stop_tokens())
+  row = row[:next((i for i, t in enumerate(row) if t in stops), len(row))]
+  prediction = lm.tokenizer.decode(row)
+  return {"prediction": prediction, "expected": list(sample.expected),
+          "score": task.score(prediction, sample), "prefill_s": t1 - t0, "decode_s": t2 - t1}
+
+
+def plan(task, specs, lengths, depths, samples) -> list[tuple]:
+  """(spec, length, depth, seed) for every sample; samples spread round-robin over depths."""
+  depths = depths if task.needle_task else [None]
+  return [(spec, length, depths[i % len(depths)], i)
+          for spec in specs for length in lengths for i in range(samples)]
+
+
+def run_sweep(lm, task_name: str, specs: list[MethodSpec], lengths: list[int],
+              depths: list[float], samples: int, out_dir: str, *, chat: bool = False,
+              chunk: int = 512, task_options: dict | None = None) -> list[dict]:
+  task = tasks_lib.get(task_name, **(task_options or {}))
+  os.makedirs(out_dir, exist_ok=True)
+  done = load_results(out_dir)
+  seen = {_key(r) for r in done}
+  todo = [p for p in plan(task, specs, lengths, depths, samples)
+          if (task.name, p[0].label, p[1], p[2], p[3]) not in seen]
+  with open(os.path.join(out_dir, RESULTS), "a") as f:
+    for spec, length, depth, seed in progress(todo, desc=f"{task.name} sweep"):
+      sample = task.make(lm.tokenizer, length, depth, seed, chat=chat)
+      rec = {"task": task.name, "method": spec.label, "hparams": spec.method.hparams(),
+             "length": length, "depth": depth, "seed": seed, "n_tokens": sample.n_tokens,
+             "chat": chat}
+      rec.update(run_sample(lm, task, spec, sample, chunk))
+      rec["peak_bytes"] = _peak_bytes()
+      f.write(json.dumps(rec) + "\n")
+      f.flush()
+      done.append(rec)
+  from jax_longctx.report import write_report
+  write_report(done, out_dir)
+  return done

@@ -1,0 +1,83 @@
+"""Task generators (determinism, length, depth) and scorers on hand-written predictions."""
+
+import pytest
+
+from jax_longctx import tasks
+from jax_longctx.tasks import Sample, TaskError, parse_length
+
+LENGTHS = (600, 2000)
+
+
+@pytest.fixture(scope="module")
+def tok(default_lm):
+  return default_lm.tokenizer
+
+
+@pytest.mark.parametrize("name", tasks.names())
+@pytest.mark.parametrize("chat", [False, True])
+def test_generators_are_deterministic_and_hit_the_length(tok, name, chat):
+  task = tasks.get(name)
+  for length in LENGTHS:
+    a = task.make(tok, length, 0.5, seed=3, chat=chat)
+    b = task.make(tok, length, 0.5, seed=3, chat=chat)
+    assert a == b
+    n = a.n_tokens if name == "ppl" else len(tok.encode(a.prompt))
+    assert n == a.n_tokens and abs(n - length) <= 0.01 * length
+    if name != "ppl":
+      assert a.prompt != task.make(tok, length, 0.5, seed=4, chat=chat).prompt
+
+
+@pytest.mark.parametrize("name", ["passkey", "niah_single", "niah_single_text"])
+@pytest.mark.parametrize("depth", [0.0, 0.25, 0.5, 0.9])
+def test_needle_sits_at_the_requested_depth(tok, name, depth):
+  s = tasks.get(name).make(tok, 2000, depth, seed=1)
+  value = s.expected[0]
+  at = s.prompt.index(value)
+  # Measured in tokens over the document part of the prompt (between the header and question).
+  doc_start = s.prompt.index("." if name == "passkey" else "\n") + 1
+  doc_end = s.prompt.rindex("What")
+  before = len(tok.encode(s.prompt[doc_start:at]))
+  total = len(tok.encode(s.prompt[doc_start:doc_end]))
+  assert abs(before / total - depth) < 0.03
+
+
+def _sample(task, expected):
+  return Sample(task, "", tuple(expected), 100, 0.5, 0, 100)
+
+
+def test_passkey_scorer():
+  task, s = tasks.get("passkey"), _sample("passkey", ["68213"])
+  assert task.score(" 68213. Remember it.", s) == 1.0
+  assert task.score(" 68214", s) == 0.0
+  assert task.score(" 6821", s) == 0.0  # partly right is wrong
+  assert task.score(" the key is hidden", s) == 0.0
+
+
+def test_niah_scorer_counts_each_value():
+  task, s = tasks.get("niah_multivalue"), _sample("niah_multivalue", ["1234567", "7654321"])
+  assert task.score("1234567 and 7654321", s) == 1.0
+  assert task.score("only 1234567", s) == 0.5
+  assert task.score("none here", s) == 0.0
+
+
+def test_chain_of_key_scorer():
+  task = tasks.get("chain_of_key", chain=4)
+  s = _sample("chain_of_key", ["apple-boat", "boat-cloud", "cloud-dune", "dune-apple", "x-y"])
+  assert task.score("apple-boat, boat-cloud, cloud-dune, dune-apple", s) == 1.0
+  assert task.score("apple-boat, boat-cloud, x-y, dune-apple", s) == 0.5  # valid prefix of 2
+  assert task.score("boat-cloud, cloud-zebra", s) == 0.25  # cloud-zebra is not a key
+  assert task.score("nothing", s) == 0.0
+
+
+def test_chain_of_key_keys_have_one_successor(tok):
+  s = tasks.get("chain_of_key").make(tok, 1500, None, seed=2)
+  firsts = [k.split("-")[0] for k in s.expected]
+  assert len(firsts) == len(set(firsts)) and len(s.expected) > 50
+
+
+def test_bad_task_input():
+  with pytest.raises(TaskError, match="unknown task 'nope'"):
+    tasks.get("nope")
+  with pytest.raises(TaskError, match="bad length"):
+    parse_length("4q")
+  assert parse_length("4k") == 4096 and parse_length("1500") == 1500
