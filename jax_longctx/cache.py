@@ -22,10 +22,6 @@ class Cache:
   state: tuple  # the method's state, one pytree per layer
   max_len: int = struct.field(pytree_node=False, default=0)
 
-  @property
-  def batch(self) -> int:
-    return self.lengths.shape[0]
-
 
 @struct.dataclass
 class KVCache:
@@ -53,6 +49,3 @@ class KVCache:
     k = self.k.at[b_idx, :, positions].set(k_new.astype(self.k.dtype), mode="drop")
     v = self.v.at[b_idx, :, positions].set(v_new.astype(self.v.dtype), mode="drop")
     return KVCache(k, v)
-
-  def nbytes(self) -> int:
-    return self.k.nbytes + self.v.nbytes

@@ -27,8 +27,6 @@ class Sample:
   depth: float | None
   seed: int
   n_tokens: int  # actual prompt tokens
-  context: str = ""  # the long document alone (methods that take it apart from the question)
-  question: str = ""
 
 
 def render(tok: Tokenizer, body: str, answer_prefix: str, chat: bool) -> str:
