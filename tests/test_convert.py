@@ -120,3 +120,15 @@ def test_killed_conversion_leaves_no_destination(tmp_path):
   proc.send_signal(signal.SIGKILL)
   proc.wait()
   assert not (tmp_path / "dst").exists()
+
+
+def test_gguf_file_loads_directly_with_the_same_weights(default_lm):
+  import jax
+  import jax_longctx
+  from jax_longctx.default_model import gguf_path
+  direct = jax_longctx.load(gguf_path())
+  assert direct.config == default_lm.config
+  same = jax.tree.map(lambda a, b: bool(np.array_equal(np.asarray(a), np.asarray(b))),
+                      direct.params, default_lm.params)
+  assert all(jax.tree.leaves(same))
+  assert direct.tokenizer.encode("pass key 12345") == default_lm.tokenizer.encode("pass key 12345")
