@@ -8,7 +8,6 @@ plain preallocated key/value store most methods build on.
 
 from __future__ import annotations
 
-from typing import Any
 
 import jax.numpy as jnp
 from flax import struct

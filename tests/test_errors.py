@@ -3,13 +3,12 @@
 import json
 import os
 
-import numpy as np
 import pytest
 
 import jax_longctx
 from checkpoints_convert import CheckpointError, convert, export_hf
 from jax_longctx import default_model
-from jax_longctx.config import ConfigError, LlamaConfig
+from jax_longctx.config import ConfigError
 from jax_longctx.generate import GenerationError, generate
 from jax_longctx.methods import MethodError, get
 from jax_longctx.model import random_params
