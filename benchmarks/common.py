@@ -38,3 +38,24 @@ def write_json(path: str, record: dict) -> None:
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   with open(path, "a") as f:
     f.write(json.dumps(record) + "\n")
+
+
+def copy_bandwidth() -> float:
+  """Bytes read + written per second by a large device-to-device copy (torch copy_)."""
+  import torch
+  n = 1 << 31  # 4 GiB of bf16
+  x = torch.randn(n // 2, dtype=torch.float32, device="cuda").view(torch.bfloat16)
+  y = torch.empty_like(x)
+  start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+  ms = []
+  for _ in range(12):
+    start.record()
+    y.copy_(x)
+    end.record()
+    torch.cuda.synchronize()
+    ms.append(start.elapsed_time(end))
+  ms = sorted(ms[2:])
+  bw = 2 * x.numel() * x.element_size() / (ms[len(ms) // 2] / 1e3)
+  del x, y
+  torch.cuda.empty_cache()  # the children need the memory
+  return bw

@@ -20,6 +20,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks import common  # noqa: E402
 from benchmarks.common import device_facts, jax_peak_bytes, median_time, write_json  # noqa: E402
 
 
@@ -146,27 +147,6 @@ def run_hf(args) -> dict:
           "torch": torch.__version__}
 
 
-def copy_bandwidth() -> float:
-  """Bytes read + written per second by a large device-to-device copy (torch copy_)."""
-  import torch
-  n = 1 << 31  # 4 GiB of bf16
-  x = torch.randn(n // 2, dtype=torch.float32, device="cuda").view(torch.bfloat16)
-  y = torch.empty_like(x)
-  start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-  ms = []
-  for _ in range(12):
-    start.record()
-    y.copy_(x)
-    end.record()
-    torch.cuda.synchronize()
-    ms.append(start.elapsed_time(end))
-  ms = sorted(ms[2:])
-  bw = 2 * x.numel() * x.element_size() / (ms[len(ms) // 2] / 1e3)
-  del x, y
-  torch.cuda.empty_cache()  # the children need the memory
-  return bw
-
-
 def _has_cuda() -> bool:
   try:
     import torch
@@ -208,7 +188,7 @@ def main() -> None:
   if args.child:
     return child(args)
   skip = set(args.skip.split(",")) if args.skip else set()
-  bw = copy_bandwidth() if _has_cuda() else None
+  bw = common.copy_bandwidth() if _has_cuda() else None
   runs = [("hf", "full") if impl == "hf" else ("jax", m) for impl in args.impls.split(",")
           for m in (args.methods.split(",") if impl == "jax" else ["full"])]
   for impl, method in runs:

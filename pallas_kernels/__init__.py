@@ -1,4 +1,19 @@
-"""Pallas kernels (fused score+top-k, attention with log-sum-exp) for GPU and TPU.
+"""Pallas kernels for long-context attention, each with a GPU variant, a TPU variant and a jnp
+reference behind one `backend=` switch ("auto" | "reference" | "gpu" | "tpu").
 
-Empty until the kernels land; jax_longctx.attention holds the jnp paths they will replace.
+- topk_scores: fused q.k + exact top-k over a long key axis (no score matrix in HBM).
+- flash_attention: online-softmax attention returning its log-sum-exp (prefill and decode).
+- gathered_attention: attention over keys at given indices per KV group (sparse decoding).
+- merge_attention: exact merge of partial (out, lse) pairs.
+
+docs/KERNELS.md says which lowering each variant uses, how it is tested and what was measured.
 """
+
+from pallas_kernels.backend import BACKENDS, resolve
+from pallas_kernels.flash_attention import flash_attention
+from pallas_kernels.gathered_attention import gathered_attention
+from pallas_kernels.merge_attention import merge_attention
+from pallas_kernels.topk_scores import topk_scores
+
+__all__ = ["BACKENDS", "resolve", "flash_attention", "gathered_attention", "merge_attention",
+           "topk_scores"]

@@ -1,0 +1,83 @@
+"""Tiling variants of the GPU kernels, timed by benchmarks/kernels.py --sweep.
+
+Used to pick the defaults in pallas_kernels; the chosen ones and their numbers are in
+BENCHMARKS.md. `topk_gemm_only` swaps the running top-k for a running max: the kernel's speed
+without the selection, i.e. the matrix-product ceiling of this loop.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import jax.numpy as jnp
+
+from benchmarks import kernels as kb
+from pallas_kernels import topk_tile
+from pallas_kernels.gpu import Tiling
+
+
+def _gemm_only(key, args, tilings):
+  real = topk_tile.merge_tile
+
+  def running_max(run_v, run_i, scores, index):
+    return jnp.maximum(run_v, jnp.max(scores, axis=1, keepdims=True)), run_i
+
+  traced = importlib.import_module("pallas_kernels.topk_scores")._gpu  # caches traces: clear them
+  topk_tile.merge_tile = running_max
+  traced.clear_cache()
+  try:
+    recs = [kb.bench_topk(key, 512, 131072, 4, args, anchor=False, tiling=t) for t in tilings]
+  finally:
+    topk_tile.merge_tile = real
+    traced.clear_cache()
+  for r in recs:
+    r["case"] = "topk_gemm_only"
+  return recs
+
+
+def _each(fn, tilings):
+  """fn(tiling) for each tiling; a tiling that fails (e.g. too much shared memory) is recorded."""
+  recs = []
+  for t in tilings:
+    try:
+      recs.append(fn(t))
+    except Exception as e:  # noqa: BLE001
+      recs.append({"case": "sweep", "tiling": vars(t), "error": f"{type(e).__name__}: {e}"[:500]})
+  return recs
+
+
+def sweep_cases(key, args):
+  long = 1 << (18 if args.quick else 20)
+  prefill = [Tiling(), Tiling(block_keys=64), Tiling(block_rows=64, num_warps=4),
+             Tiling(block_rows=64, block_keys=64, num_warps=4),
+             Tiling(block_rows=64, block_keys=64, num_warps=4, num_stages=2),
+             Tiling(block_rows=64, block_keys=64, num_warps=4, num_stages=4),
+             Tiling(block_rows=32, block_keys=64, num_warps=4),
+             Tiling(block_rows=64, block_keys=32, num_warps=4)]
+  decode = [Tiling(), Tiling(block_keys=256, num_warps=4), Tiling(block_keys=512, num_warps=4),
+            Tiling(block_keys=256, num_warps=4, key_splits=132),
+            Tiling(block_keys=512, num_warps=4, key_splits=132),
+            Tiling(block_keys=256, num_warps=4, num_stages=4, key_splits=264)]
+  flash_dec = [Tiling(), Tiling(key_splits=264, num_warps=4, num_stages=4),
+               Tiling(key_splits=264, num_warps=4, num_stages=3),
+               Tiling(block_keys=256, num_warps=4), Tiling(block_keys=256, num_warps=4, key_splits=132),
+               Tiling(block_keys=256, num_warps=4, key_splits=264),
+               Tiling(block_keys=128, num_warps=4, num_stages=3),
+               Tiling(block_keys=64, num_warps=4, num_stages=4, key_splits=264)]
+  flash_pre = [Tiling(), Tiling(num_stages=3), Tiling(block_keys=128, num_stages=3),
+               Tiling(num_stages=4), Tiling(block_rows=64, num_warps=4, num_stages=3)]
+  gathered = [Tiling(), Tiling(block_keys=128), Tiling(block_keys=128, key_splits=264),
+              Tiling(block_keys=32, key_splits=264)]
+  return {
+      "topk_gemm_only": lambda: _gemm_only(key, args, prefill[:4]),
+      "topk_prefill": lambda: _each(
+          lambda t: kb.bench_topk(key, 512, 131072, 4, args, anchor=False, tiling=t), prefill),
+      "topk_decode": lambda: _each(
+          lambda t: kb.bench_topk(key, 1, long, 4, args, anchor=False, tiling=t), decode),
+      "flash_decode": lambda: [r for n in (131072, long) for r in _each(
+          lambda t, n=n: kb.bench_decode(key, n, args, tiling=t), flash_dec)],
+      "flash_prefill": lambda: _each(
+          lambda t: kb.bench_prefill(key, 16384, args, tiling=t, cudnn=False), flash_pre),
+      "gathered": lambda: _each(lambda t: kb.bench_gathered(key, long, 8192, args, tiling=t),
+                                gathered),
+  }

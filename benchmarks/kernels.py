@@ -1,0 +1,210 @@
+"""Pallas kernels against their anchors on one GPU, in one call.
+
+    python benchmarks/kernels.py --out $OUT/kernels.jsonl [--quick]
+
+Shapes follow issue 3 (32 query / 8 KV heads, d=128, bf16, batch 1). Each case first checks the
+GPU kernel against the jnp reference on the device, then times it: jitted, warmed up, median of
+`--reps` groups of back-to-back calls. Anchors in the same run: einsum + jax.lax.top_k, cuDNN
+attention, and the device-to-device copy bandwidth (torch copy_). Cases are independent: one that
+fails is recorded with its error and the rest still run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from benchmarks import common  # noqa: E402
+from pallas_kernels import flash_attention, gathered_attention, topk_scores  # noqa: E402
+
+H, KV, D = 32, 8, 128
+BF = jnp.bfloat16
+
+
+def _tiling(tiling) -> dict:
+  return {} if tiling is None else {"tiling": {k: v for k, v in vars(tiling).items() if v is not None}}
+
+
+def timed(fn, *args, reps: int, inner: int) -> float:
+  """Median seconds per call of jitted fn over `reps` groups of back-to-back calls.
+
+  A group is at least `inner` calls and at least ~20 ms, so that short kernels are timed with
+  the GPU busy and clocked up rather than dominated by launch gaps.
+  """
+  jax.block_until_ready(fn(*args))
+  t = time.perf_counter()
+  jax.block_until_ready(fn(*args))
+  inner = max(inner, int(0.02 / max(time.perf_counter() - t, 1e-6)))
+  times = []
+  for _ in range(reps):
+    t = time.perf_counter()
+    for _ in range(inner):
+      out = fn(*args)
+    jax.block_until_ready(out)
+    times.append((time.perf_counter() - t) / inner)
+  return statistics.median(times)
+
+
+def normal(key, shape, dtype=BF):
+  return jax.random.normal(key, shape, jnp.float32).astype(dtype)
+
+
+def small_ints(key, shape):
+  """Nonzero integers in [-3, 3] (exact dot products, plenty of ties) as bf16."""
+  k1, k2 = jax.random.split(key)
+  mag = jax.random.randint(k1, shape, 1, 4)
+  sign = jnp.where(jax.random.bernoulli(k2, 0.5, shape), 1, -1)
+  return (mag * sign).astype(BF)
+
+
+def check_topk(key):
+  kq, kk = jax.random.split(key)
+  q, k = small_ints(kq, (2, 64, H, D)), small_ints(kk, (2, 20000, KV, D))
+  kw = dict(valid_len=jnp.array([20000, 13001]), exclude_prefix=4, exclude_suffix=64)
+  out = {}
+  for top_k in (1, 4, 128):
+    v, i = topk_scores(q, k, top_k, backend="gpu", **kw)
+    rv, ri = topk_scores(q, k, top_k, backend="reference", **kw)
+    out[f"top{top_k}_index_equal"] = float(jnp.mean(i == ri))
+    out[f"top{top_k}_score_maxdiff"] = float(jnp.max(jnp.abs(v - rv)))
+  return out
+
+
+def check_attention(key):
+  ks = jax.random.split(key, 4)
+  q, k, v = normal(ks[0], (2, 300, H, D)), normal(ks[1], (2, 5000, KV, D)), normal(ks[2], (2, 5000, KV, D))
+  kw = dict(causal=True, q_offset=jnp.array([4700, 100]), kv_len=jnp.array([5000, 400]))
+  o, l = flash_attention(q, k, v, backend="gpu", use_cudnn=False, **kw)
+  ro, rl = flash_attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
+                           backend="reference", **kw)
+  rel = lambda a, b: float(jnp.linalg.norm((a - b).astype(jnp.float32)) / jnp.linalg.norm(b))  # noqa
+  res = {"flash_rel_err": rel(o, ro), "flash_lse_maxdiff": float(jnp.max(jnp.abs(l - rl)))}
+  oc, lc = flash_attention(q, k, v, causal=True, backend="gpu", use_cudnn=True)
+  rc, rlc = flash_attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
+                            causal=True, backend="reference")
+  res.update(cudnn_rel_err=rel(oc, rc), cudnn_lse_maxdiff=float(jnp.max(jnp.abs(lc - rlc))))
+  idx = jax.random.randint(ks[3], (2, KV, 700), 0, 5000)
+  valid = jax.random.bernoulli(ks[3], 0.8, idx.shape)
+  go, gl = gathered_attention(q[:, :1], k, v, idx, valid, backend="gpu")
+  gro, grl = gathered_attention(q[:, :1].astype(jnp.float32), k.astype(jnp.float32),
+                                v.astype(jnp.float32), idx, valid, backend="reference")
+  res.update(gathered_rel_err=rel(go, gro), gathered_lse_maxdiff=float(jnp.max(jnp.abs(gl - grl))))
+  return res
+
+
+def bench_topk(key, lq, t, top_k, args, anchor=True, tiling=None):
+  kq, kk = jax.random.split(key)
+  q, k = normal(kq, (1, lq, H, D)), normal(kk, (1, t, KV, D))
+  ours = jax.jit(lambda q, k: topk_scores(q, k, top_k, backend="gpu", tiling=tiling))
+  rec = {"case": "topk_scores", "q_len": lq, "kv_len": t, "top_k": top_k, **_tiling(tiling)}
+  rec["ms"] = timed(ours, q, k, reps=args.reps, inner=args.inner) * 1e3
+  rec["tflops"] = 2 * H * lq * t * D / rec["ms"] / 1e9
+  rec["k_read_ms"] = k.size * 2 / args.bw * 1e3
+  if anchor:
+    def einsum_topk(q, k):
+      s = jnp.einsum("bqkgd,btkd->bqkgt", q.reshape(1, lq, KV, H // KV, D), k,
+                     preferred_element_type=jnp.float32)
+      return jax.lax.top_k(s, top_k)
+    rec["anchor_ms"] = timed(jax.jit(einsum_topk), q, k, reps=args.reps, inner=1) * 1e3
+    rec["speedup"] = rec["anchor_ms"] / rec["ms"]
+  return rec
+
+
+def bench_prefill(key, t, args, tiling=None, cudnn=True):
+  ks = jax.random.split(key, 3)
+  q, k, v = normal(ks[0], (1, t, H, D)), normal(ks[1], (1, t, KV, D)), normal(ks[2], (1, t, KV, D))
+  flops = 4 * H * D * t * (t + 1) / 2
+  rec = {"case": "flash_prefill_causal", "kv_len": t, **_tiling(tiling)}
+  for name, cud in (("ours", False), ("cudnn", True))[: 2 if cudnn else 1]:
+    fn = jax.jit(lambda q, k, v, c=cud: flash_attention(q, k, v, causal=True, backend="gpu",
+                                                        use_cudnn=c, tiling=tiling))
+    rec[f"{name}_ms"] = timed(fn, q, k, v, reps=args.reps, inner=args.inner) * 1e3
+    rec[f"{name}_tflops"] = flops / rec[f"{name}_ms"] / 1e9
+  if cudnn:
+    rec["ratio_to_cudnn"] = rec["ours_tflops"] / rec["cudnn_tflops"]
+  return rec
+
+
+def bench_decode(key, t, args, tiling=None):
+  ks = jax.random.split(key, 3)
+  q, k, v = normal(ks[0], (1, 1, H, D)), normal(ks[1], (1, t, KV, D)), normal(ks[2], (1, t, KV, D))
+  fn = jax.jit(lambda q, k, v: flash_attention(q, k, v, causal=False, backend="gpu", tiling=tiling))
+  rec = {"case": "flash_decode", "kv_len": t, **_tiling(tiling)}
+  rec["ms"] = timed(fn, q, k, v, reps=args.reps, inner=args.inner) * 1e3
+  rec["bytes"] = 2 * k.size * 2
+  rec["fraction_of_bw"] = rec["bytes"] / (rec["ms"] / 1e3) / args.bw
+  return rec
+
+
+def bench_gathered(key, t, n, args, tiling=None):
+  ks = jax.random.split(key, 4)
+  q, k, v = normal(ks[0], (1, 1, H, D)), normal(ks[1], (1, t, KV, D)), normal(ks[2], (1, t, KV, D))
+  idx = jnp.sort(jax.vmap(lambda kk: jax.random.choice(kk, t, (n,), replace=False))(
+      jax.random.split(ks[3], KV)), axis=-1)[None].astype(jnp.int32)
+  fn = jax.jit(lambda q, k, v, i: gathered_attention(q, k, v, i, backend="gpu", tiling=tiling))
+  rec = {"case": "gathered_attention", "kv_len": t, "selected": n, **_tiling(tiling)}
+  rec["ms"] = timed(fn, q, k, v, idx, reps=args.reps, inner=args.inner) * 1e3
+  kd, vd = k[:, :n], v[:, :n]
+  dense = jax.jit(lambda q, k, v: flash_attention(q, k, v, causal=False, backend="gpu"))
+  rec["dense_ms"] = timed(dense, q, kd, vd, reps=args.reps, inner=args.inner) * 1e3
+  rec["ratio_to_dense"] = rec["ms"] / rec["dense_ms"]
+  return rec
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--out", required=True)
+  p.add_argument("--reps", type=int, default=7)
+  p.add_argument("--inner", type=int, default=5)
+  p.add_argument("--quick", action="store_true", help="smaller shapes (smoke run)")
+  p.add_argument("--only", default="", help="comma list of case names to run")
+  p.add_argument("--sweep", action="store_true", help="time tiling variants (kernel_sweep.py)")
+  args = p.parse_args()
+  args.bw = common.copy_bandwidth()
+  facts = {**common.device_facts(), "copy_bw": args.bw}
+  print(json.dumps(facts), flush=True)
+  key = jax.random.PRNGKey(0)
+  long = 1 << (18 if args.quick else 20)
+  cases = {
+      "check_topk": lambda: {"case": "check_topk", **check_topk(key)},
+      "check_attention": lambda: {"case": "check_attention", **check_attention(key)},
+      "topk_prefill": lambda: [bench_topk(key, 512, t, 4, args) for t in (131072, 524288)],
+      "topk_decode": lambda: [bench_topk(key, 1, long, tk, args) for tk in (4, 128)],
+      "flash_prefill": lambda: [bench_prefill(key, t, args) for t in (16384, 32768)],
+      "flash_decode": lambda: [bench_decode(key, t, args) for t in (131072, long)],
+      "gathered": lambda: [bench_gathered(key, long, 8192, args)],
+  }
+  if args.sweep:
+    from benchmarks.kernel_sweep import sweep_cases
+    cases = sweep_cases(key, args)
+  only = set(filter(None, args.only.split(",")))
+  for name, run in cases.items():
+    if only and name not in only:
+      continue
+    t0 = time.time()
+    try:
+      recs = run()
+    except Exception as e:  # keep going: one broken case must not hide the others
+      traceback.print_exc()
+      recs = {"case": name, "error": f"{type(e).__name__}: {str(e)[:2000]}"}
+    for rec in recs if isinstance(recs, list) else [recs]:
+      rec.update(facts, seconds=round(time.time() - t0, 1))
+      common.write_json(args.out, rec)
+      print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in rec.items()
+                        if k not in facts}), flush=True)
+    gc.collect()
+
+
+if __name__ == "__main__":
+  main()

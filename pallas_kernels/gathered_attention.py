@@ -1,0 +1,172 @@
+"""Attention over selected keys: each query head attends to the keys at indices[b, kv_head, :]
+of its KV group (sparse decoding: Quest, top-k, ReAttention, RESA), without first copying the
+selected K/V to a new buffer in HBM.
+
+GPU: one program per (batch x kv head, row block, index split); each tile of indices is gathered
+straight from the cache into registers by pointer loads, scored, and folded into an online
+softmax; splits merge exactly through their LSE. TPU: indices are scalar-prefetched into SMEM and
+each selected row is DMA'd from HBM into a VMEM tile (the paged-attention pattern).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels import backend as backend_lib
+from pallas_kernels import gpu, layout
+from pallas_kernels import online_softmax as osm
+from pallas_kernels import reference
+
+SQ = gpu.SQ
+
+
+def gathered_attention(q, k, v, indices, valid=None, *, scale: float | None = None,
+                       kv_layout: str = "BTHD", backend: str = "auto",
+                       tiling: gpu.Tiling | None = None):
+  """q [B, Lq, H, d] over k, v (BTHD or BHTD) at indices [B, KV, n] (int, into the key axis).
+
+  valid: bool [B, KV, n] (default: all); indices outside [0, T) count as invalid. Every query row
+  sees the same selected keys (no causal mask: select accordingly). Returns (out [B, Lq, H, d],
+  lse [B, Lq, H] fp32); a row with no valid key gives (0, -inf).
+  """
+  b, lq, h, kvh, t, d = layout.check_qk(q, k, kv_layout)
+  if v.shape != k.shape:
+    raise ValueError(f"k {k.shape} and v {v.shape} must have the same shape")
+  if indices.ndim != 3 or indices.shape[:2] != (b, kvh):
+    raise ValueError(f"indices must be [batch={b}, kv_heads={kvh}, n], got {indices.shape}")
+  n = indices.shape[2]
+  valid = jnp.ones(indices.shape, bool) if valid is None else valid
+  if valid.shape != indices.shape:
+    raise ValueError(f"valid {valid.shape} must match indices {indices.shape}")
+  scale = float(scale) if scale is not None else 1.0 / math.sqrt(d)
+  indices = indices.astype(jnp.int32)
+  variant = backend_lib.resolve(backend)
+  if variant.kind == "reference":
+    return reference.gathered_attention(q, k, v, indices, valid, scale=scale, kv_layout=kv_layout)
+
+  rows = lq * (h // kvh)
+  tl = (tiling or gpu.Tiling()).pick(
+      block_rows=min(max(16, layout.next_pow2(rows)), 128),
+      block_keys=128, num_warps=4, num_stages=2, prefetch=False)
+  bm, bn = tl.block_rows, tl.block_keys
+  rows_padded = layout.round_up(rows, bm)
+  qr = layout.q_rows(q, kvh, rows_padded)
+  ok = valid & (indices >= 0) & (indices < t)
+  safe = jnp.clip(indices, 0, t - 1)
+  if variant.kind == "gpu":
+    span, splits = gpu.split_plan(b * kvh * (rows_padded // bm), max(n, bn), bn, tl.key_splits)
+    pad = ((0, 0), (0, 0), (0, span * splits - n))
+    outs, lses = _gpu(qr, k, v, jnp.pad(safe, pad), jnp.pad(ok, pad).astype(jnp.int32),
+                      span=span, splits=splits, scale=scale, kv_layout=kv_layout, tiling=tl,
+                      interpret=variant.interpret_arg())
+    out, lse = reference.merge_attention(jnp.moveaxis(outs, 2, 0), jnp.moveaxis(lses[..., 0], 2, 0))
+  else:
+    pad = ((0, 0), (0, 0), (0, layout.round_up(n, bn) - n))
+    out, lse = _tpu(qr, layout.heads_first(k, kv_layout), layout.heads_first(v, kv_layout),
+                    jnp.pad(safe, pad), jnp.pad(ok, pad).astype(jnp.int32), bm=bm, bn=bn,
+                    scale=scale, interpret=variant.interpret_arg())
+    lse = lse[..., 0]
+  out = layout.from_rows(out, lq, h).astype(q.dtype)
+  return out, layout.from_rows(lse, lq, h)
+
+
+@functools.partial(jax.jit, static_argnames=("span", "splits", "scale", "kv_layout", "tiling",
+                                             "interpret"))
+def _gpu(qr, k, v, indices, ok, *, span, splits, scale, kv_layout, tiling, interpret):
+  b, kvh, rp, d = qr.shape
+  bm, bn = tiling.block_rows, tiling.block_keys
+  t = k.shape[1 if kv_layout == "BTHD" else 2]
+
+  def kernel(idx_ref, ok_ref, q_ref, k_ref, v_ref, o_ref, lse_ref):
+    start0 = pl.program_id(2) * span
+    q = q_ref[...]
+
+    def load(j):
+      tile = pl.ds(start0 + j * bn, bn)
+      rows = idx_ref[tile]  # [bn] key indices: a gather, not a contiguous tile
+      return ok_ref[tile], k_ref[rows, :], v_ref[rows, :]
+
+    def step(j, tile, carry):
+      ok, kt, vt = tile
+      s = jnp.where(ok[None, :] > 0, osm.scores(q, kt, scale), osm.NEG_INF)
+      return osm.update(*carry, s, vt)
+
+    out, lse = osm.finish(*gpu.tile_loop(0, span // bn, load, step, osm.init(bm, d),
+                                         tiling.prefetch))
+    o_ref[...] = out
+    lse_ref[...] = lse
+
+  keys = gpu.whole_keys_spec(kv_layout, t, d, kvh)
+  index_spec = pl.BlockSpec((SQ, SQ, span * splits), lambda bh, r, s: (bh // kvh, bh % kvh, 0))
+  index = lambda bh, r, s: (bh // kvh, bh % kvh, s, r, 0)  # noqa: E731
+  return gpu.pallas_call(
+      kernel, interpret, num_warps=tiling.num_warps, num_stages=tiling.num_stages,
+      grid=(b * kvh, rp // bm, splits),
+      in_specs=[index_spec, index_spec, gpu.row_spec(kvh, bm, d), keys, keys],
+      out_specs=[pl.BlockSpec((SQ, SQ, SQ, bm, d), index), pl.BlockSpec((SQ, SQ, SQ, bm, 1), index)],
+      out_shape=[jax.ShapeDtypeStruct((b, kvh, splits, rp, d), jnp.float32),
+                 jax.ShapeDtypeStruct((b, kvh, splits, rp, 1), jnp.float32)],
+  )(indices, ok, qr, k, v)
+
+
+@functools.partial(jax.jit, static_argnames=("bm", "bn", "scale", "interpret"))
+def _tpu(qr, k, v, indices, ok, *, bm, bn, scale, interpret):
+  from jax.experimental.pallas import tpu as pltpu
+  b, kvh, rp, d = qr.shape
+  n = indices.shape[2]
+  nt = n // bn
+
+  def kernel(idx_ref, ok_ref, q_ref, k_hbm, v_hbm, o_ref, lse_ref, k_buf, v_buf, sem, m_s, l_s,
+             acc_s):
+    bh, j = pl.program_id(0), pl.program_id(2)
+    base = (bh * nt + j) * bn
+
+    def copies(i):
+      row = idx_ref[base + i]
+      src = (bh // kvh, bh % kvh, pl.ds(row, 1))
+      return (pltpu.make_async_copy(k_hbm.at[src], k_buf.at[pl.ds(i, 1)], sem.at[0]),
+              pltpu.make_async_copy(v_hbm.at[src], v_buf.at[pl.ds(i, 1)], sem.at[1]))
+
+    @pl.loop(0, bn)
+    def _(i):
+      for c in copies(i):
+        c.start()
+
+    @pl.when(j == 0)
+    def _():
+      m_s[...], l_s[...], acc_s[...] = osm.init(bm, d)
+
+    @pl.loop(0, bn)
+    def _(i):
+      for c in copies(i):
+        c.wait()
+
+    s = jnp.where(ok_ref[...] > 0, osm.scores(q_ref[...], k_buf[...], scale), osm.NEG_INF)
+    m_s[...], l_s[...], acc_s[...] = osm.update(m_s[...], l_s[...], acc_s[...], s, v_buf[...])
+
+    @pl.when(j == nt - 1)
+    def _():
+      o_ref[...], lse_ref[...] = osm.finish(m_s[...], l_s[...], acc_s[...])
+
+  row = lambda bh, r, j, idx: (bh // kvh, bh % kvh, r, 0)  # noqa: E731
+  any_spec = pl.BlockSpec(memory_space=pl.ANY)
+  grid_spec = pltpu.PrefetchScalarGridSpec(
+      num_scalar_prefetch=1, grid=(b * kvh, rp // bm, nt),
+      in_specs=[pl.BlockSpec((SQ, SQ, 1, bn), lambda bh, r, j, idx: (bh // kvh, bh % kvh, 0, j)),
+                pl.BlockSpec((SQ, SQ, bm, d), row), any_spec, any_spec],
+      out_specs=[pl.BlockSpec((SQ, SQ, bm, d), row), pl.BlockSpec((SQ, SQ, bm, 1), row)],
+      scratch_shapes=[pltpu.VMEM((bn, d), k.dtype), pltpu.VMEM((bn, d), v.dtype),
+                      pltpu.SemaphoreType.DMA((2,)), pltpu.VMEM((bm, 1), jnp.float32),
+                      pltpu.VMEM((bm, 1), jnp.float32), pltpu.VMEM((bm, d), jnp.float32)])
+  return pl.pallas_call(
+      kernel, grid_spec=grid_spec, interpret=interpret,
+      out_shape=[jax.ShapeDtypeStruct((b, kvh, rp, d), jnp.float32),
+                 jax.ShapeDtypeStruct((b, kvh, rp, 1), jnp.float32)],
+      compiler_params=pltpu.CompilerParams(
+          dimension_semantics=("parallel", "parallel", "arbitrary")),
+  )(indices.reshape(-1), ok[:, :, None, :], qr, k, v)

@@ -1,0 +1,103 @@
+"""Helpers shared by the GPU kernels: whole-axis key refs, clamped key tiles, key-axis splits and
+the pallas_call used for them.
+
+Lowering: the GPU kernels use Pallas' Triton lowering (pinned through its CompilerParams), not
+the default Mosaic GPU one. The same kernel bodies then run in the generic interpreter on CPU
+(the tests), lower to Triton IR on a CPU machine (so the tests also catch lowering errors), and
+run on any CUDA GPU, not only Hopper. docs/KERNELS.md records the trade-off.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels import backend as backend_lib
+from pallas_kernels import layout
+
+SQ = pl.squeezed
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiling:
+  """Overrides of a kernel's tuned tiling (tests and benchmarks); None keeps the default.
+
+  block_rows: query rows (query x head of a group) per program; block_keys: keys per tile;
+  key_splits: programs along the key axis (GPU); num_warps, num_stages: Triton launch options;
+  prefetch: load the next key tile before working on the current one (GPU).
+  """
+  block_rows: int | None = None
+  block_keys: int | None = None
+  key_splits: int | None = None
+  num_warps: int | None = None
+  num_stages: int | None = None
+  prefetch: bool | None = None
+
+  def pick(self, **defaults):
+    """Merged with per-call defaults: a Tiling with no None left for the given fields."""
+    return dataclasses.replace(self, **{k: v for k, v in defaults.items()
+                                        if getattr(self, k) is None})
+
+
+def tile_loop(first, last, load, step, init, prefetch: bool):
+  """carry = step(j, load(j), carry) for first <= j < last.
+
+  With prefetch, tile j+1 is loaded before tile j is worked on, so its memory latency overlaps
+  the work (the Triton pipeliner does not pipeline loops that hold nested control flow).
+  """
+  if not prefetch:
+    return lax.fori_loop(first, last, lambda j, c: step(j, load(j), c), init)
+
+  def body(j, c):
+    carry, cur = c
+    nxt = load(jnp.minimum(j + 1, last - 1))
+    return step(j, cur, carry), nxt
+
+  return lax.fori_loop(first, last, body, (init, load(first)))[0]
+
+
+def whole_keys_spec(kv_layout: str, t: int, d: int, kvh: int):
+  """The whole key axis of one (batch, kv head) as a ref, for grids (batch*kv_head, ...)."""
+  if kv_layout == "BTHD":
+    return pl.BlockSpec((SQ, t, SQ, d), lambda bh, *_: (bh // kvh, 0, bh % kvh, 0))
+  return pl.BlockSpec((SQ, SQ, t, d), lambda bh, *_: (bh // kvh, bh % kvh, 0, 0))
+
+
+def key_tile(nominal, bk: int, t: int):
+  """Tile of bk keys meant to start at `nominal`. The last tile is clamped to end at t (so no
+  read is out of bounds and t need not be a multiple of bk); keys below `nominal` in it were
+  already seen and must be masked by the caller. Returns (slice, key indices [1, bk])."""
+  start = jnp.minimum(nominal, t - bk)
+  return pl.ds(start, bk), start + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
+
+
+def split_plan(programs: int, t: int, bk: int, key_splits: int | None, per_core: int = 2):
+  """(span, splits): the key axis cut into splits of `span` keys (a multiple of bk) so that
+  programs * splits is about per_core programs per GPU core, with at least 4 tiles per split."""
+  want = -(-per_core * backend_lib.num_cores() // programs)
+  splits = key_splits or max(1, min(want, t // (4 * bk)))
+  span = layout.round_up(-(-t // splits), bk)
+  return span, -(-t // span)
+
+
+def pallas_call(kernel, interpret, *, num_warps: int = 8, num_stages: int = 3, **kwargs):
+  from jax.experimental.pallas import triton as pltriton
+  params = None if interpret else pltriton.CompilerParams(num_warps=num_warps,
+                                                          num_stages=num_stages)
+  return pl.pallas_call(kernel, interpret=interpret, compiler_params=params, **kwargs)
+
+
+def row_spec(kvh: int, bm: int, d: int):
+  """Block of bm query rows (all query heads of one kv group) for grids (batch*kv_head, rows, ...)."""
+  return pl.BlockSpec((SQ, SQ, bm, d), lambda bh, r, *_: (bh // kvh, bh % kvh, r, 0))
+
+
+def per_batch_spec(kvh: int, n: int):
+  """Row of a [B, n] per-sequence table (bounds, offsets) for grids (batch*kv_head, ...)."""
+  return pl.BlockSpec((SQ, n), lambda bh, *_: (bh // kvh, 0))
+
+

@@ -1,0 +1,39 @@
+"""Online softmax over key tiles (flash attention's running max / sum / accumulator), shared by
+the GPU and TPU kernels of flash_attention and gathered_attention. Arrays stay 2-D for TPU."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+NEG_INF = float("-inf")
+
+
+def scores(q, kt, scale):
+  """[rows, d] x [n, d] -> fp32 [rows, n] (times scale when given)."""
+  s = lax.dot_general(q, kt, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+  return s if scale is None else s * scale
+
+
+def init(rows: int, d: int):
+  return (jnp.full((rows, 1), NEG_INF, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
+          jnp.zeros((rows, d), jnp.float32))
+
+
+def update(m, l, acc, s, vt):
+  """Folds masked scores s [rows, n] (-inf = masked) and values vt [n, d] into the state."""
+  m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
+  m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)  # rows with nothing seen yet stay at zero
+  p = jnp.exp(s - m_safe)
+  alpha = jnp.exp(m - m_safe)
+  l = l * alpha + jnp.sum(p, axis=1, keepdims=True)
+  pv = lax.dot_general(p.astype(vt.dtype), vt, (((1,), (0,)), ((), ())),
+                       preferred_element_type=jnp.float32)
+  return m_new, l, acc * alpha + pv
+
+
+def finish(m, l, acc):
+  """-> (out fp32 [rows, d], lse [rows, 1]); rows that saw no key give (0, -inf)."""
+  seen = l > 0
+  safe_l = jnp.where(seen, l, 1.0)
+  return jnp.where(seen, acc / safe_l, 0.0), jnp.where(seen, m + jnp.log(safe_l), NEG_INF)

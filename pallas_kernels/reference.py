@@ -1,0 +1,89 @@
+"""Pure-jnp references for every kernel: the definition the Pallas variants are tested against.
+
+They materialize full score matrices, so they are for checking and for short inputs on CPU.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels.layout import heads_first
+
+NEG_INF = float("-inf")
+
+
+def _grouped_scores(q, k, kv_layout: str, scale):
+  """[B, Lq, H, d] x keys -> fp32 scores [B, Lq, KV, G, T]."""
+  b, lq, h, d = q.shape
+  kh = heads_first(k, kv_layout)
+  kvh = kh.shape[1]
+  qg = q.reshape(b, lq, kvh, h // kvh, d)
+  s = jnp.einsum("bqkgd,bktd->bqkgt", qg, kh, preferred_element_type=jnp.float32)
+  return s if scale is None else s * scale
+
+
+def topk_scores(q, k, top_k: int, lo, hi, *, scale=None, kv_layout="BTHD"):
+  """Exact top-k of q.k over keys lo[b] <= t < hi[b]; ties to the lowest index; unfilled -> (-inf, -1)."""
+  b, lq, h, _ = q.shape
+  s = _grouped_scores(q, k, kv_layout, scale)
+  t = jnp.arange(s.shape[-1])
+  ok = (t >= lo[:, None]) & (t < hi[:, None])
+  s = jnp.where(ok[:, None, None, None, :], s, NEG_INF)
+  v, i = lax.top_k(s, top_k)
+  i = jnp.where(v == NEG_INF, -1, i)
+  return v.reshape(b, lq, h, top_k), i.reshape(b, lq, h, top_k).astype(jnp.int32)
+
+
+def _softmax_out(s, v_heads_first, dtype):
+  """Masked scores [B, Lq, KV, G, T] (-inf = masked) and V [B, KV, T, d] -> (out, lse)."""
+  m = jnp.max(s, axis=-1, keepdims=True)
+  m = jnp.where(jnp.isfinite(m), m, 0.0)
+  p = jnp.exp(s - m)
+  l = jnp.sum(p, axis=-1, keepdims=True)
+  out = jnp.einsum("bqkgt,bktd->bqkgd", p, v_heads_first.astype(jnp.float32))
+  out = jnp.where(l > 0, out / jnp.where(l > 0, l, 1.0), 0.0)
+  lse = jnp.where(l[..., 0] > 0, m[..., 0] + jnp.log(jnp.where(l[..., 0] > 0, l[..., 0], 1.0)),
+                  NEG_INF)
+  b, lq, kvh, g, d = out.shape
+  return out.reshape(b, lq, kvh * g, d).astype(dtype), lse.reshape(b, lq, kvh * g)
+
+
+def flash_attention(q, k, v, *, causal, q_offset, kv_len, scale, kv_layout="BTHD"):
+  """Softmax attention; query i of sequence b sits at position q_offset[b] + i; keys < kv_len[b]."""
+  s = _grouped_scores(q, k, kv_layout, scale)
+  lq, t = s.shape[1], s.shape[-1]
+  k_pos = jnp.arange(t)
+  ok = k_pos[None, None, :] < kv_len[:, None, None]  # [B, 1, T]
+  if causal:
+    q_pos = q_offset[:, None] + jnp.arange(lq)[None, :]  # [B, Lq]
+    ok = ok & (k_pos[None, None, :] <= q_pos[:, :, None])
+  s = jnp.where(ok[:, :, None, None, :], s, NEG_INF)
+  return _softmax_out(s, heads_first(v, kv_layout), q.dtype)
+
+
+def gathered_attention(q, k, v, indices, valid, *, scale, kv_layout="BTHD"):
+  """Attention of each query head over keys indices[b, kv_head, :] of its group, where valid."""
+  kh, vh = heads_first(k, kv_layout), heads_first(v, kv_layout)
+  t = kh.shape[2]
+  ok = valid & (indices >= 0) & (indices < t)
+  safe = jnp.clip(indices, 0, t - 1)
+  take = lambda x: jnp.take_along_axis(x, safe[..., None], axis=2, mode="clip")  # noqa: E731
+  kg, vg = take(kh), take(vh)  # [B, KV, n, d]
+  s = _grouped_scores(q, kg, "BHTD", scale)
+  s = jnp.where(ok[:, None, :, None, :], s, NEG_INF)
+  return _softmax_out(s, vg, q.dtype)
+
+
+def merge_attention(outs, lses):
+  """Exact merge of partial attentions over disjoint key sets: outs [P, ..., d], lses [P, ...]."""
+  lses = lses.astype(jnp.float32)
+  m = jnp.max(lses, axis=0)
+  m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+  w = jnp.exp(lses - m_safe)
+  total = jnp.sum(w, axis=0)
+  out = jnp.sum(w[..., None] * outs.astype(jnp.float32), axis=0)
+  safe_total = jnp.where(total > 0, total, 1.0)
+  out = jnp.where(total[..., None] > 0, out / safe_total[..., None], 0.0)
+  lse = jnp.where(total > 0, m_safe + jnp.log(safe_total), NEG_INF)
+  return out.astype(outs.dtype), lse

@@ -1,0 +1,157 @@
+"""Fused score + exact top-k: q.k over a long key axis, tile by tile, without a score matrix in HBM.
+
+GPU: one program per (batch x kv head, row block, key split); it loops over its split's key
+tiles, scores every query head of the group against each K tile in one matrix product and keeps
+a running top-k (topk_tile). Splitting the key axis keeps the GPU busy when there are few
+queries (decode); the splits' candidates (kp per row each) are merged by a small sort after.
+TPU: the key tiles are the innermost grid axis and the running set lives in VMEM scratch.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels import backend as backend_lib
+from pallas_kernels import gpu, layout, online_softmax, reference, topk_tile
+
+SQ = gpu.SQ
+
+
+def topk_scores(q, k, top_k: int, *, scale: float | None = None, valid_len=None,
+                exclude_prefix=0, exclude_suffix=0, kv_layout: str = "BTHD",
+                backend: str = "auto", tiling: gpu.Tiling | None = None):
+  """For each query row and query head, the exact top-k of q.k over the candidate keys.
+
+  q: [B, Lq, H, d]; k: [B, T, KV, d] ("BTHD") or [B, KV, T, d] ("BHTD"), H a multiple of KV.
+  Candidates of sequence b are keys exclude_prefix <= t < valid_len[b] - exclude_suffix.
+  Returns (scores fp32, indices int32), both [B, Lq, H, top_k], best first, ties to the lowest
+  index; when fewer candidates than top_k exist the rest is (-inf, -1).
+  tiling overrides the tuned block sizes and launch options (tests, benchmarks).
+  """
+  b, lq, h, kvh, t, d = layout.check_qk(q, k, kv_layout)
+  if not 1 <= top_k <= t:
+    raise ValueError(f"top_k={top_k} must be between 1 and the number of keys ({t})")
+  valid_len = layout.per_batch(valid_len, b, t)
+  lo = layout.per_batch(exclude_prefix, b, 0)
+  hi = valid_len - layout.per_batch(exclude_suffix, b, 0)
+  variant = backend_lib.resolve(backend)
+  if variant.kind == "reference":
+    return reference.topk_scores(q, k, top_k, lo, hi, scale=scale, kv_layout=kv_layout)
+
+  kp = max(4, layout.next_pow2(top_k))
+  rows = lq * (h // kvh)
+  # The running set is kp registers per row: fewer rows per program when k is large. GPU
+  # defaults measured on an H200 (BENCHMARKS.md): 64 x 64 tiles for chunks, 256-key tiles for
+  # decode, where a program has few rows and checks its set once per tile.
+  bm = min(max(16, layout.next_pow2(rows)), 64 if kp <= 64 else 32)
+  tl = (tiling or gpu.Tiling()).pick(
+      block_rows=bm, block_keys=(256 if bm <= 16 else 64) if variant.kind == "gpu" else 256,
+      num_warps=4, num_stages=3, prefetch=False)
+  bm, bk = tl.block_rows, tl.block_keys
+  rows_padded = layout.round_up(rows, bm)
+  qr = layout.q_rows(q, kvh, rows_padded)
+  bounds = jnp.stack([lo, hi], axis=1)  # [B, 2]
+  if variant.kind == "gpu":
+    kk = layout.pad_keys(k, kv_layout, bk)
+    tk = kk.shape[1 if kv_layout == "BTHD" else 2]
+    span, splits = gpu.split_plan(b * kvh * (rows_padded // bm), tk, bk, tl.key_splits)
+    vals, idx = _gpu(qr, kk, bounds, kp=kp, span=span, splits=splits, scale=scale,
+                     kv_layout=kv_layout, tiling=tl, interpret=variant.interpret_arg())
+  else:
+    vals, idx = _tpu(qr, layout.heads_first(k, kv_layout), bounds, kp=kp, bm=bm, bk=bk,
+                     scale=scale, interpret=variant.interpret_arg())
+  # [B, KV, S, R, kp] -> [B, KV, R, S * kp]: every split's candidates for a row, then the best.
+  vals = jnp.moveaxis(vals, 2, 3).reshape(b, kvh, rows_padded, -1)
+  idx = jnp.moveaxis(idx, 2, 3).reshape(b, kvh, rows_padded, -1)
+  vals, idx = topk_tile.finish(vals, idx, top_k)
+  return layout.from_rows(vals, lq, h), layout.from_rows(idx, lq, h)
+
+
+
+
+@functools.partial(jax.jit, static_argnames=("kp", "span", "splits", "scale", "kv_layout",
+                                             "tiling", "interpret"))
+def _gpu(qr, k, bounds, *, kp, span, splits, scale, kv_layout, tiling, interpret):
+  b, kvh, rp, d = qr.shape
+  bm, bk = tiling.block_rows, tiling.block_keys
+  t = k.shape[1 if kv_layout == "BTHD" else 2]
+
+  def kernel(bounds_ref, q_ref, k_ref, v_out, i_out):
+    lo, hi = bounds_ref[0], bounds_ref[1]
+    start0 = pl.program_id(2) * span
+    q = q_ref[...]
+    first = jnp.maximum(lo - start0, 0) // bk
+    last = jnp.clip(pl.cdiv(jnp.minimum(hi, start0 + span) - start0, bk), 0, span // bk)
+
+    def load(j):
+      return k_ref[gpu.key_tile(start0 + j * bk, bk, t)[0], :]
+
+    def step(j, kt, carry):
+      nominal = start0 + j * bk
+      idx = gpu.key_tile(nominal, bk, t)[1]
+      ok = (idx >= nominal) & (idx >= lo) & (idx < hi)
+      s = jnp.where(ok, online_softmax.scores(q, kt, scale), topk_tile.NEG_INF)
+      return topk_tile.merge_tile(*carry, s, idx)
+
+    run_v, run_i = gpu.tile_loop(first, last, load, step, topk_tile.empty(bm, kp), tiling.prefetch)
+    v_out[...] = run_v
+    i_out[...] = run_i
+
+  out_spec = pl.BlockSpec((SQ, SQ, SQ, bm, kp), lambda bh, r, s: (bh // kvh, bh % kvh, s, r, 0))
+  shape = (b, kvh, splits, rp, kp)
+  return gpu.pallas_call(
+      kernel, interpret, num_warps=tiling.num_warps, num_stages=tiling.num_stages,
+      grid=(b * kvh, rp // bm, splits),
+      in_specs=[gpu.per_batch_spec(kvh, 2), gpu.row_spec(kvh, bm, d),
+                gpu.whole_keys_spec(kv_layout, t, d, kvh)],
+      out_specs=[out_spec, out_spec],
+      out_shape=[jax.ShapeDtypeStruct(shape, jnp.float32), jax.ShapeDtypeStruct(shape, jnp.int32)],
+  )(bounds, qr, k)
+
+
+@functools.partial(jax.jit, static_argnames=("kp", "bm", "bk", "scale", "interpret"))
+def _tpu(qr, k, bounds, *, kp, bm, bk, scale, interpret):
+  from jax.experimental.pallas import tpu as pltpu
+  b, kvh, rp, d = qr.shape
+  t = k.shape[2]
+  nk = pl.cdiv(t, bk)
+
+  def kernel(bounds_ref, q_ref, k_ref, v_out, i_out, run_v, run_i):
+    bi, j = pl.program_id(0) // kvh, pl.program_id(2)
+    lo, hi = bounds_ref[2 * bi], bounds_ref[2 * bi + 1]
+
+    @pl.when(j == 0)
+    def _():
+      run_v[...], run_i[...] = topk_tile.empty(bm, kp)
+
+    @pl.when((j * bk < hi) & ((j + 1) * bk > lo))
+    def _():
+      idx = j * bk + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
+      s = jnp.where((idx >= lo) & (idx < hi), online_softmax.scores(q_ref[...], k_ref[...], scale),
+                    topk_tile.NEG_INF)
+      run_v[...], run_i[...] = topk_tile.merge_tile(run_v[...], run_i[...], s, idx)
+
+    @pl.when(j == nk - 1)
+    def _():
+      v_out[...] = run_v[...]
+      i_out[...] = run_i[...]
+
+  out_spec = pl.BlockSpec((SQ, SQ, SQ, bm, kp), lambda bh, r, j, bnd: (bh // kvh, bh % kvh, 0, r, 0))
+  shape = (b, kvh, 1, rp, kp)
+  grid_spec = pltpu.PrefetchScalarGridSpec(
+      num_scalar_prefetch=1, grid=(b * kvh, rp // bm, nk),
+      in_specs=[pl.BlockSpec((SQ, SQ, bm, d), lambda bh, r, j, bnd: (bh // kvh, bh % kvh, r, 0)),
+                pl.BlockSpec((SQ, SQ, bk, d), lambda bh, r, j, bnd: (bh // kvh, bh % kvh, j, 0))],
+      out_specs=[out_spec, out_spec],
+      scratch_shapes=[pltpu.VMEM((bm, kp), jnp.float32), pltpu.VMEM((bm, kp), jnp.int32)])
+  return pl.pallas_call(
+      kernel, grid_spec=grid_spec, interpret=interpret,
+      out_shape=[jax.ShapeDtypeStruct(shape, jnp.float32), jax.ShapeDtypeStruct(shape, jnp.int32)],
+      compiler_params=pltpu.CompilerParams(
+          dimension_semantics=("parallel", "parallel", "arbitrary")),
+  )(bounds.reshape(-1), qr, k)

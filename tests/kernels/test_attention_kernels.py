@@ -1,0 +1,110 @@
+"""flash_attention, gathered_attention and merge_attention: GPU and TPU variants (Pallas
+interpret mode on CPU) against the jnp references.
+
+Tolerances: fp32 inputs 2e-5 on outputs and LSE (the kernels accumulate in fp32 in another order);
+bf16 inputs 2e-2 on outputs (one bf16 rounding of the result) and 1e-4 on the fp32 LSE.
+"""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import flash_attention, gathered_attention, merge_attention
+from pallas_kernels.gpu import Tiling
+from tests.kernels.inputs import keys_shape, normal
+
+VARIANTS = ["gpu", "tpu"]
+TOL = {jnp.float32: (2e-5, 2e-5), jnp.bfloat16: (2e-2, 1e-4)}
+
+
+def assert_close(got, ref, dtype):
+  (o, lse), (ro, rlse) = got, ref
+  out_tol, lse_tol = TOL[dtype]
+  assert o.shape == ro.shape and o.dtype == ro.dtype and lse.dtype == jnp.float32
+  np.testing.assert_allclose(np.asarray(o, np.float32), np.asarray(ro, np.float32), atol=out_tol,
+                             rtol=out_tol)
+  np.testing.assert_array_equal(np.isneginf(np.asarray(lse)), np.isneginf(np.asarray(rlse)))
+  finite = np.isfinite(np.asarray(rlse))
+  np.testing.assert_allclose(np.asarray(lse)[finite], np.asarray(rlse)[finite], atol=lse_tol,
+                             rtol=lse_tol)
+
+
+# (batch, q_len, q_heads, kv_heads, kv_len, d, causal, q_offset, kv_len per seq, layout, dtype, tiling)
+FLASH = {
+    "chunk_causal_offset_g3": (2, 20, 6, 2, 333, 64, True, (313, 50), (333, 77), "BTHD",
+                               jnp.float32, Tiling(key_splits=2, block_keys=64)),
+    "decode_g4_d128_splits": (2, 1, 8, 2, 1000, 128, False, 0, (1000, 1), "BHTD", jnp.float32,
+                              Tiling(key_splits=4)),
+    "prefill_g1_bf16": (1, 64, 2, 2, 64, 64, True, 0, None, "BTHD", jnp.bfloat16, None),
+    "decode_g4_prefetch": (2, 1, 4, 1, 517, 128, True, (516, 200), (517, 201), "BTHD",
+                           jnp.bfloat16, Tiling(key_splits=2, prefetch=True)),
+}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("case", list(FLASH))
+def test_flash_attention_matches_reference(variant, case):
+  b, lq, h, kvh, t, d, causal, off, kv_len, kv_layout, dtype, tiling = FLASH[case]
+  rng = np.random.default_rng(abs(hash(case)) % 2**32)
+  q = normal(rng, (b, lq, h, d), dtype)
+  k, v = (normal(rng, keys_shape(b, t, kvh, d, kv_layout), dtype) for _ in range(2))
+  kw = dict(causal=causal, q_offset=off if isinstance(off, int) else jnp.asarray(off),
+            kv_len=None if kv_len is None else jnp.asarray(kv_len), kv_layout=kv_layout)
+  got = flash_attention(q, k, v, backend=variant, tiling=tiling, **kw)
+  assert_close(got, flash_attention(q, k, v, backend="reference", **kw), dtype)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("layout,lq,h,kvh,d,n", [("BTHD", 1, 8, 2, 128, 150),
+                                                 ("BHTD", 3, 6, 2, 64, 100)])
+def test_gathered_attention_matches_reference(variant, layout, lq, h, kvh, d, n):
+  rng = np.random.default_rng(n)
+  b, t = 2, 400
+  q = normal(rng, (b, lq, h, d))
+  k, v = (normal(rng, keys_shape(b, t, kvh, d, layout)) for _ in range(2))
+  idx = jnp.asarray(rng.integers(-5, t + 5, (b, kvh, n)))  # some out of range: invalid
+  valid = jnp.asarray(rng.random((b, kvh, n)) > 0.3).at[1, 0].set(False)  # one group sees nothing
+  tiling = Tiling(key_splits=2, block_keys=64) if variant == "gpu" else None
+  got = gathered_attention(q, k, v, idx, valid, kv_layout=layout, backend=variant, tiling=tiling)
+  ref = gathered_attention(q, k, v, idx, valid, kv_layout=layout, backend="reference")
+  assert_close(got, ref, jnp.float32)
+  assert np.all(np.isneginf(np.asarray(got[1])[1, :, : h // kvh]))
+
+
+def test_gathered_reference_equals_dense_attention_on_the_same_keys():
+  """The reference itself: gathering keys 0..T-1 in order is plain attention over all keys."""
+  rng = np.random.default_rng(0)
+  q, k, v = normal(rng, (1, 1, 4, 64)), normal(rng, (1, 50, 2, 64)), normal(rng, (1, 50, 2, 64))
+  idx = jnp.broadcast_to(jnp.arange(50), (1, 2, 50))
+  assert_close(gathered_attention(q, k, v, idx, backend="reference"),
+               flash_attention(q, k, v, causal=False, backend="reference"), jnp.float32)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_merge_attention_matches_reference(variant):
+  rng = np.random.default_rng(2)
+  outs = normal(rng, (3, 2, 5, 7, 64))
+  lses = normal(rng, (3, 2, 5, 7)).at[1, 0].set(-jnp.inf).at[:, 1, 2].set(-jnp.inf)
+  assert_close(merge_attention(outs, lses, backend=variant),
+               merge_attention(outs, lses, backend="reference"), jnp.float32)
+
+
+def test_merged_halves_equal_whole_attention():
+  """Attention over two disjoint key halves, merged through the LSE, is attention over all."""
+  rng = np.random.default_rng(4)
+  q, k, v = normal(rng, (2, 3, 4, 64)), normal(rng, (2, 90, 2, 64)), normal(rng, (2, 90, 2, 64))
+  parts = [flash_attention(q, k[:, s], v[:, s], causal=False, backend="tpu")
+           for s in (slice(0, 40), slice(40, 90))]
+  merged = merge_attention(jnp.stack([p[0] for p in parts]), jnp.stack([p[1] for p in parts]),
+                           backend="gpu")
+  assert_close(merged, flash_attention(q, k, v, causal=False, backend="reference"), jnp.float32)
+
+
+def test_attention_kernel_errors():
+  q, k = jnp.ones((1, 2, 8, 64)), jnp.ones((1, 10, 2, 64))
+  with pytest.raises(ValueError, match="same shape"):
+    flash_attention(q, k, jnp.ones((1, 11, 2, 64)))
+  with pytest.raises(ValueError, match="indices must be"):
+    gathered_attention(q, k, k, jnp.zeros((1, 3, 4), jnp.int32))
+  with pytest.raises(ValueError, match="plus a head dim"):
+    merge_attention(jnp.ones((2, 3, 64)), jnp.ones((2, 4)))
