@@ -15,6 +15,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+import pallas_kernels
+
 # Above this many score elements per call, keys are processed in blocks with an online softmax so
 # that no [queries x cache] matrix is ever held for a long context.
 _DENSE_LIMIT = 1 << 24
@@ -155,12 +157,4 @@ def merge_attention(outs, lses):
 
   outs: [P, ..., d]; lses: [P, ...] (natural log, -inf for empty parts). Returns (out, lse).
   """
-  lses = lses.astype(jnp.float32)
-  m = jnp.max(lses, axis=0)
-  m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
-  w = jnp.exp(lses - m_safe)
-  total = jnp.sum(w, axis=0)
-  out = jnp.sum(w[..., None] * outs.astype(jnp.float32), axis=0)
-  out = jnp.where(total[..., None] > 0, out / jnp.where(total > 0, total, 1.0)[..., None], 0.0)
-  lse = jnp.where(total > 0, m_safe + jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf)
-  return out.astype(outs.dtype), lse
+  return pallas_kernels.merge_attention(outs, lses, backend="reference")
