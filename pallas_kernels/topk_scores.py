@@ -72,8 +72,6 @@ def topk_scores(q, k, top_k: int, *, scale: float | None = None, valid_len=None,
   return layout.from_rows(vals, lq, h), layout.from_rows(idx, lq, h)
 
 
-
-
 @functools.partial(jax.jit, static_argnames=("kp", "span", "splits", "scale", "kv_layout",
                                              "tiling", "interpret"))
 def _gpu(qr, k, bounds, *, kp, span, splits, scale, kv_layout, tiling, interpret):
