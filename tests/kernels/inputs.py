@@ -1,7 +1,6 @@
 """Random kernel inputs (never zeros) shared by the kernel tests."""
 
 import jax.numpy as jnp
-import numpy as np
 
 
 def small_ints(rng, shape, dtype=jnp.bfloat16):
