@@ -19,7 +19,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import backend as backend_lib
-from pallas_kernels import gpu, layout
+from pallas_kernels import gpu, layout, tpu
 from pallas_kernels import online_softmax as osm
 from pallas_kernels import reference
 
@@ -181,12 +181,5 @@ def _tpu(qr, k, v, meta, *, group, bm, bk, causal, scale, interpret):
       num_scalar_prefetch=1, grid=(b * kvh, rp // bm, nk),
       in_specs=[pl.BlockSpec((SQ, SQ, bm, d), row), key, key],
       out_specs=[pl.BlockSpec((SQ, SQ, bm, d), row), pl.BlockSpec((SQ, SQ, bm, 1), row)],
-      scratch_shapes=[pltpu.VMEM((bm, 1), jnp.float32), pltpu.VMEM((bm, 1), jnp.float32),
-                      pltpu.VMEM((bm, d), jnp.float32)])
-  return pl.pallas_call(
-      kernel, grid_spec=grid_spec, interpret=interpret,
-      out_shape=[jax.ShapeDtypeStruct((b, kvh, rp, d), jnp.float32),
-                 jax.ShapeDtypeStruct((b, kvh, rp, 1), jnp.float32)],
-      compiler_params=pltpu.CompilerParams(
-          dimension_semantics=("parallel", "parallel", "arbitrary")),
-  )(meta.reshape(-1), qr, k, v)
+      scratch_shapes=tpu.softmax_scratch(bm, d))
+  return tpu.attention_call(kernel, grid_spec, qr.shape, interpret)(meta.reshape(-1), qr, k, v)

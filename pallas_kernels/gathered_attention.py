@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import backend as backend_lib
-from pallas_kernels import gpu, layout
+from pallas_kernels import gpu, layout, tpu
 from pallas_kernels import online_softmax as osm
 from pallas_kernels import reference
 
@@ -161,12 +161,6 @@ def _tpu(qr, k, v, indices, ok, *, bm, bn, scale, interpret):
                 pl.BlockSpec((SQ, SQ, bm, d), row), any_spec, any_spec],
       out_specs=[pl.BlockSpec((SQ, SQ, bm, d), row), pl.BlockSpec((SQ, SQ, bm, 1), row)],
       scratch_shapes=[pltpu.VMEM((bn, d), k.dtype), pltpu.VMEM((bn, d), v.dtype),
-                      pltpu.SemaphoreType.DMA((2,)), pltpu.VMEM((bm, 1), jnp.float32),
-                      pltpu.VMEM((bm, 1), jnp.float32), pltpu.VMEM((bm, d), jnp.float32)])
-  return pl.pallas_call(
-      kernel, grid_spec=grid_spec, interpret=interpret,
-      out_shape=[jax.ShapeDtypeStruct((b, kvh, rp, d), jnp.float32),
-                 jax.ShapeDtypeStruct((b, kvh, rp, 1), jnp.float32)],
-      compiler_params=pltpu.CompilerParams(
-          dimension_semantics=("parallel", "parallel", "arbitrary")),
-  )(indices.reshape(-1), ok[:, :, None, :], qr, k, v)
+                      pltpu.SemaphoreType.DMA((2,)), *tpu.softmax_scratch(bm, d)])
+  return tpu.attention_call(kernel, grid_spec, qr.shape, interpret)(
+      indices.reshape(-1), ok[:, :, None, :], qr, k, v)

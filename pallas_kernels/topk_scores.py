@@ -17,7 +17,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import backend as backend_lib
-from pallas_kernels import gpu, layout, online_softmax, reference, topk_tile
+from pallas_kernels import gpu, layout, online_softmax, reference, topk_tile, tpu
 
 SQ = gpu.SQ
 
@@ -150,6 +150,5 @@ def _tpu(qr, k, bounds, *, kp, bm, bk, scale, interpret):
   return pl.pallas_call(
       kernel, grid_spec=grid_spec, interpret=interpret,
       out_shape=[jax.ShapeDtypeStruct(shape, jnp.float32), jax.ShapeDtypeStruct(shape, jnp.int32)],
-      compiler_params=pltpu.CompilerParams(
-          dimension_semantics=("parallel", "parallel", "arbitrary")),
+      compiler_params=tpu.compiler_params(),
   )(bounds.reshape(-1), qr, k)
