@@ -73,6 +73,9 @@ def run_jax(args) -> dict:
   t0 = time.perf_counter()
   for c in range(1, n_chunks):
     cache, last = run_chunk(c, cache, last)
+    if c % max(1, n_chunks // 8) == 0:  # long prefills (1M tokens) show where they are
+      jax.block_until_ready(last)
+      _stage(f"prefill chunk {c}/{n_chunks}, {time.perf_counter() - t0:.1f}s")
   jax.block_until_ready(last)
   cache = end_prefill(cache, cfg, method, decode_room=cache_len - ctx)
   jax.block_until_ready(cache)

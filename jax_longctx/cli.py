@@ -68,7 +68,8 @@ def _cmd_eval(args) -> int:
   options = methods_lib.parse_method_args(args.task_arg)
   lm = load(args.model, dtype=args.dtype)
   records = eval_lib.run_sweep(lm, args.task, specs, lengths, depths, args.samples, args.out,
-                               chat=args.chat, chunk=args.chunk_size, task_options=options)
+                               chat=args.chat, chunk=args.chunk_size, task_options=options,
+                               cache_len=args.cache_len)
   print(summary_table(records))
   print(f"results in {args.out}")
   return 0
@@ -108,6 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
   ev.add_argument("--out", required=True, help="directory for results.jsonl, summary.md, plots")
   ev.add_argument("--chat", action="store_true", help="use the model's chat template")
   ev.add_argument("--chunk-size", type=int, default=512)
+  ev.add_argument("--cache-len", type=int, default=None,
+                  help="one cache size (tokens) for all lengths: one compile per method")
   ev.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
   ev.set_defaults(func=_cmd_eval)
 

@@ -88,14 +88,18 @@ def _peak_bytes():
   return stats.get("peak_bytes_in_use")
 
 
-def run_sample(lm, task, spec: MethodSpec, sample, chunk: int) -> dict:
-  """One sample through one method: prediction, score and timings."""
+def run_sample(lm, task, spec: MethodSpec, sample, chunk: int, cache_len: int | None = None) -> dict:
+  """One sample through one method: prediction, score and timings.
+
+  cache_len: one cache size for every sample (one compile per method for a whole sweep of
+  lengths); None sizes the cache per requested length.
+  """
   method = spec.method
   if task.name == "ppl":
     prefix, targets = task.split(sample)
     t0 = time.perf_counter()
     cache, last = prefill(lm.params, lm.config, [prefix], method,
-                          cache_len=_cache_len(sample.length, 0), chunk_size=chunk)
+                          cache_len=cache_len or _cache_len(sample.length, 0), chunk_size=chunk)
     jax.block_until_ready(last)
     t1 = time.perf_counter()
     nll, _ = teacher_forced_nll(lm.params, cache, last, jnp.asarray([targets], jnp.int32),
@@ -108,7 +112,8 @@ def run_sample(lm, task, spec: MethodSpec, sample, chunk: int) -> dict:
   ids = lm.tokenizer.encode(sample.prompt)
   t0 = time.perf_counter()
   cache, last = prefill(lm.params, lm.config, [ids], method,
-                        cache_len=_cache_len(sample.length, task.max_new_tokens), chunk_size=chunk)
+                        cache_len=cache_len or _cache_len(sample.length, task.max_new_tokens),
+                        chunk_size=chunk)
   jax.block_until_ready(last)
   t1 = time.perf_counter()
   out, steps, _ = decode_loop(lm.params, cache, last, jnp.asarray(lm.stop_tokens() or (-1,)),
@@ -132,7 +137,8 @@ def plan(task, specs, lengths, depths, samples) -> list[tuple]:
 
 def run_sweep(lm, task_name: str, specs: list[MethodSpec], lengths: list[int],
               depths: list[float], samples: int, out_dir: str, *, chat: bool = False,
-              chunk: int = 512, task_options: dict | None = None) -> list[dict]:
+              chunk: int = 512, task_options: dict | None = None,
+              cache_len: int | None = None) -> list[dict]:
   task = tasks_lib.get(task_name, **(task_options or {}))
   os.makedirs(out_dir, exist_ok=True)
   done = load_results(out_dir)
@@ -145,7 +151,7 @@ def run_sweep(lm, task_name: str, specs: list[MethodSpec], lengths: list[int],
       rec = {"task": task.name, "method": spec.label, "hparams": spec.method.hparams(),
              "length": length, "depth": depth, "seed": seed, "n_tokens": sample.n_tokens,
              "chat": chat}
-      rec.update(run_sample(lm, task, spec, sample, chunk))
+      rec.update(run_sample(lm, task, spec, sample, chunk, cache_len))
       rec["peak_bytes"] = _peak_bytes()
       f.write(json.dumps(rec) + "\n")
       f.flush()

@@ -1,12 +1,15 @@
 """Every registered method: jit, one decode compile, batching, GQA, budgets, full-attention parity."""
 
+import dataclasses
 import importlib
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jax_longctx.methods import MethodError, get, names
+from jax_longctx.methods import full as full_lib
 from jax_longctx.model import forward
 
 gen = importlib.import_module("jax_longctx.generate")  # the package exports a function of that name
@@ -19,12 +22,18 @@ def _method(name, budget):
   """The method at a given budget, with settings small enough for tiny prompts."""
   if name == "full":
     return get("full")
+  if name == "reattention":  # the scope plays the budget: global + clip * span + local
+    return get(name, n_global=2, n_local=max(8, budget - 8), span=2, clip=3, top_k=2, chunk=8)
   kw = {"budget": budget}
   if name == "snapkv":
     kw["window"] = 4
   if name == "quest":
     kw.update(page_size=4, dense_layers=0)
   return get(name, **kw)
+
+
+def _fields(name):
+  return {f.name for f in dataclasses.fields(get(name))}
 
 
 def _prompts(cfg, lengths, seed=0):
@@ -103,7 +112,7 @@ def test_selection_methods_differ_from_full_when_budget_is_small(tiny):
     assert np.max(np.abs(got[:, 1:] - ref[:, 1:])) > 1e-4, name
 
 
-@pytest.mark.parametrize("name", [n for n in names() if n != "full"])
+@pytest.mark.parametrize("name", [n for n in names() if "budget" in _fields(n)])
 def test_budget_errors_name_the_parameter(name):
   with pytest.raises(MethodError, match=r"budget=100 is larger than the cache \(48 slots\)"):
     get(name, budget=100).init_state(_cfg(), 1, CACHE_LEN, jnp.float32, 8)
@@ -126,3 +135,14 @@ def test_fractional_budget():
 def _cfg():
   from tests.conftest import tiny_config
   return tiny_config()
+
+
+def test_full_prefill_through_the_kernel_equals_the_jnp_path(tiny, monkeypatch):
+  """On accelerators prefill chunks use flash_attention; its call matches the CPU path."""
+  cfg, params = tiny
+  prompts = _prompts(cfg, (13, 29))
+  ref, _ = _step_logits(params, cfg, prompts, get("full"), 2)
+  monkeypatch.setattr(full_lib, "prefill_uses_kernel", lambda: True)
+  jax.clear_caches()  # the jitted steps were traced with the other branch
+  got, _ = _step_logits(params, cfg, prompts, get("full"), 2)
+  np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0)

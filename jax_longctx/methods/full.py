@@ -6,10 +6,16 @@ import dataclasses
 
 import jax.numpy as jnp
 
+import pallas_kernels
 from jax_longctx.attention import attention
 from jax_longctx.cache import KVCache
 from jax_longctx.methods.base import AttnContext, Method, register
 from jax_longctx.rope import apply_rope
+
+
+def prefill_uses_kernel() -> bool:
+  """Whether prefill chunks go to the flash-attention kernel (on GPU and TPU)."""
+  return pallas_kernels.resolve("auto").kind != "reference"
 
 
 @register
@@ -27,6 +33,13 @@ class Full(Method):
 
   def attend(self, state: KVCache, q, ctx: AttnContext):
     """q (after RoPE) over every cached slot it may see. Returns (out, lse)."""
+    if q.shape[1] > 1 and prefill_uses_kernel():
+      # A prefill chunk's positions are contiguous, so the causal rule is the kernel's own; keys
+      # past the chunk's end are never read. (The jnp path stays for decode, measured at 78% of
+      # the HBM bound, and for CPU, where the kernel's reference would hold a score matrix.)
+      return pallas_kernels.flash_attention(q, state.k, state.v, causal=True,
+                                            q_offset=ctx.q_pos[:, 0], kv_len=ctx.q_pos[:, -1] + 1,
+                                            kv_layout="BHTD")
     b, t = ctx.q_pos.shape[0], state.max_len
     k_pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     return attention(q, state.k, state.v, ctx.q_pos, k_pos, kv_extent=jnp.max(ctx.q_pos) + 1)

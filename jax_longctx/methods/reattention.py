@@ -1,0 +1,109 @@
+"""ReAttention: position-agnostic top-k selection before ordinary RoPE attention.
+
+Liu et al., "ReAttention: Training-Free Infinite Context with Finite Attention Scope",
+ICLR 2025 (arXiv:2407.15176). The cache keeps every token's keys before RoPE. Each step (a
+prefill chunk or one generated token) and layer selects a scope of at most
+n_global + clip * span + n_local tokens (reattention_scope.py), gathers it, rotates it at the
+contiguous positions 0..n-1 and attends with the step's queries at the last positions. Positions
+therefore never exceed the scope, and with the paper's defaults the scope is exactly the 8K window
+of Llama-3-8B: 32 + 127 * 32 + 4096 = 8192.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+import pallas_kernels
+from jax_longctx.attention import attention
+from jax_longctx.cache import KVCache
+from jax_longctx.methods.base import AttnContext, Method, MethodError, register
+from jax_longctx.methods.reattention_scope import Scope, select_scope
+from jax_longctx.rope import apply_rope, rotate
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class ReAttention(Method):
+  """Defaults are the paper's §3.1 settings (OpenMOSS/ReAttention uses per-query top-1; the
+  paper's runs top-4). `backend` picks the kernels' variant (pallas_kernels: "auto" by platform).
+  """
+
+  name = "reattention"
+  keys_before_rope = True
+
+  n_global: int = 32
+  n_local: int = 4096
+  span: int = 32
+  top_k: int = 4
+  clip: int = 127
+  chunk: int = 512
+  backend: str = "auto"
+
+  @property
+  def prefill_chunk(self) -> int:  # type: ignore[override]
+    return self.chunk
+
+  @property
+  def scope_size(self) -> int:
+    """The most tokens one step attends to, hence the largest position RoPE ever sees, plus 1."""
+    return self.n_global + self.clip * self.span + self.n_local
+
+  @classmethod
+  def for_window(cls, window: int, *, n_global: int = 32, span: int = 32, top_k: int = 4,
+                 chunk: int = 512, **kw) -> "ReAttention":
+    """A setting whose scope fills `window`, split as in the paper: local = half the window,
+    the rest (after the global part) spans (window 8192 gives the paper's defaults)."""
+    n_local = window // 2
+    clip = (window - n_global - n_local) // span
+    if clip < 1 or chunk > n_local:
+      raise MethodError(f"window={window} is too small for n_global={n_global}, span={span} "
+                        f"and chunk={chunk}")
+    return cls(n_global=n_global, n_local=n_local, span=span, top_k=top_k, clip=clip,
+               chunk=chunk, **kw)
+
+  def init_state(self, cfg, batch, max_len, dtype, chunk) -> KVCache:
+    for field in ("n_local", "span", "top_k", "clip", "chunk"):
+      if getattr(self, field) < 1:
+        raise MethodError(f"{field}={getattr(self, field)} must be >= 1")
+    if self.n_global < 0:
+      raise MethodError(f"n_global={self.n_global} must be >= 0")
+    if chunk > self.n_local:
+      raise MethodError(f"a step of {chunk} tokens is longer than n_local={self.n_local}: the "
+                        "local part must hold the whole step (use a smaller chunk)")
+    if self.scope_size > cfg.max_position_embeddings:
+      raise MethodError(
+          f"scope n_global + clip * span + n_local = {self.scope_size} exceeds the model's window "
+          f"({cfg.max_position_embeddings}); see ReAttention.for_window")
+    pallas_kernels.resolve(self.backend)  # an unknown backend fails here, not inside a trace
+    return KVCache.zeros(cfg, batch, max_len, dtype)
+
+  def scope(self, state: KVCache, q, ctx: AttnContext) -> Scope:
+    return select_scope(q, state.k, ctx.q_pos, ctx.valid, n_global=self.n_global,
+                        n_local=self.n_local, span=self.span, top_k=self.top_k, clip=self.clip,
+                        backend=self.backend)
+
+  def prefill(self, state: KVCache, q, k, v, ctx: AttnContext):
+    state = state.write(ctx.q_pos, k, v)  # keys before RoPE, slot = position
+    sc = self.scope(state, q, ctx)
+    take = sc.idx[:, None, :, None]  # one scope per sequence, shared by its kv heads
+    k_scope = jnp.take_along_axis(state.k, take, axis=2)  # [B, KV, N, d]
+    v_scope = jnp.take_along_axis(state.v, take, axis=2)
+    n = sc.idx.shape[1]
+    k_scope = rotate(k_scope, jnp.arange(n, dtype=jnp.int32), ctx.freqs)
+    q_rank = sc.q_offset[:, None] + jnp.arange(q.shape[1], dtype=jnp.int32)[None, :]
+    return self._attend(apply_rope(q, q_rank, ctx.freqs), k_scope, v_scope, q_rank, sc), state
+
+  def _attend(self, q, k, v, q_rank, sc: Scope):
+    """Causal attention over the compacted scope: slot j sits at position j, j < sc.length."""
+    if pallas_kernels.resolve(self.backend).kind == "reference":
+      # CPU: the jnp path stops at the longest scope instead of scoring all N padded slots.
+      slots = jnp.arange(k.shape[2], dtype=jnp.int32)[None, :]
+      k_pos = jnp.where(slots < sc.length[:, None], slots, -1)
+      out, _ = attention(q, k, v, q_rank, k_pos, kv_extent=jnp.max(sc.length))
+      return out
+    out, _ = pallas_kernels.flash_attention(q, k, v, causal=True, q_offset=sc.q_offset,
+                                            kv_len=sc.length, kv_layout="BHTD",
+                                            backend=self.backend)
+    return out
