@@ -1,7 +1,7 @@
 """ReAttention: position-agnostic top-k selection before ordinary RoPE attention.
 
 Liu et al., "ReAttention: Training-Free Infinite Context with Finite Attention Scope",
-ICLR 2025 (arXiv:2407.15176). The cache keeps every token's keys before RoPE. Each step (a
+arXiv:2407.15176. The cache keeps every token's keys before RoPE. Each step (a
 prefill chunk or one generated token) and layer selects a scope of at most
 n_global + clip * span + n_local tokens (reattention_scope.py), gathers it, rotates it at the
 contiguous positions 0..n-1 and attends with the step's queries at the last positions. Positions

@@ -1,7 +1,7 @@
 """ReAttention's position-agnostic selection: which cached tokens one step attends to.
 
 Liu et al., "ReAttention: Training-Free Infinite Context with Finite Attention Scope",
-ICLR 2025 (arXiv:2407.15176), §2.1 and Algorithms 1-2. Every query of the step and every query
+arXiv:2407.15176, §2.1 and Algorithms 1-2. Every query of the step and every query
 head scores the candidate tokens (between the global and the local part) by raw pre-RoPE q.k;
 each takes its top-k; the votes of all heads, queries and ranks are pooled and the `clip` most
 voted tokens kept; each expands to a span, overlapping spans merge, and the scope is
