@@ -29,6 +29,8 @@ def _method(name, budget):
     kw["window"] = 4
   if name == "quest":
     kw.update(page_size=4, dense_layers=0)
+  if name == "resa":
+    kw["base_args"] = (("page_size", 4), ("dense_layers", 0))
   return get(name, **kw)
 
 

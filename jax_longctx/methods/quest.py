@@ -17,9 +17,9 @@ import jax.numpy as jnp
 from flax import struct
 
 from jax_longctx.cache import KVCache
-from jax_longctx.methods.base import AttnContext, Method, MethodError, register, resolve_budget
+from jax_longctx.methods.base import AttnContext, MethodError, register, resolve_budget
 from jax_longctx.methods.full import Full
-from jax_longctx.methods.selection import gathered_attention
+from jax_longctx.methods.selection import SelectingMethod
 from jax_longctx.rope import apply_rope
 
 
@@ -32,7 +32,7 @@ class QuestState:
 
 @register
 @dataclasses.dataclass(frozen=True)
-class Quest(Method):
+class Quest(SelectingMethod):
   name = "quest"
 
   budget: float = 1024
@@ -50,7 +50,13 @@ class Quest(Method):
     return QuestState(KVCache.zeros(cfg, batch, pages * self.page_size, dtype),
                       jnp.full(shape, jnp.inf, dtype), jnp.full(shape, -jnp.inf, dtype))
 
-  def _write(self, state: QuestState, k, v, ctx: AttnContext) -> QuestState:
+  def dense_at(self, ctx: AttnContext) -> bool:
+    return ctx.layer < self.dense_layers
+
+  def cache(self, state: QuestState) -> KVCache:
+    return state.kv
+
+  def write(self, state: QuestState, k, v, ctx: AttnContext) -> QuestState:
     """Stores post-RoPE k and folds it into its page's min/max (padding is dropped)."""
     kv = state.kv.write(ctx.q_pos, k, v)
     page = jnp.where(ctx.valid, ctx.q_pos // self.page_size, state.kmin.shape[2])
@@ -61,20 +67,14 @@ class Quest(Method):
 
   def prefill(self, state: QuestState, q, k, v, ctx: AttnContext):
     k = apply_rope(k, ctx.q_pos, ctx.freqs)
-    state = self._write(state, k, v, ctx)
+    state = self.write(state, k, v, ctx)
     out, _ = Full().attend(state.kv, apply_rope(q, ctx.q_pos, ctx.freqs), ctx)
     return out, state
 
-  def decode(self, state: QuestState, q, k, v, ctx: AttnContext):
-    if ctx.layer < self.dense_layers:
-      return self.prefill(state, q, k, v, ctx)
-    if q.shape[1] != 1:
-      raise MethodError("quest decodes one token per step")
-    state = self._write(state, apply_rope(k, ctx.q_pos, ctx.freqs), v, ctx)
-    q = apply_rope(q, ctx.q_pos, ctx.freqs)
-    b, _, h, d = q.shape
+  def select(self, state: QuestState, q_rot, ctx: AttnContext):
+    b, _, h, d = q_rot.shape
     kvh, pages = state.kmin.shape[1], state.kmin.shape[2]
-    qg = q[:, 0].reshape(b, kvh, h // kvh, 1, d).astype(jnp.float32)
+    qg = q_rot[:, 0].reshape(b, kvh, h // kvh, 1, d).astype(jnp.float32)
     bound = jnp.maximum(qg * state.kmax[:, :, None].astype(jnp.float32),
                         qg * state.kmin[:, :, None].astype(jnp.float32))
     score = jnp.sum(bound, axis=-1).reshape(b, h, pages)  # [B, H, pages]
@@ -84,6 +84,4 @@ class Quest(Method):
     score = jnp.where(page_ids == current, jnp.inf, score)
     n_pages = min(resolve_budget(self.budget, state.kv.max_len) // self.page_size, pages)
     _, top = jax.lax.top_k(score, n_pages)  # [B, H, n_pages]
-    slots = (top[..., None] * self.page_size + jnp.arange(self.page_size)).reshape(b, h, -1)
-    out, _ = gathered_attention(q, state.kv, slots, ctx.q_pos)
-    return out, state
+    return (top[..., None] * self.page_size + jnp.arange(self.page_size)).reshape(b, h, -1)

@@ -2,14 +2,33 @@
 
 Selection happens at decode (one query per step); prefill stays dense. The gather reads only the
 chosen slots of each query head's kv head, so no per-head copy of the cache is made.
+`SelectingMethod` splits a decode step into write, select and attend, so wrappers (RESA) can
+reuse a method's selection and replace its attention.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax.numpy as jnp
 
 from jax_longctx.attention import attention
 from jax_longctx.cache import KVCache
+from jax_longctx.methods.base import AttnContext, MethodError
+from jax_longctx.methods.full import Full
+from jax_longctx.rope import apply_rope
+
+
+def gather_slots(kv: KVCache, slots):
+  """Each query head's slots [B, H, n] -> k, v [B, H, n, d] from its kv head, and their
+  positions [B, H, n] (-1 for slots past the cache end)."""
+  b, h, _ = slots.shape
+  group = h // kv.k.shape[1]
+  b_idx = jnp.arange(b)[:, None, None]
+  kv_head = (jnp.arange(h) // group)[None, :, None]
+  safe = jnp.clip(slots, 0, kv.max_len - 1)
+  k_pos = jnp.where((slots >= 0) & (slots < kv.max_len), slots, -1)
+  return kv.k[b_idx, kv_head, safe], kv.v[b_idx, kv_head, safe], k_pos
 
 
 def gathered_attention(q, kv: KVCache, slots, q_pos):
@@ -17,14 +36,7 @@ def gathered_attention(q, kv: KVCache, slots, q_pos):
 
   Slots past the query's position or the cache end are masked. Returns (out, lse).
   """
-  b, _, h, _ = q.shape
-  group = h // kv.k.shape[1]
-  b_idx = jnp.arange(b)[:, None, None]
-  kv_head = (jnp.arange(h) // group)[None, :, None]
-  safe = jnp.clip(slots, 0, kv.max_len - 1)
-  k = kv.k[b_idx, kv_head, safe]  # [B, H, n, d]
-  v = kv.v[b_idx, kv_head, safe]
-  k_pos = jnp.where((slots >= 0) & (slots < kv.max_len), slots, -1)
+  k, v, k_pos = gather_slots(kv, slots)
   return attention(q, k, v, q_pos, k_pos)  # one "kv head" per query head
 
 
@@ -35,3 +47,34 @@ def head_scores(q, keys):
   qg = q[:, 0].reshape(b, kvh, h // kvh, d)
   s = jnp.einsum("bkgd,bknd->bkgn", qg, keys, preferred_element_type=jnp.float32)
   return s.reshape(b, h, -1)
+
+
+@dataclasses.dataclass(frozen=True)
+class SelectingMethod(Full):
+  """Keeps the whole cache (post-RoPE keys, slot = position); prefill is exact; each decode step
+  attends per query head to the slots `select` returns."""
+
+  def dense_at(self, ctx: AttnContext) -> bool:
+    """Layers that decode with exact attention instead of selecting."""
+    return False
+
+  def cache(self, state) -> KVCache:
+    return state
+
+  def write(self, state, k_rot, v, ctx: AttnContext):
+    """Stores the new tokens' post-RoPE keys and values (and any per-method summaries)."""
+    return state.write(ctx.q_pos, k_rot, v)
+
+  def select(self, state, q_rot, ctx: AttnContext) -> jnp.ndarray:
+    """[B, H, n] cache slots for each query head (out-of-range or future slots are masked)."""
+    raise NotImplementedError
+
+  def decode(self, state, q, k, v, ctx: AttnContext):
+    if self.dense_at(ctx):
+      return self.prefill(state, q, k, v, ctx)
+    if q.shape[1] != 1:
+      raise MethodError(f"{self.name} decodes one token per step")
+    state = self.write(state, apply_rope(k, ctx.q_pos, ctx.freqs), v, ctx)
+    q = apply_rope(q, ctx.q_pos, ctx.freqs)
+    out, _ = gathered_attention(q, self.cache(state), self.select(state, q, ctx), ctx.q_pos)
+    return out, state

@@ -12,15 +12,13 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jax_longctx.methods.base import AttnContext, MethodError, register, resolve_budget
-from jax_longctx.methods.full import Full
-from jax_longctx.methods.selection import gathered_attention, head_scores
-from jax_longctx.rope import apply_rope
+from jax_longctx.methods.base import AttnContext, register, resolve_budget
+from jax_longctx.methods.selection import SelectingMethod, head_scores
 
 
 @register
 @dataclasses.dataclass(frozen=True)
-class TopK(Full):
+class TopK(SelectingMethod):
   name = "topk"
 
   budget: float = 1024
@@ -29,14 +27,8 @@ class TopK(Full):
     resolve_budget(self.budget, max_len)
     return super().init_state(cfg, batch, max_len, dtype, chunk)
 
-  def decode(self, state, q, k, v, ctx: AttnContext):
-    if q.shape[1] != 1:
-      raise MethodError("topk decodes one token per step")
+  def select(self, state, q_rot, ctx: AttnContext):
     n = resolve_budget(self.budget, state.max_len)
-    state = state.write(ctx.q_pos, apply_rope(k, ctx.q_pos, ctx.freqs), v)
-    q = apply_rope(q, ctx.q_pos, ctx.freqs)
-    s = head_scores(q, state.k)  # [B, H, T]
+    s = head_scores(q_rot, state.k)  # [B, H, T]
     visible = jnp.arange(state.max_len)[None, None, :] <= ctx.q_pos[:, :, None]
-    _, slots = jax.lax.top_k(jnp.where(visible, s, -jnp.inf), n)
-    out, _ = gathered_attention(q, state, slots, ctx.q_pos)
-    return out, state
+    return jax.lax.top_k(jnp.where(visible, s, -jnp.inf), n)[1]

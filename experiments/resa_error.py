@@ -1,0 +1,185 @@
+"""RESA's error study (issue 7): how far sparse attention's output is from full attention's, with
+and without the prior, on real activations of a model.
+
+    python experiments/resa_error.py --model default --tasks niah_multikey,niah_multivalue,passkey \
+        --length 6k --samples 2 --steps 16 --out docs/results/resa
+
+Each prompt runs through the model with full attention; then `steps` tokens are decoded
+(teacher-forced on the full-attention greedy continuation). At every decode step and layer a probe
+computes, from the same q and cache, the outputs of Quest and ideal top-k at budgets of 2.5%, 5%
+and 10% of the context, alone and with RESA (prior per query head, and per kv group), and their
+relative error ||o - o_full|| / ||o_full|| per head. The model itself always continues with full
+attention, so every variant sees identical inputs. Writes errors.json, summary.md and
+per_layer.png to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from jax_longctx import load, tasks
+from jax_longctx.generate import prefill
+from jax_longctx.methods import Method, get
+from jax_longctx.methods.full import Full
+from jax_longctx.methods.resa import Resa, ResaState, fold_into_prior, residual_attention
+from jax_longctx.progress import progress
+from jax_longctx.rope import apply_rope
+
+FRACTIONS = (0.025, 0.05, 0.10)
+# (label, base, lam, prior): lam 0 is the base method alone.
+VARIANTS = (("quest", "quest", 0.0, "head"), ("quest+resa", "quest", 1.0, "head"),
+            ("quest+resa(group)", "quest", 1.0, "group"), ("topk", "topk", 0.0, "head"),
+            ("topk+resa", "topk", 1.0, "head"), ("topk+resa(group)", "topk", 1.0, "group"))
+
+
+@struct.dataclass
+class ProbeState:
+  resa: ResaState  # inner = Quest's state: the full post-RoPE cache plus page bounds
+  group_prior: ResaState  # the per-kv-group prior (inner unused)
+  err: jnp.ndarray  # [fractions, variants] summed relative errors
+  steps: jnp.ndarray  # [] decode steps seen
+
+
+@dataclasses.dataclass(frozen=True)
+class Probe(Method):
+  """Full attention that also measures every variant's output error at each decode step."""
+
+  name = "resa_probe"
+  budgets: tuple = ()  # tokens per fraction, multiples of Quest's page size
+
+  def _resa(self, prior="head") -> Resa:
+    return get("resa", base="quest", budget=max(self.budgets), prior=prior,
+               base_args=(("dense_layers", 0),))
+
+  def init_state(self, cfg, batch, max_len, dtype, chunk):
+    state = self._resa().init_state(cfg, batch, max_len, dtype, chunk)
+    fresh = jax.tree.map(jnp.copy, state.replace(inner=None))  # own buffers: the cache is donated
+    return ProbeState(state, fresh,
+                      jnp.zeros((len(self.budgets), len(VARIANTS)), jnp.float32), jnp.float32(0))
+
+  def prefill(self, state: ProbeState, q, k, v, ctx):
+    out, resa = self._resa().prefill(state.resa, q, k, v, ctx)
+    return out, state.replace(resa=resa)
+
+  def end_of_prefill(self, state: ProbeState, info):
+    group = self._resa("group").end_of_prefill(state.resa, info)
+    return state.replace(resa=self._resa().end_of_prefill(state.resa, info),
+                         group_prior=group.replace(inner=None))
+
+  def decode(self, state: ProbeState, q, k, v, ctx):
+    quest = self._resa().inner
+    k_rot = apply_rope(k, ctx.q_pos, ctx.freqs)
+    inner = quest.write(state.resa.inner, k_rot, v, ctx)
+    q_rot = apply_rope(q, ctx.q_pos, ctx.freqs)
+    priors = {"head": fold_into_prior(state.resa.replace(inner=inner), k_rot, v, ctx.valid),
+              "group": fold_into_prior(state.group_prior, k_rot, v, ctx.valid)}
+    full, _ = Full().attend(inner.kv, q_rot, ctx)
+    full = full.astype(jnp.float32)
+    rows = []
+    for budget in self.budgets:
+      row = []
+      for _, base, lam, prior in VARIANTS:
+        selector = get(base, budget=budget, **({"dense_layers": 0} if base == "quest" else {}))
+        slots = selector.select(inner if base == "quest" else inner.kv, q_rot, ctx)
+        out = residual_attention(q_rot, priors[prior], inner.kv, slots, ctx.q_pos, lam)
+        diff = jnp.linalg.norm(out.astype(jnp.float32) - full, axis=-1)
+        row.append(jnp.mean(diff / jnp.maximum(jnp.linalg.norm(full, axis=-1), 1e-30)))
+      rows.append(jnp.stack(row))
+    return full.astype(q.dtype), ProbeState(priors["head"], priors["group"].replace(inner=None),
+                                            state.err + jnp.stack(rows), state.steps + 1)
+
+
+def run(lm, prompts, steps: int) -> np.ndarray:
+  """Summed errors [layers, fractions, variants] and the number of decode steps."""
+  cfg = lm.config
+  total, count = 0.0, 0
+  for ids in progress(prompts, desc="resa error"):
+    cache_len = -(-(len(ids) + steps + 1) // 16) * 16
+    budgets = tuple(max(16, int(round(f * len(ids) / 16)) * 16) for f in FRACTIONS)
+    probe = Probe(budgets=budgets)
+    cache, last = prefill(lm.params, cfg, [ids], probe, cache_len=cache_len)
+    step = jax.jit(lambda p, t, c: lm_forward(p, t, c, probe, cfg))
+    tok = jnp.argmax(last, axis=-1)[:, None].astype(jnp.int32)
+    for _ in range(steps):
+      logits, cache = step(lm.params, tok, cache)
+      tok = jnp.argmax(logits[:, 0], axis=-1)[:, None].astype(jnp.int32)
+    errs = np.stack([np.asarray(s.err) for s in cache.state])  # [layers, fractions, variants]
+    total = total + errs
+    count += steps
+  return total / count
+
+
+def lm_forward(params, tok, cache, method, cfg):
+  from jax_longctx.model import forward
+  return forward(params, tok, cache.lengths[:, None], cache, method, cfg, decode=True)
+
+
+def write(errors: np.ndarray, out_dir: str, meta: dict) -> None:
+  os.makedirs(out_dir, exist_ok=True)
+  labels = [v[0] for v in VARIANTS]
+  mean = errors.mean(axis=0)  # over layers: [fractions, variants]
+  with open(os.path.join(out_dir, "errors.json"), "w") as f:
+    json.dump({**meta, "fractions": FRACTIONS, "variants": labels,
+               "per_layer": errors.tolist(), "mean": mean.tolist()}, f, indent=1)
+  lines = ["| budget | " + " | ".join(labels) + " | Quest reduction | top-k reduction |",
+           "|---" * (len(labels) + 3) + "|"]
+  for i, frac in enumerate(FRACTIONS):
+    e = dict(zip(labels, mean[i]))
+    red_q = 1 - e["quest+resa"] / e["quest"]
+    red_t = 1 - e["topk+resa"] / e["topk"]
+    lines.append(f"| {frac:.1%} | " + " | ".join(f"{x:.4f}" for x in mean[i])
+                 + f" | {red_q:.0%} | {red_t:.0%} |")
+  table = "\n".join(lines) + "\n"
+  with open(os.path.join(out_dir, "summary.md"), "w") as f:
+    f.write(f"Relative error of the attention output vs full attention, mean over layers, heads "
+            f"and {meta['steps']} decode steps x {meta['prompts']} prompts "
+            f"({meta['tasks']}, {meta['length']} tokens, model {meta['model']}).\n\n" + table)
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, axes = plt.subplots(1, len(FRACTIONS), figsize=(5 * len(FRACTIONS), 3.6), sharey=True)
+  for i, (ax, frac) in enumerate(zip(axes, FRACTIONS)):
+    for j, label in enumerate(labels):
+      ax.plot(errors[:, i, j], label=label, linestyle="--" if "resa" not in label else "-")
+    ax.set_title(f"budget {frac:.1%}")
+    ax.set_xlabel("layer")
+  axes[0].set_ylabel("relative error vs full attention")
+  axes[-1].legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(os.path.join(out_dir, "per_layer.png"), dpi=120)
+  print(table)
+
+
+def main() -> None:
+  p = argparse.ArgumentParser(description=__doc__)
+  p.add_argument("--model", default="default")
+  p.add_argument("--tasks", default="niah_multikey,niah_multivalue,passkey")
+  p.add_argument("--length", default="6k")
+  p.add_argument("--samples", type=int, default=2)
+  p.add_argument("--steps", type=int, default=16)
+  p.add_argument("--out", default="docs/results/resa")
+  args = p.parse_args()
+  lm = load(args.model)
+  length = tasks.parse_length(args.length)
+  prompts = []
+  for name in args.tasks.split(","):
+    task = tasks.get(name)
+    for seed in range(args.samples):
+      depth = 0.5 if task.needle_task else None
+      prompts.append(lm.tokenizer.encode(task.make(lm.tokenizer, length, depth, seed,
+                                                   chat=True).prompt))
+  errors = run(lm, prompts, args.steps)
+  write(errors, args.out, {"model": args.model, "tasks": args.tasks, "length": length,
+                           "prompts": len(prompts), "steps": args.steps})
+
+
+if __name__ == "__main__":
+  main()

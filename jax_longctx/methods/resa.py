@@ -1,0 +1,169 @@
+"""RESA: a rank-1 prior that estimates what sparse attention leaves out, merged online.
+
+"RESA: Bringing Back What Sparse Attention Ignores with Residual Estimation" (shared/papers/
+001_e9c4a03395ea0ae1.txt; no public code). Wraps a selecting method (`quest`, `topk`).
+
+Prior Estimator (§4.2, Eq. 2), once per layer at the end of prefill: the mean post-RoPE query
+mu_Q of the prompt and mean key mu_K; prior logits P_j = mu_Q.k_j / sqrt(d) over every cached
+key, their log-sum-exp and O_est = softmax(P) V (one extra query row over the cache).
+Online Aggregator (§4.3, Eqs. 3-5), per decode step in O(|I|): the prior logits of this query are
+P_j + b with the bias b = (q - mu_Q).mu_K / sqrt(d); the selected tokens I take their true
+logits, the rest keep the prior, and the merge is done in log-sum-exp form:
+
+  O = [lam (Z_b O_est - Z_I O_I) + Z_SA O_SA] / [lam (Z_b - Z_I) + Z_SA]
+
+where Z_b = exp(lse_P + b), (O_I, Z_I) is mu_Q's attention restricted to I (times exp(b)) and
+(O_SA, Z_SA) the wrapped method's own attention over I. lam = 1 is Eq. 3 exactly; lam = 0 is the
+wrapped method exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax.numpy as jnp
+from flax import struct
+
+import pallas_kernels
+from jax_longctx.attention import attention
+from jax_longctx.methods.base import (AttnContext, Method, MethodError, PrefillEnd, get,
+                                      register)
+from jax_longctx.methods.selection import SelectingMethod, gather_slots, gathered_attention
+from jax_longctx.rope import apply_rope
+
+PRIORS = ("head", "group")
+
+
+@struct.dataclass
+class ResaState:
+  inner: object  # the wrapped method's state
+  q_sum: jnp.ndarray  # [B, H, d] fp32: sum of the prompt's post-RoPE queries
+  mu_q: jnp.ndarray  # [B, H, d] fp32
+  mu_k: jnp.ndarray  # [B, KV, d] fp32
+  o_est: jnp.ndarray  # [B, H, d] fp32: softmax(P) V over every cached token
+  lse_p: jnp.ndarray  # [B, H] fp32: log sum_j exp(P_j)
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class Resa(Method):
+  """`lam` = 1 by default: Eq. 3 as written, which the paper finds best for retrieval tasks
+  (§5.4; summarization prefers smaller values). `prior`: "head" gives each query head its own
+  mu_Q; "group" shares one mu_Q (the mean of the group's heads) per kv head. `base_args` pass
+  further hyper-parameters to the wrapped method, e.g. (("page_size", 16),)."""
+
+  name = "resa"
+
+  base: str = "quest"
+  budget: float = 1024
+  lam: float = 1.0
+  prior: str = "head"
+  base_args: tuple = ()
+
+  @property
+  def inner(self) -> SelectingMethod:
+    if self.base == self.name:
+      raise MethodError("resa cannot wrap itself")
+    inner = get(self.base, budget=self.budget, **dict(self.base_args))
+    if not isinstance(inner, SelectingMethod):
+      raise MethodError(f"resa wraps a selecting method (quest, topk), not {self.base!r}")
+    return inner
+
+  def init_state(self, cfg, batch, max_len, dtype, chunk) -> ResaState:
+    if not 0 <= self.lam <= 1:
+      raise MethodError(f"lam={self.lam} must lie in [0, 1]")
+    if self.prior not in PRIORS:
+      raise MethodError(f"prior={self.prior!r} must be one of {PRIORS}")
+    h, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    zeros = lambda *s: jnp.zeros(s, jnp.float32)  # noqa: E731
+    return ResaState(self.inner.init_state(cfg, batch, max_len, dtype, chunk),
+                     zeros(batch, h, d), zeros(batch, h, d), zeros(batch, kvh, d),
+                     zeros(batch, h, d), jnp.full((batch, h), -jnp.inf, jnp.float32))
+
+  def prefill(self, state: ResaState, q, k, v, ctx: AttnContext):
+    out, inner = self.inner.prefill(state.inner, q, k, v, ctx)
+    q_rot = apply_rope(q, ctx.q_pos, ctx.freqs).astype(jnp.float32)
+    q_sum = state.q_sum + jnp.einsum("bshd,bs->bhd", q_rot, ctx.valid.astype(jnp.float32))
+    return out, state.replace(inner=inner, q_sum=q_sum)
+
+  def end_of_prefill(self, state: ResaState, info: PrefillEnd) -> ResaState:
+    inner = self.inner.end_of_prefill(state.inner, info)
+    cache = self.inner.cache(inner)
+    n = jnp.maximum(info.prompt_lengths, 1).astype(jnp.float32)  # [B]
+    mu_q = state.q_sum / n[:, None, None]
+    if self.prior == "group":
+      b, h, d = mu_q.shape
+      kvh = cache.k.shape[1]
+      grouped = jnp.mean(mu_q.reshape(b, kvh, h // kvh, d), axis=2, keepdims=True)
+      mu_q = jnp.broadcast_to(grouped, (b, kvh, h // kvh, d)).reshape(b, h, d)
+    in_prompt = jnp.arange(cache.max_len)[None, :] < info.prompt_lengths[:, None]  # [B, T]
+    mu_k = jnp.einsum("bktd,bt->bkd", cache.k.astype(jnp.float32),
+                      in_prompt.astype(jnp.float32)) / n[:, None, None]
+    o_est, lse_p = pallas_kernels.flash_attention(
+        mu_q[:, None].astype(cache.k.dtype), cache.k, cache.v, causal=False,
+        kv_len=info.prompt_lengths, kv_layout="BHTD")
+    return state.replace(inner=inner, mu_q=mu_q, mu_k=mu_k, o_est=o_est[:, 0].astype(jnp.float32),
+                         lse_p=lse_p[:, 0])
+
+  def decode(self, state: ResaState, q, k, v, ctx: AttnContext):
+    inner = self.inner
+    if inner.dense_at(ctx):
+      out, inner_state = inner.decode(state.inner, q, k, v, ctx)
+      return out, state.replace(inner=inner_state)
+    if q.shape[1] != 1:
+      raise MethodError("resa decodes one token per step")
+    k_rot = apply_rope(k, ctx.q_pos, ctx.freqs)
+    inner_state = inner.write(state.inner, k_rot, v, ctx)
+    q_rot = apply_rope(q, ctx.q_pos, ctx.freqs)
+    slots = inner.select(inner_state, q_rot, ctx)
+    state = fold_into_prior(state.replace(inner=inner_state), k_rot, v, ctx.valid)
+    out = residual_attention(q_rot, state, inner.cache(inner_state), slots, ctx.q_pos, self.lam)
+    return out.astype(q.dtype), state
+
+
+def fold_into_prior(state: ResaState, k_rot, v, valid) -> ResaState:
+  """Adds generated tokens (k_rot, v [B, S, KV, d]) to the prior, so it keeps covering every
+  cached token: O(S) per step. mu_Q and mu_K stay the prompt's."""
+  b, s, kvh, d = k_rot.shape
+  h = state.mu_q.shape[1]
+  kh = jnp.repeat(k_rot.astype(jnp.float32), h // kvh, axis=2)  # [B, S, H, d]
+  vh = jnp.repeat(v.astype(jnp.float32), h // kvh, axis=2)
+  logit = jnp.einsum("bhd,bshd->bsh", state.mu_q, kh) / math.sqrt(d)
+  logit = jnp.where(valid[:, :, None], logit, -jnp.inf)
+  outs = jnp.concatenate([state.o_est[None], jnp.moveaxis(vh, 1, 0)], axis=0)  # [1+S, B, H, d]
+  lses = jnp.concatenate([state.lse_p[None], jnp.moveaxis(logit, 1, 0)], axis=0)
+  o_est, lse_p = pallas_kernels.merge_attention(outs, lses, backend="reference")
+  return state.replace(o_est=o_est, lse_p=lse_p)
+
+
+def residual_attention(q_rot, state: ResaState, cache, slots, q_pos, lam: float):
+  """RESA's output for one decode query q_rot [B, 1, H, d] over the selected slots [B, H, n]."""
+  if lam == 0:  # the wrapped method's own attention, bit for bit
+    return gathered_attention(q_rot, cache, slots, q_pos)[0]
+  b, _, h, d = q_rot.shape
+  kvh = state.mu_k.shape[1]
+  k_sel, v_sel, k_pos = gather_slots(cache, slots)
+  # One pass over the gathered keys for both rows: the query, and mu_Q restricted to I.
+  rows = jnp.concatenate([q_rot, state.mu_q[:, None].astype(q_rot.dtype)], axis=1)  # [B, 2, H, d]
+  out, lse = attention(rows, k_sel, v_sel, jnp.repeat(q_pos, 2, axis=1), k_pos)
+  o_sa, lse_sa = out[:, 0].astype(jnp.float32), lse[:, 0]
+  o_sel, lse_sel = out[:, 1].astype(jnp.float32), lse[:, 1]
+  mu_k = jnp.repeat(state.mu_k, h // kvh, axis=1)  # [B, H, d]
+  bias = jnp.sum((q_rot[:, 0].astype(jnp.float32) - state.mu_q) * mu_k, axis=-1) / math.sqrt(d)
+  return merge_residual(o_sa, lse_sa, state.o_est, state.lse_p + bias, o_sel, lse_sel + bias,
+                        lam)[:, None]
+
+
+def merge_residual(o_sa, lse_sa, o_all, lse_all, o_sel, lse_sel, lam: float):
+  """[lam (Z_all O_all - Z_sel O_sel) + Z_sa O_sa] / [lam (Z_all - Z_sel) + Z_sa], in fp32 with
+  every Z = exp(lse) taken relative to the largest, so long contexts cannot overflow."""
+  m = jnp.maximum(lse_all, lse_sa)
+  m = jnp.where(jnp.isfinite(m), m, 0.0)
+  w_all = lam * jnp.exp(lse_all - m)
+  w_sel = lam * jnp.exp(lse_sel - m)
+  w_sa = jnp.exp(lse_sa - m)
+  rest = jnp.maximum(w_all - w_sel, 0.0)  # the prior mass of the tokens I leaves out
+  num = w_all[..., None] * o_all - w_sel[..., None] * o_sel + w_sa[..., None] * o_sa
+  den = rest + w_sa
+  return jnp.where((den > 0)[..., None], num / jnp.where(den > 0, den, 1.0)[..., None], 0.0)

@@ -1,0 +1,146 @@
+"""RESA against the naive O(L) formulation of Eq. 3, its prior against its definition, lam = 0
+against the wrapped methods, and bad settings."""
+
+import importlib
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_longctx.cache import KVCache
+from jax_longctx.methods import MethodError, PrefillEnd, get
+from jax_longctx.methods.resa import ResaState, fold_into_prior, residual_attention
+from tests.conftest import tiny_config
+
+gen = importlib.import_module("jax_longctx.generate")
+
+B, H, KV, D, T = 2, 6, 2, 8, 40
+
+
+def _softmax_out(logits, v):
+  """logits [..., T] (-inf = masked), v [..., T, d] -> (out, lse) in float64."""
+  m = np.max(logits, axis=-1, keepdims=True)
+  p = np.exp(logits - m)
+  lse = np.log(p.sum(-1)) + m[..., 0]
+  return np.einsum("...t,...td->...d", p / p.sum(-1, keepdims=True), v), lse
+
+
+def _random_case(seed):
+  rng = np.random.default_rng(seed)
+  k = rng.normal(size=(B, KV, T, D))
+  v = rng.normal(size=(B, KV, T, D))
+  q = rng.normal(size=(B, 1, H, D))
+  mu_q = rng.normal(size=(B, H, D)) * 0.5
+  mu_k = rng.normal(size=(B, KV, D)) * 0.5
+  q_pos = np.array([[33], [20]])
+  slots = np.stack([rng.permutation(T)[:9] for _ in range(B * H)]).reshape(B, H, 9)
+  return k, v, q, mu_q, mu_k, q_pos, slots
+
+
+def _naive(k, v, q, mu_q, mu_k, q_pos, slots, lam):
+  """Eq. 3: prior logits P_j + b everywhere, the selected slots' true logits, one softmax."""
+  group = H // KV
+  kh, vh = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)  # [B, H, T, d]
+  prior = np.einsum("bhd,bhtd->bht", mu_q, kh) / np.sqrt(D)
+  bias = np.einsum("bhd,bhd->bh", q[:, 0] - mu_q, np.repeat(mu_k, group, axis=1)) / np.sqrt(D)
+  true = np.einsum("bhd,bhtd->bht", q[:, 0], kh) / np.sqrt(D)
+  chosen = np.zeros((B, H, T), bool)
+  np.put_along_axis(chosen, slots, True, axis=-1)
+  logits = np.where(chosen, true, prior + bias[..., None] + np.log(lam))
+  visible = np.arange(T)[None, None, :] <= q_pos[:, :, None]
+  return _softmax_out(np.where(visible, logits, -np.inf), vh)[0]
+
+
+def _state(k, v, mu_q, mu_k, q_pos):
+  """The prior over every visible token, as end_of_prefill and the folds maintain it."""
+  group = H // KV
+  prior = np.einsum("bhd,bhtd->bht", mu_q, np.repeat(k, group, axis=1)) / np.sqrt(D)
+  visible = np.arange(T)[None, None, :] <= q_pos[:, :, None]
+  o_est, lse_p = _softmax_out(np.where(visible, prior, -np.inf), np.repeat(v, group, axis=1))
+  f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+  return ResaState(None, f32(np.zeros_like(mu_q)), f32(mu_q), f32(mu_k), f32(o_est), f32(lse_p))
+
+
+@pytest.mark.parametrize("lam", [1.0, 0.5])
+def test_aggregator_equals_the_naive_eq3(lam):
+  k, v, q, mu_q, mu_k, q_pos, slots = _random_case(0)
+  state = _state(k, v, mu_q, mu_k, q_pos)
+  cache = KVCache(jnp.asarray(k, jnp.float32), jnp.asarray(v, jnp.float32))
+  got = residual_attention(jnp.asarray(q, jnp.float32), state, cache, jnp.asarray(slots),
+                           jnp.asarray(q_pos, jnp.int32), lam)
+  want = _naive(k, v, q, mu_q, mu_k, q_pos, slots, lam)
+  np.testing.assert_allclose(np.asarray(got[:, 0]), want, atol=1e-5, rtol=1e-5)
+
+
+def test_folding_a_token_equals_recomputing_the_prior():
+  k, v, _, mu_q, mu_k, q_pos, _ = _random_case(1)
+  before = _state(k, v, mu_q, mu_k, q_pos - 1)
+  new = np.take_along_axis(k, q_pos[:, None, :, None], axis=2)  # the token at q_pos [B, KV, 1, d]
+  new_v = np.take_along_axis(v, q_pos[:, None, :, None], axis=2)
+  got = fold_into_prior(before, jnp.asarray(np.swapaxes(new, 1, 2), jnp.float32),
+                        jnp.asarray(np.swapaxes(new_v, 1, 2), jnp.float32),
+                        jnp.ones((B, 1), bool))
+  want = _state(k, v, mu_q, mu_k, q_pos)
+  np.testing.assert_allclose(np.asarray(got.o_est), np.asarray(want.o_est), atol=1e-5)
+  np.testing.assert_allclose(np.asarray(got.lse_p), np.asarray(want.lse_p), atol=1e-5)
+
+
+@pytest.mark.parametrize("prior", ["head", "group"])
+def test_prior_estimator_follows_its_definition(prior):
+  cfg = tiny_config()
+  rng = np.random.default_rng(2)
+  method = get("resa", base="topk", budget=8, prior=prior)
+  state = method.init_state(cfg, B, T, jnp.float32, 8)
+  k, v = rng.normal(size=(2, B, KV, T, D))
+  q_sum = rng.normal(size=(B, H, D))
+  lengths = np.array([31, 17])
+  state = state.replace(inner=KVCache(jnp.asarray(k, jnp.float32), jnp.asarray(v, jnp.float32)),
+                        q_sum=jnp.asarray(q_sum, jnp.float32))
+  got = method.end_of_prefill(state, PrefillEnd(cfg, 0, jnp.asarray(lengths), 0))
+  mu_q = q_sum / lengths[:, None, None]
+  if prior == "group":
+    mu_q = np.repeat(mu_q.reshape(B, KV, H // KV, D).mean(axis=2), H // KV, axis=1)
+  mu_k = np.stack([k[b, :, :n].mean(axis=1) for b, n in enumerate(lengths)])
+  want = _state(k, v, mu_q, mu_k, lengths[:, None] - 1)
+  np.testing.assert_allclose(np.asarray(got.mu_q), mu_q, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(got.mu_k), mu_k, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(got.o_est), np.asarray(want.o_est), atol=1e-5)
+  np.testing.assert_allclose(np.asarray(got.lse_p), np.asarray(want.lse_p), atol=1e-5)
+
+
+def _decode_logits(params, cfg, method, n_decode=4):
+  rng = np.random.default_rng(3)
+  prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (30, 21)]
+  cache, last = gen.prefill(params, cfg, prompts, method, cache_len=48, chunk_size=8)
+  out = [np.asarray(last)]
+  for _ in range(n_decode):
+    tok = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 1)), jnp.int32)
+    logits, cache = gen.forward(params, tok, cache.lengths[:, None], cache, method, cfg,
+                                decode=True)
+    out.append(np.asarray(logits[:, 0]))
+  return np.stack(out, 1)
+
+
+@pytest.mark.parametrize("base,args", [("quest", (("page_size", 4), ("dense_layers", 0))),
+                                       ("topk", ())])
+def test_lam_zero_is_the_wrapped_method_and_lam_one_differs(tiny, base, args):
+  cfg, params = tiny
+  wrapped = get(base, budget=8, **dict(args))
+  plain = _decode_logits(params, cfg, wrapped)
+  np.testing.assert_array_equal(
+      _decode_logits(params, cfg, get("resa", base=base, budget=8, lam=0.0, base_args=args)),
+      plain)
+  with_prior = _decode_logits(params, cfg, get("resa", base=base, budget=8, base_args=args))
+  assert np.max(np.abs(with_prior[:, 1:] - plain[:, 1:])) > 1e-4
+
+
+def test_bad_settings_fail_clearly():
+  cfg = tiny_config()
+  with pytest.raises(MethodError, match=r"lam=1.5 must lie in \[0, 1\]"):
+    get("resa", budget=8, lam=1.5).init_state(cfg, 1, 48, jnp.float32, 8)
+  with pytest.raises(MethodError, match="prior='token'"):
+    get("resa", budget=8, prior="token").init_state(cfg, 1, 48, jnp.float32, 8)
+  with pytest.raises(MethodError, match="selecting method"):
+    get("resa", base="h2o", budget=8).init_state(cfg, 1, 48, jnp.float32, 8)
+  with pytest.raises(MethodError, match="unknown method 'nope'"):
+    get("resa", base="nope", budget=8).init_state(cfg, 1, 48, jnp.float32, 8)
