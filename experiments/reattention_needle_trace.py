@@ -40,7 +40,7 @@ class TracedReAttention(ReAttention):
   def scope(self, state, q, ctx):
     sc = super().scope(state, q, ctx)
     jax.debug.callback(functools.partial(_record, self.needle, self.from_position, ctx.layer),
-                       sc.idx[0], sc.length[0], jnp.max(ctx.q_pos[0]))
+                       sc.idx[0], sc.length[0], jnp.max(jnp.where(ctx.valid[0], ctx.q_pos[0], -1)))
     return sc
 
 
