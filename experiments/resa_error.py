@@ -7,7 +7,8 @@ and without the prior, on real activations of a model.
 Each prompt runs through the model with full attention; then `steps` tokens are decoded
 (teacher-forced on the full-attention greedy continuation). At every decode step and layer a probe
 computes, from the same q and cache, the outputs of Quest and ideal top-k at budgets of 2.5%, 5%
-and 10% of the context, alone and with RESA (prior per query head, and per kv group), and their
+and 10% of the context, alone and with RESA (prior per query head, per kv group, and lam 0.5 and
+0.25), and their
 relative error ||o - o_full|| / ||o_full|| per head. The model itself always continues with full
 attention, so every variant sees identical inputs. Writes errors.json, summary.md and
 per_layer.png to --out.
@@ -35,9 +36,11 @@ from jax_longctx.rope import apply_rope
 
 FRACTIONS = (0.025, 0.05, 0.10)
 # (label, base, lam, prior): lam 0 is the base method alone.
-VARIANTS = (("quest", "quest", 0.0, "head"), ("quest+resa", "quest", 1.0, "head"),
-            ("quest+resa(group)", "quest", 1.0, "group"), ("topk", "topk", 0.0, "head"),
-            ("topk+resa", "topk", 1.0, "head"), ("topk+resa(group)", "topk", 1.0, "group"))
+VARIANTS = tuple(
+    (f"{base}{suffix}", base, lam, prior) for base in ("quest", "topk")
+    for suffix, lam, prior in (("", 0.0, "head"), ("+resa", 1.0, "head"),
+                               ("+resa(group)", 1.0, "group"), ("+resa(lam=.5)", 0.5, "head"),
+                               ("+resa(lam=.25)", 0.25, "head")))
 
 
 @struct.dataclass

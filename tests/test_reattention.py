@@ -57,7 +57,8 @@ def _step(seq_ends, n_q):
   return pos.astype(np.int32), pos < ends[:, None]
 
 
-@pytest.mark.parametrize("n_q,seq_ends", [(8, (150, 97)), (1, (160, 70)), (8, (23, 140)), (8, (15, 140))])
+@pytest.mark.parametrize("n_q,seq_ends",
+                         [(8, (150, 97)), (1, (160, 70)), (8, (23, 140)), (8, (15, 140))])
 @pytest.mark.parametrize("backend", ["reference", "gpu"])
 def test_selection_equals_the_paper_reference(n_q, seq_ends, backend):
   q, k = _inputs(0, len(seq_ends), n_q)
@@ -120,7 +121,8 @@ def test_layer_output_is_rope_attention_over_the_reference_scope(backend):
   v_all = rng.normal(size=(b, t, cfg.num_kv_heads, cfg.head_dim)).astype(np.float32)
   ends = (150, 61)
   pos, valid = _step(ends, n_q)
-  state = KVCache(jnp.asarray(k_all.transpose(0, 2, 1, 3)), jnp.asarray(v_all.transpose(0, 2, 1, 3)))
+  state = KVCache(jnp.asarray(k_all.transpose(0, 2, 1, 3)),
+                  jnp.asarray(v_all.transpose(0, 2, 1, 3)))
   k_new = np.take_along_axis(k_all, pos[:, :, None, None], axis=1)
   v_new = np.take_along_axis(v_all, pos[:, :, None, None], axis=1)
   freqs = inv_freq(cfg)

@@ -1,0 +1,76 @@
+"""Multi-device checks, run in a subprocess with 8 fake CPU devices (tests/test_distributed.py):
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m tests.distributed_checks NAME
+"""
+
+import functools
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, PartitionSpec as P
+
+import pallas_kernels
+from jax_longctx.distributed import merge_across, ring_attention
+
+N = 8
+MESH = Mesh(np.array(jax.devices()[:N]), ("sp",))
+
+
+def _qkv(seed, b, t, h, kvh, d):
+  rng = np.random.default_rng(seed)
+  return (jnp.asarray(rng.normal(size=(b, t, h, d)), jnp.float32),
+          jnp.asarray(rng.normal(size=(b, t, kvh, d)), jnp.float32),
+          jnp.asarray(rng.normal(size=(b, t, kvh, d)), jnp.float32))
+
+
+def ring(causal: bool):
+  q, k, v = _qkv(0, 2, N * 16, 6, 2, 16)
+  spec = P(None, "sp")
+  f = jax.jit(jax.shard_map(functools.partial(ring_attention, axis_name="sp", causal=causal),
+                            mesh=MESH, in_specs=(spec, spec, spec), out_specs=(spec, spec),
+                            check_vma=False))
+  out, lse = f(q, k, v)
+  want, want_lse = pallas_kernels.flash_attention(q, k, v, causal=causal, backend="reference")
+  np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=1e-5, rtol=1e-5)
+  np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), atol=1e-5, rtol=1e-5)
+
+
+def star_phase2():
+  """A 4-token query over a context spread over 8 devices; the last device also holds the
+  query's own keys. Equals exact attention over [context, query] with causality among the query."""
+  b, tb, s, h, kvh, d = 2, 16, 4, 6, 2, 16
+  _, k_ctx, v_ctx = _qkv(1, b, N * tb, h, kvh, d)
+  q, k_q, v_q = _qkv(2, b, s, h, kvh, d)
+
+  def local(q, k_ctx, v_ctx, k_q, v_q):
+    last = jax.lax.axis_index("sp") == N - 1
+    k = jnp.concatenate([k_ctx, k_q], axis=1)  # every device has room for the query's keys
+    v = jnp.concatenate([v_ctx, v_q], axis=1)
+    # Context-only devices: every query sees every local key; the query device: causal among
+    # the query tokens, which sit after its context block.
+    kv_len = jnp.where(last, tb + s, tb)
+    out, lse = pallas_kernels.flash_attention(q, k, v, causal=True, kv_len=kv_len,
+                                              q_offset=jnp.where(last, tb, tb + s),
+                                              backend="reference")
+    return merge_across(out, lse, "sp")
+
+  ctx = P(None, "sp")
+  f = jax.jit(jax.shard_map(local, mesh=MESH, in_specs=(P(), ctx, ctx, P(), P()),
+                            out_specs=(P(), P()), check_vma=False))
+  out, lse = f(q, k_ctx, v_ctx, k_q, v_q)
+  k_all = jnp.concatenate([k_ctx, k_q], axis=1)
+  v_all = jnp.concatenate([v_ctx, v_q], axis=1)
+  want, want_lse = pallas_kernels.flash_attention(q, k_all, v_all, causal=True, q_offset=N * tb,
+                                                  backend="reference")
+  np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=1e-5, rtol=1e-5)
+  np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), atol=1e-5, rtol=1e-5)
+
+
+CHECKS = {"ring_causal": functools.partial(ring, True), "ring_full": functools.partial(ring, False),
+          "star_phase2": star_phase2}
+
+if __name__ == "__main__":
+  assert len(jax.devices()) >= N, f"needs {N} devices, got {len(jax.devices())}"
+  CHECKS[sys.argv[1]]()
+  print("OK")
