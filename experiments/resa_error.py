@@ -56,11 +56,13 @@ class Probe(Method):
   """Full attention that also measures every variant's output error at each decode step."""
 
   name = "resa_probe"
-  budgets: tuple = ()  # tokens per fraction, multiples of Quest's page size
+  budgets: tuple = ()  # tokens per fraction: fixed tokens + a multiple of Quest's page size
+  fixed: tuple = (0, 0)  # (n_sink, n_recent) every selector reads besides its choice
 
   def _resa(self, prior="head") -> Resa:
     return get("resa", base="quest", budget=max(self.budgets), prior=prior,
-               base_args=(("dense_layers", 0),))
+               base_args=(("dense_layers", 0), ("n_sink", self.fixed[0]),
+                          ("n_recent", self.fixed[1])))
 
   def init_state(self, cfg, batch, max_len, dtype, chunk):
     state = self._resa().init_state(cfg, batch, max_len, dtype, chunk)
@@ -90,8 +92,9 @@ class Probe(Method):
     for budget in self.budgets:
       row = []
       for _, base, lam, prior in VARIANTS:
-        selector = get(base, budget=budget, **({"dense_layers": 0} if base == "quest" else {}))
-        slots = selector.select(inner if base == "quest" else inner.kv, q_rot, ctx)
+        extra = {"dense_layers": 0} if base == "quest" else {}
+        selector = get(base, budget=budget, n_sink=self.fixed[0], n_recent=self.fixed[1], **extra)
+        slots = selector.selected_slots(inner if base == "quest" else inner.kv, q_rot, ctx)
         out = residual_attention(q_rot, priors[prior], inner.kv, slots, ctx.q_pos, lam)
         diff = jnp.linalg.norm(out.astype(jnp.float32) - full, axis=-1)
         row.append(jnp.mean(diff / jnp.maximum(jnp.linalg.norm(full, axis=-1), 1e-30)))
@@ -100,14 +103,16 @@ class Probe(Method):
                                             state.err + jnp.stack(rows), state.steps + 1)
 
 
-def run(lm, prompts, steps: int) -> np.ndarray:
+def run(lm, prompts, steps: int, fixed=(0, 0)) -> np.ndarray:
   """Summed errors [layers, fractions, variants] and the number of decode steps."""
   cfg = lm.config
   total, count = 0.0, 0
   for ids in progress(prompts, desc="resa error"):
     cache_len = -(-(len(ids) + steps + 1) // 16) * 16
-    budgets = tuple(max(16, int(round(f * len(ids) / 16)) * 16) for f in FRACTIONS)
-    probe = Probe(budgets=budgets)
+    n_fixed = sum(fixed)
+    budgets = tuple(n_fixed + max(16, int(round((f * len(ids) - n_fixed) / 16)) * 16)
+                    for f in FRACTIONS)
+    probe = Probe(budgets=budgets, fixed=tuple(fixed))
     cache, last = prefill(lm.params, cfg, [ids], probe, cache_len=cache_len)
     step = jax.jit(lambda p, t, c: lm_forward(p, t, c, probe, cfg))
     tok = jnp.argmax(last, axis=-1)[:, None].astype(jnp.int32)
@@ -144,7 +149,8 @@ def write(errors: np.ndarray, out_dir: str, meta: dict) -> None:
   with open(os.path.join(out_dir, "summary.md"), "w") as f:
     f.write(f"Relative error of the attention output vs full attention, mean over layers, heads "
             f"and {meta['steps']} decode steps x {meta['prompts']} prompts "
-            f"({meta['tasks']}, {meta['length']} tokens, model {meta['model']}).\n\n" + table)
+            f"({meta['tasks']}, {meta['length']} tokens, model {meta['model']}; first/last "
+            f"tokens fixed in every budget: {meta['fixed']}).\n\n" + table)
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
@@ -168,8 +174,11 @@ def main() -> None:
   p.add_argument("--length", default="6k")
   p.add_argument("--samples", type=int, default=2)
   p.add_argument("--steps", type=int, default=16)
+  p.add_argument("--fixed", default="0,0",
+                 help="n_sink,n_recent tokens in every budget (the RESA paper: 4,64)")
   p.add_argument("--out", default="docs/results/resa")
   args = p.parse_args()
+  fixed = tuple(int(x) for x in args.fixed.split(","))
   lm = load(args.model)
   length = tasks.parse_length(args.length)
   prompts = []
@@ -179,9 +188,9 @@ def main() -> None:
       depth = 0.5 if task.needle_task else None
       prompts.append(lm.tokenizer.encode(task.make(lm.tokenizer, length, depth, seed,
                                                    chat=True).prompt))
-  errors = run(lm, prompts, args.steps)
+  errors = run(lm, prompts, args.steps, fixed)
   write(errors, args.out, {"model": args.model, "tasks": args.tasks, "length": length,
-                           "prompts": len(prompts), "steps": args.steps})
+                           "prompts": len(prompts), "steps": args.steps, "fixed": fixed})
 
 
 if __name__ == "__main__":

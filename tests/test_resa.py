@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jax_longctx.cache import KVCache
-from jax_longctx.methods import MethodError, PrefillEnd, get
+from jax_longctx.methods import AttnContext, MethodError, PrefillEnd, get
 from jax_longctx.methods.resa import ResaState, fold_into_prior, residual_attention
 from tests.conftest import tiny_config
 
@@ -144,3 +144,29 @@ def test_bad_settings_fail_clearly():
     get("resa", base="h2o", budget=8).init_state(cfg, 1, 48, jnp.float32, 8)
   with pytest.raises(MethodError, match="unknown method 'nope'"):
     get("resa", base="nope", budget=8).init_state(cfg, 1, 48, jnp.float32, 8)
+
+
+def test_fixed_sink_and_recent_tokens_are_read_once_beside_the_selection():
+  """RESA's evaluation keeps the first and last tokens in every budget (n_sink, n_recent)."""
+  rng = np.random.default_rng(5)
+  cfg = tiny_config()
+  kv = KVCache(jnp.asarray(rng.normal(size=(B, KV, T, D)), jnp.float32),
+               jnp.asarray(rng.normal(size=(B, KV, T, D)), jnp.float32))
+  q = jnp.asarray(rng.normal(size=(B, 1, H, D)), jnp.float32)
+  q_pos = np.array([[33], [20]])
+  ctx = AttnContext(layer=0, q_pos=jnp.asarray(q_pos, jnp.int32), valid=jnp.ones((B, 1), bool),
+                    freqs=None, cfg=cfg)
+  method = get("topk", budget=12, n_sink=2, n_recent=3)
+  slots = np.asarray(method.selected_slots(kv, q, ctx))
+  scores = np.einsum("bhd,bhtd->bht", np.asarray(q[:, 0]), np.repeat(np.asarray(kv.k), 3, axis=1))
+  for b in range(B):
+    p = int(q_pos[b, 0])
+    fixed = {0, 1, p - 2, p - 1, p}
+    for h in range(H):
+      got = [int(s) for s in slots[b, h] if s >= 0]
+      assert len(got) == len(set(got))  # no slot twice
+      order = [t for t in np.argsort(-scores[b, h], kind="stable") if t <= p and t not in fixed]
+      chosen = set(order[:7])  # budget 12 - 5 fixed, chosen among the other visible tokens
+      assert set(got) == fixed | chosen
+  with pytest.raises(MethodError, match="leaves no tokens to select"):
+    get("topk", budget=5, n_sink=2, n_recent=3).init_state(cfg, 1, T, jnp.float32, 8)

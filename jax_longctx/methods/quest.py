@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from jax_longctx.cache import KVCache
-from jax_longctx.methods.base import AttnContext, MethodError, register, resolve_budget
+from jax_longctx.methods.base import AttnContext, MethodError, register
 from jax_longctx.methods.full import Full
 from jax_longctx.methods.selection import SelectingMethod
 from jax_longctx.rope import apply_rope
@@ -42,9 +42,11 @@ class Quest(SelectingMethod):
   def init_state(self, cfg, batch, max_len, dtype, chunk) -> QuestState:
     if self.page_size < 1:
       raise MethodError(f"page_size={self.page_size} must be >= 1")
-    n = resolve_budget(self.budget, max_len)
+    n = self.select_budget(max_len)
     if n % self.page_size:
-      raise MethodError(f"page_size={self.page_size} does not divide the budget ({n} tokens)")
+      fixed = f" less {self.n_sink + self.n_recent} fixed" if self.n_sink or self.n_recent else ""
+      raise MethodError(
+          f"page_size={self.page_size} does not divide the budget ({n} tokens{fixed})")
     pages = -(-max_len // self.page_size)
     shape = (batch, cfg.num_kv_heads, pages, cfg.head_dim)
     return QuestState(KVCache.zeros(cfg, batch, pages * self.page_size, dtype),
@@ -82,6 +84,6 @@ class Quest(SelectingMethod):
     current = (ctx.q_pos[:, :, None] // self.page_size)  # [B, 1, 1]
     score = jnp.where(page_ids * self.page_size > ctx.q_pos[:, :, None], -jnp.inf, score)
     score = jnp.where(page_ids == current, jnp.inf, score)
-    n_pages = min(resolve_budget(self.budget, state.kv.max_len) // self.page_size, pages)
+    n_pages = min(self.select_budget(state.kv.max_len) // self.page_size, pages)
     _, top = jax.lax.top_k(score, n_pages)  # [B, H, n_pages]
     return (top[..., None] * self.page_size + jnp.arange(self.page_size)).reshape(b, h, -1)

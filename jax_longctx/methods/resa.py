@@ -116,7 +116,7 @@ class Resa(Method):
     k_rot = apply_rope(k, ctx.q_pos, ctx.freqs)
     inner_state = inner.write(state.inner, k_rot, v, ctx)
     q_rot = apply_rope(q, ctx.q_pos, ctx.freqs)
-    slots = inner.select(inner_state, q_rot, ctx)
+    slots = inner.selected_slots(inner_state, q_rot, ctx)
     state = fold_into_prior(state.replace(inner=inner_state), k_rot, v, ctx.valid)
     out = residual_attention(q_rot, state, inner.cache(inner_state), slots, ctx.q_pos, self.lam)
     return out.astype(q.dtype), state

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from jax_longctx.attention import attention
 from jax_longctx.cache import KVCache
-from jax_longctx.methods.base import AttnContext, MethodError
+from jax_longctx.methods.base import AttnContext, MethodError, resolve_budget
 from jax_longctx.methods.full import Full
 from jax_longctx.rope import apply_rope
 
@@ -52,7 +52,34 @@ def head_scores(q, keys):
 @dataclasses.dataclass(frozen=True)
 class SelectingMethod(Full):
   """Keeps the whole cache (post-RoPE keys, slot = position); prefill is exact; each decode step
-  attends per query head to the slots `select` returns."""
+  attends per query head to the slots `select` returns, plus `n_sink` first and `n_recent` last
+  tokens when set (the fixed part of every budget in RESA's evaluation: 4 and 64)."""
+
+  n_sink: int = 0
+  n_recent: int = 0
+
+  def select_budget(self, max_len: int) -> int:
+    """Tokens `select` chooses: the budget less the fixed sink and recent tokens."""
+    n = resolve_budget(self.budget, max_len) - self.n_sink - self.n_recent
+    if self.n_sink < 0 or self.n_recent < 0 or n < 1:
+      raise MethodError(f"budget={self.budget} leaves no tokens to select after n_sink="
+                        f"{self.n_sink} and n_recent={self.n_recent} (both >= 0)")
+    return n
+
+  def selected_slots(self, state, q_rot, ctx: AttnContext) -> jnp.ndarray:
+    """`select`'s slots with the fixed ones appended, each slot at most once: [B, H, n]."""
+    slots = self.select(state, q_rot, ctx)
+    if not (self.n_sink or self.n_recent):
+      return slots
+    newest = ctx.q_pos[:, :1]  # [B, 1]
+    recent = newest - jnp.arange(self.n_recent)[None, :]
+    recent = jnp.where(recent < self.n_sink, -1, recent)  # already a sink (or before 0)
+    sink = jnp.broadcast_to(jnp.arange(self.n_sink)[None, :], (newest.shape[0], self.n_sink))
+    fixed = jnp.concatenate([sink, recent], axis=1)[:, None, :]  # [B, 1, n_fixed]
+    fixed_already = (slots < self.n_sink) | (slots > newest[:, :, None] - self.n_recent)
+    slots = jnp.where(fixed_already, -1, slots)
+    return jnp.concatenate([slots, jnp.broadcast_to(fixed, slots.shape[:2] + fixed.shape[2:])],
+                           axis=-1)
 
   def dense_at(self, ctx: AttnContext) -> bool:
     """Layers that decode with exact attention instead of selecting."""
@@ -76,5 +103,6 @@ class SelectingMethod(Full):
       raise MethodError(f"{self.name} decodes one token per step")
     state = self.write(state, apply_rope(k, ctx.q_pos, ctx.freqs), v, ctx)
     q = apply_rope(q, ctx.q_pos, ctx.freqs)
-    out, _ = gathered_attention(q, self.cache(state), self.select(state, q, ctx), ctx.q_pos)
+    out, _ = gathered_attention(q, self.cache(state), self.selected_slots(state, q, ctx),
+                                ctx.q_pos)
     return out, state

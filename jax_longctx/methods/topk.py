@@ -12,7 +12,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jax_longctx.methods.base import AttnContext, register, resolve_budget
+from jax_longctx.methods.base import AttnContext, register
 from jax_longctx.methods.selection import SelectingMethod, head_scores
 
 
@@ -24,11 +24,14 @@ class TopK(SelectingMethod):
   budget: float = 1024
 
   def init_state(self, cfg, batch, max_len, dtype, chunk):
-    resolve_budget(self.budget, max_len)
+    self.select_budget(max_len)
     return super().init_state(cfg, batch, max_len, dtype, chunk)
 
   def select(self, state, q_rot, ctx: AttnContext):
-    n = resolve_budget(self.budget, state.max_len)
+    n = self.select_budget(state.max_len)
     s = head_scores(q_rot, state.k)  # [B, H, T]
-    visible = jnp.arange(state.max_len)[None, None, :] <= ctx.q_pos[:, :, None]
-    return jax.lax.top_k(jnp.where(visible, s, -jnp.inf), n)[1]
+    t = jnp.arange(state.max_len)[None, None, :]
+    newest = ctx.q_pos[:, :, None]
+    # The fixed sink and recent tokens are read anyway: the budget goes to the others.
+    candidate = (t <= newest) & (t >= self.n_sink) & (t <= newest - self.n_recent)
+    return jax.lax.top_k(jnp.where(candidate, s, -jnp.inf), n)[1]
