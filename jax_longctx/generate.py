@@ -144,9 +144,25 @@ def _check_prompts(prompts: Sequence[Sequence[int]]) -> list[int]:
 
 
 def prefill(params, cfg: LlamaConfig, prompts: Sequence[Sequence[int]], method: Method, *,
-            cache_len: int, chunk_size: int = DEFAULT_CHUNK):
-  """Runs the prompts through the model chunk by chunk. Returns (cache, last-token logits [B, V])."""
+            cache_len: int, chunk_size: int = DEFAULT_CHUNK, decode_room: int | None = None,
+            instructions: Sequence[Sequence[int]] | None = None):
+  """Runs the prompts through the model chunk by chunk. Returns (cache, last-token logits [B, V]).
+
+  instructions: each prompt's instruction, given apart from it (the prompt is then the
+  document); methods guided by the instruction (CItruS) need it, the others read both as one.
+  decode_room: tokens decoding will append (default: what the cache has left).
+  """
   lengths = _check_prompts(prompts)
+  if instructions is not None:
+    from jax_longctx.instructed import prefill_instructed
+    room = cache_len - max(lengths) - max(map(len, instructions)) if decode_room is None \
+        else decode_room
+    return prefill_instructed(params, cfg, prompts, instructions, method, cache_len=cache_len,
+                              decode_room=max(room, 0), chunk_size=chunk_size)
+  if getattr(method, "needs_instruction", False):
+    raise GenerationError(
+        f"method {method.name!r} needs the instruction apart from the document: pass "
+        "instructions= (or --instruction on the command line)")
   longest = max(lengths)
   if longest > cache_len:
     raise GenerationError(
@@ -162,7 +178,8 @@ def prefill(params, cfg: LlamaConfig, prompts: Sequence[Sequence[int]], method: 
   for c in range(n_chunks):
     cache, last = prefill_chunk(params, jnp.asarray(tokens[:, c * chunk:(c + 1) * chunk]),
                                 jnp.int32(c * chunk), plen, cache, last, cfg=cfg, method=method)
-  return end_prefill(cache, cfg, method, decode_room=cache_len - longest), last
+  room = cache_len - longest if decode_room is None else decode_room
+  return end_prefill(cache, cfg, method, decode_room=room), last
 
 
 def end_prefill(cache: Cache, cfg: LlamaConfig, method: Method, decode_room: int) -> Cache:
@@ -183,11 +200,19 @@ def finish_prefill(cache: Cache, *, cfg: LlamaConfig, method: Method, decode_roo
 
 def generate(params, cfg: LlamaConfig, prompts: Sequence[Sequence[int]], method: Method, *,
              max_new_tokens: int, sampling: Sampling = Sampling(), stop_tokens=(),
-             chunk_size: int = DEFAULT_CHUNK, cache_len: int | None = None) -> GenerationResult:
-  """Generates up to max_new_tokens for each prompt (token id lists of any lengths)."""
+             chunk_size: int = DEFAULT_CHUNK, cache_len: int | None = None,
+             instructions: Sequence[Sequence[int]] | None = None) -> GenerationResult:
+  """Generates up to max_new_tokens for each prompt (token id lists of any lengths).
+
+  instructions: each prompt's instruction apart from it (see `prefill`).
+  """
   lengths = _check_prompts(prompts)
   if max_new_tokens < 1:
     raise GenerationError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+  if instructions is not None:
+    if len(instructions) != len(prompts):
+      raise GenerationError(f"{len(prompts)} prompts but {len(instructions)} instructions")
+    lengths = [n + len(i) for n, i in zip(lengths, instructions)]
   needed = max(lengths) + max_new_tokens
   if cache_len is None:
     cache_len = -(-needed // 128) * 128  # round up so nearby lengths share a compile
@@ -195,7 +220,8 @@ def generate(params, cfg: LlamaConfig, prompts: Sequence[Sequence[int]], method:
     raise GenerationError(
         f"prompt of {max(lengths)} tokens plus {max_new_tokens} new tokens does not fit the cache "
         f"({cache_len} slots)")
-  cache, last = prefill(params, cfg, prompts, method, cache_len=cache_len, chunk_size=chunk_size)
+  cache, last = prefill(params, cfg, prompts, method, cache_len=cache_len, chunk_size=chunk_size,
+                        decode_room=max_new_tokens, instructions=instructions)
   stops = jnp.asarray(list(stop_tokens) or [-1], jnp.int32)
   out, steps, cache = decode_loop(params, cache, last, stops, jax.random.key(sampling.seed),
                                   cfg=cfg, method=method, max_new_tokens=max_new_tokens,

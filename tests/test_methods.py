@@ -27,6 +27,8 @@ def _method(name, budget):
   kw = {"budget": budget}
   if name == "snapkv":
     kw["window"] = 4
+  if name.startswith(("citrus", "h2o_shared")):
+    kw["chunk"] = 8
   if name == "quest":
     kw.update(page_size=4, dense_layers=0)
   if name == "resa":
@@ -43,9 +45,23 @@ def _prompts(cfg, lengths, seed=0):
   return [rng.integers(0, cfg.vocab_size, n).tolist() for n in lengths]
 
 
+def _apart(prompts):
+  """(documents, instructions): each prompt's last 3 tokens play its instruction. Methods not
+  guided by the instruction read both as one prompt, so every method runs the same tokens."""
+  return [p[:-3] for p in prompts], [p[-3:] for p in prompts]
+
+
+def _generate(params, cfg, prompts, method, max_new_tokens):
+  docs, instructions = _apart(prompts)
+  return gen.generate(params, cfg, docs, method, max_new_tokens=max_new_tokens, chunk_size=8,
+                      cache_len=CACHE_LEN, instructions=instructions).tokens
+
+
 def _step_logits(params, cfg, prompts, method, n_decode, chunk=8):
   """Prefill (last-token logits), then decode teacher-forced tokens; logits of every step."""
-  cache, last = gen.prefill(params, cfg, prompts, method, cache_len=CACHE_LEN, chunk_size=chunk)
+  docs, instructions = _apart(prompts)
+  cache, last = gen.prefill(params, cfg, docs, method, cache_len=CACHE_LEN, chunk_size=chunk,
+                            decode_room=n_decode, instructions=instructions)
   out = [np.asarray(last)]
   rng = np.random.default_rng(1)
   for _ in range(n_decode):
@@ -69,12 +85,9 @@ def test_batch_of_different_lengths_equals_each_alone(tiny, name):
   cfg, params = tiny
   prompts = _prompts(cfg, (9, 26), seed=4)
   method = _method(name, 16)  # small enough that evicting and selecting methods drop tokens
-  batched = gen.generate(params, cfg, prompts, method, max_new_tokens=8, chunk_size=8,
-                         cache_len=CACHE_LEN).tokens
+  batched = _generate(params, cfg, prompts, method, 8)
   for p, row in zip(prompts, batched):
-    alone = gen.generate(params, cfg, [p], method, max_new_tokens=8, chunk_size=8,
-                         cache_len=CACHE_LEN).tokens[0]
-    assert row == alone
+    assert row == _generate(params, cfg, [p], method, 8)[0]
 
 
 @pytest.mark.parametrize("name", names())
@@ -83,8 +96,7 @@ def test_decode_compiles_once_per_generation_shape(tiny, name):
   method = _method(name, 16)
   before = gen.DECODE_TRACES[0]
   for seed in range(2):
-    gen.generate(params, cfg, _prompts(cfg, (11, 20), seed), method, max_new_tokens=5,
-                 chunk_size=8, cache_len=CACHE_LEN)
+    _generate(params, cfg, _prompts(cfg, (11, 20), seed), method, 5)
   assert gen.DECODE_TRACES[0] - before == 1
 
 

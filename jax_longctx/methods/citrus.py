@@ -1,0 +1,169 @@
+"""CItruS: chunked state eviction guided by the instruction.
+
+Bai et al., "CItruS: Chunked Instruction-aware State Eviction for Long Sequence Modeling", EMNLP
+2024 (arXiv:2406.12018). The document is encoded `chunk` tokens at a time over a cache of
+`budget` (k) states: each chunk attends to the cache and to itself, then the cache's old states
+are ranked by the attention a scorer gives them (Eq. 1: averaged over heads and the scorer's
+queries), the top k kept in token order (Eqs. 2-3) and the chunk appended, so a layer never holds
+more than k + chunk states between steps. Keys are cached before RoPE (position shift).
+
+The scorer is what the variants change:
+  citrus_standard    the chunk itself (Standard CSE, §4.1);
+  citrus_shared      the instruction: a forward of the instruction over the cache that does
+                     not change it (§4.2, shared cache);
+  citrus_individual  two caches: one scored by the chunk (used to encode the document), one by
+                     the instruction (Eqs. 4-5), which answers;
+  h2o_shared         H2O's attention accumulated over the document plus the instruction's.
+At the end the instruction evicts once more, then is encoded over the k-sized cache and the
+answer is generated (its states appended, no further eviction). `jax_longctx.instructed` runs
+that outer loop; the methods here are one layer's steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import jax.numpy as jnp
+from flax import struct
+
+from jax_longctx.methods.base import AttnContext, Method, MethodError, register, resolve_budget
+from jax_longctx.methods.chunk_cache import ChunkCache
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class CitrusStandard(Method):
+  """Standard CSE: each chunk's own attention evicts the cache; the instruction evicts last."""
+
+  name = "citrus_standard"
+  keys_before_rope = True
+  # The outer loop runs an instruction pass before every document chunk when True.
+  scores_with_instruction: ClassVar[bool] = False
+  needs_instruction: ClassVar[bool] = True
+
+  budget: float = 768  # k in the paper (§5.3)
+  chunk: int = 256  # l in the paper
+
+  @property
+  def prefill_chunk(self) -> int:  # type: ignore[override]
+    return self.chunk
+
+  def init_state(self, cfg, batch, max_len, dtype, chunk):
+    """`chunk`: the longest step fed, a document chunk or the instruction plus the answer."""
+    k = resolve_budget(self.budget, max_len)
+    if self.chunk < 1:
+      raise MethodError(f"chunk={self.chunk} must be >= 1")
+    return ChunkCache.empty(cfg, batch, k, k + max(chunk, self.chunk), dtype)
+
+  # -- what the variants change -------------------------------------------------------------
+
+  def document_priority(self, cache: ChunkCache, mean_scores, summed_scores):
+    """(priority of the old slots, cache) after a document chunk has attended."""
+    return mean_scores, cache
+
+  def instruction_priority(self, cache: ChunkCache):
+    return cache.score
+
+  def answer_cache(self, state) -> ChunkCache:
+    return state
+
+  def with_answer_cache(self, state, cache: ChunkCache):
+    return cache
+
+  # -- one layer's steps --------------------------------------------------------------------
+
+  def prefill(self, state, q, k, v, ctx: AttnContext):
+    """A document chunk: attend over the cache, evict its old states, append the chunk."""
+    out, mean, summed = state.attend(q, k, v, ctx.valid, ctx.freqs)
+    priority, state = self.document_priority(state, mean, summed)
+    return out, self._evict_append(state, priority, k, v, ctx)
+
+  def _evict_append(self, cache: ChunkCache, priority, k, v, ctx: AttnContext) -> ChunkCache:
+    active = jnp.any(ctx.valid, axis=1)  # a row whose document has ended keeps its cache
+    return cache.evict(priority, active).append(k, v, ctx.valid, ctx.q_pos)
+
+  def score_instruction(self, state, q, k, v, ctx: AttnContext):
+    """The instruction over the answering cache; records its scores, changes nothing else."""
+    cache = self.answer_cache(state)
+    out, mean, _ = cache.attend(q, k, v, ctx.valid, ctx.freqs)
+    return out, self.with_answer_cache(state, cache.replace(score=mean))
+
+  def evict_by_instruction(self, state):
+    """The final eviction, by the scores of the last instruction pass."""
+    cache = self.answer_cache(state)
+    return self.with_answer_cache(state, cache.evict(self.instruction_priority(cache)))
+
+  def decode(self, state, q, k, v, ctx: AttnContext):
+    """The instruction and the answer: attend over the answering cache and append, no eviction."""
+    cache = self.answer_cache(state)
+    out, _, _ = cache.attend(q, k, v, ctx.valid, ctx.freqs)
+    return out, self.with_answer_cache(state, cache.append(k, v, ctx.valid, ctx.q_pos))
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class CitrusShared(CitrusStandard):
+  """One cache, evicted by the instruction's attention after every chunk (§4.2, shared cache)."""
+
+  name = "citrus_shared"
+  scores_with_instruction = True
+
+  def document_priority(self, cache, mean_scores, summed_scores):
+    return cache.score, cache
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class H2OShared(CitrusShared):
+  """H2O + shared cache (the paper's Table 1): the instruction's attention added to H2O's.
+
+  The priority of a state is the attention it has accumulated from every document query so far
+  (H2O's heavy-hitter score) plus the attention the instruction's queries give it, both summed
+  over queries and averaged over heads (the authors' script weighs the two equally by default).
+  """
+
+  name = "h2o_shared"
+
+  def score_instruction(self, state, q, k, v, ctx):
+    out, mean, summed = state.attend(q, k, v, ctx.valid, ctx.freqs)
+    return out, state.replace(score=summed)
+
+  def document_priority(self, cache, mean_scores, summed_scores):
+    history = cache.history + summed_scores
+    return history + cache.score, cache.replace(history=history)
+
+  def instruction_priority(self, cache):
+    return cache.history + cache.score
+
+
+@struct.dataclass
+class TwinCache:
+  document: ChunkCache  # scored by each chunk: what the document is encoded over
+  instruction: ChunkCache  # scored by the instruction: what answers
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class CitrusIndividual(CitrusStandard):
+  """Two caches (§4.2, individual cache): the chunk's states go into both after each eviction."""
+
+  name = "citrus_individual"
+  scores_with_instruction = True
+
+  def init_state(self, cfg, batch, max_len, dtype, chunk):
+    def one():
+      return super(CitrusIndividual, self).init_state(cfg, batch, max_len, dtype, chunk)
+    return TwinCache(one(), one())
+
+  def answer_cache(self, state: TwinCache) -> ChunkCache:
+    return state.instruction
+
+  def with_answer_cache(self, state: TwinCache, cache: ChunkCache) -> TwinCache:
+    return state.replace(instruction=cache)
+
+  def prefill(self, state: TwinCache, q, k, v, ctx):
+    out, mean, _ = state.document.attend(q, k, v, ctx.valid, ctx.freqs)
+    document = self._evict_append(state.document, mean, k, v, ctx)
+    instruction = self._evict_append(state.instruction, state.instruction.score, k, v, ctx)
+    return out, TwinCache(document, instruction)
