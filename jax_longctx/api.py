@@ -14,6 +14,7 @@ import numpy as np
 from jax_longctx import methods as methods_lib
 from jax_longctx.config import LlamaConfig
 from jax_longctx.generate import DEFAULT_CHUNK, GenerationError, Sampling, generate
+from jax_longctx.instructed import split_prompt
 from jax_longctx.model import forward, new_cache
 from jax_longctx.tokenizer import Tokenizer
 
@@ -55,24 +56,53 @@ class LM:
       prompt = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
     return self.tokenizer.encode(prompt)
 
+  def apart(self, prompt: str, instruction: str | None, chat: bool = False):
+    """(document ids, instruction ids) of a text prompt; the chat template wraps both."""
+    if instruction is None:
+      prompt, instruction = split_prompt(prompt)
+    text = prompt + instruction
+    if chat:
+      text = self.tokenizer.apply_chat_template([{"role": "user", "content": text}])
+    cut = text.rindex(instruction)
+    return self.tokenizer.encode(text[:cut]), self.instruction_ids(text[cut:])
+
+  def instruction_ids(self, text: str) -> list[int]:
+    """Tokens of text that follows a document: no BOS, though the tokenizer adds one to prompts."""
+    ids = self.tokenizer.encode(text)
+    bos = self.tokenizer.token_id(self.tokenizer.bos_token)
+    return ids[1:] if self.tokenizer.add_bos and ids[:1] == [bos] else ids
+
   def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]], method="full", *,
                max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
                seed: int = 0, chat: bool = False, method_args: dict | None = None,
                chunk_size: int = DEFAULT_CHUNK, cache_len: int | None = None,
-               stop_tokens: Sequence[int] | None = None,
+               stop_tokens: Sequence[int] | None = None, instruction=None,
                **method_kwargs) -> list[str] | list[list[int]]:
     """Continues each prompt. Text prompts give text back; token-id prompts give token ids.
 
     `method` is a registry name or a method object; its hyper-parameters come as keywords
-    (`lm.generate(p, "snapkv", budget=256)`) or as `method_args`.
+    (`lm.generate(p, "snapkv", budget=256)`) or as `method_args`. `instruction` (one per
+    prompt, text or token ids) is read apart from the prompt, which is then the document, by
+    methods guided by it (CItruS); without it their text prompts are split by `split_prompt`.
     """
     if isinstance(prompts, str):
       prompts = [prompts]
+    if isinstance(instruction, str):
+      instruction = [instruction]
     as_text = len(prompts) > 0 and all(isinstance(p, str) for p in prompts)
-    ids = [self.encode(p, chat) for p in prompts] if as_text else [list(p) for p in prompts]
+    method = methods_lib.get(method, **{**(method_args or {}), **method_kwargs})
+    instructions = None
+    if as_text and (instruction is not None or getattr(method, "needs_instruction", False)):
+      pairs = [self.apart(p, None if instruction is None else instruction[i], chat)
+               for i, p in enumerate(prompts)]
+      ids, instructions = [d for d, _ in pairs], [i for _, i in pairs]
+    elif as_text:
+      ids = [self.encode(p, chat) for p in prompts]
+    else:
+      ids = [list(p) for p in prompts]
+      instructions = None if instruction is None else [list(i) for i in instruction]
     result = generate(
-        self.params, self.config, ids,
-        methods_lib.get(method, **{**(method_args or {}), **method_kwargs}),
+        self.params, self.config, ids, method, instructions=instructions,
         max_new_tokens=max_new_tokens, sampling=Sampling(temperature, top_p, seed),
         stop_tokens=self.stop_tokens() if stop_tokens is None else tuple(stop_tokens),
         chunk_size=chunk_size, cache_len=cache_len)

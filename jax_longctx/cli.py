@@ -31,7 +31,8 @@ def _cmd_generate(args) -> int:
   lm = load(args.model, dtype=args.dtype)
   (text,) = lm.generate([prompt], method, max_new_tokens=args.max_new_tokens,
                         temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-                        chat=args.chat, chunk_size=args.chunk_size)
+                        chat=args.chat, chunk_size=args.chunk_size,
+                        instruction=args.instruction)
   print(text)
   return 0
 
@@ -84,6 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
                  help="'default', a converted checkpoint, an HF directory or a GGUF file")
   g.add_argument("--prompt")
   g.add_argument("--prompt-file")
+  g.add_argument("--instruction", default=None,
+                 help="the instruction, read apart from the prompt (then the document) by "
+                      "methods guided by it (citrus_*, h2o_shared); without it they take the "
+                      "prompt's last paragraph (after its last blank line)")
   g.add_argument("--max-new-tokens", type=int, default=64)
   g.add_argument("--temperature", type=float, default=0.0)
   g.add_argument("--top-p", type=float, default=1.0)

@@ -23,6 +23,7 @@ import numpy as np
 from jax_longctx import methods as methods_lib
 from jax_longctx import tasks as tasks_lib
 from jax_longctx.generate import Sampling, decode_loop, prefill, teacher_forced_nll
+from jax_longctx.instructed import prefill_instructed
 from jax_longctx.progress import progress
 
 RESULTS = "results.jsonl"
@@ -95,11 +96,18 @@ def run_sample(lm, task, spec: MethodSpec, sample, chunk: int, cache_len: int | 
   lengths); None sizes the cache per requested length.
   """
   method = spec.method
+  guided = getattr(method, "needs_instruction", False)
   if task.name == "ppl":
     prefix, targets = task.split(sample)
+    size = cache_len or _cache_len(sample.length, 0)
     t0 = time.perf_counter()
-    cache, last = prefill(lm.params, lm.config, [prefix], method,
-                          cache_len=cache_len or _cache_len(sample.length, 0), chunk_size=chunk)
+    if guided:  # the instruction steers the eviction only; the text goes on after the prefix
+      cache, last = prefill_instructed(
+          lm.params, lm.config, [prefix], [lm.instruction_ids(sample.instruction)], method,
+          cache_len=size, decode_room=len(targets), chunk_size=chunk, encode_instruction=False)
+    else:
+      cache, last = prefill(lm.params, lm.config, [prefix], method, cache_len=size,
+                            chunk_size=chunk)
     jax.block_until_ready(last)
     t1 = time.perf_counter()
     nll, _ = teacher_forced_nll(lm.params, cache, last, jnp.asarray([targets], jnp.int32),
@@ -109,11 +117,16 @@ def run_sample(lm, task, spec: MethodSpec, sample, chunk: int, cache_len: int | 
     ppl = float(math.exp(nll.mean()))
     return {"prediction": None, "expected": None, "score": ppl, "nll": nll.round(5).tolist(),
             "prefill_s": t1 - t0, "decode_s": t2 - t1}
-  ids = lm.tokenizer.encode(sample.prompt)
+  if guided:
+    ids, instruction = lm.apart(sample.document, sample.instruction)
+    instructions = [instruction]
+  else:
+    ids, instructions = lm.tokenizer.encode(sample.prompt), None
   t0 = time.perf_counter()
   cache, last = prefill(lm.params, lm.config, [ids], method,
                         cache_len=cache_len or _cache_len(sample.length, task.max_new_tokens),
-                        chunk_size=chunk)
+                        chunk_size=chunk, decode_room=task.max_new_tokens,
+                        instructions=instructions)
   jax.block_until_ready(last)
   t1 = time.perf_counter()
   out, steps, _ = decode_loop(lm.params, cache, last, jnp.asarray(lm.stop_tokens() or (-1,)),

@@ -64,6 +64,11 @@ def _top(cache, priority):
   return [cache[i] for i in keep]
 
 
+def _per_query(history, p):
+  total, queries = history.get(p, (0.0, 0))
+  return total / max(queries, 1)
+
+
 def _reference(name, doc, ins, length):
   """Kept positions after every chunk and at the end, and the chunk outputs, for one row."""
   q, k, v = doc
@@ -80,17 +85,18 @@ def _reference(name, doc, ins, length):
     elif name == "citrus_shared":
       cache = _top(cache, _ref_attend(cache, k, v, qi, ki, vi)[1] / N_INS) + new
     elif name == "h2o_shared":
-      for p, sc in zip(cache, chunk_sum):
-        history[p] = history.get(p, 0.0) + sc
-      ins_sum = _ref_attend(cache, k, v, qi, ki, vi)[1]
-      cache = _top(cache, [history.get(p, 0.0) + x for p, x in zip(cache, ins_sum)]) + new
+      for p, sc in zip(cache, chunk_sum):  # (attention summed, queries that gave it)
+        history[p] = (history.get(p, (0.0, 0))[0] + sc, history.get(p, (0.0, 0))[1] + e - s)
+      ins = _ref_attend(cache, k, v, qi, ki, vi)[1] / N_INS
+      cache = _top(cache, [_per_query(history, p) + x for p, x in zip(cache, ins)]) + new
     else:
       twin = _top(twin, _ref_attend(twin, k, v, qi, ki, vi)[1]) + new
       cache = _top(cache, mean) + new
     kept.append(list(twin if name == "citrus_individual" else cache))
   answer = twin if name == "citrus_individual" else cache
-  ins_sum = _ref_attend(answer, k, v, qi, ki, vi)[1]
-  final = ins_sum + (np.asarray([history.get(p, 0.0) for p in answer]) if name == "h2o_shared" else 0)
+  final = _ref_attend(answer, k, v, qi, ki, vi)[1] / N_INS
+  if name == "h2o_shared":
+    final = final + np.asarray([_per_query(history, p) for p in answer])
   kept.append(_top(answer, final))
   return kept, np.concatenate(outs)
 

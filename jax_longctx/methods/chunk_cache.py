@@ -27,6 +27,7 @@ class ChunkCache:
   n: jnp.ndarray  # [B] int32 occupied slots (0..n-1)
   score: jnp.ndarray  # [B, C] fp32 importance from the latest instruction pass
   history: jnp.ndarray  # [B, C] fp32 attention accumulated from document queries (H2O)
+  seen: jnp.ndarray  # [B, C] fp32 how many document queries `history` adds up
   budget: int = struct.field(pytree_node=False, default=0)
 
   @classmethod
@@ -35,7 +36,7 @@ class ChunkCache:
     rows = (batch, capacity)  # every field its own buffer: the cache is donated
     return cls(jnp.zeros(kv, dtype), jnp.zeros(kv, dtype), jnp.full(rows, -1, jnp.int32),
                jnp.zeros((batch,), jnp.int32), jnp.zeros(rows, jnp.float32),
-               jnp.zeros(rows, jnp.float32), budget)
+               jnp.zeros(rows, jnp.float32), jnp.zeros(rows, jnp.float32), budget)
 
   @property
   def capacity(self) -> int:
@@ -80,7 +81,8 @@ class ChunkCache:
         k=k, v=v, pos=self.pos.at[bi, slot].set(tok_pos.astype(jnp.int32), mode="drop"),
         n=self.n + jnp.sum(valid, axis=1, dtype=jnp.int32),
         score=self.score.at[bi, slot].set(fresh, mode="drop"),
-        history=self.history.at[bi, slot].set(fresh, mode="drop"))
+        history=self.history.at[bi, slot].set(fresh, mode="drop"),
+        seen=self.seen.at[bi, slot].set(fresh, mode="drop"))
 
   def evict(self, priority, active=None) -> "ChunkCache":
     """Keeps the `budget` occupied slots of highest priority [B, C], compacted in token order.
@@ -100,9 +102,9 @@ class ChunkCache:
     v = _gather_slots(self.v, idx, pad)
     pos = _gather_rows(jnp.where(occupied, self.pos, -1), idx, ok, pad, -1)
     score = _gather_rows(self.score, idx, ok, pad, 0)
-    history = _gather_rows(self.history, idx, ok, pad, 0)
     kept = self.replace(k=k, v=v, pos=pos, n=jnp.sum(ok, axis=1, dtype=jnp.int32), score=score,
-                        history=history)
+                        history=_gather_rows(self.history, idx, ok, pad, 0),
+                        seen=_gather_rows(self.seen, idx, ok, pad, 0))
     if active is None:
       return kept
     return jax.tree.map(lambda new, old: _where_rows(active, new, old), kept, self)

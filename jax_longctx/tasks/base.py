@@ -27,6 +27,18 @@ class Sample:
   depth: float | None
   seed: int
   n_tokens: int  # actual prompt tokens
+  # The instruction: a suffix of `prompt` (the question and what follows it), what methods
+  # guided by the instruction (CItruS) read apart from the document before it.
+  instruction: str = ""
+
+  @property
+  def document(self) -> str:
+    return self.prompt[:len(self.prompt) - len(self.instruction)]
+
+
+def from_question(prompt: str, question: str) -> str:
+  """The instruction of a rendered prompt: from the last occurrence of `question` to the end."""
+  return prompt[prompt.rindex(question):]
 
 
 def render(tok: Tokenizer, body: str, answer_prefix: str, chat: bool) -> str:

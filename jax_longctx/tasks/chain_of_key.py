@@ -13,7 +13,7 @@ import random
 import re
 
 from jax_longctx.tasks import text_sources
-from jax_longctx.tasks.base import Sample, TaskError, fit_length, render
+from jax_longctx.tasks.base import Sample, TaskError, fit_length, from_question, render
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +50,8 @@ class ChainOfKey:
 
     prompt, n_tok = fit_length(tok, length, build, length // 6)
     keys = tuple(re.findall(r"\w+-\w+", prompt.split("Here is a list of keys:")[1].split(".")[0]))
-    return Sample(self.name, prompt, keys, length, None, seed, n_tok)
+    return Sample(self.name, prompt, keys, length, None, seed, n_tok,
+                  from_question(prompt, tail.lstrip()))
 
   def score(self, prediction: str, sample: Sample) -> float:
     valid = set(sample.expected)

@@ -12,8 +12,8 @@ import dataclasses
 import random
 
 from jax_longctx.tasks import text_sources
-from jax_longctx.tasks.base import (Sample, TaskError, fit_length, insert_at_depths, render,
-                                    take_words)
+from jax_longctx.tasks.base import (Sample, TaskError, fit_length, from_question,
+                                    insert_at_depths, render, take_words)
 
 VARIANTS = ("single", "multikey", "multivalue", "multiquery")
 
@@ -83,7 +83,8 @@ class Niah:
 
     prompt, n_tok = fit_length(tok, length, build, length // 2)
     expected = tuple(v for k in asked for v in values[k])
-    return Sample(self.name, prompt, expected, length, depth, seed, n_tok)
+    return Sample(self.name, prompt, expected, length, depth, seed, n_tok,
+                  from_question(prompt, question))
 
   def score(self, prediction: str, sample: Sample) -> float:
     return sum(v in prediction for v in sample.expected) / len(sample.expected)

@@ -12,7 +12,7 @@ import dataclasses
 import random
 import re
 
-from jax_longctx.tasks.base import Sample, fit_length, insert_at_depths, render, take_words
+from jax_longctx.tasks.base import Sample, fit_length, from_question, insert_at_depths, render, take_words
 from jax_longctx.tasks.text_sources import FILLER_SENTENCES
 
 HEADER = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize "
@@ -41,7 +41,9 @@ class Passkey:
       return render(tok, HEADER + context(n) + QUESTION, "", chat=False)
 
     prompt, n_tok = fit_length(tok, length, build, length // 2)
-    return Sample(self.name, prompt, (key,), length, depth, seed, n_tok)
+    question = CHAT_QUESTION if chat else QUESTION
+    return Sample(self.name, prompt, (key,), length, depth, seed, n_tok,
+                  from_question(prompt, question))
 
   def score(self, prediction: str, sample: Sample) -> float:
     numbers = re.findall(r"\d+", prediction)

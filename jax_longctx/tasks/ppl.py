@@ -15,6 +15,11 @@ from jax_longctx.tasks import text_sources
 from jax_longctx.tasks.base import Sample, TaskError
 
 
+# What steers the eviction of methods guided by an instruction (CItruS's shared cache): the paper
+# (Figure 7) samples questions from Qasper and HotpotQA; a generic question about the text stands in.
+INSTRUCTION = "\n\nWhat is the main topic of the text above, and who are the people in it?"
+
+
 @dataclasses.dataclass(frozen=True)
 class Perplexity:
   n_scored: int = 256
@@ -30,7 +35,7 @@ class Perplexity:
     ids = tok.encode(text[start:start + 8 * length])[1:length + 1]  # skip a partial first token
     if len(ids) < length:
       raise TaskError(f"not enough prose for {length} tokens")
-    return Sample(self.name, "", tuple(map(str, ids)), length, None, seed, len(ids))
+    return Sample(self.name, "", tuple(map(str, ids)), length, None, seed, len(ids), INSTRUCTION)
 
   def split(self, sample: Sample) -> tuple[list[int], list[int]]:
     ids = [int(i) for i in sample.expected]

@@ -1,0 +1,97 @@
+"""Time to encode a long document and its instruction: CItruS variants against full prefill.
+
+    python benchmarks/citrus_encode.py --model llama-3.1-8b --contexts 32768,131072 \
+        --methods full,citrus_standard,citrus_shared,citrus_individual,h2o_shared \
+        --out $OUT/citrus_encode.jsonl
+
+Random bf16 weights at the named shape. Each method runs in its own process (peak memory is
+per method, over all its contexts). A two-chunk document first compiles every step; then each
+context is encoded `--reps` times (median reported): the document in the method's chunks (full
+attention: chunks of 512 through the flash kernel), the instruction passes, the final eviction
+and the instruction itself, up to the logits of its last token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.common import device_facts, jax_peak_bytes, median_time, write_json  # noqa: E402
+
+
+def child(args) -> None:
+  import jax
+  import numpy as np
+
+  from jax_longctx import preset
+  from jax_longctx.generate import prefill
+  from jax_longctx.methods import get, parse_method_args
+  from jax_longctx.model import random_params
+
+  cfg = preset(args.model, dtype="bfloat16")
+  method = get(args.method, **parse_method_args(args.method_arg))
+  params = random_params(cfg)
+  rng = np.random.default_rng(0)
+  instruction = [rng.integers(0, cfg.vocab_size, args.instruction).tolist()]
+  contexts = [int(c) for c in args.contexts.split(",")]
+  cache_len = max(contexts) + args.instruction + 64
+
+  def encode(n):
+    doc = [rng.integers(0, cfg.vocab_size, n).tolist()]
+    cache, last = prefill(params, cfg, doc, method, cache_len=cache_len, chunk_size=512,
+                          decode_room=32, instructions=instruction)
+    jax.block_until_ready((cache, last))
+
+  encode(1024)  # compiles every step
+  for n in contexts:
+    rec = {"model": args.model, "method": args.method, "hparams": method.hparams(), "context": n,
+           "instruction_tokens": args.instruction}
+    try:
+      med, times = median_time(lambda: encode(n), warmup=0, reps=args.reps if n <= 32768 else 1)
+      rec.update({"encode_s": med, "times_s": times, "tok_s": n / med})
+    except Exception as e:  # out of memory is a result
+      rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    rec.update({"peak_bytes": jax_peak_bytes(), **device_facts()})
+    print("RESULT " + json.dumps(rec), flush=True)
+
+
+def main() -> None:
+  p = argparse.ArgumentParser(description=__doc__)
+  p.add_argument("--model", default="llama-3.1-8b")
+  p.add_argument("--contexts", default="32768,131072")
+  p.add_argument("--methods",
+                 default="full,citrus_standard,citrus_shared,citrus_individual,h2o_shared")
+  p.add_argument("--method-arg", action="append", default=[], metavar="METHOD.KEY=VALUE")
+  p.add_argument("--instruction", type=int, default=32, help="instruction tokens")
+  p.add_argument("--reps", type=int, default=3, help="repetitions up to 32K (one beyond)")
+  p.add_argument("--out", default="citrus_encode.jsonl")
+  p.add_argument("--child", action="store_true")
+  p.add_argument("--method", default="full")
+  args = p.parse_args()
+  if args.child:
+    return child(args)
+  for method in args.methods.split(","):
+    margs = [a.split(".", 1)[1] for a in args.method_arg if a.startswith(method + ".")]
+    cmd = [sys.executable, __file__, "--child", "--model", args.model, "--method", method,
+           "--contexts", args.contexts, "--instruction", str(args.instruction),
+           "--reps", str(args.reps)] + [f"--method-arg={a}" for a in margs]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if not lines:
+      print(f"{method}: no result\n{proc.stderr[-2000:]}", flush=True)
+    for ln in lines:
+      rec = json.loads(ln[len("RESULT "):])
+      write_json(args.out, rec)
+      print(f"{method:18s} {rec['context']:>7d}  "
+            + (f"{rec['encode_s']:.2f} s  {rec['tok_s']:.0f} tok/s  peak "
+               f"{(rec['peak_bytes'] or 0) / 2**30:.1f} GiB" if "encode_s" in rec else
+               rec.get("error", "")), flush=True)
+
+
+if __name__ == "__main__":
+  main()
