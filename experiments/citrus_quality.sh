@@ -12,22 +12,25 @@ model=${1:-default}
 out=${2:-docs/results/citrus}
 tasks=${TASKS:-passkey niah_multikey ppl}
 evicting=citrus_shared,citrus_individual,citrus_standard,h2o_shared,streaming_llm
-cli=(python -m jax_longctx.cli eval --model "$model" --samples "${SAMPLES:-20}"
-     --method-arg streaming_llm.budget=1024)
+cli=(python -m jax_longctx.cli eval --model "$model" --samples "${SAMPLES:-20}")
+same_memory=(--method-arg streaming_llm.budget=1024)
 for task in $tasks; do
   case $task in
     passkey)
-      "${cli[@]}" --chat --task passkey --methods "$evicting" --lengths 4k,8k,16k,32k \
+      "${cli[@]}" --chat --task passkey --methods "$evicting" "${same_memory[@]}" \
+        --lengths 4k,8k,16k,32k \
         --cache-len 33792 --out "$out/passkey"
       "${cli[@]}" --chat --task passkey --methods full --lengths 4k,8k --cache-len 8704 \
         --out "$out/passkey" ;;
     niah_multikey)
-      "${cli[@]}" --chat --task niah_multikey --methods "$evicting" --lengths 8k,16k \
+      "${cli[@]}" --chat --task niah_multikey --methods "$evicting" "${same_memory[@]}" \
+        --lengths 8k,16k \
         --cache-len 16896 --out "$out/niah_multikey"
       "${cli[@]}" --chat --task niah_multikey --methods full --lengths 8k --cache-len 8704 \
         --out "$out/niah_multikey" ;;
     ppl)
       "${cli[@]}" --task ppl --methods citrus_standard,citrus_shared,streaming_llm,full \
+        "${same_memory[@]}" \
         --lengths 8k --cache-len 8704 --out "$out/ppl" ;;
   esac
 done

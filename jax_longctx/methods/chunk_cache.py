@@ -93,7 +93,7 @@ class ChunkCache:
     occupied = jnp.arange(c)[None, :] < self.n[:, None]
     prio = jnp.where(occupied, priority.astype(jnp.float32), -jnp.inf)
     top, idx = jax.lax.top_k(prio, min(self.budget, c))
-    key = jnp.sort(jnp.where(jnp.isfinite(top), idx, c), axis=-1)  # kept slots in token order
+    key = jnp.sort(jnp.where(top > -jnp.inf, idx, c), axis=-1)  # kept slots in token order
     ok = key < c
     idx = jnp.where(ok, key, 0)
     pad = c - idx.shape[1]

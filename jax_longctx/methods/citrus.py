@@ -44,6 +44,8 @@ class CitrusStandard(Method):
 
   budget: float = 768  # k in the paper (§5.3)
   chunk: int = 256  # l in the paper
+  # The first tokens kept whatever their score (attention sinks; 0 = the paper's pure top-k).
+  n_sink: int = 0
 
   @property
   def prefill_chunk(self) -> int:  # type: ignore[override]
@@ -80,9 +82,13 @@ class CitrusStandard(Method):
     priority, state = self.document_priority(state, mean, summed, n_queries)
     return out, self._evict_append(state, priority, k, v, ctx)
 
+  def _evict(self, cache: ChunkCache, priority, active=None) -> ChunkCache:
+    sink = (cache.pos >= 0) & (cache.pos < self.n_sink)
+    return cache.evict(jnp.where(sink, jnp.inf, priority), active)
+
   def _evict_append(self, cache: ChunkCache, priority, k, v, ctx: AttnContext) -> ChunkCache:
     active = jnp.any(ctx.valid, axis=1)  # a row whose document has ended keeps its cache
-    return cache.evict(priority, active).append(k, v, ctx.valid, ctx.q_pos)
+    return self._evict(cache, priority, active).append(k, v, ctx.valid, ctx.q_pos)
 
   def score_instruction(self, state, q, k, v, ctx: AttnContext):
     """The instruction over the answering cache; records its scores, changes nothing else."""
@@ -93,7 +99,7 @@ class CitrusStandard(Method):
   def evict_by_instruction(self, state):
     """The final eviction, by the scores of the last instruction pass."""
     cache = self.answer_cache(state)
-    return self.with_answer_cache(state, cache.evict(self.instruction_priority(cache)))
+    return self.with_answer_cache(state, self._evict(cache, self.instruction_priority(cache)))
 
   def decode(self, state, q, k, v, ctx: AttnContext):
     """The instruction and the answer: attend over the answering cache and append, no eviction."""
