@@ -163,3 +163,34 @@ def test_split_prompt_takes_the_last_paragraph():
   assert split_prompt("a long document\nWhat is it?\n") == ("a long document\n", "What is it?\n")
   with pytest.raises(ValueError, match="cannot split a one-line prompt"):
     split_prompt("no break here")
+
+
+@pytest.mark.parametrize("task", ["passkey", "niah_multikey", "chain_of_key"])
+def test_tasks_say_where_their_instruction_starts(default_lm, task):
+  from jax_longctx import tasks
+  s = tasks.get(task).make(default_lm.tokenizer, 600, 0.5, seed=0, chat=True)
+  assert s.document + s.instruction == s.prompt
+  assert 0 < len(s.instruction) < 400 and "?" in s.instruction or "chain" in s.instruction
+
+
+def test_api_and_eval_run_citrus_on_the_default_model(default_lm, tmp_path):
+  from jax_longctx.eval import MethodSpec, run_sweep
+  lm = default_lm
+  doc = "The secret word is pumpkin. " + "The grass is green. The sky is blue. " * 40
+  question = "\n\nWhat is the secret word?"
+  # A budget that covers the document: exactly full attention over the same tokens.
+  got = lm.generate(doc, "citrus_shared", budget=460, chunk=64, instruction=question,
+                    chat=True, max_new_tokens=8)
+  ids, ins = lm.apart(doc, question, chat=True)
+  assert len(ids) < 460
+  assert lm.tokenizer.decode(lm.generate([ids + ins], "full", max_new_tokens=8)[0]) == got[0]
+  split = lm.generate(doc + question, "citrus_shared", budget=96, chunk=64, chat=True,
+                      max_new_tokens=8)  # split after the last blank line
+  assert split == lm.generate(doc + "\n\n", "citrus_shared", budget=96, chunk=64, chat=True,
+                              max_new_tokens=8, instruction=question.lstrip())
+  specs = MethodSpec.parse("citrus_shared", ["citrus_shared.budget=128", "citrus_shared.chunk=64"])
+  recs = run_sweep(lm, "passkey", specs, [600], [0.5], 1, str(tmp_path / "pk"), chat=True)
+  assert 0 <= recs[0]["score"] <= 1 and recs[0]["prediction"]
+  recs = run_sweep(lm, "ppl", specs, [500], [0.5], 1, str(tmp_path / "ppl"),
+                   task_options={"n_scored": 32})
+  assert len(recs[0]["nll"]) == 32 and recs[0]["score"] > 1
