@@ -69,3 +69,16 @@ def test_snapkv_on_a_few_thousand_token_prompt(default_lm, tmp_path):
              "--prompt-file", str(f), "--max-new-tokens", "8")
   assert out.returncode == 0, out.stderr
   assert out.stdout.strip()
+
+
+def test_citrus_takes_the_instruction_apart(default_lm, tmp_path):
+  f = tmp_path / "doc.txt"
+  f.write_text("Anna lives in Paris. " + "The grass is green. The sky is blue. " * 30)
+  args = ("generate", "--chat", "--max-new-tokens", "12", "--method", "citrus_shared",
+          "--method-arg", "budget=64", "--method-arg", "chunk=64")
+  out = _cli(*args, "--prompt-file", str(f), "--instruction", "Where does Anna live?")
+  assert out.returncode == 0, out.stderr
+  assert out.stdout.strip()
+  one_line = _cli(*args, "--prompt", "a one-line prompt")
+  assert one_line.returncode != 0
+  assert "cannot split a one-line prompt" in one_line.stderr
