@@ -89,6 +89,8 @@ class LM:
       prompts = [prompts]
     if isinstance(instruction, str):
       instruction = [instruction]
+    if instruction is not None and len(instruction) != len(prompts):
+      raise GenerationError(f"{len(prompts)} prompts but {len(instruction)} instructions")
     as_text = len(prompts) > 0 and all(isinstance(p, str) for p in prompts)
     method = methods_lib.get(method, **{**(method_args or {}), **method_kwargs})
     instructions = None

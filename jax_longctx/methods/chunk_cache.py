@@ -56,14 +56,14 @@ class ChunkCache:
     b, s = valid.shape
     q_pos = self.n[:, None] + jnp.arange(s, dtype=jnp.int32)[None, :]  # [B, S]
     new_pos = jnp.where(valid, q_pos, -1)
-    k_old = rotate(self.k, self.slot_positions()[:, None, :], freqs)
+    old_pos = self.slot_positions()
+    k_old = rotate(self.k, old_pos[:, None, :], freqs)
     q_rot = apply_rope(q, q_pos, freqs)
     k_all = jnp.concatenate([k_old, jnp.swapaxes(apply_rope(k_new, q_pos, freqs), 1, 2)], axis=2)
     v_all = jnp.concatenate([self.v, jnp.swapaxes(v_new, 1, 2).astype(self.v.dtype)], axis=2)
-    pos_all = jnp.concatenate([self.slot_positions(), new_pos], axis=1)
+    pos_all = jnp.concatenate([old_pos, new_pos], axis=1)
     out, lse = attention(q_rot, k_all.astype(self.k.dtype), v_all, q_pos, pos_all)
-    probs = attention_probs_sum(q_rot, k_old, q_pos, self.slot_positions(), lse, valid,
-                                group="sum")  # [B, KV, C]
+    probs = attention_probs_sum(q_rot, k_old, q_pos, old_pos, lse, valid, group="sum")  # [B,KV,C]
     summed = jnp.sum(probs, axis=1) / q.shape[2]  # mean over heads, summed over queries
     n_valid = jnp.maximum(jnp.sum(valid, axis=1), 1).astype(jnp.float32)
     return out, summed / n_valid[:, None], summed
