@@ -67,8 +67,63 @@ def star_phase2():
   np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), atol=1e-5, rtol=1e-5)
 
 
+def _tiny():
+  from jax_longctx.model import random_params
+  from tests.conftest import TINY_LLAMA3, tiny_config
+  cfg = tiny_config(**TINY_LLAMA3)  # GQA: 6 query heads over 2 kv heads
+  return cfg, random_params(cfg, seed=1)
+
+
+def _full_reference(cfg, params, contexts, queries, new):
+  """Last query-token logits and greedy tokens of plain full attention on one device."""
+  import importlib
+  gen = importlib.import_module("jax_longctx.generate")
+  from jax_longctx.methods import get
+  prompts = [c + q for c, q in zip(contexts, queries)]
+  cache, last = gen.prefill(params, cfg, prompts, get("full"), cache_len=128, chunk_size=16)
+  tokens = gen.generate(params, cfg, prompts, get("full"), max_new_tokens=new, cache_len=128)
+  return np.asarray(last), tokens.tokens
+
+
+def end_to_end(method, block_size=None):
+  """Star with one block and ring prefill each equal full attention (logits, greedy tokens), for
+  a batch of contexts of different lengths, on 8 devices."""
+  from jax_longctx.distributed.star import generate_distributed
+  cfg, params = _tiny()
+  rng = np.random.default_rng(0)
+  contexts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (37, 50)]
+  queries = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (5, 3)]
+  mesh = Mesh(np.array(jax.devices()[:N]), ("ctx",))
+  rows, logits = generate_distributed(params, cfg, contexts, queries, mesh, method=method,
+                                      block_size=block_size, max_new_tokens=6)
+  want_logits, want_rows = _full_reference(cfg, params, contexts, queries, 6)
+  np.testing.assert_allclose(np.asarray(logits), want_logits, atol=1e-4, rtol=0)
+  assert rows == want_rows
+
+
+def star_blocks():
+  """Several blocks per device (block 4 -> 13 blocks padded to 16 on 8 devices): runs, differs
+  from full attention (the blocks do not see each other), and a batch equals each alone."""
+  from jax_longctx.distributed.star import generate_distributed
+  cfg, params = _tiny()
+  rng = np.random.default_rng(1)
+  contexts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (50, 29)]
+  queries = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (4, 6)]
+  mesh = Mesh(np.array(jax.devices()[:N]), ("ctx",))
+  run = functools.partial(generate_distributed, params, cfg, mesh=mesh, block_size=4,
+                          max_new_tokens=4)
+  rows, logits = run(contexts, queries)
+  for i in range(2):
+    alone_rows, alone_logits = run(contexts[i:i + 1], queries[i:i + 1])
+    np.testing.assert_allclose(np.asarray(alone_logits)[0], np.asarray(logits)[i], atol=1e-4)
+  want_logits, _ = _full_reference(cfg, params, contexts, queries, 4)
+  assert np.max(np.abs(np.asarray(logits) - want_logits)) > 1e-3
+
+
 CHECKS = {"ring_causal": functools.partial(ring, True), "ring_full": functools.partial(ring, False),
-          "star_phase2": star_phase2}
+          "star_phase2": star_phase2,
+          "star_one_block": functools.partial(end_to_end, "star", 64),
+          "ring_end_to_end": functools.partial(end_to_end, "ring"), "star_blocks": star_blocks}
 
 if __name__ == "__main__":
   assert len(jax.devices()) >= N, f"needs {N} devices, got {len(jax.devices())}"
