@@ -89,6 +89,23 @@ def _peak_bytes():
   return stats.get("peak_bytes_in_use")
 
 
+def _run_on_mesh(lm, task, method, sample) -> dict:
+  from jax.sharding import Mesh
+
+  from jax_longctx.distributed import generate_distributed
+  if task.name == "ppl":
+    raise EvalError(f"{method.name!r} answers a query; the ppl task has none")
+  doc, query = lm.apart(sample.document, sample.instruction)
+  mesh = Mesh(np.array(jax.devices()), ("ctx",))
+  t0 = time.perf_counter()
+  rows, _ = generate_distributed(lm.params, lm.config, [doc], [query], mesh, method=method,
+                                 max_new_tokens=task.max_new_tokens, stop_tokens=lm.stop_tokens())
+  prediction = lm.tokenizer.decode(rows[0])
+  return {"prediction": prediction, "expected": list(sample.expected),
+          "score": task.score(prediction, sample), "prefill_s": time.perf_counter() - t0,
+          "decode_s": None, "devices": len(jax.devices())}
+
+
 def run_sample(lm, task, spec: MethodSpec, sample, chunk: int, cache_len: int | None = None) -> dict:
   """One sample through one method: prediction, score and timings.
 
@@ -117,6 +134,8 @@ def run_sample(lm, task, spec: MethodSpec, sample, chunk: int, cache_len: int | 
     ppl = float(math.exp(nll.mean()))
     return {"prediction": None, "expected": None, "score": ppl, "nll": nll.round(5).tolist(),
             "prefill_s": t1 - t0, "decode_s": t2 - t1}
+  if getattr(method, "distributed", False):  # Star / ring: the context over every device
+    return _run_on_mesh(lm, task, method, sample)
   if guided:
     ids, instruction = lm.apart(sample.document, sample.instruction)
     instructions = [instruction]

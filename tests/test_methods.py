@@ -15,6 +15,8 @@ from jax_longctx.model import forward
 gen = importlib.import_module("jax_longctx.generate")  # the package exports a function of that name
 
 EVICTING = ("h2o", "streaming_llm", "tova", "snapkv")
+# Star and ring run over a device mesh, not as per-layer steps: tests/test_distributed.py.
+PER_LAYER = [n for n in names() if not getattr(get(n), "distributed", False)]
 CACHE_LEN = 48
 
 
@@ -71,7 +73,7 @@ def _step_logits(params, cfg, prompts, method, n_decode, chunk=8):
   return np.stack(out, axis=1), cache
 
 
-@pytest.mark.parametrize("name", names())
+@pytest.mark.parametrize("name", PER_LAYER)
 def test_budget_covering_the_context_reproduces_full_attention(tiny, name):
   cfg, params = tiny  # GQA (6 query / 2 kv heads): a wrong grouping changes the output
   prompts = _prompts(cfg, (13, 29))
@@ -80,7 +82,7 @@ def test_budget_covering_the_context_reproduces_full_attention(tiny, name):
   np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("name", names())
+@pytest.mark.parametrize("name", PER_LAYER)
 def test_batch_of_different_lengths_equals_each_alone(tiny, name):
   cfg, params = tiny
   prompts = _prompts(cfg, (9, 26), seed=4)
@@ -90,7 +92,7 @@ def test_batch_of_different_lengths_equals_each_alone(tiny, name):
     assert row == _generate(params, cfg, [p], method, 8)[0]
 
 
-@pytest.mark.parametrize("name", names())
+@pytest.mark.parametrize("name", PER_LAYER)
 def test_decode_compiles_once_per_generation_shape(tiny, name):
   cfg, params = tiny
   method = _method(name, 16)
@@ -119,14 +121,14 @@ def test_selection_methods_differ_from_full_when_budget_is_small(tiny):
   cfg, params = tiny
   prompts = _prompts(cfg, (29, 29))
   ref, _ = _step_logits(params, cfg, prompts, get("full"), 3)
-  for name in names():
+  for name in PER_LAYER:
     if name == "full":
       continue
     got, _ = _step_logits(params, cfg, prompts, _method(name, 8), 3)
     assert np.max(np.abs(got[:, 1:] - ref[:, 1:])) > 1e-4, name
 
 
-@pytest.mark.parametrize("name", [n for n in names() if "budget" in _fields(n)])
+@pytest.mark.parametrize("name", [n for n in PER_LAYER if "budget" in _fields(n)])
 def test_budget_errors_name_the_parameter(name):
   with pytest.raises(MethodError, match=r"budget=100 is larger than the cache \(48 slots\)"):
     get(name, budget=100).init_state(_cfg(), 1, CACHE_LEN, jnp.float32, 8)
@@ -160,3 +162,10 @@ def test_full_prefill_through_the_kernel_equals_the_jnp_path(tiny, monkeypatch):
   jax.clear_caches()  # the jitted steps were traced with the other branch
   got, _ = _step_logits(params, cfg, prompts, get("full"), 2)
   np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["star", "ring"])
+def test_mesh_methods_say_how_to_run(tiny, name):
+  cfg, params = tiny
+  with pytest.raises(MethodError, match=f"'{name}' runs over a device mesh"):
+    gen.generate(params, cfg, [[1, 2, 3]], get(name), max_new_tokens=2)

@@ -202,12 +202,19 @@ def encode_context(params, cfg, contexts, mesh, axis: str = "ctx", *, method: st
 
 
 def generate_distributed(params, cfg, contexts, queries, mesh, axis: str = "ctx", *,
-                         method: str = "star", block_size: int | None = None,
+                         method="star", block_size: int | None = None,
                          anchor_size: int | None = None, max_new_tokens: int = 32,
                          stop_tokens=(), sampling: Sampling = Sampling()):
   """Star Attention (or ring attention) end to end: phase 1 over the context, then the query
   and `max_new_tokens` generated tokens with the exact cross-device merge. Returns (new tokens
-  per sequence, the query's last-token logits [B, V])."""
+  per sequence, the query's last-token logits [B, V]).
+
+  method: "star", "ring", or the registry's Star / Ring object (whose settings apply).
+  """
+  if isinstance(method, Method):
+    block_size = method.settings().get("block_size", block_size)
+    anchor_size = method.settings().get("anchor_size", anchor_size)
+    method = method.name
   if len(queries) != len(contexts) or min(map(len, queries), default=0) < 1:
     raise GenerationError("one non-empty query per context is needed")
   context_kv = encode_context(params, cfg, contexts, mesh, axis, method=method,

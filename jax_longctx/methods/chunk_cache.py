@@ -69,10 +69,10 @@ class ChunkCache:
     return out, summed / n_valid[:, None], summed
 
   def append(self, k_new, v_new, valid, tok_pos) -> "ChunkCache":
-    """Writes the valid new tokens [B, S, KV, d] at slots n, n+1, ... (tok_pos [B, S])."""
-    s = valid.shape[1]
-    slot = jnp.where(valid, self.n[:, None] + jnp.arange(s, dtype=jnp.int32)[None, :],
-                     self.capacity)  # padding goes out of range and is dropped
+    """Writes the valid new tokens [B, S, KV, d] at slots n, n+1, ... in order (tok_pos [B, S]);
+    invalid ones anywhere in the row are skipped."""
+    rank = jnp.cumsum(valid, axis=1, dtype=jnp.int32) - 1
+    slot = jnp.where(valid, self.n[:, None] + rank, self.capacity)  # padding: out of range, dropped
     bi = jnp.arange(valid.shape[0])[:, None]
     k = self.k.at[bi, :, slot].set(k_new.astype(self.k.dtype), mode="drop")
     v = self.v.at[bi, :, slot].set(v_new.astype(self.v.dtype), mode="drop")

@@ -1,0 +1,49 @@
+"""Star Attention and ring attention as registry entries (their settings; they run over a mesh).
+
+Acharya et al., "Star Attention: Efficient LLM Inference over Long Sequences", 2024
+(arXiv:2411.17116). Not per-layer steps like the other methods: the context is encoded across
+the devices of a mesh axis and the query merges every device's attention, so they run through
+`jax_longctx.distributed.generate_distributed` (the evaluation harness does that for them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+from jax_longctx.methods.base import Method, MethodError, register
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshMethod(Method):
+  distributed: ClassVar[bool] = True
+
+  def init_state(self, cfg, batch, max_len, dtype, chunk):
+    raise MethodError(f"{self.name!r} runs over a device mesh: use "
+                      "jax_longctx.distributed.generate_distributed (or `jax-longctx eval`)")
+
+  def settings(self) -> dict:
+    return {}
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class Star(MeshMethod):
+  """Phase 1: anchor + block rows encoded in parallel; phase 2: exact merged attention."""
+
+  name = "star"
+
+  block_size: int = 0  # 0: a quarter of the context (the paper's setting)
+  anchor_size: int = -1  # -1: the block size (the paper's setting)
+
+  def settings(self) -> dict:
+    return {"block_size": self.block_size or None,
+            "anchor_size": None if self.anchor_size < 0 else self.anchor_size}
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class Ring(MeshMethod):
+  """Exact prefill with K/V passed around the ring, then Star's phase 2 (the paper's baseline)."""
+
+  name = "ring"
