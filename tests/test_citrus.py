@@ -1,4 +1,4 @@
-"""CItruS against a slow reference of the paper's Eqs. 1-5 (the authors' loop), and its outer loop."""
+"""CItruS against a slow reference of the paper's Eqs. 1-5 (the authors' loop); its outer loop."""
 
 import importlib
 

@@ -15,8 +15,8 @@ from jax_longctx.tasks import text_sources
 from jax_longctx.tasks.base import Sample, TaskError
 
 
-# What steers the eviction of methods guided by an instruction (CItruS's shared cache): the paper
-# (Figure 7) samples questions from Qasper and HotpotQA; a generic question about the text stands in.
+# What steers the eviction of methods guided by an instruction (CItruS's shared cache): the
+# paper (Figure 7) samples questions from Qasper and HotpotQA; a generic question stands in.
 INSTRUCTION = "\n\nWhat is the main topic of the text above, and who are the people in it?"
 
 
