@@ -8,5 +8,5 @@ __all__ = ["AttnContext", "Full", "Method", "MethodError", "PrefillEnd", "get", 
            "parse_method_args", "register", "resolve_budget"]
 
 # Importing a method module registers it.
-from jax_longctx.methods import (citrus, h2o, quest, reattention, resa,  # noqa: E402,F401
-                                 snapkv, star, streaming_llm, topk, tova)
+from jax_longctx.methods import (citrus, h2o, quest, reattention, refreshkv,  # noqa: E402,F401
+                                 resa, snapkv, star, streaming_llm, topk, tova)

@@ -52,20 +52,30 @@ class SlotCache:
 
   def keep(self, priority: jnp.ndarray) -> "SlotCache":
     """Keeps the `budget` occupied slots of highest priority [B, KV, C], in position order."""
-    priority = jnp.where(self.pos >= 0, priority.astype(jnp.float32), -jnp.inf)
-    _, idx = jax.lax.top_k(priority, self.budget)
-    kept_pos = jnp.take_along_axis(self.pos, idx, axis=-1)
-    order = jnp.argsort(jnp.where(kept_pos >= 0, kept_pos, _LAST), axis=-1)
-    idx = jnp.take_along_axis(idx, order, axis=-1)
-    pad = self.capacity - self.budget
+    return top_slots(self.k, self.v, self.pos, jnp.where(self.pos >= 0, priority, -jnp.inf),
+                     self.budget, self.capacity, scores=self.score)
 
-    def gather(a, fill):
-      taken = jnp.take_along_axis(a, idx.reshape(idx.shape + (1,) * (a.ndim - 3)), axis=2)
-      return jnp.concatenate([taken, jnp.full(a.shape[:2] + (pad,) + a.shape[3:], fill, a.dtype)],
-                             axis=2)
+  def settle_last(self) -> "SlotCache":
+    """Moves the token in the last slot into the lowest-scoring other slot (an empty one first).
 
-    return self.replace(k=gather(self.k, 0), v=gather(self.v, 0), pos=gather(self.pos, -1),
-                        score=gather(self.score, 0))
+    Fixed-size caches (RefreshKV's partial cache, SnapKV with `keep_size`) write each new token
+    into the last slot, attend, then settle: the lowest-scoring token leaves so the others hold at
+    most capacity - 1. Ties go to the earliest position. A scatter of one slot per row, O(d).
+    """
+    last = self.capacity - 1
+    front = self.pos[..., :last]
+    prio = jnp.where(front >= 0, self.score[..., :last], -jnp.inf)
+    low = jnp.min(prio, axis=-1, keepdims=True)
+    slot = jnp.argmin(jnp.where(prio == low, front, _LAST), axis=-1)  # [B, KV]
+    occupied = self.pos[..., last] >= 0
+    slot = jnp.where(occupied, slot, self.capacity)  # nothing to move: dropped
+    b_idx, h_idx = jnp.indices(slot.shape)
+
+    def move(a):
+      return a.at[b_idx, h_idx, slot].set(a[:, :, last], mode="drop")
+
+    return self.replace(k=move(self.k), v=move(self.v), score=move(self.score),
+                        pos=move(self.pos).at[..., last].set(-1))
 
   def most_recent(self, n: int) -> jnp.ndarray:
     """[B, KV, C] bool: the n occupied slots with the latest positions."""
@@ -73,6 +83,32 @@ class SlotCache:
       return jnp.zeros(self.pos.shape, bool)
     kth = jax.lax.top_k(self.pos, min(n, self.capacity))[0][..., -1:]
     return (self.pos >= 0) & (self.pos >= kth)
+
+
+def top_slots(k, v, pos, priority, n: int, capacity: int, *, scores=None,
+              ordered: bool = True) -> SlotCache:
+  """A SlotCache of `capacity` slots whose first n hold the n highest-priority slots of k/v/pos.
+
+  k, v [B, KV, T, d], pos [B, KV, T] (or [B, T]; -1: empty), priority [B, KV, T]. Only
+  n rows are gathered, so taking a small cache out of a long one costs O(n), not O(T). The kept
+  slots are in position order when `ordered`; `scores` (default: the priority) go with them.
+  """
+  pos = jnp.broadcast_to(pos[:, None, :] if pos.ndim == 2 else pos, priority.shape)
+  priority = priority.astype(jnp.float32)
+  _, idx = jax.lax.top_k(priority, n)
+  if ordered:
+    kept_pos = jnp.take_along_axis(pos, idx, axis=-1)
+    order = jnp.argsort(jnp.where(kept_pos >= 0, kept_pos, _LAST), axis=-1)
+    idx = jnp.take_along_axis(idx, order, axis=-1)
+  scores = priority if scores is None else scores
+  pad = capacity - n
+
+  def gather(a, fill):
+    taken = jnp.take_along_axis(a, idx.reshape(idx.shape + (1,) * (a.ndim - 3)), axis=2)
+    return jnp.concatenate([taken, jnp.full(a.shape[:2] + (pad,) + a.shape[3:], fill, a.dtype)],
+                           axis=2)
+
+  return SlotCache(gather(k, 0), gather(v, 0), gather(pos, -1), gather(scores, 0.0), n)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,7 +5,8 @@ Li et al., "SnapKV: LLM Knows What You are Looking for Before Generation", 2024
 attention of the observation window (the last `window` prompt tokens, 32 in the paper), summed
 over the window's queries, max-pooled over neighbouring positions (kernel 7) and aggregated over
 the query heads of a GQA group by max; per kv head it keeps the window plus the best other tokens
-up to `budget`. Generated tokens are appended without further eviction.
+up to `budget`. Generated tokens are appended without further eviction (or, with `keep_size`,
+each replaces the lowest-scoring kept token; generated tokens score +inf).
 """
 
 from __future__ import annotations
@@ -21,8 +22,17 @@ from jax_longctx.cache import KVCache
 from jax_longctx.methods.base import (AttnContext, Method, MethodError, PrefillEnd, register,
                                       resolve_budget)
 from jax_longctx.methods.full import Full
-from jax_longctx.methods.slot_cache import SlotCache
+from jax_longctx.methods.slot_cache import SlotCache, top_slots
 from jax_longctx.rope import apply_rope
+
+
+def pooled_scores(q, k, q_pos, k_pos, lse, q_valid, pool_kernel: int) -> jnp.ndarray:
+  """Attention each slot gets from the queries q (summed over them, max over a GQA group), then
+  max-pooled over `pool_kernel` neighbouring slots (slots in position order; the window shrinks
+  at the ends): [B, KV, T] fp32. `lse` is the queries' LSE over the same slots."""
+  score = attention_probs_sum(q, k, q_pos, k_pos, lse, q_valid, group="max")
+  return jax.lax.reduce_window(score, -jnp.inf, jax.lax.max, (1, 1, pool_kernel), (1, 1, 1),
+                               "SAME")
 
 
 @struct.dataclass
@@ -47,6 +57,9 @@ class SnapKV(Method):
   budget: float = 1024
   window: int = 32
   pool_kernel: int = 7
+  # Evict the lowest-scoring token for each generated one, so the cache stays at `budget` (the
+  # fixed-size SnapKV that RefreshKV's partial cache becomes when it is never refreshed).
+  keep_size: bool = False
 
   def init_state(self, cfg, batch, max_len, dtype, chunk) -> SnapPrefill:
     n = resolve_budget(self.budget, max_len)
@@ -69,42 +82,39 @@ class SnapKV(Method):
     return out, state.replace(kv=kv, q_win=q_win, q_win_pos=latest)
 
   def end_of_prefill(self, state: SnapPrefill, info: PrefillEnd) -> SnapDecode:
-    kv, b = state.kv, state.q_win.shape[0]
-    t = kv.max_len
-    k_pos = jnp.where(jnp.arange(t)[None, :] < info.prompt_lengths[:, None],
+    room = 1 if self.keep_size else info.decode_room
+    return SnapDecode(self.compress(state, info.prompt_lengths, room), info.prompt_lengths)
+
+  def compress(self, state: SnapPrefill, prompt_lengths, room: int) -> SlotCache:
+    """The kept prompt tokens in the first `budget` slots of a cache with `room` more slots."""
+    kv, t = state.kv, state.kv.max_len
+    k_pos = jnp.where(jnp.arange(t)[None, :] < prompt_lengths[:, None],
                       jnp.arange(t, dtype=jnp.int32)[None, :], -1)  # [B, T]
-    valid_q = state.q_win_pos >= 0
     # LSE of the window queries over the prompt (key-blocked for long prompts), then the
     # attention each prompt token receives: [window x prompt] scores, never [prompt x prompt].
     _, lse = attention(state.q_win, kv.k, kv.v, state.q_win_pos, k_pos)
-    score = attention_probs_sum(state.q_win, kv.k, state.q_win_pos, k_pos, lse, valid_q,
-                                group="max")  # [B, KV, T]
-    score = jax.lax.reduce_window(score, -jnp.inf, jax.lax.max, (1, 1, self.pool_kernel),
-                                  (1, 1, 1), "SAME")
-    in_window = k_pos >= (info.prompt_lengths[:, None] - self.window)
+    score = pooled_scores(state.q_win, kv.k, state.q_win_pos, k_pos, lse, state.q_win_pos >= 0,
+                          self.pool_kernel)
+    in_window = k_pos >= (prompt_lengths[:, None] - self.window)
     priority = jnp.where(in_window[:, None, :], jnp.inf, score)
-    n, kvh = state.budget, kv.k.shape[1]
-    full = SlotCache(kv.k, kv.v, jnp.broadcast_to(k_pos[:, None, :], (b, kvh, t)),
-                     jnp.zeros((b, kvh, t), jnp.float32), n)
-    kept = full.keep(priority)  # the first n slots now hold the kept tokens in position order
-
-    def room(a, fill):
-      pad = jnp.full(a.shape[:2] + (info.decode_room,) + a.shape[3:], fill, a.dtype)
-      return jnp.concatenate([a[:, :, :n], pad], axis=2)
-
-    slots = SlotCache(room(kept.k, 0), room(kept.v, 0), room(kept.pos, -1),
-                      room(kept.score, 0), n)
-    return SnapDecode(slots, info.prompt_lengths)
+    priority = jnp.where(k_pos[:, None, :] >= 0, priority, -jnp.inf)
+    return top_slots(kv.k, kv.v, k_pos, priority, state.budget, state.budget + room)
 
   def decode(self, state: SnapDecode, q, k, v, ctx: AttnContext):
     s = state.slots
-    slot = s.budget + ctx.q_pos - state.prompt_lengths[:, None]  # [B, S]
+    if self.keep_size and q.shape[1] != 1:
+      raise MethodError(f"snapkv with keep_size decodes one token per step, got {q.shape[1]}")
+    if self.keep_size:  # the new token takes the spare last slot and settles after attention
+      slot = jnp.full(ctx.q_pos.shape, s.capacity - 1)
+    else:
+      slot = s.budget + ctx.q_pos - state.prompt_lengths[:, None]  # [B, S]
     slot = jnp.where(ctx.valid, slot, s.capacity)  # dropped
     b_idx = jnp.arange(q.shape[0])[:, None]
     k = apply_rope(k, ctx.q_pos, ctx.freqs)
     s = s.replace(
         k=s.k.at[b_idx, :, slot].set(k.astype(s.k.dtype), mode="drop"),
         v=s.v.at[b_idx, :, slot].set(v.astype(s.v.dtype), mode="drop"),
-        pos=s.pos.at[b_idx, :, slot].set(ctx.q_pos[:, :, None], mode="drop"))
+        pos=s.pos.at[b_idx, :, slot].set(ctx.q_pos[:, :, None], mode="drop"),
+        score=s.score.at[b_idx, :, slot].set(jnp.inf, mode="drop"))
     out, _ = attention(apply_rope(q, ctx.q_pos, ctx.freqs), s.k, s.v, ctx.q_pos, s.pos)
-    return out, state.replace(slots=s)
+    return out, state.replace(slots=s.settle_last() if self.keep_size else s)
