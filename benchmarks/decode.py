@@ -102,7 +102,8 @@ def run_jax(args) -> dict:
   med, times = median_time(decode, warmup=0, reps=args.reps)
   per_token = med / (args.new_tokens - 1)
   wbytes, kvbytes = _bytes_per_token(cfg, ctx, b)
-  return {"hparams": method.hparams(), "prefill_tok_s": b * (n_chunks - 1) * chunk / prefill_s,
+  report = method.report(state["cache"]) if hasattr(method, "report") else {}
+  return {**report, "hparams": method.hparams(), "prefill_tok_s": b * (n_chunks - 1) * chunk / prefill_s,
           "prefill_first_chunk_s": first, "decode_ms": per_token * 1e3,
           "decode_times_s": times, "decode_compile_s": decode_compile_s,
           "weight_bytes": wbytes, "kv_bytes": kvbytes, "peak_bytes": jax_peak_bytes(),
@@ -160,7 +161,8 @@ def _has_cuda() -> bool:
 
 def child(args) -> None:
   rec = {"impl": args.impl, "model": args.model, "context": args.context, "batch": args.batch,
-         "new_tokens": args.new_tokens, "method": args.method, "method_args": args.method_arg}
+         "new_tokens": args.new_tokens, "method": args.method, "method_args": args.method_arg,
+         "label": args.label or args.method}
   try:
     rec.update(run_jax(args) if args.impl == "jax" else run_hf(args))
   except Exception as e:  # out of memory at large batch x context is a result, not a crash
@@ -175,7 +177,8 @@ def main() -> None:
   p.add_argument("--contexts", default="8192,32768,131072")
   p.add_argument("--batches", default="1,8")
   p.add_argument("--impls", default="jax,hf")
-  p.add_argument("--methods", default="full", help="jax-longctx methods to time (jax impl only)")
+  p.add_argument("--methods", default="full",
+                 help="jax-longctx methods to time (jax impl only); label:name for variants")
   p.add_argument("--method-arg", action="append", default=[], metavar="METHOD.KEY=VALUE")
   p.add_argument("--skip", default="131072x8", help="context x batch pairs that cannot fit")
   p.add_argument("--new-tokens", type=int, default=64)
@@ -185,6 +188,7 @@ def main() -> None:
   p.add_argument("--child", action="store_true")
   p.add_argument("--impl")
   p.add_argument("--method", default="full")
+  p.add_argument("--label")
   p.add_argument("--context", type=int)
   p.add_argument("--batch", type=int)
   args = p.parse_args()
@@ -194,15 +198,18 @@ def main() -> None:
   bw = common.copy_bandwidth() if _has_cuda() else None
   runs = [("hf", "full") if impl == "hf" else ("jax", m) for impl in args.impls.split(",")
           for m in (args.methods.split(",") if impl == "jax" else ["full"])]
-  for impl, method in runs:
-    margs = [a.split(".", 1)[1] for a in args.method_arg if a.startswith(method + ".")]
+  for impl, entry in runs:
+    label, _, method = entry.rpartition(":")
+    label = label or method
+    margs = [a.split(".", 1)[1] for a in args.method_arg if a.startswith(label + ".")]
     for ctx in map(int, args.contexts.split(",")):
       for b in map(int, args.batches.split(",")):
         if f"{ctx}x{b}" in skip:
           continue
         cmd = [sys.executable, __file__, "--child", "--impl", impl, "--context", str(ctx),
                "--batch", str(b), "--model", args.model, "--new-tokens", str(args.new_tokens),
-               "--reps", str(args.reps), "--chunk", str(args.chunk), "--method", method]
+               "--reps", str(args.reps), "--chunk", str(args.chunk), "--method", method,
+               "--label", label]
         cmd += [x for a in margs for x in ("--method-arg", a)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]

@@ -1,4 +1,4 @@
-"""`jax-longctx` command line: generate, eval, convert, export."""
+"""`jax-longctx` command line: generate, eval, convert, export, train-cpt."""
 
 from __future__ import annotations
 
@@ -76,6 +76,17 @@ def _cmd_eval(args) -> int:
   return 0
 
 
+def _cmd_train_cpt(args) -> int:
+  from train_cpt import load_config, train
+
+  overrides = methods_lib.parse_method_args(args.set)
+  cfg = load_config(args.config, overrides)
+  result = train(cfg, stop_after=args.stop_after)
+  print(f"last evaluation: {result}")
+  print(f"log in {cfg.out_dir}/log.jsonl; trained model in {cfg.out_dir}/final")
+  return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="jax-longctx", description=__doc__)
   sub = parser.add_subparsers(dest="command", required=True)
@@ -130,6 +141,14 @@ def build_parser() -> argparse.ArgumentParser:
   e.add_argument("dst")
   e.add_argument("--overwrite", action="store_true")
   e.set_defaults(func=_cmd_export)
+
+  t = sub.add_parser("train-cpt", help="RefreshKV continued pretraining (resumes by itself)")
+  t.add_argument("--config", required=True, help="a .toml or .json file of train_cpt settings")
+  t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                 help="override a setting of the file; repeat for several")
+  t.add_argument("--stop-after", type=int, default=None,
+                 help="leave after this many steps (resume later with the same command)")
+  t.set_defaults(func=_cmd_train_cpt)
   return parser
 
 

@@ -40,16 +40,22 @@ class MethodSpec:
 
   @classmethod
   def parse(cls, names: str, method_args: list[str] | None) -> list["MethodSpec"]:
-    """'full,snapkv' + ['snapkv.budget=256'] -> specs (args without a dot go to every method)."""
+    """'full,snapkv' + ['snapkv.budget=256'] -> specs (args without a dot go to every method).
+
+    An entry `label:name` runs method `name` under its own label, so one method can run with
+    several settings in a sweep (`rkv5:refreshkv` + `rkv5.qc_stride=5`).
+    """
     per: dict[str, list[str]] = {}
     for arg in method_args or []:
       key = arg.split("=", 1)[0]
       target, _, _ = key.rpartition(".")
       per.setdefault(target, []).append(arg.split(".", 1)[1] if target else arg)
     out = []
-    for name in [n.strip() for n in names.split(",") if n.strip()]:
-      args = per.get(name, []) + ([] if name == "full" else per.get("", []))
-      out.append(cls(name, methods_lib.get(name, **methods_lib.parse_method_args(args))))
+    for entry in [n.strip() for n in names.split(",") if n.strip()]:
+      label, _, name = entry.rpartition(":")
+      label = label or name
+      args = per.get(label, []) + ([] if name == "full" else per.get("", []))
+      out.append(cls(label, methods_lib.get(name, **methods_lib.parse_method_args(args))))
     unknown = set(per) - {s.label for s in out} - {""}
     if unknown:
       raise EvalError(f"--method-arg names methods not in --methods: {sorted(unknown)}")
@@ -127,13 +133,13 @@ def run_sample(lm, task, spec: MethodSpec, sample, chunk: int, cache_len: int | 
                             chunk_size=chunk)
     jax.block_until_ready(last)
     t1 = time.perf_counter()
-    nll, _ = teacher_forced_nll(lm.params, cache, last, jnp.asarray([targets], jnp.int32),
-                                cfg=lm.config, method=method)
+    nll, cache = teacher_forced_nll(lm.params, cache, last, jnp.asarray([targets], jnp.int32),
+                                    cfg=lm.config, method=method)
     nll = np.asarray(nll[0], np.float64)
     t2 = time.perf_counter()
     ppl = float(math.exp(nll.mean()))
     return {"prediction": None, "expected": None, "score": ppl, "nll": nll.round(5).tolist(),
-            "prefill_s": t1 - t0, "decode_s": t2 - t1}
+            "prefill_s": t1 - t0, "decode_s": t2 - t1, **_method_report(method, cache)}
   if getattr(method, "distributed", False):  # Star / ring: the context over every device
     return _run_on_mesh(lm, task, method, sample)
   if guided:
@@ -148,7 +154,7 @@ def run_sample(lm, task, spec: MethodSpec, sample, chunk: int, cache_len: int | 
                         instructions=instructions)
   jax.block_until_ready(last)
   t1 = time.perf_counter()
-  out, steps, _ = decode_loop(lm.params, cache, last, jnp.asarray(lm.stop_tokens() or (-1,)),
+  out, steps, cache = decode_loop(lm.params, cache, last, jnp.asarray(lm.stop_tokens() or (-1,)),
                               jax.random.key(0), cfg=lm.config, method=method,
                               max_new_tokens=task.max_new_tokens, sampling=Sampling())
   row = np.asarray(out)[0, :int(steps)].tolist()
@@ -157,7 +163,14 @@ def run_sample(lm, task, spec: MethodSpec, sample, chunk: int, cache_len: int | 
   row = row[:next((i for i, t in enumerate(row) if t in stops), len(row))]
   prediction = lm.tokenizer.decode(row)
   return {"prediction": prediction, "expected": list(sample.expected),
-          "score": task.score(prediction, sample), "prefill_s": t1 - t0, "decode_s": t2 - t1}
+          "score": task.score(prediction, sample), "prefill_s": t1 - t0, "decode_s": t2 - t1,
+          **_method_report(method, cache)}
+
+
+def _method_report(method, cache) -> dict:
+  """What a method says about its own run (RefreshKV: the effective stride per layer)."""
+  report = getattr(method, "report", None)
+  return report(cache) if report else {}
 
 
 def plan(task, specs, lengths, depths, samples) -> list[tuple]:

@@ -39,7 +39,28 @@ def summary_table(records: list[dict]) -> str:
           cells.append(f"{100 * _mean(xs):.0f} (n={len(xs)})")
       out.append(f"| {m} | " + " | ".join(cells) + " |")
     out.append("")
-  return "\n".join(out)
+  return "\n".join(out + _stride_table(records))
+
+
+def _stride_table(records: list[dict]) -> list[str]:
+  """RefreshKV's effective stride (decode steps per full step), mean over samples, per layer."""
+  by = collections.defaultdict(list)
+  for r in records:
+    if r.get("full_steps"):
+      n = np.asarray(r["full_steps"], np.float64)
+      stride = np.where(n > 0, r["decode_steps"] / np.maximum(n, 1e-9), np.inf)
+      by[(r["task"], r["method"], r["length"])].append(stride)
+  if not by:
+    return []
+  out = ["### effective stride (decode steps per full step; inf: never full)\n",
+         "| task | method | length | mean over layers | per layer |", "|---" * 5 + "|"]
+  for (task, m, n), rows in sorted(by.items()):
+    per_layer = np.mean(np.asarray(rows, np.float64), axis=0)
+    finite = per_layer[np.isfinite(per_layer)]
+    mean = f"{finite.mean():.1f}" if finite.size else "inf"
+    out.append(f"| {task} | {m} | {n} | {mean} | "
+               + " ".join(f"{x:.0f}" if math.isfinite(x) else "inf" for x in per_layer) + " |")
+  return out + [""]
 
 
 def _ppl_ratio_curves(records, bins=8):

@@ -25,6 +25,14 @@ class Tokenizer:
     self.bos_token = self._token_text(conf.get("bos_token"))
     self.eos_token = self._token_text(conf.get("eos_token"))
 
+  def save(self, directory: str) -> None:
+    """tokenizer.json and the settings this class reads, into `directory`."""
+    self._tk.save(os.path.join(directory, "tokenizer.json"))
+    conf = {"chat_template": self.chat_template, "add_bos_token": self.add_bos,
+            "bos_token": self.bos_token, "eos_token": self.eos_token}
+    with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+      json.dump({k: v for k, v in conf.items() if v is not None}, f, indent=1)
+
   @staticmethod
   def _token_text(tok):
     return tok.get("content") if isinstance(tok, dict) else tok

@@ -122,7 +122,7 @@ def test_threshold_above_one_every_step_is_full_attention(tiny):
   res = _generate(tiny, get("refreshkv", budget=8, qc_stride=1, threshold=1.01), prompts)
   assert res.tokens == full
   assert res.cache.state[0].part.budget == 8
-  assert get("refreshkv").report(res.cache)["effective_stride"] == [1.0] * 3
+  assert get("refreshkv").effective_stride(res.cache) == [1.0] * 3
 
 
 def test_never_refreshing_is_fixed_size_snapkv(tiny):
@@ -130,14 +130,15 @@ def test_never_refreshing_is_fixed_size_snapkv(tiny):
   snap = _generate(tiny, get("snapkv", budget=8, window=1, keep_size=True), prompts).tokens
   res = _generate(tiny, get("refreshkv", budget=8, threshold=-1.01), prompts)
   assert res.tokens == snap
-  assert get("refreshkv").report(res.cache)["effective_stride"] == [float("inf")] * 3
+  assert get("refreshkv").effective_stride(res.cache) == [float("inf")] * 3
   assert snap != _generate(tiny, get("full"), prompts).tokens  # K = 8 does lose something
 
 
 def test_effective_stride_counts_full_steps(tiny):
   res = _generate(tiny, get("refreshkv", budget=8, qc_stride=3, threshold=1.01),
                   _prompts((30, 41)), new=13)  # 12 decode steps: full at 3, 6, 9, 12
-  assert get("refreshkv").report(res.cache)["effective_stride"] == [3.0] * 3
+  assert get("refreshkv").effective_stride(res.cache) == [3.0] * 3
+  assert get("refreshkv").report(res.cache) == {"full_steps": [4.0] * 3, "decode_steps": 12.0}
 
 
 @pytest.mark.parametrize("kw, match", [

@@ -1,4 +1,10 @@
-"""RefreshKV continued pretraining (data, attention masks, optax loop, orbax checkpoints).
+"""RefreshKV continued pretraining: `jax-longctx train-cpt --config FILE`.
 
-Empty until the continued-pretraining work lands.
+config.py (settings), data.py (text files -> packed rows), pattern.py (the attention pattern),
+sharding.py (mesh), evaluate.py (held-out perplexity), loop.py (the job).
 """
+
+from train_cpt.config import ConfigError, TrainConfig, load_config
+from train_cpt.loop import read_log, train
+
+__all__ = ["ConfigError", "TrainConfig", "load_config", "read_log", "train"]

@@ -146,11 +146,14 @@ class RefreshKV(Method):
     return out, state.replace(full=full, part=part, q_ref=q_ref,
                               n_full=state.n_full + due.astype(jnp.int32))
 
-  def report(self, cache) -> dict:
-    """Effective stride per layer (decode steps / full steps, averaged over the batch)."""
+  def effective_stride(self, cache) -> list[float]:
+    """Per layer: decode steps per full step, averaged over the batch (inf: never full)."""
     steps = np.asarray(cache.lengths - cache.state[0].prompt_lengths, np.float64)
-    strides = []
-    for layer in cache.state:
-      n_full = np.asarray(layer.n_full, np.float64)
-      strides.append(float(np.mean(np.where(n_full > 0, steps / np.maximum(n_full, 1), np.inf))))
-    return {"effective_stride": strides, "decode_steps": float(np.mean(steps))}
+    return [float(np.mean(np.where(n > 0, steps / np.maximum(n, 1), np.inf)))
+            for n in (np.asarray(layer.n_full, np.float64) for layer in cache.state)]
+
+  def report(self, cache) -> dict:
+    """JSON-safe counts for an evaluation record: full steps per layer and decode steps."""
+    steps = np.asarray(cache.lengths - cache.state[0].prompt_lengths, np.float64)
+    return {"full_steps": [float(np.mean(np.asarray(layer.n_full))) for layer in cache.state],
+            "decode_steps": float(np.mean(steps))}
