@@ -36,10 +36,11 @@ def _attend(qr, kr, v, b, t, kept):
   return out
 
 
-def _top(score, t, n):
-  """Top n of a pooled score row with token t forced in; ties to the lower position."""
+def _top(score, t, n, n_local=1):
+  """Top n of a pooled score row with the n_local tokens up to t forced in; ties to the lower
+  position."""
   s = score.copy()
-  s[t] = np.inf
+  s[t - n_local + 1:t + 1] = np.inf
   order = np.argsort(-s, kind="stable")[:n]
   return {int(i): float(s[i]) for i in order}
 
@@ -50,7 +51,8 @@ def _reference(m, q, k, v, prompt, n):
   qm = (qr if m.similarity_after_rope else q).mean(axis=2)  # [B, T, D]
   outs, kept_all, due_all = [], [], []
   for b in range(B):
-    part = [_top(row, prompt - 1, n) for row in _pooled_attention(qr, kr, b, prompt - 1, 7)]
+    part = [_top(row, prompt - 1, n, m.n_local)
+            for row in _pooled_attention(qr, kr, b, prompt - 1, 7)]
     q_ref, rows, dues = qm[b, prompt - 1], [], []
     for t in range(prompt, q.shape[1]):
       step = t - prompt + 1
@@ -61,7 +63,7 @@ def _reference(m, q, k, v, prompt, n):
       if due:
         q_ref = qm[b, t]
         if m.refresh:
-          part = [_top(row, t, n) for row in _pooled_attention(qr, kr, b, t, 7)]
+          part = [_top(row, t, n, m.n_local) for row in _pooled_attention(qr, kr, b, t, 7)]
         seen = part if not m.full_attention else [range(t + 1)] * KV
         rows.append(_attend(qr, kr, v, b, t, seen))
       if not due or not m.refresh:  # the partial step: C_p plus the token, then one leaves
@@ -83,6 +85,7 @@ SETTINGS = {
     "dynamic": dict(qc_stride=2, threshold=0.0),
     "after_rope": dict(qc_stride=2, threshold=0.0, similarity_after_rope=True),
     "fixed": dict(fixed_stride=3),
+    "local_window": dict(fixed_stride=3, n_local=3),
     "without_refresh": dict(fixed_stride=3, refresh=False),
     "without_full_attention": dict(fixed_stride=3, full_attention=False),
 }
@@ -143,6 +146,7 @@ def test_effective_stride_counts_full_steps(tiny):
 
 @pytest.mark.parametrize("kw, match", [
     (dict(qc_stride=0), "qc_stride=0 must be >= 1"),
+    (dict(n_local=0), "n_local=0 must be >= 1"),
     (dict(refresh=False, full_attention=False), "leaves nothing to do"),
     (dict(budget=100), r"budget=100 is larger than the cache \(64 slots\)"),
 ])

@@ -15,8 +15,9 @@ Decisions where the paper is silent (docs/METHODS.md):
 - C_p is a gathered copy ([B, KV, K + 1, d] with one spare slot for the step's token), so partial
   steps read K contiguous rows; C_f always receives every token (the paper writes the tokens
   decoded with C_p at the next full step: the same cache when it is read);
-- like SnapKV's observation window, the scoring query's own token is always kept; generated
-  tokens score +inf until the next refresh scores them (the oldest of them leaves first);
+- like SnapKV's observation window, the scoring query's own token is always kept (`n_local`
+  latest tokens: 1 by default); generated tokens score +inf until the next refresh scores them
+  (the oldest of them leaves first);
 - the per-layer choice is per sequence: a batch takes the full branch (`lax.cond`) when any of
   its sequences needs it, and each sequence keeps the result its own schedule calls for, so a
   batch decodes exactly as its sequences would alone.
@@ -73,11 +74,16 @@ class RefreshKV(Method):
   refresh: bool = True  # False: the "without refresh" ablation (C_p stays SnapKV's)
   full_attention: bool = True  # False: "without full attention" (refresh, then attend C_p)
   similarity_after_rope: bool = False
+  # Latest tokens always in C_p after the prefill and each refresh. 1 (the paper's choice): the
+  # scoring query's own token; more keeps a local window as SnapKV's observation window does.
+  n_local: int = 1
 
   def _snap(self) -> SnapKV:
     return SnapKV(budget=self.budget, window=1, pool_kernel=self.pool_kernel, keep_size=True)
 
   def init_state(self, cfg, batch, max_len, dtype, chunk) -> RefreshPrefill:
+    if self.n_local < 1:
+      raise MethodError(f"n_local={self.n_local} must be >= 1 (the query's own token)")
     if self.qc_stride < 1 or self.fixed_stride < 0:
       raise MethodError(f"qc_stride={self.qc_stride} must be >= 1 and fixed_stride="
                         f"{self.fixed_stride} >= 0")
@@ -101,7 +107,7 @@ class RefreshKV(Method):
     return out, RefreshPrefill(snap, q_ref)
 
   def end_of_prefill(self, state: RefreshPrefill, info: PrefillEnd) -> RefreshState:
-    part = self._snap().compress(state.snap, info.prompt_lengths, room=1)
+    part = self._snap().compress(state.snap, info.prompt_lengths, room=1, keep_recent=self.n_local)
     b = info.prompt_lengths.shape[0]
     return RefreshState(state.snap.kv, part, state.q_ref, info.prompt_lengths,
                         jnp.zeros((b,), jnp.int32))
@@ -115,11 +121,12 @@ class RefreshKV(Method):
     return (n % self.qc_stride == 0) & ~similar & ctx.valid[:, 0]
 
   def refreshed(self, full: KVCache, q_rot, lse, ctx: AttnContext, n: int) -> SlotCache:
-    """C_p rebuilt from C_f: the current query's pooled attention, its own token kept."""
+    """C_p rebuilt from C_f: the current query's pooled attention, the latest n_local kept."""
     slots = jnp.arange(full.max_len, dtype=jnp.int32)[None, :]
     k_pos = jnp.where(slots <= ctx.q_pos, slots, -1)  # [B, T]: what the query sees
     score = pooled_scores(q_rot, full.k, ctx.q_pos, k_pos, lse, ctx.valid, self.pool_kernel)
-    priority = jnp.where((slots == ctx.q_pos)[:, None, :], jnp.inf, score)  # [B, KV, T]
+    recent = (slots <= ctx.q_pos) & (slots > ctx.q_pos - self.n_local)
+    priority = jnp.where(recent[:, None, :], jnp.inf, score)  # [B, KV, T]
     priority = jnp.where((k_pos >= 0)[:, None, :], priority, -jnp.inf)
     return top_slots(full.k, full.v, k_pos, priority, n, n + 1, ordered=False)
 
