@@ -1,4 +1,4 @@
-"""RefreshKV continued pretraining: the attention pattern, data, settings, sharding, kill + resume."""
+"""RefreshKV continued pretraining: pattern, data, settings, sharding, kill and resume."""
 
 import json
 import os
