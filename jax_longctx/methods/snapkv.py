@@ -106,9 +106,9 @@ class SnapKV(Method):
 
   def decode(self, state: SnapDecode, q, k, v, ctx: AttnContext):
     s = state.slots
-    if self.keep_size and q.shape[1] != 1:
-      raise MethodError(f"snapkv with keep_size decodes one token per step, got {q.shape[1]}")
     if self.keep_size:  # the new token takes the spare last slot and settles after attention
+      if q.shape[1] != 1:
+        raise MethodError(f"snapkv with keep_size decodes one token per step, got {q.shape[1]}")
       slot = jnp.full(ctx.q_pos.shape, s.capacity - 1)
     else:
       slot = s.budget + ctx.q_pos - state.prompt_lengths[:, None]  # [B, S]
