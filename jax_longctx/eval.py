@@ -98,14 +98,15 @@ def _peak_bytes():
 def _run_on_mesh(lm, task, method, sample) -> dict:
   from jax.sharding import Mesh
 
-  from jax_longctx.distributed import generate_distributed
+  from jax_longctx.distributed import generate_distributed, replicate
   if task.name == "ppl":
     raise EvalError(f"{method.name!r} answers a query; the ppl task has none")
   doc, query = lm.apart(sample.document, sample.instruction)
   mesh = Mesh(np.array(jax.devices()), ("ctx",))
   t0 = time.perf_counter()
-  rows, _ = generate_distributed(lm.params, lm.config, [doc], [query], mesh, method=method,
-                                 max_new_tokens=task.max_new_tokens, stop_tokens=lm.stop_tokens())
+  rows, _ = generate_distributed(replicate(lm.params, mesh), lm.config, [doc], [query], mesh,
+                                 method=method, max_new_tokens=task.max_new_tokens,
+                                 stop_tokens=lm.stop_tokens())
   prediction = lm.tokenizer.decode(rows[0])
   return {"prediction": prediction, "expected": list(sample.expected),
           "score": task.score(prediction, sample), "prefill_s": time.perf_counter() - t0,

@@ -121,8 +121,36 @@ def star_blocks():
   assert np.max(np.abs(np.asarray(logits) - want_logits)) > 1e-3
 
 
+def star_vs_transformers():
+  """Star with blocks of 8 and an anchor of 5 (7 blocks over 8 devices) equals Star written over
+  transformers' Llama (tests/hf_reference.hf_star) for each sequence of a batch of two."""
+  import tempfile
+
+  import torch
+  from transformers import LlamaForCausalLM
+
+  from checkpoints_convert import export_hf
+  from jax_longctx.distributed.star import generate_distributed
+  from tests.hf_reference import hf_star
+  cfg, params = _tiny()
+  rng = np.random.default_rng(2)
+  contexts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (54, 41)]
+  queries = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (5, 3)]
+  mesh = Mesh(np.array(jax.devices()[:N]), ("ctx",))
+  rows, logits = generate_distributed(params, cfg, contexts, queries, mesh, block_size=8,
+                                      anchor_size=5, max_new_tokens=4)
+  hf_dir = tempfile.mkdtemp() + "/hf"
+  export_hf(params, cfg, hf_dir)
+  model = LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32,
+                                           attn_implementation="eager").eval()
+  for i, (c, q) in enumerate(zip(contexts, queries)):
+    want_logits, want_rows = hf_star(model, c, q, 8, 5, 4)
+    np.testing.assert_allclose(np.asarray(logits)[i], want_logits, atol=1e-4, rtol=0)
+    assert rows[i] == want_rows, (rows[i], want_rows)
+
+
 CHECKS = {"ring_causal": functools.partial(ring, True), "ring_full": functools.partial(ring, False),
-          "star_phase2": star_phase2,
+          "star_phase2": star_phase2, "star_vs_transformers": star_vs_transformers,
           "star_one_block": functools.partial(end_to_end, "star", 64),
           "star_two_blocks": functools.partial(end_to_end, "star", 32),
           "ring_end_to_end": functools.partial(end_to_end, "ring"), "star_blocks": star_blocks}

@@ -37,24 +37,27 @@ def ring_attention(q, k, v, axis_name: str, *, causal: bool = True, scale=None,
 
   q [B, Tb, H, d], k, v [B, Tb, KV, d]: device i holds tokens i*Tb .. (i+1)*Tb - 1. Returns
   (out [B, Tb, H, d] in q's dtype, lse [B, Tb, H] fp32). Each of the n steps attends to the block
-  in hand with the flash-attention kernel and passes it on; the partials merge once at the end.
+  in hand and passes it on; the partials merge once at the end. Under `causal`, an earlier block
+  is seen whole, this device's own block causally, and a later block is skipped (no compute);
+  every call has a zero query offset, so on GPU each goes to cuDNN's flash attention.
   """
   n = jax.lax.axis_size(axis_name)  # static: the loop unrolls, n - 1 transfers
   me = jax.lax.axis_index(axis_name)
-  tb = q.shape[1]
+  b, tb, h, _ = q.shape
   perm = [(i, (i + 1) % n) for i in range(n)]
+  attend = lambda kb, vb, tri: pallas_kernels.flash_attention(q, kb, vb, causal=tri, scale=scale,
+                                                               backend=backend)
+  branches = (lambda kb, vb: attend(kb, vb, False),  # an earlier block
+              lambda kb, vb: attend(kb, vb, True),  # this device's own block
+              lambda kb, vb: (jnp.zeros_like(q), jnp.full((b, tb, h), -jnp.inf, jnp.float32)))
   outs, lses = [], []
   for s in range(n):
     if s:
       k = jax.lax.ppermute(k, axis_name, perm)
       v = jax.lax.ppermute(v, axis_name, perm)
     src = (me - s) % n  # whose block this device holds now
-    # Query i sits at me*tb + i, key j at src*tb + j: the kernel's causal rule with this offset.
-    o, l = pallas_kernels.flash_attention(q, k, v, causal=causal,
-                                          q_offset=jnp.maximum(me - src, 0) * tb, scale=scale,
-                                          backend=backend)
-    if causal:
-      l = jnp.where(src > me, -jnp.inf, l)  # a later block: nothing visible
+    which = jnp.where(src < me, 0, jnp.where(src == me, 1, 2)) if causal else 0
+    o, l = jax.lax.switch(which, branches, k, v)
     outs.append(o.astype(jnp.float32))
     lses.append(l)
   out, lse = pallas_kernels.merge_attention(jnp.stack(outs), jnp.stack(lses), backend="reference")

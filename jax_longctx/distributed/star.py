@@ -22,8 +22,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
+import pallas_kernels
 from jax_longctx.attention import attention, merge_attention
 from jax_longctx.cache import Cache
 from jax_longctx.distributed.attention import merge_across, ring_attention
@@ -32,20 +33,6 @@ from jax_longctx.methods.base import Method
 from jax_longctx.methods.chunk_cache import ChunkCache
 from jax_longctx.model import forward
 from jax_longctx.rope import apply_rope
-
-
-@dataclasses.dataclass(frozen=True)
-class Packed(Method):
-  """Exact causal attention over slots filled in order, each remembering its position (post-RoPE
-  keys): a row whose positions are not its slot indices, as an anchor + block row."""
-
-  def init_state(self, cfg, batch, max_len, dtype, chunk):
-    return ChunkCache.empty(cfg, batch, max_len, max_len, dtype)
-
-  def prefill(self, state: ChunkCache, q, k, v, ctx):
-    state = state.append(apply_rope(k, ctx.q_pos, ctx.freqs), v, ctx.valid, ctx.q_pos)
-    out, _ = attention(apply_rope(q, ctx.q_pos, ctx.freqs), state.k, state.v, ctx.q_pos, state.pos)
-    return out, state
 
 
 @struct.dataclass
@@ -71,8 +58,9 @@ class GlobalAttention(Method):
   def prefill(self, state: Phase2State, q, k, v, ctx):
     local = state.local.append(apply_rope(k, ctx.q_pos, ctx.freqs), v, ctx.valid, ctx.q_pos)
     q = apply_rope(q, ctx.q_pos, ctx.freqs)
-    c = state.context
-    out_c, lse_c = attention(q, c.k, c.v, ctx.q_pos, c.pos)
+    c = state.context  # its valid slots are a prefix: a device holds contiguous blocks
+    out_c, lse_c = pallas_kernels.flash_attention(
+        q, c.k, c.v, causal=False, kv_len=jnp.sum(c.pos >= 0, axis=-1), kv_layout="BHTD")
     out_l, lse_l = attention(q, local.k, local.v, ctx.q_pos, local.pos)
     last = jax.lax.axis_index(self.axis) == jax.lax.axis_size(self.axis) - 1
     lse_l = jnp.where(last, lse_l, -jnp.inf)  # the local tokens count once: on the query device
@@ -80,6 +68,9 @@ class GlobalAttention(Method):
                                jnp.stack([lse_c, lse_l]))
     out, _ = merge_across(out, lse, self.axis)
     return out.astype(q.dtype), state.replace(local=local)
+
+
+_BLOCK_QUANTUM = 128  # default blocks of contexts >= 32 quanta round up to a multiple
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +83,8 @@ class Layout:
   @classmethod
   def star(cls, length: int, n_dev: int, block_size: int | None, anchor_size: int | None):
     block = block_size or -(-length // 4)  # the paper's default: a quarter of the context
+    if not block_size and length >= 32 * _BLOCK_QUANTUM:
+      block = -(-block // _BLOCK_QUANTUM) * _BLOCK_QUANTUM  # nearby lengths share one compile
     if block < 1:
       raise GenerationError(f"block_size={block} must be >= 1")
     anchor = block if anchor_size is None else anchor_size
@@ -104,65 +97,88 @@ class Layout:
 
 
 def _rows(context, lengths, lay: Layout):
-  """[B, n_blocks, anchor + block] tokens, positions and validity (numpy)."""
+  """[B, n_blocks, anchor + block] tokens, positions, validity, and where each block starts in
+  its row (numpy). Valid tokens come first in every row and their positions increase, so causal
+  attention by row index is causal attention by position: block 0 sits at the front of its row
+  (no anchor), the others follow the anchor."""
   b = context.shape[0]
   a, blk, nb = lay.anchor, lay.block, lay.n_blocks
   tok = np.zeros((b, nb, a + blk), np.int32)
   pos = np.zeros((b, nb, a + blk), np.int32)
   ok = np.zeros((b, nb, a + blk), bool)
+  offset = np.zeros((b, nb), np.int32)
   for i in range(nb):
-    start = i * blk
-    pos[:, i, a:] = start + np.arange(blk)
-    pos[:, i, :a] = np.arange(a)
-    ok[:, i, a:] = pos[:, i, a:] < lengths[:, None]
-    ok[:, i, :a] = (i > 0) & (np.arange(a)[None, :] < lengths[:, None])
+    start, off = i * blk, (a if i else 0)
     span = context[:, start:start + blk]
-    tok[:, i, a:a + span.shape[1]] = span
-    tok[:, i, :a] = context[:, :a]
-  return tok, pos, ok
-
-
-def _encode_rows(params, tok, pos, ok, *, cfg, lay: Layout):
-  """Inside shard_map: this device's rows [B, r, a + blk] -> per-layer ContextKV [B, KV, r*blk]."""
-  b, r, w = tok.shape
-  flat = lambda x: x.reshape(b * r, w)
-  cache = Cache(jnp.zeros((b * r,), jnp.int32),
-                tuple(Packed().init_state(cfg, b * r, w, cfg.jnp_dtype, w)
-                      for _ in range(cfg.num_layers)), w)
-  _, cache = forward(params, flat(tok), flat(pos), cache, Packed(), cfg, valid=flat(ok),
-                     logits_index=jnp.zeros((b * r,), jnp.int32))
-  # The block's tokens follow the anchor's valid ones in each row; drop the anchor.
-  start = jnp.sum(flat(ok)[:, :lay.anchor], axis=1)
-  idx = start[:, None] + jnp.arange(lay.block)[None, :]
-  in_block = jnp.arange(lay.block)[None, :] < jnp.sum(flat(ok)[:, lay.anchor:], axis=1)[:, None]
-  out = []
-  for s in cache.state:
-    take = lambda a: jnp.take_along_axis(a, jnp.minimum(idx, w - 1)[:, None, :, None], axis=2)
-    k = take(s.k).reshape(b, r, *s.k.shape[1:2], lay.block, -1)
-    v = take(s.v).reshape(b, r, *s.v.shape[1:2], lay.block, -1)
-    p = jnp.where(in_block, jnp.take_along_axis(s.pos, jnp.minimum(idx, w - 1), axis=1), -1)
-    to_t = lambda x: jnp.moveaxis(x, 1, 2).reshape(b, x.shape[2], r * lay.block, -1)
-    out.append(ContextKV(to_t(k), to_t(v), p.reshape(b, r * lay.block)))
-  return tuple(out)
+    offset[:, i] = off
+    tok[:, i, :off] = context[:, :off]
+    pos[:, i, :off] = np.arange(off)
+    ok[:, i, :off] = np.arange(off)[None, :] < lengths[:, None]
+    tok[:, i, off:off + span.shape[1]] = span
+    pos[:, i, off:off + blk] = start + np.arange(blk)
+    ok[:, i, off:off + blk] = pos[:, i, off:off + blk] < lengths[:, None]
+  return tok, pos, ok, offset
 
 
 @dataclasses.dataclass(frozen=True)
-class RingPrefill(Method):
-  """Exact causal attention of a context split contiguously over the axis; keeps the local KV."""
+class RowEncode(Method):
+  """Exact causal attention within each row (valid tokens first, positions increasing), keeping
+  the row's post-RoPE KV as a ContextKV. With `ring_axis`, the rows are one sequence split
+  contiguously over that mesh axis and attention runs around the ring."""
 
-  axis: str = "ctx"
+  ring_axis: str | None = None
 
   def prefill(self, state, q, k, v, ctx):
-    k = apply_rope(k, ctx.q_pos, ctx.freqs)
-    out, _ = ring_attention(apply_rope(q, ctx.q_pos, ctx.freqs), k, v, self.axis, causal=True)
+    q, k = apply_rope(q, ctx.q_pos, ctx.freqs), apply_rope(k, ctx.q_pos, ctx.freqs)
+    if self.ring_axis is None:
+      out, _ = pallas_kernels.flash_attention(q, k, v, causal=True)
+    else:
+      out, _ = ring_attention(q, k, v, self.ring_axis, causal=True)
     kv = ContextKV(jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2).astype(k.dtype),
                    jnp.where(ctx.valid, ctx.q_pos, -1))
     return out, kv
 
 
+def _encode(params, tok, pos, ok, *, cfg, method: RowEncode):
+  """One forward of rows [B, W] under `method`: per-layer ContextKV of the rows."""
+  cache = Cache(jnp.zeros(tok.shape[:1], jnp.int32), (None,) * cfg.num_layers, 0)
+  _, cache = forward(params, tok, pos, cache, method, cfg, valid=ok,
+                     logits_index=jnp.zeros(tok.shape[:1], jnp.int32))
+  return cache.state
+
+
+def _encode_blocks(params, tok, pos, ok, offset, *, cfg, lay: Layout):
+  """Inside shard_map: this device's rows [B, r, W] -> per-layer ContextKV [B, KV, r*blk] of
+  their blocks (the anchor's KV dropped)."""
+  b, r, w = tok.shape
+  flat = lambda x: x.reshape(b * r, *x.shape[2:])
+  rows = _encode(params, flat(tok), flat(pos), flat(ok), cfg=cfg, method=RowEncode())
+  idx = flat(offset)[:, None] + jnp.arange(lay.block)[None, :]  # [b*r, blk], offset + blk <= w
+  to_t = lambda x: jnp.moveaxis(x.reshape(b, r, *x.shape[1:]), 1, 2).reshape(
+      b, x.shape[1], r * lay.block, -1)
+  out = []
+  for s in rows:
+    take = lambda a: jnp.take_along_axis(a, idx[:, None, :, None], axis=2)
+    p = jnp.take_along_axis(s.pos, idx, axis=1)  # -1 past the context's end
+    out.append(ContextKV(to_t(take(s.k)), to_t(take(s.v)), p.reshape(b, r * lay.block)))
+  return tuple(out)
+
+
 def _context_specs(cfg, axis):
   kv = P(None, None, axis)
   return tuple(ContextKV(kv, kv, P(None, axis)) for _ in range(cfg.num_layers))
+
+
+@functools.lru_cache(maxsize=16)
+def _phase1(cfg, mesh, axis: str, lay: Layout | None):
+  """The compiled phase 1 (`lay` None: ring), kept so that equal calls compile once."""
+  shard = P(None, axis)
+  if lay is None:
+    fn, n_in = functools.partial(_encode, cfg=cfg, method=RowEncode(axis)), 3
+  else:
+    fn, n_in = functools.partial(_encode_blocks, cfg=cfg, lay=lay), 4
+  return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P(),) + (shard,) * n_in,
+                               out_specs=_context_specs(cfg, axis), check_vma=False))
 
 
 def encode_context(params, cfg, contexts, mesh, axis: str = "ctx", *, method: str = "star",
@@ -177,39 +193,79 @@ def encode_context(params, cfg, contexts, mesh, axis: str = "ctx", *, method: st
     lay = Layout.star(longest, n_dev, block_size, anchor_size)
     padded = np.zeros((len(contexts), lay.n_blocks * lay.block), np.int32)
   elif method == "ring":
-    padded = np.zeros((len(contexts), -(-longest // n_dev) * n_dev), np.int32)
+    lay = None
+    share = -(-longest // n_dev)
+    if longest >= 32 * _BLOCK_QUANTUM:
+      share = -(-share // _BLOCK_QUANTUM) * _BLOCK_QUANTUM
+    padded = np.zeros((len(contexts), share * n_dev), np.int32)
   else:
     raise GenerationError(f"unknown context encoding {method!r}: 'star' or 'ring'")
   for i, c in enumerate(contexts):
     padded[i, :len(c)] = c
-  shard = P(None, axis)
-  if method == "ring":
+  if lay is None:
     pos = np.broadcast_to(np.arange(padded.shape[1], dtype=np.int32), padded.shape)
-
-    def ring_rows(params, tok, pos, ok):
-      cache = Cache(jnp.zeros(tok.shape[:1], jnp.int32), (None,) * cfg.num_layers, 0)
-      _, cache = forward(params, tok, pos, cache, RingPrefill(axis), cfg, valid=ok,
-                         logits_index=jnp.zeros(tok.shape[:1], jnp.int32))
-      return cache.state
-
-    fn, args = ring_rows, (padded, pos, pos < lengths[:, None])
+    args = (padded, pos, pos < lengths[:, None])
   else:
-    fn = functools.partial(_encode_rows, cfg=cfg, lay=lay)
     args = _rows(padded, lengths, lay)
-  run = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P(), shard, shard, shard),
-                              out_specs=_context_specs(cfg, axis), check_vma=False))
-  return run(params, *map(jnp.asarray, args))
+  return _phase1(cfg, mesh, axis, lay)(params, *map(jnp.asarray, args))
+
+
+@functools.lru_cache(maxsize=16)
+def _phase2(cfg, mesh, axis: str, batch: int, q_w: int, max_new_tokens: int, sampling: Sampling):
+  """The compiled phase 2 for queries [batch, q_w], kept so that equal calls compile once."""
+  room = q_w + max_new_tokens
+  attn = GlobalAttention(axis)
+
+  def phase2(params, context_kv, q_tok, q_len, lengths, stops, key):
+    local = [ChunkCache.empty(cfg, batch, room, room, cfg.jnp_dtype)
+             for _ in range(cfg.num_layers)]
+    cache = Cache(lengths, tuple(Phase2State(c, l) for c, l in zip(context_kv, local)), 0)
+    steps = jnp.arange(q_w, dtype=jnp.int32)[None, :]
+    logits, cache = forward(params, q_tok, lengths[:, None] + steps, cache, attn, cfg,
+                            valid=steps < q_len[:, None], logits_index=q_len - 1)
+    out, n, _ = decode_loop(params, cache, logits, stops, key, cfg=cfg, method=attn,
+                            max_new_tokens=max_new_tokens, sampling=sampling)
+    return out, n, logits
+
+  return jax.jit(jax.shard_map(phase2, mesh=mesh,
+                               in_specs=(P(), _context_specs(cfg, axis)) + (P(),) * 5,
+                               out_specs=(P(), P(), P()), check_vma=False))
+
+
+def answer(params, cfg, context_kv, context_lengths, queries, mesh, axis: str = "ctx", *,
+           max_new_tokens: int = 32, stop_tokens=(), sampling: Sampling = Sampling()):
+  """Phase 2 over an encoded context (`encode_context`): each query, then `max_new_tokens`
+  generated tokens, attend to every device's context share merged exactly. Returns (new tokens
+  per sequence, the query's last-token logits [B, V])."""
+  if len(queries) != len(context_lengths) or min(map(len, queries), default=0) < 1:
+    raise GenerationError("one non-empty query per context is needed")
+  b, q_w = len(queries), max(map(len, queries))
+  q_tok = np.zeros((b, q_w), np.int32)
+  for i, q in enumerate(queries):
+    q_tok[i, :len(q)] = q
+  q_len = np.asarray([len(q) for q in queries], np.int32)
+  run = _phase2(cfg, mesh, axis, b, q_w, max_new_tokens, sampling)
+  stops = jnp.asarray(list(stop_tokens) or [-1], jnp.int32)
+  out, n, logits = run(params, context_kv, jnp.asarray(q_tok), jnp.asarray(q_len),
+                       jnp.asarray(context_lengths, jnp.int32), stops,
+                       jax.random.key(sampling.seed))
+  stop_set = set(int(t) for t in stop_tokens)
+  rows = []
+  for row in np.asarray(out)[:, :int(n)].tolist():
+    rows.append(row[:next((i for i, t in enumerate(row) if t in stop_set), len(row))])
+  return rows, logits
 
 
 def generate_distributed(params, cfg, contexts, queries, mesh, axis: str = "ctx", *,
                          method="star", block_size: int | None = None,
                          anchor_size: int | None = None, max_new_tokens: int = 32,
                          stop_tokens=(), sampling: Sampling = Sampling()):
-  """Star Attention (or ring attention) end to end: phase 1 over the context, then the query
-  and `max_new_tokens` generated tokens with the exact cross-device merge. Returns (new tokens
-  per sequence, the query's last-token logits [B, V]).
+  """Star Attention (or ring attention) end to end: phase 1 over the context (`encode_context`),
+  then the query and `max_new_tokens` generated tokens (`answer`). Returns (new tokens per
+  sequence, the query's last-token logits [B, V]).
 
-  method: "star", "ring", or the registry's Star / Ring object (whose settings apply).
+  method: "star", "ring", or the registry's Star / Ring object (whose settings apply). Weights
+  already replicated over the mesh (`replicate`) are not copied again on each call.
   """
   if isinstance(method, Method):
     block_size = method.settings().get("block_size", block_size)
@@ -219,33 +275,10 @@ def generate_distributed(params, cfg, contexts, queries, mesh, axis: str = "ctx"
     raise GenerationError("one non-empty query per context is needed")
   context_kv = encode_context(params, cfg, contexts, mesh, axis, method=method,
                               block_size=block_size, anchor_size=anchor_size)
-  b, q_w = len(queries), max(map(len, queries))
-  q_tok = np.zeros((b, q_w), np.int32)
-  for i, q in enumerate(queries):
-    q_tok[i, :len(q)] = q
-  q_len = np.asarray([len(q) for q in queries], np.int32)
-  room = q_w + max_new_tokens
-  attn = GlobalAttention(axis)
+  return answer(params, cfg, context_kv, [len(c) for c in contexts], queries, mesh, axis,
+                max_new_tokens=max_new_tokens, stop_tokens=stop_tokens, sampling=sampling)
 
-  def phase2(params, context_kv, q_tok, q_len, lengths, stops, key):
-    local = [ChunkCache.empty(cfg, b, room, room, cfg.jnp_dtype) for _ in range(cfg.num_layers)]
-    cache = Cache(lengths, tuple(Phase2State(c, l) for c, l in zip(context_kv, local)), 0)
-    steps = jnp.arange(q_w, dtype=jnp.int32)[None, :]
-    logits, cache = forward(params, q_tok, lengths[:, None] + steps, cache, attn, cfg,
-                            valid=steps < q_len[:, None], logits_index=q_len - 1)
-    out, n, _ = decode_loop(params, cache, logits, stops, key, cfg=cfg, method=attn,
-                            max_new_tokens=max_new_tokens, sampling=sampling)
-    return out, n, logits
 
-  run = jax.jit(jax.shard_map(phase2, mesh=mesh,
-                              in_specs=(P(), _context_specs(cfg, axis), P(), P(), P(), P(), P()),
-                              out_specs=(P(), P(), P()), check_vma=False))
-  stops = jnp.asarray(list(stop_tokens) or [-1], jnp.int32)
-  lengths = jnp.asarray([len(c) for c in contexts], jnp.int32)
-  out, n, logits = run(params, context_kv, jnp.asarray(q_tok), jnp.asarray(q_len), lengths, stops,
-                       jax.random.key(sampling.seed))
-  stop_set = set(int(t) for t in stop_tokens)
-  rows = []
-  for row in np.asarray(out)[:, :int(n)].tolist():
-    rows.append(row[:next((i for i, t in enumerate(row) if t in stop_set), len(row))])
-  return rows, logits
+def replicate(params, mesh):
+  """The weights copied once onto every device of the mesh."""
+  return jax.device_put(params, NamedSharding(mesh, P()))
