@@ -8,8 +8,9 @@ attention over N devices, and for full attention on one device, at the named mod
 Random bf16 weights, replicated on every device of the mesh (the first N visible devices). One
 sample = a random context, a `--query`-token query, then `--new-tokens` greedy tokens (no stop
 token, so every sample generates all of them). Star: blocks of a quarter of the context, anchor =
-block (the paper's setting); ring: exact prefill with K/V passed around the devices; both then
-run Star's phase 2. Full attention: chunked prefill (`--chunk`) through the flash kernel, then
+block (the paper's setting), the anchor computed once and sent to every device (`star_rows`: run
+in every block's row, as the authors' code does); ring: exact prefill with K/V passed around the
+devices; both then run Star's phase 2. Full attention: chunked prefill (`--chunk`) through the flash kernel, then
 the library's decode loop. Each method runs in its own process (peak memory is per method); per
 context one warm-up sample compiles, then the median of `--reps` samples (one past 64K tokens)
 is reported, split into phase 1 (context) and phase 2 (query + generation).
@@ -75,7 +76,8 @@ def child(args) -> None:
       return t1, t2
     box = {}
     t1 = _timed(lambda: box.update(kv=jax.block_until_ready(encode_context(
-        params, cfg, [context], mesh, method=args.method))))
+        params, cfg, [context], mesh, method=args.method.removesuffix("_rows"),
+        shared_anchor=not args.method.endswith("_rows")))))
     t2 = _timed(lambda: answer(params, cfg, box["kv"], [n], [query], mesh,
                                max_new_tokens=args.new_tokens))
     return t1, t2
@@ -131,7 +133,7 @@ def main() -> None:
         got += 1
         rec = json.loads(ln[len("RESULT "):])
         write_json(args.out, rec)
-        print(f"{method:5s} x{devices} {rec['context']:>7d}  "
+        print(f"{method:9s} x{devices} {rec['context']:>7d}  "
               + (f"{rec['sample_s']:.2f} s/sample (phase 1 {rec['phase1_s']:.2f} s, phase 2 "
                  f"{rec['phase2_s']:.2f} s)  peak {(rec['peak_bytes'] or 0) / 2**30:.1f} GiB"
                  if "sample_s" in rec else rec.get("error", "")), flush=True)

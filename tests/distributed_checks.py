@@ -85,7 +85,7 @@ def _full_reference(cfg, params, contexts, queries, new):
   return np.asarray(last), tokens.tokens
 
 
-def end_to_end(method, block_size=None):
+def end_to_end(method, block_size=None, shared_anchor=True):
   """Equal to full attention (logits, greedy tokens) for a batch of contexts of different
   lengths on 8 devices: ring prefill; Star with one block; Star with two blocks, the second
   anchored by the first, which is then exactly causal attention (6 of the 8 blocks are empty)."""
@@ -96,7 +96,8 @@ def end_to_end(method, block_size=None):
   queries = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (5, 3)]
   mesh = Mesh(np.array(jax.devices()[:N]), ("ctx",))
   rows, logits = generate_distributed(params, cfg, contexts, queries, mesh, method=method,
-                                      block_size=block_size, max_new_tokens=6)
+                                      block_size=block_size, shared_anchor=shared_anchor,
+                                      max_new_tokens=6)
   want_logits, want_rows = _full_reference(cfg, params, contexts, queries, 6)
   np.testing.assert_allclose(np.asarray(logits), want_logits, atol=1e-4, rtol=0)
   assert rows == want_rows
@@ -122,8 +123,9 @@ def star_blocks():
 
 
 def star_vs_transformers():
-  """Star with blocks of 8 and an anchor of 5 (7 blocks over 8 devices) equals Star written over
-  transformers' Llama (tests/hf_reference.hf_star) for each sequence of a batch of two."""
+  """Star with blocks of 8 and an anchor of 5 (7 blocks over 8 devices; then 4 devices, two
+  blocks each) equals Star written over transformers' Llama (tests/hf_reference.hf_star) for
+  each sequence of a batch of two, with the anchor shared or run in every row."""
   import tempfile
 
   import torch
@@ -136,23 +138,26 @@ def star_vs_transformers():
   rng = np.random.default_rng(2)
   contexts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (54, 41)]
   queries = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (5, 3)]
-  mesh = Mesh(np.array(jax.devices()[:N]), ("ctx",))
-  rows, logits = generate_distributed(params, cfg, contexts, queries, mesh, block_size=8,
-                                      anchor_size=5, max_new_tokens=4)
   hf_dir = tempfile.mkdtemp() + "/hf"
   export_hf(params, cfg, hf_dir)
   model = LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32,
                                            attn_implementation="eager").eval()
-  for i, (c, q) in enumerate(zip(contexts, queries)):
-    want_logits, want_rows = hf_star(model, c, q, 8, 5, 4)
-    np.testing.assert_allclose(np.asarray(logits)[i], want_logits, atol=1e-4, rtol=0)
-    assert rows[i] == want_rows, (rows[i], want_rows)
+  want = [hf_star(model, c, q, 8, 5, 4) for c, q in zip(contexts, queries)]
+  for n_dev, shared in ((N, True), (N, False), (4, True)):
+    mesh = Mesh(np.array(jax.devices()[:n_dev]), ("ctx",))
+    rows, logits = generate_distributed(params, cfg, contexts, queries, mesh, block_size=8,
+                                        anchor_size=5, shared_anchor=shared, max_new_tokens=4)
+    for i, (want_logits, want_rows) in enumerate(want):
+      np.testing.assert_allclose(np.asarray(logits)[i], want_logits, atol=1e-4, rtol=0)
+      assert rows[i] == want_rows, (n_dev, shared, rows[i], want_rows)
 
 
 CHECKS = {"ring_causal": functools.partial(ring, True), "ring_full": functools.partial(ring, False),
           "star_phase2": star_phase2, "star_vs_transformers": star_vs_transformers,
           "star_one_block": functools.partial(end_to_end, "star", 64),
           "star_two_blocks": functools.partial(end_to_end, "star", 32),
+          "star_two_blocks_in_rows": functools.partial(end_to_end, "star", 32,
+                                                       shared_anchor=False),
           "ring_end_to_end": functools.partial(end_to_end, "ring"), "star_blocks": star_blocks}
 
 if __name__ == "__main__":

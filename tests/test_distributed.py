@@ -13,7 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.mark.parametrize("name", ["ring_causal", "ring_full", "star_phase2", "star_one_block",
                                   "star_two_blocks", "ring_end_to_end", "star_blocks",
-                                  "star_vs_transformers"])
+                                  "star_vs_transformers", "star_two_blocks_in_rows"])
 def test_on_eight_devices(name):
   env = dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS="--xla_force_host_platform_device_count=8",
              JAX_PLATFORMS="cpu")

@@ -4,7 +4,9 @@ Phase 1 encodes the context blockwise: block i (of `block_size` tokens) is prefi
 anchor (the context's first `anchor_size` tokens at positions 0..a-1), the block sits at its
 global positions, and each (anchor + block) row is an ordinary causal forward; the anchor's KV is
 dropped. Rows are laid out over the mesh axis (several per device when there are more blocks than
-devices) and encoded in parallel under `jax.shard_map`; each device keeps its blocks' KV.
+devices) and encoded in parallel under `jax.shard_map`; each device keeps its blocks' KV. By
+default the anchor, identical in every row, is computed once and its KV sent to every device
+(`AnchoredBlocks`): the same outputs for half the tokens per device.
 `ring` encodes the context exactly instead: contiguous equal blocks, K/V passed around the ring.
 
 Phase 2 (both): the query and every generated token run replicated on all devices; in each
@@ -75,13 +77,20 @@ _BLOCK_QUANTUM = 128  # default blocks of contexts >= 32 quanta round up to a mu
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-  """How a context of `length` tokens is cut: `n_blocks` rows of anchor + block on `n_dev`."""
+  """How a context of `length` tokens is cut: `n_blocks` rows of anchor + block on `n_dev`
+  (rows of the block alone when the anchor is shared, see AnchoredBlocks)."""
   block: int
   anchor: int
   n_blocks: int
+  shared_anchor: bool = True
+
+  @property
+  def width(self) -> int:
+    return self.block if self.shared_anchor else self.anchor + self.block
 
   @classmethod
-  def star(cls, length: int, n_dev: int, block_size: int | None, anchor_size: int | None):
+  def star(cls, length: int, n_dev: int, block_size: int | None, anchor_size: int | None,
+           shared_anchor: bool = True):
     block = block_size or -(-length // 4)  # the paper's default: a quarter of the context
     if not block_size and length >= 32 * _BLOCK_QUANTUM:
       block = -(-block // _BLOCK_QUANTUM) * _BLOCK_QUANTUM  # nearby lengths share one compile
@@ -93,22 +102,22 @@ class Layout:
     blocks = -(-length // block)
     if blocks == 1:
       anchor = 0  # one block: plain full attention
-    return cls(block, anchor, -(-blocks // n_dev) * n_dev)  # empty blocks pad the mesh
+    return cls(block, anchor, -(-blocks // n_dev) * n_dev, shared_anchor)  # empty blocks pad
 
 
 def _rows(context, lengths, lay: Layout):
-  """[B, n_blocks, anchor + block] tokens, positions, validity, and where each block starts in
-  its row (numpy). Valid tokens come first in every row and their positions increase, so causal
+  """[B, n_blocks, width] tokens, positions, validity, and where each block starts in its row
+  (numpy). Valid tokens come first in every row and their positions increase, so causal
   attention by row index is causal attention by position: block 0 sits at the front of its row
-  (no anchor), the others follow the anchor."""
+  (no anchor), the others follow the anchor unless it is shared."""
   b = context.shape[0]
   a, blk, nb = lay.anchor, lay.block, lay.n_blocks
-  tok = np.zeros((b, nb, a + blk), np.int32)
-  pos = np.zeros((b, nb, a + blk), np.int32)
-  ok = np.zeros((b, nb, a + blk), bool)
+  tok = np.zeros((b, nb, lay.width), np.int32)
+  pos = np.zeros((b, nb, lay.width), np.int32)
+  ok = np.zeros((b, nb, lay.width), bool)
   offset = np.zeros((b, nb), np.int32)
   for i in range(nb):
-    start, off = i * blk, (a if i else 0)
+    start, off = i * blk, (a if i and not lay.shared_anchor else 0)
     span = context[:, start:start + blk]
     offset[:, i] = off
     tok[:, i, :off] = context[:, :off]
@@ -139,7 +148,43 @@ class RowEncode(Method):
     return out, kv
 
 
-def _encode(params, tok, pos, ok, *, cfg, method: RowEncode):
+@dataclasses.dataclass(frozen=True)
+class AnchoredBlocks(Method):
+  """Star's phase 1 with the anchor computed once. The anchor is the context's first tokens at
+  positions 0..a-1 and sees only itself, so its KV in every [anchor; block] row equals the first
+  a tokens' KV of block 0's row. Here each row is a block alone: the device holding block 0
+  sends those KV to every device, layer by layer (`psum` of what only it holds), and each block
+  attends causally to itself and wholly to the anchor, the two merged through their LSEs. Same
+  outputs as anchor + block rows; the MLPs and projections skip the anchor's tokens."""
+
+  axis: str = "ctx"
+  anchor: int = 0
+  rows: int = 1  # blocks per device; block 0 is device 0's first row
+
+  def prefill(self, state, q, k, v, ctx):
+    q, k = apply_rope(q, ctx.q_pos, ctx.freqs), apply_rope(k, ctx.q_pos, ctx.freqs)
+    kv = ContextKV(jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2).astype(k.dtype),
+                   jnp.where(ctx.valid, ctx.q_pos, -1))
+    out, lse = pallas_kernels.flash_attention(q, k, v, causal=True)
+    if not self.anchor:
+      return out, kv
+    br, t, h, d = q.shape
+    b = br // self.rows
+    on_first = jax.lax.axis_index(self.axis) == 0
+    head = lambda x: x.reshape(b, self.rows, *x.shape[1:])[:, 0, :self.anchor]
+    send = lambda x: jax.lax.psum(jnp.where(on_first, x, jnp.zeros_like(x)), self.axis)
+    n_anchor = send(jnp.sum(head(ctx.valid), axis=1, dtype=jnp.int32))
+    out_a, lse_a = pallas_kernels.flash_attention(
+        q.reshape(b, self.rows * t, h, d), send(head(k)), send(head(v)).astype(k.dtype),
+        causal=False, kv_len=n_anchor)
+    block0 = on_first & (jnp.arange(br) % self.rows == 0)  # its anchor is its own first tokens
+    lse_a = jnp.where(block0[:, None, None], -jnp.inf, lse_a.reshape(br, t, h))
+    out, _ = merge_attention(jnp.stack([out, out_a.reshape(br, t, h, d)]).astype(jnp.float32),
+                             jnp.stack([lse, lse_a]))
+    return out.astype(q.dtype), kv
+
+
+def _encode(params, tok, pos, ok, *, cfg, method: Method):
   """One forward of rows [B, W] under `method`: per-layer ContextKV of the rows."""
   cache = Cache(jnp.zeros(tok.shape[:1], jnp.int32), (None,) * cfg.num_layers, 0)
   _, cache = forward(params, tok, pos, cache, method, cfg, valid=ok,
@@ -147,17 +192,21 @@ def _encode(params, tok, pos, ok, *, cfg, method: RowEncode):
   return cache.state
 
 
-def _encode_blocks(params, tok, pos, ok, offset, *, cfg, lay: Layout):
+def _encode_blocks(params, tok, pos, ok, offset, *, cfg, lay: Layout, axis: str):
   """Inside shard_map: this device's rows [B, r, W] -> per-layer ContextKV [B, KV, r*blk] of
   their blocks (the anchor's KV dropped)."""
   b, r, w = tok.shape
   flat = lambda x: x.reshape(b * r, *x.shape[2:])
-  rows = _encode(params, flat(tok), flat(pos), flat(ok), cfg=cfg, method=RowEncode())
+  method = AnchoredBlocks(axis, lay.anchor, r) if lay.shared_anchor else RowEncode()
+  rows = _encode(params, flat(tok), flat(pos), flat(ok), cfg=cfg, method=method)
   idx = flat(offset)[:, None] + jnp.arange(lay.block)[None, :]  # [b*r, blk], offset + blk <= w
   to_t = lambda x: jnp.moveaxis(x.reshape(b, r, *x.shape[1:]), 1, 2).reshape(
       b, x.shape[1], r * lay.block, -1)
   out = []
   for s in rows:
+    if lay.shared_anchor:  # the rows are the blocks
+      out.append(ContextKV(to_t(s.k), to_t(s.v), s.pos.reshape(b, r * lay.block)))
+      continue
     take = lambda a: jnp.take_along_axis(a, idx[:, None, :, None], axis=2)
     p = jnp.take_along_axis(s.pos, idx, axis=1)  # -1 past the context's end
     out.append(ContextKV(to_t(take(s.k)), to_t(take(s.v)), p.reshape(b, r * lay.block)))
@@ -176,21 +225,25 @@ def _phase1(cfg, mesh, axis: str, lay: Layout | None):
   if lay is None:
     fn, n_in = functools.partial(_encode, cfg=cfg, method=RowEncode(axis)), 3
   else:
-    fn, n_in = functools.partial(_encode_blocks, cfg=cfg, lay=lay), 4
+    fn, n_in = functools.partial(_encode_blocks, cfg=cfg, lay=lay, axis=axis), 4
   return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P(),) + (shard,) * n_in,
                                out_specs=_context_specs(cfg, axis), check_vma=False))
 
 
 def encode_context(params, cfg, contexts, mesh, axis: str = "ctx", *, method: str = "star",
-                   block_size: int | None = None, anchor_size: int | None = None):
-  """Phase 1: per-layer ContextKV sharded over `axis` (each device holds its blocks)."""
+                   block_size: int | None = None, anchor_size: int | None = None,
+                   shared_anchor: bool = True):
+  """Phase 1: per-layer ContextKV sharded over `axis` (each device holds its blocks).
+
+  shared_anchor: compute the anchor once and send its KV to every device (AnchoredBlocks; the
+  same result) instead of running it in every block's row as the authors' code does."""
   lengths = np.asarray([len(c) for c in contexts], np.int32)
   if lengths.min() < 1:
     raise GenerationError("empty context: phase 1 needs >= 1 token per sequence")
   n_dev = mesh.shape[axis]
   longest = int(lengths.max())
   if method == "star":
-    lay = Layout.star(longest, n_dev, block_size, anchor_size)
+    lay = Layout.star(longest, n_dev, block_size, anchor_size, shared_anchor)
     padded = np.zeros((len(contexts), lay.n_blocks * lay.block), np.int32)
   elif method == "ring":
     lay = None
@@ -258,8 +311,9 @@ def answer(params, cfg, context_kv, context_lengths, queries, mesh, axis: str = 
 
 def generate_distributed(params, cfg, contexts, queries, mesh, axis: str = "ctx", *,
                          method="star", block_size: int | None = None,
-                         anchor_size: int | None = None, max_new_tokens: int = 32,
-                         stop_tokens=(), sampling: Sampling = Sampling()):
+                         anchor_size: int | None = None, shared_anchor: bool = True,
+                         max_new_tokens: int = 32, stop_tokens=(),
+                         sampling: Sampling = Sampling()):
   """Star Attention (or ring attention) end to end: phase 1 over the context (`encode_context`),
   then the query and `max_new_tokens` generated tokens (`answer`). Returns (new tokens per
   sequence, the query's last-token logits [B, V]).
@@ -268,13 +322,16 @@ def generate_distributed(params, cfg, contexts, queries, mesh, axis: str = "ctx"
   already replicated over the mesh (`replicate`) are not copied again on each call.
   """
   if isinstance(method, Method):
-    block_size = method.settings().get("block_size", block_size)
-    anchor_size = method.settings().get("anchor_size", anchor_size)
+    settings = method.settings()
+    block_size = settings.get("block_size", block_size)
+    anchor_size = settings.get("anchor_size", anchor_size)
+    shared_anchor = settings.get("shared_anchor", shared_anchor)
     method = method.name
   if len(queries) != len(contexts) or min(map(len, queries), default=0) < 1:
     raise GenerationError("one non-empty query per context is needed")
   context_kv = encode_context(params, cfg, contexts, mesh, axis, method=method,
-                              block_size=block_size, anchor_size=anchor_size)
+                              block_size=block_size, anchor_size=anchor_size,
+                              shared_anchor=shared_anchor)
   return answer(params, cfg, context_kv, [len(c) for c in contexts], queries, mesh, axis,
                 max_new_tokens=max_new_tokens, stop_tokens=stop_tokens, sampling=sampling)
 

@@ -35,10 +35,14 @@ class Star(MeshMethod):
 
   block_size: int = 0  # 0: a quarter of the context (the paper's setting)
   anchor_size: int = -1  # -1: the block size (the paper's setting)
+  # The anchor computed once and its KV sent to every device (same outputs); False runs it in
+  # every block's row, as the authors' code does.
+  shared_anchor: bool = True
 
   def settings(self) -> dict:
     return {"block_size": self.block_size or None,
-            "anchor_size": None if self.anchor_size < 0 else self.anchor_size}
+            "anchor_size": None if self.anchor_size < 0 else self.anchor_size,
+            "shared_anchor": self.shared_anchor}
 
 
 @register
