@@ -48,3 +48,62 @@ def test_star_across_two_processes_matches_one(tmp_path):
     got = np.load(tmp_path / f"p{i}.npz")
     assert (got["tokens"] == want["tokens"]).all()
     np.testing.assert_allclose(got["logits"], want["logits"], atol=1e-5)
+
+
+@pytest.mark.parametrize("shared_anchor", [True, False])
+def test_star_on_one_device_matches_transformers(tmp_path, shared_anchor):
+  """Every block on one device (5 rows: several per device, in this process): Star equals Star
+  written over transformers' Llama (tests/hf_reference.hf_star)."""
+  import jax
+  import numpy as np
+  import torch
+  from jax.sharding import Mesh
+  from transformers import LlamaForCausalLM
+
+  from checkpoints_convert import export_hf
+  from jax_longctx.distributed import generate_distributed
+  from jax_longctx.model import random_params
+  from tests.conftest import TINY_LLAMA3, tiny_config
+  from tests.hf_reference import hf_star
+  cfg = tiny_config(**TINY_LLAMA3)
+  params = random_params(cfg, seed=4)
+  export_hf(params, cfg, str(tmp_path / "hf"))
+  model = LlamaForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32,
+                                           attn_implementation="eager").eval()
+  rng = np.random.default_rng(3)
+  context = rng.integers(0, cfg.vocab_size, 33).tolist()
+  query = rng.integers(0, cfg.vocab_size, 4).tolist()
+  mesh = Mesh(np.array(jax.devices()[:1]), ("ctx",))
+  rows, logits = generate_distributed(params, cfg, [context], [query], mesh, block_size=7,
+                                      anchor_size=7, shared_anchor=shared_anchor,
+                                      max_new_tokens=3)
+  want_logits, want_rows = hf_star(model, context, query, 7, 7, 3)
+  np.testing.assert_allclose(np.asarray(logits)[0], want_logits, atol=1e-4, rtol=0)
+  assert rows[0] == want_rows
+
+
+def test_star_layout_and_errors():
+  """The default block is a quarter of the context, rounded to 128 tokens from 4K on (so
+  nearby lengths share one compile); bad settings are refused with the setting named."""
+  import jax
+  import numpy as np
+  from jax.sharding import Mesh
+
+  from jax_longctx.distributed import encode_context, generate_distributed
+  from jax_longctx.distributed.star import Layout
+  from jax_longctx.generate import GenerationError
+  assert Layout.star(8177, 4, None, None) == Layout.star(8100, 4, None, None)
+  assert Layout.star(8177, 4, None, None).block == 2048
+  assert Layout.star(8177, 4, None, None).n_blocks == 4
+  assert Layout.star(50, 8, None, None).block == 13  # short contexts: exactly a quarter
+  assert Layout.star(50, 8, 64, None).anchor == 0  # one block: full attention
+  assert Layout.star(50, 8, 4, None).n_blocks == 16  # 13 blocks padded to the mesh
+  mesh = Mesh(np.array(jax.devices()[:1]), ("ctx",))
+  with pytest.raises(GenerationError, match="anchor_size=9"):
+    Layout.star(40, 1, 8, 9)
+  with pytest.raises(GenerationError, match="unknown context encoding 'tree'"):
+    encode_context({}, None, [[1, 2]], mesh, method="tree")
+  with pytest.raises(GenerationError, match="empty context"):
+    encode_context({}, None, [[]], mesh)
+  with pytest.raises(GenerationError, match="one non-empty query per context"):
+    generate_distributed({}, None, [[1, 2]], [[]], mesh)
