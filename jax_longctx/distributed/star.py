@@ -72,7 +72,10 @@ class GlobalAttention(Method):
     return out.astype(q.dtype), state.replace(local=local)
 
 
-_BLOCK_QUANTUM = 128  # default blocks of contexts >= 32 quanta round up to a multiple
+def _for_compile(n: int, length: int) -> int:
+  """n tokens rounded up to a multiple of 128 for contexts of 4K tokens or more, so that samples
+  of nearby lengths share one compile."""
+  return -(-n // 128) * 128 if length >= 4096 else n
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,9 +94,8 @@ class Layout:
   @classmethod
   def star(cls, length: int, n_dev: int, block_size: int | None, anchor_size: int | None,
            shared_anchor: bool = True):
-    block = block_size or -(-length // 4)  # the paper's default: a quarter of the context
-    if not block_size and length >= 32 * _BLOCK_QUANTUM:
-      block = -(-block // _BLOCK_QUANTUM) * _BLOCK_QUANTUM  # nearby lengths share one compile
+    # The paper's default: a quarter of the context.
+    block = block_size or _for_compile(-(-length // 4), length)
     if block < 1:
       raise GenerationError(f"block_size={block} must be >= 1")
     anchor = block if anchor_size is None else anchor_size
@@ -199,18 +201,15 @@ def _encode_blocks(params, tok, pos, ok, offset, *, cfg, lay: Layout, axis: str)
   flat = lambda x: x.reshape(b * r, *x.shape[2:])
   method = AnchoredBlocks(axis, lay.anchor, r) if lay.shared_anchor else RowEncode()
   rows = _encode(params, flat(tok), flat(pos), flat(ok), cfg=cfg, method=method)
-  idx = flat(offset)[:, None] + jnp.arange(lay.block)[None, :]  # [b*r, blk], offset + blk <= w
   to_t = lambda x: jnp.moveaxis(x.reshape(b, r, *x.shape[1:]), 1, 2).reshape(
       b, x.shape[1], r * lay.block, -1)
-  out = []
-  for s in rows:
-    if lay.shared_anchor:  # the rows are the blocks
-      out.append(ContextKV(to_t(s.k), to_t(s.v), s.pos.reshape(b, r * lay.block)))
-      continue
-    take = lambda a: jnp.take_along_axis(a, idx[:, None, :, None], axis=2)
-    p = jnp.take_along_axis(s.pos, idx, axis=1)  # -1 past the context's end
-    out.append(ContextKV(to_t(take(s.k)), to_t(take(s.v)), p.reshape(b, r * lay.block)))
-  return tuple(out)
+  if lay.shared_anchor:  # the rows are the blocks
+    return tuple(ContextKV(to_t(s.k), to_t(s.v), s.pos.reshape(b, r * lay.block)) for s in rows)
+  idx = flat(offset)[:, None] + jnp.arange(lay.block)[None, :]  # [b*r, blk], offset + blk <= w
+  take = lambda a: jnp.take_along_axis(a, idx[:, None, :, None], axis=2)
+  return tuple(ContextKV(to_t(take(s.k)), to_t(take(s.v)),
+                         jnp.take_along_axis(s.pos, idx, axis=1).reshape(b, r * lay.block))
+               for s in rows)  # pos -1 past the context's end
 
 
 def _context_specs(cfg, axis):
@@ -247,9 +246,7 @@ def encode_context(params, cfg, contexts, mesh, axis: str = "ctx", *, method: st
     padded = np.zeros((len(contexts), lay.n_blocks * lay.block), np.int32)
   elif method == "ring":
     lay = None
-    share = -(-longest // n_dev)
-    if longest >= 32 * _BLOCK_QUANTUM:
-      share = -(-share // _BLOCK_QUANTUM) * _BLOCK_QUANTUM
+    share = _for_compile(-(-longest // n_dev), longest)
     padded = np.zeros((len(contexts), share * n_dev), np.int32)
   else:
     raise GenerationError(f"unknown context encoding {method!r}: 'star' or 'ring'")
