@@ -6,7 +6,9 @@
 Random bf16 weights at the named model's shape (speed does not depend on the values). Each
 (impl, context, batch) runs in its own process so peak memory is per configuration. Decode is
 timed after prefill over the real prompt; `bound_ms` is the HBM bound: bytes of weights + KV
-cache read per token over the copy bandwidth measured in the same run.
+cache read per token over the copy bandwidth measured in the same run. With
+JAX_LONGCTX_DUMP_HLO=DIR each run also writes its compiled decode loop to DIR/LABEL_CONTEXT.hlo.txt
+(where XLA copies buffers shows there).
 """
 
 from __future__ import annotations
@@ -93,7 +95,8 @@ def run_jax(args) -> dict:
   if os.environ.get("JAX_LONGCTX_DUMP_HLO"):
     hlo = decode_loop.lower(params, cache, last, stops, jax.random.key(0), cfg=cfg, method=method,
                             max_new_tokens=args.new_tokens, sampling=Sampling()).compile().as_text()
-    with open(os.environ["JAX_LONGCTX_DUMP_HLO"], "w") as f:
+    dump = os.path.join(os.environ["JAX_LONGCTX_DUMP_HLO"], f"{args.label}_{ctx}.hlo.txt")
+    with open(dump, "w") as f:
       f.write(hlo)
   t0 = time.perf_counter()
   decode()

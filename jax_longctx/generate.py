@@ -189,7 +189,9 @@ def end_prefill(cache: Cache, cfg: LlamaConfig, method: Method, decode_room: int
   return finish_prefill(cache, cfg=cfg, method=method, decode_room=decode_room)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "method", "decode_room"))
+# Donated: methods that keep the prompt cache as it is (RefreshKV's C_f) would else hold two.
+@functools.partial(jax.jit, static_argnames=("cfg", "method", "decode_room"),
+                   donate_argnames=("cache",))
 def finish_prefill(cache: Cache, *, cfg: LlamaConfig, method: Method, decode_room: int) -> Cache:
   """Runs the method's end-of-prefill hook on every layer (SnapKV's one-time compression)."""
   state = tuple(
