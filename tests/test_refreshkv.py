@@ -83,6 +83,7 @@ def _reference(m, q, k, v, prompt, n):
 
 SETTINGS = {
     "dynamic": dict(qc_stride=2, threshold=0.0),
+    "dynamic_sorted_top_k": dict(qc_stride=2, threshold=0.0, selection="sort"),
     "after_rope": dict(qc_stride=2, threshold=0.0, similarity_after_rope=True),
     "fixed": dict(fixed_stride=3),
     "local_window": dict(fixed_stride=3, n_local=3),
@@ -104,7 +105,7 @@ def test_refreshkv_matches_the_papers_loop(setting):
       assert sorted(int(p) for p in np.asarray(state.part.pos[b, h]) if p >= 0) == kept[b][h]
   np.testing.assert_array_equal(np.asarray(state.n_full), dues.sum(axis=1))
   assert dues.any() and not dues.all()
-  if setting == "dynamic":  # the two sequences follow different schedules in one batch
+  if setting.startswith("dynamic"):  # the two sequences follow different schedules in one batch
     assert (dues[0] != dues[1]).any()
 
 
@@ -147,6 +148,7 @@ def test_effective_stride_counts_full_steps(tiny):
 @pytest.mark.parametrize("kw, match", [
     (dict(qc_stride=0), "qc_stride=0 must be >= 1"),
     (dict(n_local=0), "n_local=0 must be >= 1"),
+    (dict(selection="heap"), "selection='heap' must be 'radix' or 'sort'"),
     (dict(refresh=False, full_attention=False), "leaves nothing to do"),
     (dict(budget=100), r"budget=100 is larger than the cache \(64 slots\)"),
 ])

@@ -12,9 +12,12 @@ step, it attends over C_p, and the lowest-scoring token leaves C_p so its size s
 Decisions where the paper is silent (docs/METHODS.md):
 - the similarity uses queries before RoPE (what the token asks, not where it stands);
   `similarity_after_rope=True` compares rotated queries;
-- C_p is a gathered copy ([B, KV, K + 1, d] with one spare slot for the step's token), so partial
-  steps read K contiguous rows; C_f always receives every token (the paper writes the tokens
-  decoded with C_p at the next full step: the same cache when it is read);
+- C_p holds positions into C_f, not copies of its rows ([B, KV, K + 1] with one free entry for
+  the step's token): partial steps read their K rows of C_f with the gathered-attention kernel,
+  and neither a refresh nor an eviction moves any K/V (a gathered copy cost more per step in
+  copies XLA made around its updates than the contiguous reads saved; BENCHMARKS.md). C_f always
+  receives every token (the paper writes the tokens decoded with C_p at the next full step: the
+  same cache when it is read);
 - like SnapKV's observation window, the scoring query's own token is always kept (`n_local`
   latest tokens: 1 by default); generated tokens score +inf until the next refresh scores them
   (the oldest of them leaves first);
@@ -32,13 +35,61 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jax_longctx.attention import attention
+import pallas_kernels
 from jax_longctx.cache import KVCache
 from jax_longctx.methods.base import AttnContext, Method, MethodError, PrefillEnd, register
 from jax_longctx.methods.full import Full
-from jax_longctx.methods.slot_cache import SlotCache, top_slots
-from jax_longctx.methods.snapkv import SnapDecode, SnapKV, SnapPrefill, pooled_scores
+from jax_longctx.methods.snapkv import SnapKV, SnapPrefill, pooled_scores
 from jax_longctx.rope import apply_rope
+from jax_longctx.top_n import top_n
+
+_LAST = jnp.iinfo(jnp.int32).max
+
+
+@struct.dataclass
+class PartialCache:
+  """C_p: for each (sequence, kv head) the positions (= C_f slots) of at most K tokens and their
+  scores, in K + 1 entries so the step's token always finds a free one (-1: free)."""
+
+  pos: jnp.ndarray  # [B, KV, K + 1] int32
+  score: jnp.ndarray  # [B, KV, K + 1] fp32; +inf for tokens generated since the last refresh
+  budget: int = struct.field(pytree_node=False, default=0)
+
+  @classmethod
+  def top(cls, k_pos, priority, n: int, selection: str = "radix") -> "PartialCache":
+    """The n highest-priority slots of priority [B, KV, T] (k_pos [B, T]; -1 marks no token).
+
+    selection: "radix" (`top_n`, no sort) or "sort" (`lax.top_k`): the same slots."""
+    pick = top_n if selection == "radix" else jax.lax.top_k
+    score, idx = pick(priority.astype(jnp.float32), n)
+    pos = jnp.take_along_axis(jnp.broadcast_to(k_pos[:, None, :], priority.shape), idx, axis=-1)
+    pad = [(0, 0), (0, 0), (0, 1)]
+    return cls(jnp.pad(pos, pad, constant_values=-1), jnp.pad(score, pad), n)
+
+  def add(self, q_pos, valid) -> "PartialCache":
+    """The step's token q_pos [B] into the first free entry, scored +inf (where valid [B])."""
+    free = jnp.argmax(self.pos < 0, axis=-1)  # [B, KV]; a free entry always exists
+    free = jnp.where(valid[:, None], free, self.pos.shape[-1])  # dropped
+    b_idx, h_idx = jnp.indices(free.shape)
+    pos = self.pos.at[b_idx, h_idx, free].set(q_pos[:, None], mode="drop")
+    return self.replace(pos=pos, score=self.score.at[b_idx, h_idx, free].set(jnp.inf, mode="drop"))
+
+  def evict(self) -> "PartialCache":
+    """Over K tokens, the lowest-scoring one leaves (the earliest on ties: the step's own token,
+    the latest and scored +inf, never does)."""
+    occupied = self.pos >= 0
+    prio = jnp.where(occupied, self.score, jnp.inf)
+    low = jnp.min(prio, axis=-1, keepdims=True)
+    victim = jnp.argmin(jnp.where(occupied & (prio == low), self.pos, _LAST), axis=-1)
+    victim = jnp.where(jnp.sum(occupied, axis=-1) > self.budget, victim, self.pos.shape[-1])
+    b_idx, h_idx = jnp.indices(victim.shape)
+    return self.replace(pos=self.pos.at[b_idx, h_idx, victim].set(-1, mode="drop"))
+
+  def attend(self, full: KVCache, q_rot):
+    """q_rot [B, 1, H, d] over the C_f rows this cache names (each query head its kv head's)."""
+    out, _ = pallas_kernels.gathered_attention(q_rot, full.k, full.v, jnp.maximum(self.pos, 0),
+                                               self.pos >= 0, kv_layout="BHTD")
+    return out
 
 
 @struct.dataclass
@@ -50,7 +101,7 @@ class RefreshPrefill:
 @struct.dataclass
 class RefreshState:
   full: KVCache  # C_f: post-RoPE keys at slot = position
-  part: SlotCache  # C_p: K tokens (slots 0..K-1 in any order) and one spare slot
+  part: PartialCache  # C_p: K positions into C_f
   q_ref: jnp.ndarray  # [B, d] fp32 mean query of this layer's latest full step
   prompt_lengths: jnp.ndarray  # [B] int32
   n_full: jnp.ndarray  # [B] int32 full steps taken while decoding
@@ -77,6 +128,9 @@ class RefreshKV(Method):
   # Latest tokens always in C_p after the prefill and each refresh. 1 (the paper's choice): the
   # scoring query's own token; more keeps a local window as SnapKV's observation window does.
   n_local: int = 1
+  # How a refresh picks the top K of L scores: "radix" (a radix select, no sort) or "sort"
+  # (`lax.top_k`). The same tokens either way; radix is the faster on GPU (BENCHMARKS.md).
+  selection: str = "radix"
 
   def _snap(self) -> SnapKV:
     return SnapKV(budget=self.budget, window=1, pool_kernel=self.pool_kernel, keep_size=True)
@@ -87,6 +141,8 @@ class RefreshKV(Method):
     if self.qc_stride < 1 or self.fixed_stride < 0:
       raise MethodError(f"qc_stride={self.qc_stride} must be >= 1 and fixed_stride="
                         f"{self.fixed_stride} >= 0")
+    if self.selection not in ("radix", "sort"):
+      raise MethodError(f"selection={self.selection!r} must be 'radix' or 'sort'")
     if not (self.refresh or self.full_attention):
       raise MethodError("refresh=False with full_attention=False leaves nothing to do at a full "
                         "step: that is SnapKV (method 'snapkv' with keep_size=True, window=1)")
@@ -107,7 +163,8 @@ class RefreshKV(Method):
     return out, RefreshPrefill(snap, q_ref)
 
   def end_of_prefill(self, state: RefreshPrefill, info: PrefillEnd) -> RefreshState:
-    part = self._snap().compress(state.snap, info.prompt_lengths, room=1, keep_recent=self.n_local)
+    k_pos, priority = self._snap().prompt_priority(state.snap, info.prompt_lengths, self.n_local)
+    part = PartialCache.top(k_pos, priority, state.snap.budget, self.selection)
     b = info.prompt_lengths.shape[0]
     return RefreshState(state.snap.kv, part, state.q_ref, info.prompt_lengths,
                         jnp.zeros((b,), jnp.int32))
@@ -120,7 +177,7 @@ class RefreshKV(Method):
     similar = _cosine(self._mean_query(q, ctx)[:, 0], state.q_ref) >= self.threshold
     return (n % self.qc_stride == 0) & ~similar & ctx.valid[:, 0]
 
-  def refreshed(self, full: KVCache, q_rot, lse, ctx: AttnContext, n: int) -> SlotCache:
+  def refreshed(self, full: KVCache, q_rot, lse, ctx: AttnContext, n: int) -> PartialCache:
     """C_p rebuilt from C_f: the current query's pooled attention, the latest n_local kept."""
     slots = jnp.arange(full.max_len, dtype=jnp.int32)[None, :]
     k_pos = jnp.where(slots <= ctx.q_pos, slots, -1)  # [B, T]: what the query sees
@@ -128,27 +185,29 @@ class RefreshKV(Method):
     recent = (slots <= ctx.q_pos) & (slots > ctx.q_pos - self.n_local)
     priority = jnp.where(recent[:, None, :], jnp.inf, score)  # [B, KV, T]
     priority = jnp.where((k_pos >= 0)[:, None, :], priority, -jnp.inf)
-    return top_slots(full.k, full.v, k_pos, priority, n, n + 1, ordered=False)
+    return PartialCache.top(k_pos, priority, n, self.selection)
 
   def decode(self, state: RefreshState, q, k, v, ctx: AttnContext):
     if q.shape[1] != 1:
       raise MethodError(f"refreshkv decodes one token per step, got {q.shape[1]}")
     full = state.full.write(ctx.q_pos, apply_rope(k, ctx.q_pos, ctx.freqs), v)
-    due = self.due(state, q, ctx)
-    out_p, snap = self._snap().decode(SnapDecode(state.part, state.prompt_lengths), q, k, v, ctx)
     q_rot = apply_rope(q, ctx.q_pos, ctx.freqs)
-    n = state.part.budget
+    due = self.due(state, q, ctx)
+    # The partial step: attend over C_p and the step's token, then the lowest-scoring one leaves.
+    added = state.part.add(ctx.q_pos[:, 0], ctx.valid[:, 0])
+    out_p, part_p = added.attend(full, q_rot), added.evict()
 
     def full_step(_):
       out_f, lse = Full().attend(full, q_rot, ctx)
-      part = self.refreshed(full, q_rot, lse, ctx, n) if self.refresh else snap.slots
+      part = self.refreshed(full, q_rot, lse, ctx, part_p.budget) if self.refresh else part_p
       if not self.full_attention:
-        out_f, _ = attention(q_rot, part.k, part.v, ctx.q_pos, part.pos)
-      part = jax.tree.map(lambda a, b: jnp.where(due.reshape((-1,) + (1,) * (a.ndim - 1)), a, b),
-                          part, snap.slots) if self.refresh else part
-      return jnp.where(due[:, None, None, None], out_f, out_p), part
+        out_f = part.attend(full, q_rot)
+      keep = jax.tree.map(lambda a, b: jnp.where(due[:, None, None], a, b), part, part_p)
+      return jnp.where(due[:, None, None, None], out_f.astype(out_p.dtype), out_p), keep
 
-    out, part = jax.lax.cond(jnp.any(due), full_step, lambda _: (out_p, snap.slots), None)
+    # Only small arrays cross the cond (positions and scores, not K/V), so the common partial
+    # step pays no copy for the branch it skips.
+    out, part = jax.lax.cond(jnp.any(due), full_step, lambda _: (out_p, part_p), None)
     q_ref = jnp.where(due[:, None], self._mean_query(q, ctx)[:, 0], state.q_ref)
     return out, state.replace(full=full, part=part, q_ref=q_ref,
                               n_full=state.n_full + due.astype(jnp.int32))

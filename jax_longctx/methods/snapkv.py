@@ -85,11 +85,14 @@ class SnapKV(Method):
     room = 1 if self.keep_size else info.decode_room
     return SnapDecode(self.compress(state, info.prompt_lengths, room), info.prompt_lengths)
 
-  def compress(self, state: SnapPrefill, prompt_lengths, room: int,
-               keep_recent: int | None = None) -> SlotCache:
-    """The kept prompt tokens in the first `budget` slots of a cache with `room` more slots.
+  def compress(self, state: SnapPrefill, prompt_lengths, room: int) -> SlotCache:
+    """The kept prompt tokens in the first `budget` slots of a cache with `room` more slots."""
+    k_pos, priority = self.prompt_priority(state, prompt_lengths, self.window)
+    return top_slots(state.kv.k, state.kv.v, k_pos, priority, state.budget, state.budget + room)
 
-    keep_recent: latest prompt tokens always kept (default: the observation window)."""
+  def prompt_priority(self, state: SnapPrefill, prompt_lengths, keep_recent: int):
+    """(k_pos [B, T], priority [B, KV, T]): each prompt slot's pooled window attention, +inf for
+    the `keep_recent` latest prompt tokens, -inf for slots past the prompt."""
     kv, t = state.kv, state.kv.max_len
     k_pos = jnp.where(jnp.arange(t)[None, :] < prompt_lengths[:, None],
                       jnp.arange(t, dtype=jnp.int32)[None, :], -1)  # [B, T]
@@ -98,11 +101,9 @@ class SnapKV(Method):
     _, lse = attention(state.q_win, kv.k, kv.v, state.q_win_pos, k_pos)
     score = pooled_scores(state.q_win, kv.k, state.q_win_pos, k_pos, lse, state.q_win_pos >= 0,
                           self.pool_kernel)
-    recent = self.window if keep_recent is None else keep_recent
-    in_window = k_pos >= (prompt_lengths[:, None] - recent)
+    in_window = k_pos >= (prompt_lengths[:, None] - keep_recent)
     priority = jnp.where(in_window[:, None, :], jnp.inf, score)
-    priority = jnp.where(k_pos[:, None, :] >= 0, priority, -jnp.inf)
-    return top_slots(kv.k, kv.v, k_pos, priority, state.budget, state.budget + room)
+    return k_pos, jnp.where(k_pos[:, None, :] >= 0, priority, -jnp.inf)
 
   def decode(self, state: SnapDecode, q, k, v, ctx: AttnContext):
     s = state.slots
