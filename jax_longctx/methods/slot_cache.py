@@ -58,9 +58,9 @@ class SlotCache:
   def settle_last(self) -> "SlotCache":
     """Moves the token in the last slot into the lowest-scoring other slot (an empty one first).
 
-    Fixed-size caches (RefreshKV's partial cache, SnapKV with `keep_size`) write each new token
-    into the last slot, attend, then settle: the lowest-scoring token leaves so the others hold at
-    most capacity - 1. Ties go to the earliest position. A scatter of one slot per row, O(d).
+    Fixed-size caches (SnapKV with `keep_size`) write each new token into the last slot, attend,
+    then settle: the lowest-scoring token leaves so the others hold at most capacity - 1. Ties go
+    to the earliest position. A scatter of one slot per row, O(d).
     """
     last = self.capacity - 1
     front = self.pos[..., :last]
@@ -85,21 +85,19 @@ class SlotCache:
     return (self.pos >= 0) & (self.pos >= kth)
 
 
-def top_slots(k, v, pos, priority, n: int, capacity: int, *, scores=None,
-              ordered: bool = True) -> SlotCache:
+def top_slots(k, v, pos, priority, n: int, capacity: int, *, scores=None) -> SlotCache:
   """A SlotCache of `capacity` slots whose first n hold the n highest-priority slots of k/v/pos.
 
   k, v [B, KV, T, d], pos [B, KV, T] (or [B, T]; -1: empty), priority [B, KV, T]. Only
   n rows are gathered, so taking a small cache out of a long one costs O(n), not O(T). The kept
-  slots are in position order when `ordered`; `scores` (default: the priority) go with them.
+  slots are in position order; `scores` (default: the priority) go with them.
   """
   pos = jnp.broadcast_to(pos[:, None, :] if pos.ndim == 2 else pos, priority.shape)
   priority = priority.astype(jnp.float32)
   _, idx = jax.lax.top_k(priority, n)
-  if ordered:
-    kept_pos = jnp.take_along_axis(pos, idx, axis=-1)
-    order = jnp.argsort(jnp.where(kept_pos >= 0, kept_pos, _LAST), axis=-1)
-    idx = jnp.take_along_axis(idx, order, axis=-1)
+  kept_pos = jnp.take_along_axis(pos, idx, axis=-1)
+  order = jnp.argsort(jnp.where(kept_pos >= 0, kept_pos, _LAST), axis=-1)
+  idx = jnp.take_along_axis(idx, order, axis=-1)
   scores = priority if scores is None else scores
   pad = capacity - n
 
