@@ -79,6 +79,30 @@ def prefill_chunk(params, tokens, start, prompt_lengths, cache: Cache, last, *, 
   return cache, jnp.where(ends_here[:, None], logits, last)
 
 
+def decode_while(method: Method, keep_going, step, carry, cache_of):
+  """`lax.while_loop(keep_going, step, carry)` for decode steps `step(carry, gate_open)`.
+
+  With a method's `decode_gate`, the steps it closes run `gate_open=False` in an inner loop of
+  their own and the others `gate_open=True`: the gate is a loop condition, not a `lax.cond` around
+  the model, which XLA would pass the cache through by copying it (a loop updates it in place).
+  """
+
+  def gate(c):
+    cache = cache_of(c)
+    return method.decode_gate(cache, cache.lengths[:, None])
+
+  if gate(carry) is None:
+    return jax.lax.while_loop(keep_going, functools.partial(step, gate_open=True), carry)
+
+  def group(c):  # the closed steps up to the next open one, then the open ones
+    c = jax.lax.while_loop(lambda c: keep_going(c) & ~gate(c),
+                           functools.partial(step, gate_open=False), c)
+    return jax.lax.while_loop(lambda c: keep_going(c) & gate(c),
+                              functools.partial(step, gate_open=True), c)
+
+  return jax.lax.while_loop(keep_going, group, carry)
+
+
 # Counts how often the decode loop is traced (= compiled); tests read it.
 DECODE_TRACES = [0]
 
@@ -95,22 +119,22 @@ def decode_loop(params, cache: Cache, last_logits, stop_tokens, key, *, cfg: Lla
   out = jnp.zeros((b, max_new_tokens), jnp.int32).at[:, 0].set(tok)
   done = jnp.isin(tok, stop_tokens)
 
-  def cond(carry):
+  def keep_going(carry):
     step, _, _, _, done, _ = carry
     return (step < max_new_tokens) & ~jnp.all(done)
 
-  def body(carry):
+  def body(carry, gate_open: bool):
     step, cache, tok, out, done, key = carry
     positions = cache.lengths[:, None]
     logits, cache = forward(params, tok[:, None], positions, cache, method, cfg, decode=True,
-                            logits_index=jnp.zeros((b,), jnp.int32))
+                            logits_index=jnp.zeros((b,), jnp.int32), gate_open=gate_open)
     key, sub = jax.random.split(key)
     nxt = jnp.where(done, tok, sample(logits, sub, sampling))
     out = jax.lax.dynamic_update_slice_in_dim(out, nxt[:, None], step, axis=1)
     return step + 1, cache, nxt, out, done | jnp.isin(nxt, stop_tokens), key
 
-  step, cache, _, out, _, _ = jax.lax.while_loop(
-      cond, body, (jnp.int32(1), cache, tok, out, done, key))
+  step, cache, _, out, _, _ = decode_while(
+      method, keep_going, body, (jnp.int32(1), cache, tok, out, done, key), lambda c: c[1])
   return out, step, cache
 
 
@@ -122,15 +146,19 @@ def teacher_forced_nll(params, cache: Cache, last_logits, targets, *, cfg: Llama
   def nll(logits, tok):
     return -jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tok[:, None], axis=1)[:, 0]
 
-  def step(cache, pair):
-    tok, nxt = pair
+  def body(carry, gate_open: bool):
+    i, cache, out = carry  # feeds targets[:, i - 1], scores targets[:, i]
+    tok, nxt = jax.lax.dynamic_slice_in_dim(targets, i - 1, 2, axis=1).T
     logits, cache = forward(params, tok[:, None], cache.lengths[:, None], cache, method, cfg,
-                            decode=True, logits_index=jnp.zeros(tok.shape, jnp.int32))
-    return cache, nll(logits, nxt)
+                            decode=True, logits_index=jnp.zeros(tok.shape, jnp.int32),
+                            gate_open=gate_open)
+    return i + 1, cache, jax.lax.dynamic_update_slice_in_dim(out, nll(logits, nxt)[:, None], i, 1)
 
-  first = nll(last_logits, targets[:, 0])
-  cache, rest = jax.lax.scan(step, cache, (targets[:, :-1].T, targets[:, 1:].T))
-  return jnp.concatenate([first[:, None], rest.T], axis=1), cache
+  n = targets.shape[1]
+  out = jnp.zeros(targets.shape, jnp.float32).at[:, 0].set(nll(last_logits, targets[:, 0]))
+  _, cache, out = decode_while(method, lambda c: c[0] < n, body, (jnp.int32(1), cache, out),
+                               lambda c: c[1])
+  return out, cache
 
 
 def _check_prompts(prompts: Sequence[Sequence[int]]) -> list[int]:

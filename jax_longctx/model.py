@@ -104,14 +104,15 @@ class Llama(nnx.Module):
     return jnp.einsum("...d,dv->...v", h, self.lm_head[...], preferred_element_type=jnp.float32)
 
   def __call__(self, tokens, positions, cache: Cache, method: Method, valid=None,
-               decode: bool = False):
+               decode: bool = False, gate_open: bool = True):
     """tokens, positions [B, S] -> (normed hidden states [B, S, D], new cache)."""
     cfg = self.cfg
     if valid is None:
       valid = jnp.ones(tokens.shape, bool)
     x = jnp.take(self.embed[...], tokens, axis=0)
     ctx = AttnContext(layer=-1, q_pos=positions.astype(jnp.int32), valid=valid,
-                      freqs=inv_freq(cfg, jnp.max(positions) + 1), cfg=cfg)
+                      freqs=inv_freq(cfg, jnp.max(positions) + 1), cfg=cfg,
+                      gate_open=gate_open)
     state = list(cache.state)
     for i, layer in enumerate(self.layers):
       x, state[i] = layer(x, state[i], ctx.replace(layer=i), method, decode)
@@ -149,14 +150,16 @@ def graphdef_for(cfg: LlamaConfig):
 
 
 def forward(params, tokens, positions, cache: Cache, method: Method, cfg: LlamaConfig, *,
-            valid=None, decode: bool = False, logits_index=None):
+            valid=None, decode: bool = False, logits_index=None, gate_open: bool = True):
   """Pure forward. Returns (logits fp32, cache).
 
+  gate_open=False: a decode step the method's `decode_gate` closed (see `generate.decode_while`).
   logits_index: None -> logits for every token [B, S, V]; an int32 array [B] -> only at that index
   of each row [B, V] (what generation needs, without a [B, S, V] buffer).
   """
   model = nnx.merge(graphdef_for(cfg), params)
-  h, cache = model(tokens, positions, cache, method, valid=valid, decode=decode)
+  h, cache = model(tokens, positions, cache, method, valid=valid, decode=decode,
+                   gate_open=gate_open)
   if logits_index is not None:
     h = jnp.take_along_axis(h, logits_index[:, None, None], axis=1)[:, 0]
   return model.unembed(h), cache

@@ -1,5 +1,7 @@
 """Each baseline against a slow reference written from its paper, on random q/k/v of one layer."""
 
+import types
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -35,7 +37,9 @@ def _rot(x):
 
 
 def _run(method, q, k, v, prompt, chunk, max_len=64):
-  """Prefill `prompt` tokens in chunks, decode the rest one by one. Returns (outs, state)."""
+  """Prefill `prompt` tokens in chunks, decode the rest one by one. Returns (outs, state).
+
+  Decode steps get `ctx.gate_open` from the method's `decode_gate`, as the model's loop does."""
   state = method.init_state(CFG, B, max_len, jnp.float32, chunk)
   outs = []
   for s in range(0, prompt, chunk):
@@ -45,8 +49,9 @@ def _run(method, q, k, v, prompt, chunk, max_len=64):
   state = method.end_of_prefill(state, PrefillEnd(CFG, LAYER, jnp.full((B,), prompt),
                                                   max_len - prompt))
   for t in range(prompt, q.shape[1]):
-    o, state = method.decode(state, *(jnp.asarray(x[:, t:t + 1]) for x in (q, k, v)),
-                             _ctx(t, t + 1))
+    gate = method.decode_gate(types.SimpleNamespace(state=(state,)), jnp.full((B, 1), t))
+    ctx = _ctx(t, t + 1).replace(gate_open=True if gate is None else bool(gate))
+    o, state = method.decode(state, *(jnp.asarray(x[:, t:t + 1]) for x in (q, k, v)), ctx)
     outs.append(np.asarray(o))
   return np.concatenate(outs, axis=1), state
 

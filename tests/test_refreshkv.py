@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from jax_longctx.methods import MethodError, get
+from jax_longctx.methods.refreshkv import RefreshKV
 from tests.test_method_references import B, CFG, D, G, KV, _ctx, _inputs, _rot, _run
 
 gen = importlib.import_module("jax_longctx.generate")
@@ -143,6 +144,33 @@ def test_effective_stride_counts_full_steps(tiny):
                   _prompts((30, 41)), new=13)  # 12 decode steps: full at 3, 6, 9, 12
   assert get("refreshkv").effective_stride(res.cache) == [3.0] * 3
   assert get("refreshkv").report(res.cache) == {"full_steps": [4.0] * 3, "decode_steps": 12.0}
+
+
+class _Ungated(RefreshKV):
+  """RefreshKV with no decode gate: every step carries the per-layer conditional."""
+
+  def decode_gate(self, cache, q_pos):
+    return None
+
+
+def test_the_decode_gate_changes_no_result(tiny):
+  """Steps the gate closes (no layer can refresh) run without the per-layer conditional; tokens,
+  NLLs and full-step counts equal a loop with no gate, for a dynamic and a fixed stride."""
+  cfg, params = tiny
+  prompts = _prompts((30, 41), seed=5)
+  targets = jnp.asarray(np.random.default_rng(6).integers(0, cfg.vocab_size, (2, 13)), jnp.int32)
+
+  def run(method):
+    tokens = _generate(tiny, method, prompts, new=13)
+    cache, last = gen.prefill(params, cfg, prompts, method, cache_len=64, chunk_size=8)
+    nll, cache = gen.teacher_forced_nll(params, cache, last, targets, cfg=cfg, method=method)
+    return tokens.tokens, np.asarray(nll), method.report(tokens.cache), method.report(cache)
+
+  for kw in (dict(qc_stride=3, threshold=0.9), dict(fixed_stride=4)):
+    gated, ungated = run(RefreshKV(budget=8, **kw)), run(_Ungated(budget=8, **kw))
+    assert min(gated[2]["full_steps"]) > 0  # the open steps did refresh
+    assert gated[0] == ungated[0] and gated[2:] == ungated[2:]
+    np.testing.assert_allclose(gated[1], ungated[1], atol=1e-6)
 
 
 @pytest.mark.parametrize("kw, match", [

@@ -32,6 +32,9 @@ class AttnContext:
   valid: jnp.ndarray  # [B, S] bool, False for padding
   freqs: jnp.ndarray  # [head_dim // 2] RoPE inverse frequencies for this step
   cfg: LlamaConfig
+  # False when the method's `decode_gate` ruled out its occasional costly branch for this step
+  # in every layer (a Python bool: the model compiles the step once for each value).
+  gate_open: bool = True
 
   def replace(self, **kw) -> "AttnContext":
     return dataclasses.replace(self, **kw)
@@ -66,6 +69,15 @@ class Method:
   def decode(self, state, q, k, v, ctx: AttnContext):
     """One generated token (S = 1, or a few). Same shapes as `prefill`."""
     return self.prefill(state, q, k, v, ctx)
+
+  def decode_gate(self, cache, q_pos) -> jnp.ndarray | None:
+    """None, or a scalar bool computed once per decode step (q_pos [B, S]: the step's token
+    positions) before any layer runs: False says no layer can take the method's occasional
+    costly branch this step. The model then runs the
+    step under one `lax.cond` with `ctx.gate_open` static, so a step the gate closes carries no
+    per-layer conditional (on GPU each waits for its predicate on the host)."""
+    del cache, q_pos
+    return None
 
   def hparams(self) -> dict[str, Any]:
     return dataclasses.asdict(self)

@@ -23,7 +23,9 @@ Decisions where the paper is silent (docs/METHODS.md):
   (the oldest of them leaves first);
 - the per-layer choice is per sequence: a batch takes the full branch (`lax.cond`) when any of
   its sequences needs it, and each sequence keeps the result its own schedule calls for, so a
-  batch decodes exactly as its sequences would alone.
+  batch decodes exactly as its sequences would alone. Those conditionals exist only in steps
+  where some sequence is at a comparison step (`decode_gate`, decided once per step): on GPU
+  each conditional waits for its predicate on the host (32 cost 1.0 ms a step; BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -169,13 +171,23 @@ class RefreshKV(Method):
     return RefreshState(state.snap.kv, part, state.q_ref, info.prompt_lengths,
                         jnp.zeros((b,), jnp.int32))
 
+  def _stride(self) -> int:
+    return self.fixed_stride or self.qc_stride
+
   def due(self, state: RefreshState, q, ctx: AttnContext):
     """[B] bool: which sequences take a full step now (step n counts from 1 after the prompt)."""
     n = ctx.q_pos[:, 0] - state.prompt_lengths + 1
+    at_stride = (n % self._stride() == 0) & ctx.valid[:, 0]
     if self.fixed_stride:
-      return (n % self.fixed_stride == 0) & ctx.valid[:, 0]
-    similar = _cosine(self._mean_query(q, ctx)[:, 0], state.q_ref) >= self.threshold
-    return (n % self.qc_stride == 0) & ~similar & ctx.valid[:, 0]
+      return at_stride
+    return at_stride & (_cosine(self._mean_query(q, ctx)[:, 0], state.q_ref) < self.threshold)
+
+  def decode_gate(self, cache, q_pos):
+    """Whether any sequence is at a comparison (or fixed-stride) step: only those can refresh."""
+    state = cache.state[0]
+    if self._stride() == 1 or not isinstance(state, RefreshState):
+      return None
+    return jnp.any((q_pos[:, 0] - state.prompt_lengths + 1) % self._stride() == 0)
 
   def refreshed(self, full: KVCache, q_rot, lse, ctx: AttnContext, n: int) -> PartialCache:
     """C_p rebuilt from C_f: the current query's pooled attention, the latest n_local kept."""
@@ -192,10 +204,12 @@ class RefreshKV(Method):
       raise MethodError(f"refreshkv decodes one token per step, got {q.shape[1]}")
     full = state.full.write(ctx.q_pos, apply_rope(k, ctx.q_pos, ctx.freqs), v)
     q_rot = apply_rope(q, ctx.q_pos, ctx.freqs)
-    due = self.due(state, q, ctx)
     # The partial step: attend over C_p and the step's token, then the lowest-scoring one leaves.
     added = state.part.add(ctx.q_pos[:, 0], ctx.valid[:, 0])
     out_p, part_p = added.attend(full, q_rot), added.evict()
+    if not ctx.gate_open:  # no sequence is at a comparison step: a partial step, no conditional
+      return out_p, state.replace(full=full, part=part_p)
+    due = self.due(state, q, ctx)
 
     def full_step(_):
       out_f, lse = Full().attend(full, q_rot, ctx)
