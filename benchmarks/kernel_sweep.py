@@ -68,16 +68,29 @@ def sweep_cases(key, args):
                Tiling(num_stages=4), Tiling(block_rows=64, num_warps=4, num_stages=3)]
   gathered = [Tiling(), Tiling(block_keys=128), Tiling(block_keys=128, key_splits=264),
               Tiling(block_keys=32, key_splits=264)]
+  # ReAttention's decode scoring: one query over a 32K cache (the split count sets parallelism)
+  decode_32k = [Tiling(), Tiling(key_splits=64), Tiling(key_splits=128),
+                Tiling(block_keys=128, key_splits=128), Tiling(block_keys=128, key_splits=256),
+                Tiling(block_keys=64, key_splits=256), Tiling(block_keys=64, key_splits=512),
+                Tiling(block_keys=128, key_splits=256, num_warps=2)]
+  gathered_rope = [Tiling(), Tiling(block_keys=64), Tiling(block_keys=32),
+                   Tiling(block_keys=64, num_warps=8), Tiling(block_keys=32, num_warps=8),
+                   Tiling(block_keys=64, key_splits=264), Tiling(block_keys=32, key_splits=264)]
   return {
       "topk_gemm_only": lambda: _gemm_only(key, args, prefill[:4]),
       "topk_prefill": lambda: _each(
           lambda t: kb.bench_topk(key, 512, 131072, 4, args, anchor=False, tiling=t), prefill),
       "topk_decode": lambda: _each(
           lambda t: kb.bench_topk(key, 1, long, 4, args, anchor=False, tiling=t), decode),
+      "topk_decode_32k": lambda: _each(
+          lambda t: kb.bench_topk(key, 1, 32768, 4, args, anchor=False, tiling=t), decode_32k),
       "flash_decode": lambda: [r for n in (131072, long) for r in _each(
           lambda t, n=n: kb.bench_decode(key, n, args, tiling=t), flash_dec)],
       "flash_prefill": lambda: _each(
           lambda t: kb.bench_prefill(key, 16384, args, tiling=t, cudnn=False), flash_pre),
       "gathered": lambda: _each(lambda t: kb.bench_gathered(key, long, 8192, args, tiling=t),
                                 gathered),
+      # ReAttention's decode: an 8K scope of a 32K pre-RoPE cache, rotated in the kernel
+      "gathered_rope": lambda: _each(
+          lambda t: kb.bench_gathered(key, 32768, 8192, args, tiling=t, rope=True), gathered_rope),
   }

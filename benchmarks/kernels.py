@@ -147,16 +147,23 @@ def bench_decode(key, t, args, tiling=None):
   return rec
 
 
-def bench_gathered(key, t, n, args, tiling=None):
+def bench_gathered(key, t, n, args, tiling=None, rope=False):
+  """rope: keys rotated in the kernel at their entry (ReAttention's decode, BHTD cache)."""
   ks = jax.random.split(key, 4)
-  q, k, v = normal(ks[0], (1, 1, H, D)), normal(ks[1], (1, t, KV, D)), normal(ks[2], (1, t, KV, D))
+  layout = "BHTD" if rope else "BTHD"
+  kv_shape = (1, KV, t, D) if rope else (1, t, KV, D)
+  q, k, v = normal(ks[0], (1, 1, H, D)), normal(ks[1], kv_shape), normal(ks[2], kv_shape)
   idx = jnp.sort(jax.vmap(lambda kk: jax.random.choice(kk, t, (n,), replace=False))(
       jax.random.split(ks[3], KV)), axis=-1)[None].astype(jnp.int32)
-  fn = jax.jit(lambda q, k, v, i: gathered_attention(q, k, v, i, backend="gpu", tiling=tiling))
-  rec = {"case": "gathered_attention", "kv_len": t, "selected": n, **_tiling(tiling)}
+  freqs = 1.0 / 500000.0 ** (jnp.arange(0, D, 2, dtype=jnp.float32) / D) if rope else None
+  fn = jax.jit(lambda q, k, v, i: gathered_attention(q, k, v, i, backend="gpu", tiling=tiling,
+                                                     kv_layout=layout, key_rope_freqs=freqs))
+  rec = {"case": "gathered_attention" + ("_rope" if rope else ""), "kv_len": t, "selected": n,
+         **_tiling(tiling)}
   rec["ms"] = timed(fn, q, k, v, idx, reps=args.reps, inner=args.inner) * 1e3
-  kd, vd = k[:, :n], v[:, :n]
-  dense = jax.jit(lambda q, k, v: flash_attention(q, k, v, causal=False, backend="gpu"))
+  kd, vd = (k[:, :, :n], v[:, :, :n]) if rope else (k[:, :n], v[:, :n])
+  dense = jax.jit(lambda q, k, v: flash_attention(q, k, v, causal=False, backend="gpu",
+                                                  kv_layout=layout))
   rec["dense_ms"] = timed(dense, q, kd, vd, reps=args.reps, inner=args.inner) * 1e3
   rec["ratio_to_dense"] = rec["ms"] / rec["dense_ms"]
   return rec

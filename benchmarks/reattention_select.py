@@ -5,10 +5,12 @@
 
 For one layer at the named shape (bf16, batch 1, random pre-RoPE cache filled to the context):
 `select_ms` times the selection alone (top-k scoring kernel, votes, spans, scope) and
-`layer_ms` the whole attention step (selection + gather + RoPE + attention), for a decode step
-(1 query) and a prefill chunk (512 queries). Each is run once per layer inside one jitted loop
-and divided by the layer count, so host dispatch is not counted. Multiply by the layer count and divide by the
-decode step that benchmarks/decode.py measures to get the share of the step spent selecting.
+`layer_ms` the whole attention step (selection + gather + RoPE + attention), and `prefix_ms` the
+selection's stages cumulatively (score: the top-k kernel; vote: + vote counting and clip; spans:
++ span expansion; select: + the compacted scope), for a decode step (1 query) and a prefill
+chunk (512 queries). Each is run once per layer inside one jitted loop and divided by the layer
+count, so host dispatch is not counted. Multiply by the layer count and divide by the decode
+step that benchmarks/decode.py measures to get the share of the step spent selecting.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ def measure(cfg, method, context: int, n_q: int) -> dict:
 
   from jax_longctx.cache import KVCache
   from jax_longctx.methods import AttnContext
-  from jax_longctx.methods.reattention_scope import select_scope
+  from jax_longctx.methods.reattention_scope import most_voted, select_scope, span_runs, vote
   from jax_longctx.rope import inv_freq
 
   keys = jax.random.split(jax.random.key(0), 5)
@@ -48,11 +50,27 @@ def measure(cfg, method, context: int, n_q: int) -> dict:
   def nudged(x, i):  # depends on the iteration, so XLA cannot hoist the work out of the loop
     return x + jnp.asarray(i % 2, x.dtype) * jnp.asarray(1e-3, x.dtype)
 
-  @jax.jit
-  def select(q, k_cache):
-    def body(i, acc):
-      return acc + jnp.sum(select_scope(nudged(q, i), k_cache, pos, valid, **hp).length)
-    return jax.lax.fori_loop(0, n, body, jnp.int32(0))
+  seq_end, lo = pos[:, -1] + 1, method.n_global
+  hi = seq_end - method.n_local
+  stages = {  # prefixes of the selection, each reduced to a scalar XLA cannot skip
+      "score": lambda q, kc: jnp.sum(vote(q, kc, lo, hi, valid, method.top_k, method.backend)),
+      "vote": lambda q, kc: jnp.sum(most_voted(
+          vote(q, kc, lo, hi, valid, method.top_k, method.backend), method.clip)),
+      "spans": lambda q, kc: jnp.sum(span_runs(most_voted(
+          vote(q, kc, lo, hi, valid, method.top_k, method.backend), method.clip),
+          jnp.int32(lo), hi, method.span)[0]),
+      "select": lambda q, kc: jnp.sum(select_scope(q, kc, pos, valid, **hp).idx),
+  }
+
+  def looped(stage):
+    @jax.jit
+    def run(q, k_cache):
+      def body(i, acc):
+        return acc + stage(nudged(q, i), k_cache).astype(jnp.int32)
+      return jax.lax.fori_loop(0, n, body, jnp.int32(0))
+    return run
+
+  select = looped(stages["select"])
 
   @functools.partial(jax.jit, donate_argnums=0)  # the cache is updated in place, as in decoding
   def layer(state, q, k, v):
@@ -76,8 +94,14 @@ def measure(cfg, method, context: int, n_q: int) -> dict:
   sel, _ = median_time(run_select, warmup=2, reps=10)
   full, _ = median_time(run_layer, warmup=2, reps=10)
   sel, full = sel / n, full / n
+  prefix_ms = {}
+  for name, stage in stages.items():
+    fn = looped(stage)
+    prefix_ms[name] = median_time(lambda: jax.block_until_ready(fn(q, box["state"].k)),
+                                  warmup=2, reps=10)[0] / n * 1e3
   return {"context": context, "queries": n_q, "select_ms": sel * 1e3, "layer_ms": full * 1e3,
-          "layers": cfg.num_layers, "select_ms_all_layers": sel * 1e3 * cfg.num_layers}
+          "layers": cfg.num_layers, "select_ms_all_layers": sel * 1e3 * cfg.num_layers,
+          "prefix_ms": prefix_ms}
 
 
 def main() -> None:

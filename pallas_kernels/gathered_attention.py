@@ -6,6 +6,10 @@ GPU: one program per (batch x kv head, row block, index split); each tile of ind
 straight from the cache into registers by pointer loads, scored, and folded into an online
 softmax; splits merge exactly through their LSE. TPU: indices are scalar-prefetched into SMEM and
 each selected row is DMA'd from HBM into a VMEM tile (the paged-attention pattern).
+
+With `key_rope_freqs` the keys are taken as cached before RoPE and each is rotated inside the
+kernel at its place in the index list (entry j at position j): a list of keys attended at
+contiguous positions (ReAttention's scope) without a rotated copy of them in HBM.
 """
 
 from __future__ import annotations
@@ -26,13 +30,15 @@ SQ = gpu.SQ
 
 
 def gathered_attention(q, k, v, indices, valid=None, *, scale: float | None = None,
-                       kv_layout: str = "BTHD", backend: str = "auto",
+                       kv_layout: str = "BTHD", key_rope_freqs=None, backend: str = "auto",
                        tiling: gpu.Tiling | None = None):
   """q [B, Lq, H, d] over k, v (BTHD or BHTD) at indices [B, KV, n] (int, into the key axis).
 
   valid: bool [B, KV, n] (default: all); indices outside [0, T) count as invalid. Every query row
-  sees the same selected keys (no causal mask: select accordingly). Returns (out [B, Lq, H, d],
-  lse [B, Lq, H] fp32); a row with no valid key gives (0, -inf).
+  sees the same selected keys (no causal mask: select accordingly). key_rope_freqs: None, or the
+  RoPE inverse frequencies [d / 2] with which the key of entry j is rotated at position j (q comes
+  rotated already). Returns (out [B, Lq, H, d], lse [B, Lq, H] fp32); a row with no valid key
+  gives (0, -inf).
   """
   b, lq, h, kvh, t, d = layout.check_qk(q, k, kv_layout)
   if v.shape != k.shape:
@@ -43,11 +49,17 @@ def gathered_attention(q, k, v, indices, valid=None, *, scale: float | None = No
   valid = jnp.ones(indices.shape, bool) if valid is None else valid
   if valid.shape != indices.shape:
     raise ValueError(f"valid {valid.shape} must match indices {indices.shape}")
+  if key_rope_freqs is not None:
+    if d % 2 or key_rope_freqs.shape != (d // 2,):
+      raise ValueError(f"key_rope_freqs must be [head_dim / 2 = {d // 2}] for an even head_dim "
+                       f"{d}, got {key_rope_freqs.shape}")
+    key_rope_freqs = key_rope_freqs.astype(jnp.float32)
   scale = float(scale) if scale is not None else 1.0 / math.sqrt(d)
   indices = indices.astype(jnp.int32)
   variant = backend_lib.resolve(backend)
   if variant.kind == "reference":
-    return reference.gathered_attention(q, k, v, indices, valid, scale=scale, kv_layout=kv_layout)
+    return reference.gathered_attention(q, k, v, indices, valid, scale=scale, kv_layout=kv_layout,
+                                        key_rope_freqs=key_rope_freqs)
 
   rows = lq * (h // kvh)
   tl = (tiling or gpu.Tiling()).pick(
@@ -62,39 +74,54 @@ def gathered_attention(q, k, v, indices, valid=None, *, scale: float | None = No
     span, splits = gpu.split_plan(b * kvh * (rows_padded // bm), max(n, bn), bn, tl.key_splits)
     pad = ((0, 0), (0, 0), (0, span * splits - n))
     outs, lses = _gpu(qr, k, v, jnp.pad(safe, pad), jnp.pad(ok, pad).astype(jnp.int32),
-                      span=span, splits=splits, scale=scale, kv_layout=kv_layout, tiling=tl,
+                      _rope_table(key_rope_freqs, span * splits), span=span, splits=splits,
+                      scale=scale, kv_layout=kv_layout, tiling=tl,
                       interpret=variant.interpret_arg())
     out, lse = reference.merge_attention(jnp.moveaxis(outs, 2, 0), jnp.moveaxis(lses[..., 0], 2, 0))
   else:
     pad = ((0, 0), (0, 0), (0, layout.round_up(n, bn) - n))
     out, lse = _tpu(qr, layout.heads_first(k, kv_layout), layout.heads_first(v, kv_layout),
-                    jnp.pad(safe, pad), jnp.pad(ok, pad).astype(jnp.int32), bm=bm, bn=bn,
-                    scale=scale, interpret=variant.interpret_arg())
+                    jnp.pad(safe, pad), jnp.pad(ok, pad).astype(jnp.int32),
+                    _rope_table(key_rope_freqs, pad[2][1] + n), bm=bm, bn=bn, scale=scale,
+                    interpret=variant.interpret_arg())
     lse = lse[..., 0]
   out = layout.from_rows(out, lq, h).astype(q.dtype)
   return out, layout.from_rows(lse, lq, h)
 
 
+def _rope_table(freqs, n: int):
+  """None, or [2, n, d / 2] fp32: cos and sin of entry j's angles (computed once per call here;
+  each kernel program would otherwise repeat them for its kv head)."""
+  if freqs is None:
+    return None
+  angles = jnp.arange(n, dtype=jnp.float32)[:, None] * freqs[None, :]
+  return jnp.stack([jnp.cos(angles), jnp.sin(angles)])
+
+
 @functools.partial(jax.jit, static_argnames=("span", "splits", "scale", "kv_layout", "tiling",
                                              "interpret"))
-def _gpu(qr, k, v, indices, ok, *, span, splits, scale, kv_layout, tiling, interpret):
+def _gpu(qr, k, v, indices, ok, rope_table, *, span, splits, scale, kv_layout, tiling, interpret):
   b, kvh, rp, d = qr.shape
   bm, bn = tiling.block_rows, tiling.block_keys
   t = k.shape[1 if kv_layout == "BTHD" else 2]
+  rope, half = rope_table is not None, d // 2
 
-  def kernel(idx_ref, ok_ref, q_ref, k_ref, v_ref, o_ref, lse_ref):
+  def kernel(idx_ref, ok_ref, q_ref, k_ref, v_ref, *refs):
+    r_ref, o_ref, lse_ref = refs if rope else (None, *refs)
     start0 = pl.program_id(2) * span
-    q = q_ref[...]
+    q = (q_ref[:, :half], q_ref[:, half:]) if rope else q_ref[...]
 
     def load(j):
       tile = pl.ds(start0 + j * bn, bn)
       rows = idx_ref[tile]  # [bn] key indices: a gather, not a contiguous tile
-      return ok_ref[tile], k_ref[rows, :], v_ref[rows, :]
+      kt = ((k_ref[rows, :half], k_ref[rows, half:], r_ref[0, tile, :], r_ref[1, tile, :])
+            if rope else k_ref[rows, :])
+      return ok_ref[tile], kt, v_ref[rows, :]
 
     def step(j, tile, carry):
       ok, kt, vt = tile
-      s = jnp.where(ok[None, :] > 0, osm.scores(q, kt, scale), osm.NEG_INF)
-      return osm.update(*carry, s, vt)
+      s = osm.rope_scores(*q, *kt, scale) if rope else osm.scores(q, kt, scale)
+      return osm.update(*carry, jnp.where(ok[None, :] > 0, s, osm.NEG_INF), vt)
 
     out, lse = osm.finish(*gpu.tile_loop(0, span // bn, load, step, osm.init(bm, d),
                                          tiling.prefetch))
@@ -107,22 +134,25 @@ def _gpu(qr, k, v, indices, ok, *, span, splits, scale, kv_layout, tiling, inter
   return gpu.pallas_call(
       kernel, interpret, num_warps=tiling.num_warps, num_stages=tiling.num_stages,
       grid=(b * kvh, rp // bm, splits),
-      in_specs=[index_spec, index_spec, gpu.row_spec(kvh, bm, d), keys, keys],
+      in_specs=[index_spec, index_spec, gpu.row_spec(kvh, bm, d), keys, keys] + (
+          [pl.BlockSpec((2, span * splits, half), lambda *_: (0, 0, 0))] if rope else []),
       out_specs=[pl.BlockSpec((SQ, SQ, SQ, bm, d), index), pl.BlockSpec((SQ, SQ, SQ, bm, 1), index)],
       out_shape=[jax.ShapeDtypeStruct((b, kvh, splits, rp, d), jnp.float32),
                  jax.ShapeDtypeStruct((b, kvh, splits, rp, 1), jnp.float32)],
-  )(indices, ok, qr, k, v)
+  )(indices, ok, qr, k, v, *([rope_table] if rope else []))
 
 
 @functools.partial(jax.jit, static_argnames=("bm", "bn", "scale", "interpret"))
-def _tpu(qr, k, v, indices, ok, *, bm, bn, scale, interpret):
+def _tpu(qr, k, v, indices, ok, rope_table, *, bm, bn, scale, interpret):
   from jax.experimental.pallas import tpu as pltpu
   b, kvh, rp, d = qr.shape
   n = indices.shape[2]
   nt = n // bn
+  rope, half = rope_table is not None, d // 2
 
-  def kernel(idx_ref, ok_ref, q_ref, k_hbm, v_hbm, o_ref, lse_ref, k_buf, v_buf, sem, m_s, l_s,
-             acc_s):
+  def kernel(idx_ref, ok_ref, q_ref, k_hbm, v_hbm, *refs):
+    r_ref = refs[0] if rope else None
+    o_ref, lse_ref, k_buf, v_buf, sem, m_s, l_s, acc_s = refs[1:] if rope else refs
     bh, j = pl.program_id(0), pl.program_id(2)
     base = (bh * nt + j) * bn
 
@@ -146,7 +176,12 @@ def _tpu(qr, k, v, indices, ok, *, bm, bn, scale, interpret):
       for c in copies(i):
         c.wait()
 
-    s = jnp.where(ok_ref[...] > 0, osm.scores(q_ref[...], k_buf[...], scale), osm.NEG_INF)
+    if rope:
+      s = osm.rope_scores(q_ref[:, :half], q_ref[:, half:], k_buf[:, :half], k_buf[:, half:],
+                          r_ref[0], r_ref[1], scale)
+    else:
+      s = osm.scores(q_ref[...], k_buf[...], scale)
+    s = jnp.where(ok_ref[...] > 0, s, osm.NEG_INF)
     m_s[...], l_s[...], acc_s[...] = osm.update(m_s[...], l_s[...], acc_s[...], s, v_buf[...])
 
     @pl.when(j == nt - 1)
@@ -158,9 +193,11 @@ def _tpu(qr, k, v, indices, ok, *, bm, bn, scale, interpret):
   grid_spec = pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=1, grid=(b * kvh, rp // bm, nt),
       in_specs=[pl.BlockSpec((SQ, SQ, 1, bn), lambda bh, r, j, idx: (bh // kvh, bh % kvh, 0, j)),
-                pl.BlockSpec((SQ, SQ, bm, d), row), any_spec, any_spec],
+                pl.BlockSpec((SQ, SQ, bm, d), row), any_spec, any_spec] + (
+                    [pl.BlockSpec((2, bn, half), lambda bh, r, j, idx: (0, j, 0))]
+                    if rope else []),
       out_specs=[pl.BlockSpec((SQ, SQ, bm, d), row), pl.BlockSpec((SQ, SQ, bm, 1), row)],
       scratch_shapes=[pltpu.VMEM((bn, d), k.dtype), pltpu.VMEM((bn, d), v.dtype),
                       pltpu.SemaphoreType.DMA((2,)), *tpu.softmax_scratch(bm, d)])
   return tpu.attention_call(kernel, grid_spec, qr.shape, interpret)(
-      indices.reshape(-1), ok[:, :, None, :], qr, k, v)
+      indices.reshape(-1), ok[:, :, None, :], qr, k, v, *([rope_table] if rope else []))

@@ -15,6 +15,15 @@ def scores(q, kt, scale):
   return s if scale is None else s * scale
 
 
+def rope_scores(q1, q2, k1, k2, cos, sin, scale):
+  """Scores of q = [q1 | q2] against keys [k1 | k2] rotated (RoPE, rotate-half) by cos, sin
+  [n, d/2] here, not in HBM; halves come apart because a GPU kernel cannot slice its registers.
+  The rotation runs in fp32, then the keys go back to their dtype for the product."""
+  k1f, k2f = k1.astype(jnp.float32), k2.astype(jnp.float32)
+  r1, r2 = (k1f * cos - k2f * sin).astype(k1.dtype), (k2f * cos + k1f * sin).astype(k1.dtype)
+  return (scores(q1, r1, None) + scores(q2, r2, None)) * scale
+
+
 def init(rows: int, d: int):
   return (jnp.full((rows, 1), NEG_INF, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
           jnp.zeros((rows, d), jnp.float32))

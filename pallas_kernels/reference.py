@@ -62,14 +62,20 @@ def flash_attention(q, k, v, *, causal, q_offset, kv_len, scale, kv_layout="BTHD
   return _softmax_out(s, heads_first(v, kv_layout), q.dtype)
 
 
-def gathered_attention(q, k, v, indices, valid, *, scale, kv_layout="BTHD"):
-  """Attention of each query head over keys indices[b, kv_head, :] of its group, where valid."""
+def gathered_attention(q, k, v, indices, valid, *, scale, kv_layout="BTHD", key_rope_freqs=None):
+  """Attention of each query head over keys indices[b, kv_head, :] of its group, where valid;
+  with key_rope_freqs [d / 2], the key of entry j rotated (rotate-half RoPE) at position j."""
   kh, vh = heads_first(k, kv_layout), heads_first(v, kv_layout)
   t = kh.shape[2]
   ok = valid & (indices >= 0) & (indices < t)
   safe = jnp.clip(indices, 0, t - 1)
   take = lambda x: jnp.take_along_axis(x, safe[..., None], axis=2, mode="clip")  # noqa: E731
   kg, vg = take(kh), take(vh)  # [B, KV, n, d]
+  if key_rope_freqs is not None:
+    angles = jnp.arange(kg.shape[2], dtype=jnp.float32)[:, None] * key_rope_freqs[None, :]
+    k1, k2 = jnp.split(kg.astype(jnp.float32), 2, axis=-1)
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    kg = jnp.concatenate([k1 * cos - k2 * sin, k2 * cos + k1 * sin], axis=-1).astype(kg.dtype)
   s = _grouped_scores(q, kg, "BHTD", scale)
   s = jnp.where(ok[:, None, :, None, :], s, NEG_INF)
   return _softmax_out(s, vg, q.dtype)

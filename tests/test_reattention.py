@@ -110,11 +110,12 @@ def _rope(x, pos, freqs):
   return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-@pytest.mark.parametrize("backend", ["auto", "gpu"])  # auto on CPU: the jnp attention path
-def test_layer_output_is_rope_attention_over_the_reference_scope(backend):
+@pytest.mark.parametrize("backend", ["auto", "gpu", "tpu"])  # auto on CPU: the jnp path
+@pytest.mark.parametrize("n_q", [8, 1])  # 1: decode, the kernel rotating the keys it gathers
+def test_layer_output_is_rope_attention_over_the_reference_scope(backend, n_q):
   cfg = tiny_config()
   method = get("reattention", chunk=8, backend=backend, **HP)
-  b, n_q, t, group = 2, 8, 160, cfg.num_heads // cfg.num_kv_heads
+  b, t, group = 2, 160, cfg.num_heads // cfg.num_kv_heads
   rng = np.random.default_rng(7)
   q = rng.normal(size=(b, n_q, cfg.num_heads, cfg.head_dim)).astype(np.float32)
   k_all = rng.normal(size=(b, t, cfg.num_kv_heads, cfg.head_dim)).astype(np.float32)

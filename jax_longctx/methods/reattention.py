@@ -87,6 +87,8 @@ class ReAttention(Method):
   def prefill(self, state: KVCache, q, k, v, ctx: AttnContext):
     state = state.write(ctx.q_pos, k, v)  # keys before RoPE, slot = position
     sc = self.scope(state, q, ctx)
+    if q.shape[1] == 1 and pallas_kernels.resolve(self.backend).kind != "reference":
+      return self._attend_one(q, state, sc, ctx), state
     take = sc.idx[:, None, :, None]  # one scope per sequence, shared by its kv heads
     k_scope = jnp.take_along_axis(state.k, take, axis=2)  # [B, KV, N, d]
     v_scope = jnp.take_along_axis(state.v, take, axis=2)
@@ -94,6 +96,18 @@ class ReAttention(Method):
     k_scope = rotate(k_scope, jnp.arange(n, dtype=jnp.int32), ctx.freqs)
     q_rank = sc.q_offset[:, None] + jnp.arange(q.shape[1], dtype=jnp.int32)[None, :]
     return self._attend(apply_rope(q, q_rank, ctx.freqs), k_scope, v_scope, q_rank, sc), state
+
+  def _attend_one(self, q, state: KVCache, sc: Scope, ctx: AttnContext):
+    """One query (decode), the last of its scope: the kernel reads the scope's rows straight
+    from the cache and rotates each key at its rank, so no rotated copy of the scope is made."""
+    b, n = sc.idx.shape
+    kvh = state.k.shape[1]
+    idx = jnp.broadcast_to(sc.idx[:, None, :], (b, kvh, n))
+    valid = jnp.broadcast_to((jnp.arange(n) < sc.length[:, None])[:, None, :], (b, kvh, n))
+    out, _ = pallas_kernels.gathered_attention(
+        apply_rope(q, sc.q_offset[:, None], ctx.freqs), state.k, state.v, idx, valid,
+        kv_layout="BHTD", key_rope_freqs=ctx.freqs, backend=self.backend)
+    return out
 
   def _attend(self, q, k, v, q_rank, sc: Scope):
     """Causal attention over the compacted scope: slot j sits at position j, j < sc.length."""

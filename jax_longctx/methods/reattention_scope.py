@@ -85,45 +85,52 @@ def most_voted(votes, clip: int):
   return kept
 
 
-def expand_spans(kept, lo, hi, span: int):
+def span_runs(kept, lo, hi, span: int):
   """Each kept token i -> [i - span//2, i + (span+1)//2) within [lo, hi[b]); overlaps merged.
 
-  kept [B, c] ascending (_NONE = empty). Returns (tokens [B, c * span], valid) in ascending token
-  order among the valid entries: an entry is new only past the end of the span before it (ends
-  are non-decreasing because the kept tokens are sorted and every span has the same length).
+  kept [B, c] ascending (_NONE = empty). Returns (first, count) [B, c] int32: span j adds the
+  tokens first..first+count-1 that no earlier span holds (ends are non-decreasing because the
+  kept tokens are sorted and every span has the same length), so the runs are disjoint and in
+  token order.
   """
-  b, c = kept.shape
+  b = kept.shape[0]
   live = kept != _NONE
   base = jnp.where(live, kept, 0)
-  start = base - span // 2
   lo_b = jnp.broadcast_to(lo, (b,))[:, None]
   end = jnp.clip(base + (span + 1) // 2, lo_b, hi[:, None])
   prev_end = jnp.concatenate([lo_b, end[:, :-1]], axis=1)
-  tokens = start[:, :, None] + jnp.arange(span)[None, None, :]  # [B, c, span]
-  valid = (live[:, :, None] & (tokens >= jnp.maximum(lo_b, prev_end)[:, :, None])
-           & (tokens < end[:, :, None]))
-  return tokens.reshape(b, c * span), valid.reshape(b, c * span)
+  first = jnp.maximum(base - span // 2, jnp.maximum(lo_b, prev_end))
+  return first.astype(jnp.int32), jnp.where(live, jnp.maximum(end - first, 0), 0).astype(jnp.int32)
 
 
-def assemble(selected, selected_valid, n_global: int, n_local: int, seq_end, first_q):
-  """[global, selected, local] of each sequence, compacted into a `Scope`.
+def assemble(first, count, n_global: int, n_local: int, size: int, seq_end, first_q):
+  """[global, selected runs, local] of each sequence, compacted into a `Scope` of `size` slots.
 
   seq_end [B]: tokens in the cache after this step; first_q [B]: the step's first query position.
   The local part is the last n_local tokens (it holds the step's own tokens), never overlapping
-  the global part; before any selection it simply continues where the global part ends.
+  the global part; before any selection it simply continues where the global part ends. Slot r
+  finds its run by comparing r with the runs' starting slots (c of them): no scan or scatter over
+  the whole scope.
   """
-  b = selected.shape[0]
-  glob = jnp.broadcast_to(jnp.arange(n_global, dtype=jnp.int32), (b, n_global))
-  local = (jnp.maximum(n_global, seq_end - n_local)[:, None]
-           + jnp.arange(n_local, dtype=jnp.int32)[None, :])
-  tokens = jnp.concatenate([glob, selected.astype(jnp.int32), local], axis=1)
-  valid = jnp.concatenate(
-      [glob < seq_end[:, None], selected_valid, local < seq_end[:, None]], axis=1)
-  n = tokens.shape[1]
-  dest = jnp.where(valid, jnp.cumsum(valid, axis=1) - 1, n)
-  idx = jnp.zeros((b, n), jnp.int32).at[jnp.arange(b)[:, None], dest].set(tokens, mode="drop")
-  q_offset = jnp.sum(valid & (tokens < first_q[:, None]), axis=1, dtype=jnp.int32)
-  return Scope(idx, jnp.sum(valid, axis=1, dtype=jnp.int32), q_offset)
+  n_glob = jnp.minimum(n_global, seq_end)[:, None]  # [B, 1]
+  local_start = jnp.maximum(n_global, seq_end - n_local)[:, None]
+  n_loc = jnp.clip(seq_end[:, None] - local_start, 0, n_local)
+  offset = jnp.cumsum(count, axis=1) - count  # [B, c] each run's first slot after the global part
+  n_sel = jnp.sum(count, axis=1, keepdims=True)
+  r = jnp.arange(size, dtype=jnp.int32)[None, :]  # [1, N]
+  in_sel = r - n_glob  # slot within the selected part
+  run = jnp.sum(offset[:, None, :] <= in_sel[:, :, None], axis=2) - 1  # the last run starting there
+  run = jnp.clip(run, 0, first.shape[1] - 1)
+  selected = (jnp.take_along_axis(first, run, axis=1)
+              + in_sel - jnp.take_along_axis(offset, run, axis=1))
+  in_loc = in_sel - n_sel
+  idx = jnp.where(r < n_glob, r, jnp.where(in_loc < 0, selected, local_start + in_loc))
+  length = (n_glob + n_sel + n_loc)[:, 0]
+  idx = jnp.where(r < length[:, None], idx, 0).astype(jnp.int32)
+  # The step's queries sit in the local part, after every selected token (hi <= first_q).
+  q_offset = (jnp.minimum(n_glob, first_q[:, None]) + n_sel
+              + jnp.clip(first_q[:, None] - local_start, 0, n_loc))[:, 0]
+  return Scope(idx, length.astype(jnp.int32), q_offset.astype(jnp.int32))
 
 
 def select_scope(q, k_cache, q_pos, q_valid, *, n_global: int, n_local: int, span: int,
@@ -136,6 +143,6 @@ def select_scope(q, k_cache, q_pos, q_valid, *, n_global: int, n_local: int, spa
   seq_end = jnp.max(jnp.where(q_valid, q_pos + 1, 0), axis=1)
   hi = seq_end - n_local
   votes = vote(q, k_cache, n_global, hi, q_valid, top_k, backend)
-  kept = most_voted(votes, clip)
-  selected, selected_valid = expand_spans(kept, jnp.int32(n_global), hi, span)
-  return assemble(selected, selected_valid, n_global, n_local, seq_end, q_pos[:, 0])
+  first, count = span_runs(most_voted(votes, clip), jnp.int32(n_global), hi, span)
+  return assemble(first, count, n_global, n_local, n_global + clip * span + n_local, seq_end,
+                  q_pos[:, 0])

@@ -71,6 +71,46 @@ def test_gathered_attention_matches_reference(variant, layout, lq, h, kvh, d, n)
   assert np.all(np.isneginf(np.asarray(got[1])[1, :, : h // kvh]))
 
 
+ROPE_FREQS = 1.0 / 10000.0 ** (np.arange(0, 128, 2) / 128)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_gathered_attention_rotates_keys_at_their_entry(variant, dtype):
+  rng = np.random.default_rng(9)
+  b, t, h, kvh, d, n = 2, 300, 8, 2, 128, 150
+  q = normal(rng, (b, 1, h, d), dtype)
+  k, v = (normal(rng, (b, kvh, t, d), dtype) for _ in range(2))
+  idx = jnp.asarray(rng.integers(0, t, (b, kvh, n)))
+  valid = jnp.asarray(rng.random((b, kvh, n)) > 0.2)
+  freqs = jnp.asarray(ROPE_FREQS, jnp.float32)
+  tiling = Tiling(key_splits=2, block_keys=64) if variant == "gpu" else None
+  got = gathered_attention(q, k, v, idx, valid, kv_layout="BHTD", key_rope_freqs=freqs,
+                           backend=variant, tiling=tiling)
+  ref = gathered_attention(q, k, v, idx, valid, kv_layout="BHTD", key_rope_freqs=freqs,
+                           backend="reference")
+  assert_close(got, ref, dtype)
+
+
+def test_gathered_reference_rotates_entry_j_at_position_j():
+  """The reference itself, against numpy: RoPE (rotate-half) of each gathered key at its entry."""
+  rng = np.random.default_rng(10)
+  q, k, v = normal(rng, (1, 1, 2, 128)), normal(rng, (1, 1, 40, 128)), normal(rng, (1, 1, 40, 128))
+  idx = rng.permutation(40)[:25]
+  out, _ = gathered_attention(q, k, v, jnp.asarray(idx)[None, None], kv_layout="BHTD",
+                              key_rope_freqs=jnp.asarray(ROPE_FREQS, jnp.float32),
+                              backend="reference")
+  kg = np.asarray(k, np.float64)[0, 0, idx]
+  ang = np.arange(25)[:, None] * ROPE_FREQS[None, :]
+  k1, k2 = kg[:, :64], kg[:, 64:]
+  kr = np.concatenate([k1 * np.cos(ang) - k2 * np.sin(ang), k2 * np.cos(ang) + k1 * np.sin(ang)],
+                      axis=1)
+  s = np.asarray(q, np.float64)[0, 0] @ kr.T / np.sqrt(128)
+  p = np.exp(s - s.max(-1, keepdims=True))
+  want = (p / p.sum(-1, keepdims=True)) @ np.asarray(v, np.float64)[0, 0, idx]
+  np.testing.assert_allclose(np.asarray(out)[0, 0], want, atol=2e-5, rtol=2e-5)
+
+
 def test_gathered_reference_equals_dense_attention_on_the_same_keys():
   """The reference itself: gathering keys 0..T-1 in order is plain attention over all keys."""
   rng = np.random.default_rng(0)
