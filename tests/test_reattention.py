@@ -149,6 +149,10 @@ def test_paper_defaults_fill_an_8k_window():
   assert ReAttention.for_window(8192) == m
   wide = ReAttention.for_window(131072)
   assert wide.scope_size <= 131072 and wide.n_local == 65536
+  small_local = ReAttention.for_window(8192, local_fraction=0.25)  # the default model's setting
+  assert (small_local.n_local, small_local.clip, small_local.scope_size) == (2048, 191, 8192)
+  with pytest.raises(MethodError, match="too small"):
+    ReAttention.for_window(8192, local_fraction=0.05)  # 409 local tokens < a 512-token chunk
 
 
 def test_bad_settings_fail_clearly():
