@@ -73,9 +73,9 @@ class Method:
   def decode_gate(self, cache, q_pos) -> jnp.ndarray | None:
     """None, or a scalar bool computed once per decode step (q_pos [B, S]: the step's token
     positions) before any layer runs: False says no layer can take the method's occasional
-    costly branch this step. The model then runs the
-    step under one `lax.cond` with `ctx.gate_open` static, so a step the gate closes carries no
-    per-layer conditional (on GPU each waits for its predicate on the host)."""
+    costly branch this step. The decode loops (`generate.decode_while`) then run that step
+    compiled with `ctx.gate_open=False`, so it carries no per-layer conditional (on GPU each
+    waits for its predicate on the host)."""
     del cache, q_pos
     return None
 
