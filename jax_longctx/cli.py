@@ -14,7 +14,7 @@ _USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError)
 def _add_method_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--method", default="full",
                  help=f"attention method (one of: {', '.join(methods_lib.names())})")
-  p.add_argument("--method-arg", action="append", default=[], metavar="KEY=VALUE",
+  p.add_argument("--method-arg", action="append", default=[], metavar="[METHOD.]KEY=VALUE",
                  help="a hyper-parameter of the method; repeat for several")
 
 
@@ -27,7 +27,9 @@ def _cmd_generate(args) -> int:
   if args.prompt_file is not None:
     with open(args.prompt_file) as f:
       prompt = f.read()
-  method = methods_lib.get(args.method, **methods_lib.parse_method_args(args.method_arg))
+  routed = methods_lib.args_per_method(args.method_arg, {args.method: args.method},
+                                           option="--method")
+  method = methods_lib.get(args.method, **methods_lib.parse_method_args(routed[args.method]))
   lm = load(args.model, dtype=args.dtype)
   (text,) = lm.generate([prompt], method, max_new_tokens=args.max_new_tokens,
                         temperature=args.temperature, top_p=args.top_p, seed=args.seed,
@@ -118,7 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
   ev.add_argument("--task-arg", action="append", default=[], metavar="KEY=VALUE",
                   help="a task option, e.g. value_type=uuid, chain=5, n_scored=128")
   ev.add_argument("--methods", default="full", help="comma-separated method names")
-  ev.add_argument("--method-arg", action="append", default=[], metavar="METHOD.KEY=VALUE")
+  ev.add_argument("--method-arg", action="append", default=[], metavar="[METHOD.]KEY=VALUE",
+                  help="METHOD.KEY=VALUE for one method, KEY=VALUE for every method but full")
   ev.add_argument("--lengths", default="4k", help="prompt lengths in tokens, e.g. 4k,8k")
   ev.add_argument("--depths", default="0.1,0.3,0.5,0.7,0.9", help="needle depths in [0, 1]")
   ev.add_argument("--samples", type=int, default=20, help="samples per method and length")

@@ -45,21 +45,13 @@ class MethodSpec:
     An entry `label:name` runs method `name` under its own label, so one method can run with
     several settings in a sweep (`rkv5:refreshkv` + `rkv5.qc_stride=5`).
     """
-    per: dict[str, list[str]] = {}
-    for arg in method_args or []:
-      key = arg.split("=", 1)[0]
-      target, _, _ = key.rpartition(".")
-      per.setdefault(target, []).append(arg.split(".", 1)[1] if target else arg)
-    out = []
+    run = {}  # label -> registry name
     for entry in [n.strip() for n in names.split(",") if n.strip()]:
       label, _, name = entry.rpartition(":")
-      label = label or name
-      args = per.get(label, []) + ([] if name == "full" else per.get("", []))
-      out.append(cls(label, methods_lib.get(name, **methods_lib.parse_method_args(args))))
-    unknown = set(per) - {s.label for s in out} - {""}
-    if unknown:
-      raise EvalError(f"--method-arg names methods not in --methods: {sorted(unknown)}")
-    return out
+      run[label or name] = name
+    per = methods_lib.args_per_method(method_args, run)
+    return [cls(label, methods_lib.get(name, **methods_lib.parse_method_args(per[label])))
+            for label, name in run.items()]
 
 
 def _key(rec: dict) -> tuple:

@@ -82,3 +82,12 @@ def test_citrus_takes_the_instruction_apart(default_lm, tmp_path):
   one_line = _cli(*args, "--prompt", "a one-line prompt")
   assert one_line.returncode != 0
   assert "cannot split a one-line prompt" in one_line.stderr
+
+
+def test_wrong_typed_method_arg_is_one_line():
+  out = _cli("generate", "--model", "default", "--prompt", "hi", "--method", "snapkv",
+             "--method-arg", "budget=abc")
+  assert out.returncode == 2 and "Traceback" not in out.stderr
+  assert out.stderr.strip() == (
+      "jax-longctx: error: method 'snapkv': budget='abc' is not valid; budget takes a number of "
+      "tokens (int >= 1) or a fraction of the cache (float in (0, 1])")

@@ -9,6 +9,7 @@ import pytest
 
 from jax_longctx import eval as eval_lib
 from jax_longctx.eval import EvalError, MethodSpec, run_sweep
+from jax_longctx.methods import MethodError
 
 
 def _specs():
@@ -63,5 +64,5 @@ def test_ppl_sweep_records_per_token_nll_and_ratio_plot(default_lm, tmp_path):
 
 
 def test_method_args_for_unlisted_methods_are_rejected():
-  with pytest.raises(EvalError, match="not in --methods"):
+  with pytest.raises(MethodError, match="not in --methods"):
     MethodSpec.parse("full", ["snapkv.budget=3"])

@@ -8,19 +8,19 @@ static argument of a jitted step).
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 from typing import Any, ClassVar
 
 import jax.numpy as jnp
 
 from jax_longctx.config import LlamaConfig
+from jax_longctx.methods.hparams import (Budget, MethodError, args_per_method, check_fields,
+                                         parse_method_args, resolve_budget)
+
+__all__ = ["AttnContext", "Budget", "Method", "MethodError", "PrefillEnd", "args_per_method",
+           "get", "names", "parse_method_args", "register", "resolve_budget"]
 
 _REGISTRY: dict[str, type["Method"]] = {}
-
-
-class MethodError(ValueError):
-  """Unknown method, unknown hyper-parameter or an invalid hyper-parameter value."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +44,10 @@ class AttnContext:
 class Method:
   """Base class. Subclasses set `name` and implement the three methods below.
 
+  Hyper-parameters are the dataclass fields; their annotations are checked at construction
+  (`hparams.check_fields`): a budget-like field is annotated `Budget`, a field with a few
+  allowed strings `Literal[...]`.
+
   State is one layer's pytree of fixed-shape arrays: `init_state` builds it, the model keeps one
   per layer, and `prefill` / `decode` get that layer's state and return its successor (donated
   through the step, so XLA updates it in place). `ctx.layer` says which layer it is.
@@ -53,6 +57,9 @@ class Method:
   keys_before_rope: ClassVar[bool] = False
   # Prefill chunk this method needs (None: the caller's choice).
   prefill_chunk: ClassVar[int | None] = None
+
+  def __post_init__(self):
+    check_fields(self)
 
   def init_state(self, cfg: LlamaConfig, batch: int, max_len: int, dtype, chunk: int) -> Any:
     """One layer's state for `batch` sequences of up to `max_len` tokens, fed `chunk` at a time."""
@@ -93,19 +100,6 @@ class PrefillEnd:
   decode_room: int  # slots the decode phase will append at most
 
 
-def resolve_budget(budget: float, max_len: int, name: str = "budget") -> int:
-  """Tokens when >= 1, a fraction of the cache length when in (0, 1)."""
-  if budget <= 0:
-    raise MethodError(f"{name} must be > 0 (tokens, or a fraction of the context), got {budget}")
-  if budget < 1:
-    return max(1, int(-(-budget * max_len // 1)))
-  if budget != int(budget):
-    raise MethodError(f"{name}={budget} must be a whole number of tokens or a fraction < 1")
-  if budget > max_len:
-    raise MethodError(f"{name}={int(budget)} is larger than the cache ({max_len} slots)")
-  return int(budget)
-
-
 def register(cls: type[Method]) -> type[Method]:
   if not cls.name:
     raise TypeError(f"{cls.__name__} has no registry name")
@@ -128,22 +122,6 @@ def get(name: str | Method, **overrides) -> Method:
   unknown = sorted(set(overrides) - fields)
   if unknown:
     known = ", ".join(sorted(fields)) or "none"
-    raise MethodError(
-        f"method {name!r} has no hyper-parameter {', '.join(map(repr, unknown))}; it takes: {known}")
+    raise MethodError(f"method {name!r} has no hyper-parameter "
+                      f"{', '.join(map(repr, unknown))}; it takes: {known}")
   return cls(**overrides)
-
-
-def parse_method_args(pairs: list[str] | None) -> dict[str, Any]:
-  """['budget=256', 'lam=0.5'] -> {'budget': 256, 'lam': 0.5} (Python literals, else strings)."""
-  out: dict[str, Any] = {}
-  for pair in pairs or []:
-    key, sep, raw = pair.partition("=")
-    if not sep or not key.strip():
-      raise MethodError(f"--method-arg expects key=value, got {pair!r}")
-    try:
-      value = ast.literal_eval(raw)
-    except (ValueError, SyntaxError):
-      value = raw
-    out[key.strip()] = value
-  return out
-

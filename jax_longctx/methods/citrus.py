@@ -27,7 +27,8 @@ from typing import ClassVar
 import jax.numpy as jnp
 from flax import struct
 
-from jax_longctx.methods.base import AttnContext, Method, MethodError, register, resolve_budget
+from jax_longctx.methods.base import (AttnContext, Budget, Method, MethodError, register,
+                                      resolve_budget)
 from jax_longctx.methods.chunk_cache import ChunkCache
 
 
@@ -42,7 +43,7 @@ class CitrusStandard(Method):
   scores_with_instruction: ClassVar[bool] = False
   needs_instruction: ClassVar[bool] = True
 
-  budget: float = 768  # k in the paper (§5.3)
+  budget: Budget = 768  # k in the paper (§5.3)
   chunk: int = 256  # l in the paper
   # The first tokens kept whatever their score (attention sinks; 0 = the paper's pure top-k).
   n_sink: int = 0

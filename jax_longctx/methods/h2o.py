@@ -13,7 +13,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from jax_longctx.attention import attention_probs_sum
-from jax_longctx.methods.base import register
+from jax_longctx.methods.base import Budget, register
 from jax_longctx.methods.slot_cache import EvictingMethod, SlotCache
 
 
@@ -22,7 +22,7 @@ from jax_longctx.methods.slot_cache import EvictingMethod, SlotCache
 class H2O(EvictingMethod):
   name = "h2o"
 
-  budget: float = 0.2  # the paper's 20% KV cache (10% heavy hitters + 10% recent)
+  budget: Budget = 0.2  # the paper's 20% KV cache (10% heavy hitters + 10% recent)
   recent_ratio: float = 0.5
 
   def priority(self, state: SlotCache, q, lse, ctx):

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from jax_longctx.cache import KVCache
-from jax_longctx.methods.base import AttnContext, MethodError, register
+from jax_longctx.methods.base import AttnContext, Budget, MethodError, register
 from jax_longctx.methods.full import Full
 from jax_longctx.methods.selection import SelectingMethod
 from jax_longctx.rope import apply_rope
@@ -35,7 +35,7 @@ class QuestState:
 class Quest(SelectingMethod):
   name = "quest"
 
-  budget: float = 1024
+  budget: Budget = 1024
   page_size: int = 16
   dense_layers: int = 2
 

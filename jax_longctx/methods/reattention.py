@@ -12,6 +12,7 @@ of Llama-3-8B: 32 + 127 * 32 + 4096 = 8192.
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
 import jax.numpy as jnp
 
@@ -39,7 +40,7 @@ class ReAttention(Method):
   top_k: int = 4
   clip: int = 127
   chunk: int = 512
-  backend: str = "auto"
+  backend: Literal["auto", "reference", "gpu", "tpu"] = "auto"  # pallas_kernels.BACKENDS
 
   @property
   def prefill_chunk(self) -> int:  # type: ignore[override]

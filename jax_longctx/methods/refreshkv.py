@@ -31,6 +31,7 @@ Decisions where the paper is silent (docs/METHODS.md):
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +40,8 @@ from flax import struct
 
 import pallas_kernels
 from jax_longctx.cache import KVCache
-from jax_longctx.methods.base import AttnContext, Method, MethodError, PrefillEnd, register
+from jax_longctx.methods.base import (AttnContext, Budget, Method, MethodError, PrefillEnd,
+                                      register)
 from jax_longctx.methods.full import Full
 from jax_longctx.methods.snapkv import SnapKV, SnapPrefill, pooled_scores
 from jax_longctx.rope import apply_rope
@@ -119,7 +121,7 @@ def _cosine(a, b):
 class RefreshKV(Method):
   name = "refreshkv"
 
-  budget: float = 0.125  # K: tokens, or a fraction of the cache (the paper: L / 8)
+  budget: Budget = 0.125  # K: tokens, or a fraction of the cache (the paper: L / 8)
   qc_stride: int = 10  # query-comparison stride (the paper: 5 or 10)
   threshold: float = 0.85  # cosine similarity below which a layer refreshes (Llama-3.1-8B)
   pool_kernel: int = 7
@@ -132,7 +134,7 @@ class RefreshKV(Method):
   n_local: int = 1
   # How a refresh picks the top K of L scores: "radix" (a radix select, no sort) or "sort"
   # (`lax.top_k`). The same tokens either way; radix is the faster on GPU (BENCHMARKS.md).
-  selection: str = "radix"
+  selection: Literal["radix", "sort"] = "radix"
 
   def _snap(self) -> SnapKV:
     return SnapKV(budget=self.budget, window=1, pool_kernel=self.pool_kernel, keep_size=True)

@@ -21,18 +21,21 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import typing
+from typing import Literal
 
 import jax.numpy as jnp
 from flax import struct
 
 import pallas_kernels
 from jax_longctx.attention import attention
-from jax_longctx.methods.base import (AttnContext, Method, MethodError, PrefillEnd, get,
-                                      register)
+from jax_longctx.methods.base import (AttnContext, Budget, Method, MethodError, PrefillEnd,
+                                      get, register)
 from jax_longctx.methods.selection import SelectingMethod, gather_slots, gathered_attention
 from jax_longctx.rope import apply_rope
 
-PRIORS = ("head", "group")
+Prior = Literal["head", "group"]
+PRIORS = typing.get_args(Prior)
 
 
 @struct.dataclass
@@ -56,10 +59,14 @@ class Resa(Method):
   name = "resa"
 
   base: str = "quest"
-  budget: float = 1024
+  budget: Budget = 1024
   lam: float = 1.0
-  prior: str = "head"
+  prior: Prior = "head"
   base_args: tuple = ()
+
+  def __post_init__(self):
+    super().__post_init__()
+    self.inner  # noqa: B018  (a wrong base or base_args fails at construction)
 
   @property
   def inner(self) -> SelectingMethod:

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from jax_longctx.attention import attention
-from jax_longctx.methods.base import AttnContext, Method, resolve_budget
+from jax_longctx.methods.base import AttnContext, Budget, Method, resolve_budget
 from jax_longctx.rope import apply_rope
 
 _LAST = jnp.iinfo(jnp.int32).max
@@ -117,7 +117,7 @@ class EvictingMethod(Method):
   Keys are cached after RoPE at their original positions unless `keys_before_rope`.
   """
 
-  budget: float = 1024
+  budget: Budget = 1024
 
   def init_state(self, cfg, batch, max_len, dtype, chunk) -> SlotCache:
     n = resolve_budget(self.budget, max_len)

@@ -19,8 +19,8 @@ from flax import struct
 
 from jax_longctx.attention import attention, attention_probs_sum
 from jax_longctx.cache import KVCache
-from jax_longctx.methods.base import (AttnContext, Method, MethodError, PrefillEnd, register,
-                                      resolve_budget)
+from jax_longctx.methods.base import (AttnContext, Budget, Method, MethodError, PrefillEnd,
+                                      register, resolve_budget)
 from jax_longctx.methods.full import Full
 from jax_longctx.methods.slot_cache import SlotCache, top_slots
 from jax_longctx.rope import apply_rope
@@ -54,7 +54,7 @@ class SnapDecode:
 class SnapKV(Method):
   name = "snapkv"
 
-  budget: float = 1024
+  budget: Budget = 1024
   window: int = 32
   pool_kernel: int = 7
   # Evict the lowest-scoring token for each generated one, so the cache stays at `budget` (the

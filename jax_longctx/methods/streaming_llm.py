@@ -13,7 +13,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from jax_longctx.attention import attention
-from jax_longctx.methods.base import AttnContext, MethodError, register
+from jax_longctx.methods.base import AttnContext, Budget, MethodError, register
 from jax_longctx.methods.slot_cache import EvictingMethod, SlotCache
 from jax_longctx.rope import apply_rope, rotate
 
@@ -24,7 +24,7 @@ class StreamingLLM(EvictingMethod):
   name = "streaming_llm"
   keys_before_rope = True
 
-  budget: float = 1024
+  budget: Budget = 1024
   n_sink: int = 4
 
   def init_state(self, cfg, batch, max_len, dtype, chunk) -> SlotCache:

@@ -12,7 +12,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jax_longctx.methods.base import AttnContext, register
+from jax_longctx.methods.base import AttnContext, Budget, register
 from jax_longctx.methods.selection import SelectingMethod, head_scores
 
 
@@ -21,7 +21,7 @@ from jax_longctx.methods.selection import SelectingMethod, head_scores
 class TopK(SelectingMethod):
   name = "topk"
 
-  budget: float = 1024
+  budget: Budget = 1024
 
   def init_state(self, cfg, batch, max_len, dtype, chunk):
     self.select_budget(max_len)

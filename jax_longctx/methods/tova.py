@@ -13,7 +13,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from jax_longctx.attention import attention_probs_sum
-from jax_longctx.methods.base import register
+from jax_longctx.methods.base import Budget, register
 from jax_longctx.methods.slot_cache import EvictingMethod, SlotCache
 
 
@@ -22,7 +22,7 @@ from jax_longctx.methods.slot_cache import EvictingMethod, SlotCache
 class TOVA(EvictingMethod):
   name = "tova"
 
-  budget: float = 512  # the paper's multi-state sizes range over 64..4096
+  budget: Budget = 512  # the paper's multi-state sizes range over 64..4096
 
   def priority(self, state: SlotCache, q, lse, ctx):
     # The newest valid query of each row (a chunk may end in padding).
