@@ -8,6 +8,7 @@ has hit a stop token or the budget: no host round-trip per token, the cache dona
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 from typing import Sequence
@@ -211,21 +212,53 @@ def prefill(params, cfg: LlamaConfig, prompts: Sequence[Sequence[int]], method: 
 
 
 def end_prefill(cache: Cache, cfg: LlamaConfig, method: Method, decode_room: int) -> Cache:
-  """The method's end-of-prefill hook on every layer, if the method has one."""
+  """The method's end-of-prefill hook on every layer, if the method has one.
+
+  The prompt cache is donated leaf by leaf where the result has a buffer of its shape to reuse
+  (RefreshKV keeps its full cache as it is: donating it avoids a second copy). Leaves the hook
+  turns into something smaller (SnapKV's compression) are not donated: no output could reuse
+  them, and XLA would only warn that it cannot.
+  """
   if type(method).end_of_prefill is Method.end_of_prefill:
     return cache
-  return finish_prefill(cache, cfg=cfg, method=method, decode_room=decode_room)
+  leaves, tree = jax.tree.flatten(cache)
+  avals = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves)
+  reuse = _reusable_leaves(tree, avals, cfg, method, decode_room)
+  return finish_prefill([x for x, r in zip(leaves, reuse) if r],
+                        [x for x, r in zip(leaves, reuse) if not r],
+                        tree=tree, reuse=reuse, cfg=cfg, method=method, decode_room=decode_room)
 
 
-# Donated: methods that keep the prompt cache as it is (RefreshKV's C_f) would else hold two.
-@functools.partial(jax.jit, static_argnames=("cfg", "method", "decode_room"),
-                   donate_argnames=("cache",))
-def finish_prefill(cache: Cache, *, cfg: LlamaConfig, method: Method, decode_room: int) -> Cache:
-  """Runs the method's end-of-prefill hook on every layer (SnapKV's one-time compression)."""
+def _end_of_prefill_all(cache: Cache, cfg: LlamaConfig, method: Method, decode_room: int) -> Cache:
   state = tuple(
       method.end_of_prefill(s, PrefillEnd(cfg, i, cache.lengths, decode_room))
       for i, s in enumerate(cache.state))
   return cache.replace(state=state)
+
+
+@functools.lru_cache(maxsize=64)
+def _reusable_leaves(tree, avals, cfg, method, decode_room) -> tuple[bool, ...]:
+  """Which input leaves an output of the same shape and dtype can take over (as XLA pairs
+  donated buffers with outputs)."""
+  out = jax.eval_shape(
+      lambda c: _end_of_prefill_all(c, cfg, method, decode_room), jax.tree.unflatten(tree, avals))
+  free = collections.Counter((x.shape, x.dtype) for x in jax.tree.leaves(out))
+  reuse = []
+  for x in avals:
+    reuse.append(free[(x.shape, x.dtype)] > 0)
+    free[(x.shape, x.dtype)] -= reuse[-1]
+  return tuple(reuse)
+
+
+@functools.partial(jax.jit, static_argnames=("tree", "reuse", "cfg", "method", "decode_room"),
+                   donate_argnames=("donated",))
+def finish_prefill(donated, kept, *, tree, reuse, cfg: LlamaConfig, method: Method,
+                   decode_room: int) -> Cache:
+  """Runs the method's end-of-prefill hook on every layer (SnapKV's one-time compression) on the
+  cache flattened into donated and kept leaves (`reuse` says which is which)."""
+  donated, kept = iter(donated), iter(kept)
+  leaves = [next(donated) if r else next(kept) for r in reuse]
+  return _end_of_prefill_all(jax.tree.unflatten(tree, leaves), cfg, method, decode_room)
 
 
 def generate(params, cfg: LlamaConfig, prompts: Sequence[Sequence[int]], method: Method, *,

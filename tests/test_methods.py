@@ -2,6 +2,7 @@
 
 import dataclasses
 import importlib
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -132,8 +133,8 @@ def test_selection_methods_differ_from_full_when_budget_is_small(tiny):
 def test_budget_errors_name_the_parameter(name):
   with pytest.raises(MethodError, match=r"budget=100 is larger than the cache \(48 slots\)"):
     get(name, budget=100).init_state(_cfg(), 1, CACHE_LEN, jnp.float32, 8)
-  with pytest.raises(MethodError, match="budget must be > 0"):
-    get(name, budget=0).init_state(_cfg(), 1, CACHE_LEN, jnp.float32, 8)
+  with pytest.raises(MethodError, match=f"method '{name}': budget=0 is not valid"):
+    get(name, budget=0)
   with pytest.raises(MethodError, match=f"method '{name}' has no hyper-parameter 'budgte'"):
     get(name, budgte=3)
 
@@ -146,6 +147,22 @@ def test_page_size_must_divide_the_budget():
 def test_fractional_budget():
   state = get("h2o", budget=0.25).init_state(_cfg(), 1, CACHE_LEN, jnp.float32, 8)
   assert state.budget == 12
+  # A float is a fraction: 1.0 is the whole cache (not one token), an int counts tokens.
+  assert get("h2o", budget=1.0).init_state(_cfg(), 1, CACHE_LEN, jnp.float32, 8).budget == 48
+  assert get("h2o", budget=1).init_state(_cfg(), 1, CACHE_LEN, jnp.float32, 8).budget == 1
+
+
+@pytest.mark.parametrize("name", PER_LAYER)
+def test_generation_donates_only_what_it_can(tiny, name):
+  """No 'Some donated buffers were not usable' warning: every donated buffer is reused."""
+  cfg, params = tiny
+  docs, instructions = _apart(_prompts(cfg, (13, 21), seed=7))
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    gen.generate(params, cfg, docs, _method(name, 16), max_new_tokens=3, chunk_size=8,
+                 cache_len=CACHE_LEN + 8, instructions=instructions)  # a shape no test compiled
+  donation = [str(w.message) for w in caught if "donated buffers" in str(w.message)]
+  assert not donation, donation
 
 
 def _cfg():
