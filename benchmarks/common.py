@@ -40,6 +40,24 @@ def write_json(path: str, record: dict) -> None:
     f.write(json.dumps(record) + "\n")
 
 
+def gemm_tflops(n: int = 8192) -> float:
+  """Dense bf16 matmul rate of an n x n x n GEMM (torch, cuBLAS): the compute anchor."""
+  import torch
+  a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+  start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+  ms = []
+  for _ in range(20):
+    start.record()
+    a @ b
+    end.record()
+    torch.cuda.synchronize()
+    ms.append(start.elapsed_time(end))
+  ms = sorted(ms[5:])
+  del a, b
+  torch.cuda.empty_cache()
+  return 2 * n ** 3 / (ms[len(ms) // 2] / 1e3) / 1e12
+
+
 def copy_bandwidth() -> float:
   """Bytes read + written per second by a large device-to-device copy (torch copy_)."""
   import torch

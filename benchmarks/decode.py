@@ -35,6 +35,18 @@ def _bytes_per_token(cfg, ctx: int, batch: int) -> tuple[int, int]:
   return 2 * weights, 2 * kv
 
 
+def _prefill_flops_per_token(model: str, ctx: int) -> float:
+  """TFLOPs per prompt token: 2 per weight, the embedding and the output head excluded (both
+  sides compute logits for the last token only), plus causal attention's 2 * ctx * H * d per
+  layer (QK and PV over the lower triangle, averaged over the prompt)."""
+  from jax_longctx import preset
+  cfg = preset(model)
+  heads = 1 if cfg.tie_word_embeddings else 2
+  weights = cfg.num_params() - heads * cfg.vocab_size * cfg.hidden_size
+  attn = 2 * ctx * cfg.num_heads * cfg.head_dim * cfg.num_layers
+  return (2 * weights + attn) / 1e12
+
+
 def _stage(msg: str) -> None:
   print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
@@ -73,8 +85,11 @@ def run_jax(args) -> dict:
   first = time.perf_counter() - t0  # includes compilation
   _stage(f"first prefill chunk (compile) {first:.1f}s")
   t0 = time.perf_counter()
+  host_s = 0.0  # time the host spends enqueueing chunks (calls return before the GPU is done)
   for c in range(1, n_chunks):
+    t_call = time.perf_counter()
     cache, last = run_chunk(c, cache, last)
+    host_s += time.perf_counter() - t_call
     if c % max(1, n_chunks // 8) == 0:  # long prefills (1M tokens) show where they are
       jax.block_until_ready(last)
       _stage(f"prefill chunk {c}/{n_chunks}, {time.perf_counter() - t0:.1f}s")
@@ -107,6 +122,7 @@ def run_jax(args) -> dict:
   wbytes, kvbytes = _bytes_per_token(cfg, ctx, b)
   report = method.report(state["cache"]) if hasattr(method, "report") else {}
   return {**report, "hparams": method.hparams(), "prefill_tok_s": b * (n_chunks - 1) * chunk / prefill_s,
+          "prefill_chunk": chunk, "prefill_s": prefill_s, "prefill_host_enqueue_s": host_s,
           "prefill_first_chunk_s": first, "decode_ms": per_token * 1e3,
           "decode_times_s": times, "decode_compile_s": decode_compile_s,
           "weight_bytes": wbytes, "kv_bytes": kvbytes, "peak_bytes": jax_peak_bytes(),
@@ -199,6 +215,7 @@ def main() -> None:
     return child(args)
   skip = set(args.skip.split(",")) if args.skip else set()
   bw = common.copy_bandwidth() if _has_cuda() else None
+  gemm = common.gemm_tflops() if _has_cuda() else None
   runs = [("hf", "full") if impl == "hf" else ("jax", m) for impl in args.impls.split(",")
           for m in (args.methods.split(",") if impl == "jax" else ["full"])]
   for impl, entry in runs:
@@ -218,6 +235,10 @@ def main() -> None:
         lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
         rec = json.loads(lines[-1][7:]) if lines else {
             "impl": impl, "context": ctx, "batch": b, "error": proc.stderr[-500:]}
+        if gemm and "prefill_tok_s" in rec:
+          rec["gemm_tflops"] = gemm
+          rec["prefill_tflops"] = rec["prefill_tok_s"] * _prefill_flops_per_token(args.model, ctx)
+          rec["prefill_of_gemm"] = rec["prefill_tflops"] / gemm
         if bw and "decode_ms" in rec:
           rec["copy_bw"] = bw
           rec["bound_ms"] = (rec["weight_bytes"] + rec["kv_bytes"]) / bw * 1e3

@@ -3,6 +3,8 @@ reference behind one `backend=` switch ("auto" | "reference" | "gpu" | "tpu").
 
 - topk_scores: fused q.k + exact top-k over a long key axis (no score matrix in HBM).
 - flash_attention: online-softmax attention returning its log-sum-exp (prefill and decode).
+- chunk_attention: a prefill chunk over the cache before it and itself (two cuDNN calls merged
+  by LSE on NVIDIA GPUs, flash_attention elsewhere).
 - gathered_attention: attention over keys at given indices per KV group (sparse decoding).
 - merge_attention: exact merge of partial (out, lse) pairs.
 
@@ -10,10 +12,11 @@ docs/KERNELS.md says which lowering each variant uses, how it is tested and what
 """
 
 from pallas_kernels.backend import BACKENDS, resolve
+from pallas_kernels.chunk_prefill import chunk_attention
 from pallas_kernels.flash_attention import flash_attention
 from pallas_kernels.gathered_attention import gathered_attention
 from pallas_kernels.merge_attention import merge_attention
 from pallas_kernels.topk_scores import topk_scores
 
-__all__ = ["BACKENDS", "resolve", "flash_attention", "gathered_attention", "merge_attention",
+__all__ = ["BACKENDS", "resolve", "chunk_attention", "flash_attention", "gathered_attention", "merge_attention",
            "topk_scores"]

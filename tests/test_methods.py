@@ -12,6 +12,7 @@ import pytest
 from jax_longctx.methods import MethodError, get, names
 from jax_longctx.methods import full as full_lib
 from jax_longctx.model import forward
+from pallas_kernels import chunk_prefill
 
 gen = importlib.import_module("jax_longctx.generate")  # the package exports a function of that name
 
@@ -170,12 +171,17 @@ def _cfg():
   return tiny_config()
 
 
-def test_full_prefill_through_the_kernel_equals_the_jnp_path(tiny, monkeypatch):
-  """On accelerators prefill chunks use flash_attention; its call matches the CPU path."""
+@pytest.mark.parametrize("route", ["flash_attention", "cudnn_composition"])
+def test_full_prefill_through_the_kernel_equals_the_jnp_path(tiny, monkeypatch, route):
+  """On accelerators prefill chunks use chunk_attention (on NVIDIA GPUs two cuDNN calls merged
+  by LSE, here with cuDNN's definition in jnp; else flash_attention); both match the CPU path."""
   cfg, params = tiny
   prompts = _prompts(cfg, (13, 29))
   ref, _ = _step_logits(params, cfg, prompts, get("full"), 2)
   monkeypatch.setattr(full_lib, "prefill_uses_kernel", lambda: True)
+  if route == "cudnn_composition":
+    monkeypatch.setattr(chunk_prefill, "cudnn_route", lambda *a: True)
+    monkeypatch.setattr(chunk_prefill, "cudnn_dense", chunk_prefill.reference_dense)
   jax.clear_caches()  # the jitted steps were traced with the other branch
   got, _ = _step_logits(params, cfg, prompts, get("full"), 2)
   np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0)

@@ -31,12 +31,19 @@ class Full(Method):
   def init_state(self, cfg, batch, max_len, dtype, chunk) -> KVCache:
     return KVCache.zeros(cfg, batch, max_len, dtype)
 
-  def attend(self, state: KVCache, q, ctx: AttnContext):
-    """q (after RoPE) over every cached slot it may see. Returns (out, lse)."""
+  def attend(self, state: KVCache, q, ctx: AttnContext, chunk_kv=None):
+    """q (after RoPE) over every cached slot it may see. Returns (out, lse).
+
+    chunk_kv: (k, v) [B, S, KV, d] of a prefill chunk just written (k after RoPE), which lets
+    the chunk's own part run as a square causal cuDNN call (pallas_kernels.chunk_attention).
+    """
     if q.shape[1] > 1 and prefill_uses_kernel():
       # A prefill chunk's positions are contiguous, so the causal rule is the kernel's own; keys
       # past the chunk's end are never read. (The jnp path stays for decode, measured at 78% of
       # the HBM bound, and for CPU, where the kernel's reference would hold a score matrix.)
+      if chunk_kv is not None:
+        return pallas_kernels.chunk_attention(q, state.k, state.v, *chunk_kv, ctx.q_pos[:, 0],
+                                              kv_layout="BHTD")
       return pallas_kernels.flash_attention(q, state.k, state.v, causal=True,
                                             q_offset=ctx.q_pos[:, 0], kv_len=ctx.q_pos[:, -1] + 1,
                                             kv_layout="BHTD")
@@ -45,6 +52,7 @@ class Full(Method):
     return attention(q, state.k, state.v, ctx.q_pos, k_pos, kv_extent=jnp.max(ctx.q_pos) + 1)
 
   def prefill(self, state: KVCache, q, k, v, ctx: AttnContext):
-    state = state.write(ctx.q_pos, apply_rope(k, ctx.q_pos, ctx.freqs), v)
-    out, _ = self.attend(state, apply_rope(q, ctx.q_pos, ctx.freqs), ctx)
+    k = apply_rope(k, ctx.q_pos, ctx.freqs)
+    state = state.write(ctx.q_pos, k, v)
+    out, _ = self.attend(state, apply_rope(q, ctx.q_pos, ctx.freqs), ctx, chunk_kv=(k, v))
     return out, state
