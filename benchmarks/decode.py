@@ -71,33 +71,42 @@ def run_jax(args) -> dict:
   cache_len = -(-(ctx + args.new_tokens * (args.reps + 2)) // 128) * 128
   tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (b, ctx)).astype(np.int32)
   plen = jnp.full((b,), ctx, jnp.int32)
-  cache = new_cache(cfg, method, b, cache_len, chunk=chunk)
-  last = jnp.zeros((b, cfg.vocab_size), jnp.float32)
-
-  def run_chunk(c, cache, last):
-    return prefill_chunk(params, jnp.asarray(tokens[:, c * chunk:(c + 1) * chunk]),
-                         jnp.int32(c * chunk), plen, cache, last, cfg=cfg, method=method)
-
   n_chunks = ctx // chunk
-  t0 = time.perf_counter()
-  cache, last = run_chunk(0, cache, last)
-  jax.block_until_ready(last)
-  first = time.perf_counter() - t0  # includes compilation
-  _stage(f"first prefill chunk (compile) {first:.1f}s")
-  t0 = time.perf_counter()
-  host_s = 0.0  # time the host spends enqueueing chunks (calls return before the GPU is done)
-  for c in range(1, n_chunks):
-    t_call = time.perf_counter()
-    cache, last = run_chunk(c, cache, last)
-    host_s += time.perf_counter() - t_call
-    if c % max(1, n_chunks // 8) == 0:  # long prefills (1M tokens) show where they are
-      jax.block_until_ready(last)
-      _stage(f"prefill chunk {c}/{n_chunks}, {time.perf_counter() - t0:.1f}s")
-  jax.block_until_ready(last)
-  cache = end_prefill(cache, cfg, method, decode_room=cache_len - ctx)
-  jax.block_until_ready(cache)
-  prefill_s = time.perf_counter() - t0
-  _stage(f"prefill {prefill_s:.1f}s")
+
+  def run_prefill(first_chunk: int, cache, last):
+    """Chunks first_chunk.. of the prompt; returns (cache, last, seconds, host enqueue seconds)."""
+    t0 = time.perf_counter()
+    host_s = 0.0  # the host's time in the calls (they return before the GPU is done)
+    for c in range(first_chunk, n_chunks):
+      t_call = time.perf_counter()
+      cache, last = prefill_chunk(params, jnp.asarray(tokens[:, c * chunk:(c + 1) * chunk]),
+                                  jnp.int32(c * chunk), plen, cache, last, cfg=cfg, method=method)
+      host_s += time.perf_counter() - t_call
+      if n_chunks >= 64 and c % (n_chunks // 8) == 0:  # long prefills (1M) show where they are
+        jax.block_until_ready(last)
+        _stage(f"prefill chunk {c}/{n_chunks}, {time.perf_counter() - t0:.1f}s")
+    jax.block_until_ready(last)
+    cache = end_prefill(cache, cfg, method, decode_room=cache_len - ctx)
+    jax.block_until_ready(cache)
+    return cache, last, time.perf_counter() - t0, host_s
+
+  def fresh():
+    return new_cache(cfg, method, b, cache_len, chunk=chunk), jnp.zeros((b, cfg.vocab_size))
+
+  if args.warmup_prefill:  # a whole prefill compiles; the next one is timed, every chunk of it
+    cache, last, first, _ = run_prefill(0, *fresh())
+    del cache, last
+    cache, last, prefill_s, host_s = run_prefill(0, *fresh())
+    timed_tokens = n_chunks * chunk
+  else:  # very long prompts: the first chunk compiles and is left out of the timing
+    t0 = time.perf_counter()
+    cache, last = prefill_chunk(params, jnp.asarray(tokens[:, :chunk]), jnp.int32(0), plen,
+                                *fresh(), cfg=cfg, method=method)
+    jax.block_until_ready(last)
+    first = time.perf_counter() - t0
+    cache, last, prefill_s, host_s = run_prefill(1, cache, last)
+    timed_tokens = (n_chunks - 1) * chunk
+  _stage(f"prefill {prefill_s:.1f}s (compile run {first:.1f}s)")
   stops = jnp.asarray([-1], jnp.int32)
   state = {"cache": cache}
 
@@ -121,7 +130,8 @@ def run_jax(args) -> dict:
   per_token = med / (args.new_tokens - 1)
   wbytes, kvbytes = _bytes_per_token(cfg, ctx, b)
   report = method.report(state["cache"]) if hasattr(method, "report") else {}
-  return {**report, "hparams": method.hparams(), "prefill_tok_s": b * (n_chunks - 1) * chunk / prefill_s,
+  return {**report, "hparams": method.hparams(), "prefill_tok_s": b * timed_tokens / prefill_s,
+          "prefill_warmup": args.warmup_prefill,
           "prefill_chunk": chunk, "prefill_s": prefill_s, "prefill_host_enqueue_s": host_s,
           "prefill_first_chunk_s": first, "decode_ms": per_token * 1e3,
           "decode_times_s": times, "decode_compile_s": decode_compile_s,
@@ -202,7 +212,10 @@ def main() -> None:
   p.add_argument("--skip", default="131072x8", help="context x batch pairs that cannot fit")
   p.add_argument("--new-tokens", type=int, default=64)
   p.add_argument("--reps", type=int, default=3)
-  p.add_argument("--chunk", type=int, default=512)
+  p.add_argument("--chunk", type=int, default=4096)
+  p.add_argument("--warmup-prefill", action=argparse.BooleanOptionalAction, default=True,
+                 help="time a whole second prefill (--no-warmup-prefill: all chunks but the "
+                      "first, which compiles; for prompts too long to prefill twice)")
   p.add_argument("--out", default="decode.jsonl")
   p.add_argument("--child", action="store_true")
   p.add_argument("--impl")
@@ -229,6 +242,7 @@ def main() -> None:
         cmd = [sys.executable, __file__, "--child", "--impl", impl, "--context", str(ctx),
                "--batch", str(b), "--model", args.model, "--new-tokens", str(args.new_tokens),
                "--reps", str(args.reps), "--chunk", str(args.chunk), "--method", method,
+               "--warmup-prefill" if args.warmup_prefill else "--no-warmup-prefill",
                "--label", label]
         cmd += [x for a in margs for x in ("--method-arg", a)]
         proc = subprocess.run(cmd, capture_output=True, text=True)

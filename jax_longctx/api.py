@@ -13,7 +13,7 @@ import numpy as np
 
 from jax_longctx import methods as methods_lib
 from jax_longctx.config import LlamaConfig
-from jax_longctx.generate import DEFAULT_CHUNK, GenerationError, Sampling, generate
+from jax_longctx.generate import GenerationError, Sampling, generate
 from jax_longctx.instructed import split_prompt
 from jax_longctx.model import forward, new_cache
 from jax_longctx.tokenizer import Tokenizer
@@ -75,7 +75,7 @@ class LM:
   def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]], method="full", *,
                max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
                seed: int = 0, chat: bool = False, method_args: dict | None = None,
-               chunk_size: int = DEFAULT_CHUNK, cache_len: int | None = None,
+               chunk_size: int | None = None, cache_len: int | None = None,
                stop_tokens: Sequence[int] | None = None, instruction=None,
                **method_kwargs) -> list[str] | list[list[int]]:
     """Continues each prompt. Text prompts give text back; token-id prompts give token ids.

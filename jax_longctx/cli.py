@@ -107,7 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
   g.add_argument("--top-p", type=float, default=1.0)
   g.add_argument("--seed", type=int, default=0)
   g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-  g.add_argument("--chunk-size", type=int, default=512, help="prefill chunk length")
+  g.add_argument("--chunk-size", type=int, default=None,
+                 help="prefill chunk length (default: 8192 on GPUs, 512 elsewhere)")
   g.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
   _add_method_args(g)
   g.set_defaults(func=_cmd_generate)
@@ -127,7 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
   ev.add_argument("--samples", type=int, default=20, help="samples per method and length")
   ev.add_argument("--out", required=True, help="directory for results.jsonl, summary.md, plots")
   ev.add_argument("--chat", action="store_true", help="use the model's chat template")
-  ev.add_argument("--chunk-size", type=int, default=512)
+  ev.add_argument("--chunk-size", type=int, default=None,
+                  help="prefill chunk length (default: 8192 on GPUs, 512 elsewhere)")
   ev.add_argument("--cache-len", type=int, default=None,
                   help="one cache size (tokens) for all lengths: one compile per method")
   ev.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)

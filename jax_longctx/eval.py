@@ -105,7 +105,7 @@ def _run_on_mesh(lm, task, method, sample) -> dict:
           "decode_s": None, "devices": len(jax.devices())}
 
 
-def run_sample(lm, task, spec: MethodSpec, sample, chunk: int, cache_len: int | None = None) -> dict:
+def run_sample(lm, task, spec: MethodSpec, sample, chunk: int | None, cache_len: int | None = None) -> dict:
   """One sample through one method: prediction, score and timings.
 
   cache_len: one cache size for every sample (one compile per method for a whole sweep of
@@ -175,7 +175,7 @@ def plan(task, specs, lengths, depths, samples) -> list[tuple]:
 
 def run_sweep(lm, task_name: str, specs: list[MethodSpec], lengths: list[int],
               depths: list[float], samples: int, out_dir: str, *, chat: bool = False,
-              chunk: int = 512, task_options: dict | None = None,
+              chunk: int | None = None, task_options: dict | None = None,
               cache_len: int | None = None) -> list[dict]:
   task = tasks_lib.get(task_name, **(task_options or {}))
   os.makedirs(out_dir, exist_ok=True)
