@@ -67,7 +67,8 @@ def run_jax(args) -> dict:
   params = random_params(cfg)
   jax.block_until_ready(params)
   _stage("params ready")
-  b, ctx, chunk = args.batch, args.context, args.chunk
+  b, ctx = args.batch, args.context
+  chunk = method.prefill_chunk or args.chunk  # as generate.prefill: the method's own, if any
   cache_len = -(-(ctx + args.new_tokens * (args.reps + 2)) // 128) * 128
   tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (b, ctx)).astype(np.int32)
   plen = jnp.full((b,), ctx, jnp.int32)
