@@ -29,7 +29,8 @@ class LM:
   def stop_tokens(self) -> tuple[int, ...]:
     ids = set(self.config.eos_token_ids)
     if self.tokenizer is not None:
-      for text in (self.tokenizer.eos_token, "<|im_end|>", "<|eot_id|>"):
+      # ChatML's end of turn (SmolLM2, Qwen), Llama 3's, and the end of text Qwen also stops at.
+      for text in (self.tokenizer.eos_token, "<|im_end|>", "<|eot_id|>", "<|endoftext|>"):
         tid = self.tokenizer.token_id(text)
         if tid is not None:
           ids.add(tid)
