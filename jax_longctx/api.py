@@ -115,12 +115,18 @@ class LM:
 
 
 def load(name_or_path: str = "default", dtype=None) -> LM:
-  """'default' (SmolLM2-135M-Instruct), a converted checkpoint, an HF directory or a GGUF file."""
+  """'default' (SmolLM2-135M-Instruct), a bundled model's name ('qwen2.5-coder-0.5b',
+  'qwen2.5-coder-1.5b'), a converted checkpoint, an HF directory or a GGUF file."""
   from checkpoints_convert import load_source, restore
   from checkpoints_convert.sources import CheckpointError
-  from jax_longctx import default_model
+  from jax_longctx import bundled, default_model
 
-  path = default_model.checkpoint_dir() if name_or_path == "default" else name_or_path
+  if name_or_path == "default":
+    path = default_model.checkpoint_dir()
+  elif name_or_path in bundled.BUNDLED and not os.path.exists(name_or_path):
+    path = bundled.checkpoint_dir(name_or_path)
+  else:
+    path = name_or_path
   if not os.path.exists(path):
     raise CheckpointError(f"checkpoint not found: {path}")
   if os.path.isdir(path) and os.path.isdir(os.path.join(path, "params")):
