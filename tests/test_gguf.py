@@ -119,3 +119,23 @@ def test_pre_tokenizer_matches_transformers_gguf_tokenizer(pre):
         text, add_special_tokens=False).ids, text
   ids = ours.encode("<tool_call>", add_special_tokens=False).ids
   assert ids == [tokens.index("<tool_call>")]  # a user-defined token stays whole
+
+
+def test_chat_template_with_bos_gets_one_bos(tmp_path):
+  """Llama 3's template writes `{{- bos_token }}` and its GGUF sets add_bos_token: one BOS, as
+  transformers' apply_chat_template gives."""
+  from checkpoints_convert.gguf_tokenizer import write_tokenizer_files
+  from jax_longctx.tokenizer import Tokenizer
+  from tests.gguf_fixtures import byte_tokens
+  tokens = byte_tokens(256) + ["<|begin_of_text|>", "<|eot_id|>"]
+  meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": tokens,
+          "tokenizer.ggml.merges": [], "tokenizer.ggml.pre": "llama-bpe",
+          "tokenizer.ggml.token_type": [1] * 256 + [3, 3], "tokenizer.ggml.bos_token_id": 256,
+          "tokenizer.ggml.eos_token_id": 257, "tokenizer.ggml.add_bos_token": True,
+          "tokenizer.chat_template": "{{- bos_token }}{% for m in messages %}{{ m['content'] }}"
+                                     "<|eot_id|>{% endfor %}"}
+  write_tokenizer_files(meta, str(tmp_path))
+  tok = Tokenizer(str(tmp_path))
+  ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "hi"}]))
+  assert ids[:2] == [256, tok.encode("h")[1]] and ids.count(256) == 1
+  assert tok.encode("hi")[0] == 256  # plain text still gets its BOS
