@@ -52,11 +52,17 @@ def assemble(source: Source, allocate: Callable[[tuple, tuple, np.dtype], np.nda
   expected = {rule.full_path(i) for _, rule, i in layout.hf_names(cfg)}
   for path in expected:
     layout.set_path(params, path, allocate(path, layout.get_path(shapes, path).shape, dtype))
+  unknown = [n for n in source.names if layout.match(n, cfg) is None and not layout.ignored(n, cfg)]
+  if unknown:
+    # Loading without them would run another model (e.g. Qwen2 without its q/k/v biases).
+    raise CheckpointError(
+        f"checkpoint has {len(unknown)} tensors this {cfg.architecture} config does not use: "
+        f"{', '.join(unknown[:5])}{' ...' if len(unknown) > 5 else ''}")
   seen = set()
   for name, w in progress(source.tensors(), total=source.num_tensors, desc=desc):
     found = layout.match(name, cfg)
     if found is None:
-      continue  # e.g. a tied lm_head copy or rotary buffers
+      continue  # layout.ignored (checked above): a tied lm_head copy, rotary buffers
     rule, i = found
     target = layout.get_path(params, rule.full_path(i))
     value = rule.to_flax(np.asarray(w), cfg)

@@ -24,9 +24,13 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 @dataclasses.dataclass
 class Source:
   cfg: LlamaConfig
-  num_tensors: int
+  names: list[str]  # HF names of every tensor `tensors()` yields, known before reading any
   tensors: Callable[[], Iterator[tuple[str, np.ndarray]]]
   write_tokenizer: Callable[[str], None]  # writes tokenizer files into a directory
+
+  @property
+  def num_tensors(self) -> int:
+    return len(self.names)
 
 
 def open_source(src: str) -> Source:
@@ -63,7 +67,7 @@ def _safetensors_files(src: str) -> list[str]:
 def _hf_source(src: str) -> Source:
   cfg = LlamaConfig.from_hf_json(os.path.join(src, "config.json"))
   files = _safetensors_files(src)
-  count = sum(len(safetensors_io.read_header(f)[0]) for f in files)
+  names = [n for f in files for n in safetensors_io.read_header(f)[0]]
 
   def tensors():
     for f in files:
@@ -75,7 +79,7 @@ def _hf_source(src: str) -> Source:
       if os.path.exists(os.path.join(src, name)):
         shutil.copyfile(os.path.join(src, name), os.path.join(dst, name))
 
-  return Source(cfg, count, tensors, write_tokenizer)
+  return Source(cfg, names, tensors, write_tokenizer)
 
 
 # ---- GGUF ---------------------------------------------------------------------------------------
@@ -88,17 +92,22 @@ _GGUF_LAYER = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
+    "ffn_down": "mlp.down_proj", "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
 }
+# Read into the config (llama3 rope scaling as per-frequency divisors), not into the parameters.
+_GGUF_CONFIG_TENSORS = ("rope_freqs.weight",)
 
 
-def _gguf_to_hf_name(name: str) -> str | None:
+def _gguf_to_hf_name(name: str) -> str:
+  """The HF name of a GGUF tensor; a name with no HF counterpart keeps its GGUF spelling, so
+  conversion reports it as unknown instead of dropping it."""
   if name in _GGUF_NAMES:
     return _GGUF_NAMES[name]
   parts = name.split(".")
   if len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_LAYER:
     return f"model.layers.{parts[1]}.{_GGUF_LAYER[parts[2]]}.{parts[3]}"
-  return None
+  return name
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -125,30 +134,43 @@ def gguf_metadata(reader) -> dict:
   for key, field in reader.fields.items():
     try:
       meta[key] = field.contents()
-    except Exception:  # a few exotic field types; none that a Llama config needs
+    except Exception:  # a few exotic field types; none that a config needs
       continue
   return meta
+
+
+def _dequantize(gguf, t) -> np.ndarray:
+  """One tensor as fp32 in HF's [out, in] layout (gguf.quants: F32/F16/BF16, Q4_0...Q8_0,
+  the K-quants and more, in numpy)."""
+  try:
+    w = gguf.quants.dequantize(t.data, t.tensor_type)
+  except NotImplementedError as e:
+    raise CheckpointError(f"GGUF tensor {t.name}: {e}") from e
+  return w.astype(np.float32, copy=False).reshape([int(x) for x in reversed(t.shape)])
 
 
 def _gguf_source(path: str) -> Source:
   gguf, reader = _gguf_reader(path)
   meta = gguf_metadata(reader)
-  meta["_has_output_weight"] = any(t.name == "output.weight" for t in reader.tensors)
+  by_name = {t.name: t for t in reader.tensors}
+  meta["_has_output_weight"] = "output.weight" in by_name
+  if "rope_freqs.weight" in by_name:
+    meta["_rope_freqs"] = tuple(_dequantize(gguf, by_name["rope_freqs.weight"]).ravel().tolist())
   try:
     cfg = LlamaConfig.from_gguf_fields(meta)
   except KeyError as e:
     raise ConfigError(f"{path}: GGUF metadata lacks {e}") from e
+  # llama.cpp permutes q/k rows only when converting to its "llama" architecture (Llama, Mistral).
+  permuted = meta.get("general.architecture") == "llama"
+  weights = [t for t in reader.tensors if t.name not in _GGUF_CONFIG_TENSORS]
 
   def tensors():
-    for t in reader.tensors:
+    for t in weights:
       name = _gguf_to_hf_name(t.name)
-      if name is None:
-        continue
-      w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
-      w = w.reshape([int(x) for x in reversed(t.shape)])  # GGML lists dims innermost first
-      if name.endswith("q_proj.weight"):
+      w = _dequantize(gguf, t)
+      if permuted and name.endswith("q_proj.weight"):
         w = _unpermute(w, cfg.num_heads)
-      elif name.endswith("k_proj.weight"):
+      elif permuted and name.endswith("k_proj.weight"):
         w = _unpermute(w, cfg.num_kv_heads)
       yield name, w
 
@@ -156,4 +178,4 @@ def _gguf_source(path: str) -> Source:
     from checkpoints_convert.gguf_tokenizer import write_tokenizer_files
     write_tokenizer_files(meta, dst)
 
-  return Source(cfg, len(reader.tensors), tensors, write_tokenizer)
+  return Source(cfg, [_gguf_to_hf_name(t.name) for t in weights], tensors, write_tokenizer)

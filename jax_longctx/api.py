@@ -29,7 +29,8 @@ class LM:
   def stop_tokens(self) -> tuple[int, ...]:
     ids = set(self.config.eos_token_ids)
     if self.tokenizer is not None:
-      for text in (self.tokenizer.eos_token, "<|im_end|>", "<|eot_id|>"):
+      # ChatML's end of turn (SmolLM2, Qwen), Llama 3's, and the end of text Qwen also stops at.
+      for text in (self.tokenizer.eos_token, "<|im_end|>", "<|eot_id|>", "<|endoftext|>"):
         tid = self.tokenizer.token_id(text)
         if tid is not None:
           ids.add(tid)
@@ -114,12 +115,18 @@ class LM:
 
 
 def load(name_or_path: str = "default", dtype=None) -> LM:
-  """'default' (SmolLM2-135M-Instruct), a converted checkpoint, an HF directory or a GGUF file."""
+  """'default' (SmolLM2-135M-Instruct), a bundled model's name ('qwen2.5-coder-0.5b',
+  'qwen2.5-coder-1.5b'), a converted checkpoint, an HF directory or a GGUF file."""
   from checkpoints_convert import load_source, restore
   from checkpoints_convert.sources import CheckpointError
-  from jax_longctx import default_model
+  from jax_longctx import bundled, default_model
 
-  path = default_model.checkpoint_dir() if name_or_path == "default" else name_or_path
+  if name_or_path == "default":
+    path = default_model.checkpoint_dir()
+  elif name_or_path in bundled.BUNDLED and not os.path.exists(name_or_path):
+    path = bundled.checkpoint_dir(name_or_path)
+  else:
+    path = name_or_path
   if not os.path.exists(path):
     raise CheckpointError(f"checkpoint not found: {path}")
   if os.path.isdir(path) and os.path.isdir(os.path.join(path, "params")):

@@ -89,13 +89,16 @@ def _cmd_train_cpt(args) -> int:
   return 0
 
 
+_MODEL_HELP = ("'default' (SmolLM2-135M), 'qwen2.5-coder-0.5b' or 'qwen2.5-coder-1.5b' (bundled, "
+               "32K window), a converted checkpoint, an HF directory or a GGUF file")
+
+
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="jax-longctx", description=__doc__)
   sub = parser.add_subparsers(dest="command", required=True)
 
   g = sub.add_parser("generate", help="continue a prompt")
-  g.add_argument("--model", default="default",
-                 help="'default', a converted checkpoint, an HF directory or a GGUF file")
+  g.add_argument("--model", default="default", help=_MODEL_HELP)
   g.add_argument("--prompt")
   g.add_argument("--prompt-file")
   g.add_argument("--instruction", default=None,
@@ -114,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
   g.set_defaults(func=_cmd_generate)
 
   ev = sub.add_parser("eval", help="evaluate methods on a long-context task")
-  ev.add_argument("--model", default="default")
+  ev.add_argument("--model", default="default", help=_MODEL_HELP)
   ev.add_argument("--task", required=True,
                   help="passkey, niah_single, niah_single_text, niah_multikey, niah_multivalue, "
                        "niah_multiquery, chain_of_key, ppl")

@@ -20,7 +20,7 @@ from flax import nnx
 from jax_longctx.cache import Cache
 from jax_longctx.config import LlamaConfig
 from jax_longctx.methods.base import AttnContext, Method
-from jax_longctx.rope import inv_freq
+from jax_longctx.rope import inv_freq, query_scale
 
 _INIT_STD = 0.02
 
@@ -49,11 +49,27 @@ class Attention(nnx.Module):
     self.k_proj = _param(rngs, (d, kv, hd), dt)
     self.v_proj = _param(rngs, (d, kv, hd), dt)
     self.o_proj = _param(rngs, (h, hd, d), dt)
+    if cfg.attention_bias:  # Qwen2
+      self.q_bias = _param(rngs, (h, hd), dt)
+      self.k_bias = _param(rngs, (kv, hd), dt)
+      self.v_bias = _param(rngs, (kv, hd), dt)
+    if cfg.qk_norm:  # Qwen3
+      self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, dt)
+      self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dt)
+    self.q_scale = query_scale(cfg)
 
   def __call__(self, x, state, ctx: AttnContext, method: Method, decode: bool):
     q = jnp.einsum("bsd,dhk->bshk", x, self.q_proj[...])  # [B, S, H, hd]
     k = jnp.einsum("bsd,dhk->bshk", x, self.k_proj[...])  # [B, S, KV, hd]
     v = jnp.einsum("bsd,dhk->bshk", x, self.v_proj[...])
+    if hasattr(self, "q_bias"):
+      q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
+    if hasattr(self, "q_norm"):
+      q, k = self.q_norm(q), self.k_norm(k)
+    if self.q_scale != 1.0:
+      # Methods get keys and queries before RoPE; a constant on q scales every score as
+      # YaRN's factor on both rotated q and k does, and leaves the cached keys untouched.
+      q = q * jnp.asarray(self.q_scale, q.dtype)
     step = method.decode if decode else method.prefill
     out, state = step(state, q, k, v, ctx)  # [B, S, H, hd]
     return jnp.einsum("bshk,hkd->bsd", out.astype(x.dtype), self.o_proj[...]), state

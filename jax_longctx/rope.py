@@ -35,6 +35,34 @@ def _llama3_inv_freq(cfg: LlamaConfig) -> np.ndarray:
   return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
+def _yarn_inv_freq(cfg: LlamaConfig) -> np.ndarray:
+  """YaRN (transformers' _compute_yarn_parameters): high frequencies kept, low ones divided by
+  the factor, a linear ramp between; the attention factor is applied by the model to q."""
+  s, d, base = cfg.rope_scaling, cfg.head_dim, cfg.rope_theta
+
+  def correction_dim(rotations):
+    return d * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi)) / (
+        2 * math.log(base))
+
+  low, high = correction_dim(s.beta_fast), correction_dim(s.beta_slow)
+  if s.truncate:
+    low, high = math.floor(low), math.ceil(high)
+  low, high = max(low, 0), min(high, d - 1)
+  high = high + 0.001 if low == high else high
+  ramp = np.clip((np.arange(d // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+  extrapolation = _base_inv_freq(d, base)
+  interpolation = extrapolation / np.float32(s.factor)
+  keep = 1 - ramp
+  return (interpolation * (1 - keep) + extrapolation * keep).astype(np.float32)
+
+
+def query_scale(cfg: LlamaConfig) -> float:
+  """Factor on every q.k score from the RoPE type: YaRN's attention factor squared (transformers
+  multiplies both cos and sin by it, so q and k each), else 1."""
+  s = cfg.rope_scaling
+  return float(s.attention_factor) ** 2 if s.type == "yarn" else 1.0
+
+
 def inv_freq(cfg: LlamaConfig, seq_len=None) -> jnp.ndarray:
   """[head_dim // 2] fp32 inverse frequencies.
 
@@ -48,6 +76,8 @@ def inv_freq(cfg: LlamaConfig, seq_len=None) -> jnp.ndarray:
     return jnp.asarray(_base_inv_freq(cfg.head_dim, cfg.rope_theta) / np.float32(s.factor))
   if s.type == "llama3":
     return jnp.asarray(_llama3_inv_freq(cfg))
+  if s.type == "yarn":
+    return jnp.asarray(_yarn_inv_freq(cfg))
   # dynamic NTK, measured against max_position_embeddings as transformers does
   orig = cfg.max_position_embeddings
   n = jnp.maximum(jnp.asarray(orig if seq_len is None else seq_len, jnp.float32), orig)

@@ -45,9 +45,13 @@ class Tokenizer:
     return self._tk.get_vocab_size()
 
   def encode(self, text: str) -> list[int]:
+    """Token ids; BOS first when the tokenizer adds one and the text does not already begin with
+    it (a chat template that writes `{{- bos_token }}` itself, as Llama 3's does, gets one BOS)."""
     ids = self._tk.encode(text, add_special_tokens=False).ids
     bos = self.token_id(self.bos_token)
-    return [bos] + ids if self.add_bos and bos is not None else ids
+    if self.add_bos and bos is not None and ids[:1] != [bos]:
+      return [bos] + ids
+    return ids
 
   def decode(self, ids) -> str:
     return self._tk.decode([int(i) for i in ids], skip_special_tokens=True)

@@ -45,5 +45,5 @@ def test_gguf_metadata(default_lm):
 
 
 def test_unknown_rope_type():
-  with pytest.raises(ConfigError, match="rope scaling type 'yarn'"):
-    LlamaConfig.from_hf(dict(HF_V4, rope_scaling={"rope_type": "yarn", "factor": 2.0}))
+  with pytest.raises(ConfigError, match="rope scaling type 'longrope'"):
+    LlamaConfig.from_hf(dict(HF_V4, rope_scaling={"rope_type": "longrope", "factor": 2.0}))

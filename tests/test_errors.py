@@ -47,7 +47,8 @@ def test_directory_without_weights(tmp_path):
 
 
 @pytest.mark.parametrize("arch, model_type", [("GPT2LMHeadModel", "gpt2"),
-                                              ("MistralForCausalLM", "mistral")])
+                                              ("GemmaForCausalLM", "gemma"),
+                                              ("Qwen2MoeForCausalLM", "qwen2_moe")])
 def test_unsupported_architecture(tmp_path, arch, model_type):
   hf = dict(tiny_config().to_hf(), architectures=[arch], model_type=model_type)
   (tmp_path / "config.json").write_text(json.dumps(hf))

@@ -1,0 +1,118 @@
+"""Carry a bundled model to the GPU machine in pieces, and join and check it there.
+
+What travels to the device in one call (working tree plus carried paths) is at most 64 MiB, and
+the machine's /tmp lasts only while it stays warm (~30 s after a call). So, here:
+
+    python benchmarks/carry_model.py split qwen2.5-coder-0.5b
+
+cuts the joined GGUF into pieces under the ignored `.devcarry/` (55,000,000 bytes each, leaving
+room for the ~5 MB tree), copies the `gguf` wheel there (the device has no gguf package), and
+prints one device call per piece: each piece call carries its piece and copies it into
+/tmp/carry; the last call also carries the wheel and runs, on the machine,
+
+    python benchmarks/carry_model.py join qwen2.5-coder-0.5b --pieces /tmp/carry
+
+which joins the pieces into $JAX_LONGCTX_CACHE/<name>.gguf (JAX_LONGCTX_CACHE=/tmp/carry/cache)
+and checks size, sha256, that the GGUF parses and its tensor count (a failure is one line; start
+again: the machine went back). After that `--model <name>` works there as here, converting once
+into the same cache. Make the calls back to back; put the experiment in the last call or in the
+next ones while the machine is warm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+CARRY = ".devcarry"
+DEVICE_DIR = "/tmp/carry"
+PIECE_BYTES = 55_000_000
+
+
+def _piece_names(name: str, count: int) -> list[str]:
+  return [f"{CARRY}/{name}.p{k:02d}" for k in range(count)]
+
+
+def _wheel() -> str:
+  """The gguf wheel in .devcarry/ (copied from pip's download of the installed version)."""
+  import importlib.metadata
+  found = glob.glob(os.path.join(ROOT, CARRY, "gguf-*.whl"))
+  if not found:
+    version = importlib.metadata.version("gguf")
+    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+                    "-q", "-d", os.path.join(ROOT, CARRY), f"gguf=={version}"], check=True)
+    found = glob.glob(os.path.join(ROOT, CARRY, "gguf-*.whl"))
+  return os.path.relpath(found[0], ROOT)
+
+
+def split(name: str, piece_bytes: int, env: str) -> None:
+  from jax_longctx import bundled
+
+  src = bundled.gguf_file(name)
+  size = os.path.getsize(src)
+  count = -(-size // piece_bytes)
+  os.makedirs(os.path.join(ROOT, CARRY), exist_ok=True)
+  pieces = _piece_names(name, count)
+  with open(src, "rb") as f:
+    for piece in pieces:
+      with open(os.path.join(ROOT, piece), "wb") as out:
+        out.write(f.read(piece_bytes))
+  wheel = _wheel()
+  print(f"# {name}: {size} bytes in {count} pieces of <= {piece_bytes} bytes under {CARRY}/")
+  print("# one device call each, back to back (carry = the `carry` argument of the call):")
+  for k, piece in enumerate(pieces[:-1]):
+    print(f"call {k + 1}: carry [{piece!r}]\n  mkdir -p {DEVICE_DIR} && cp {piece} {DEVICE_DIR}/")
+  print(f"call {count}: carry [{pieces[-1]!r}, {wheel!r}]\n"
+        f"  cp {pieces[-1]} {DEVICE_DIR}/ && pip install -q --no-deps {wheel} && "
+        f"{env} python benchmarks/carry_model.py join {name} --pieces {DEVICE_DIR} && <experiment>")
+  print(f"# <experiment>, e.g.: {env} python -m jax_longctx.cli eval --model {name} --task "
+        "passkey --chat --lengths 8k --samples 20 --out $OUT/passkey_8k")
+
+
+def join(name: str, pieces_dir: str, keep: bool) -> None:
+  from jax_longctx import bundled
+
+  b = bundled.BUNDLED[name]
+  pieces = sorted(glob.glob(os.path.join(pieces_dir, f"{name}.p[0-9][0-9]")))
+  have = sum(os.path.getsize(p) for p in pieces)
+  if have != b.size:
+    sys.exit(f"{pieces_dir}: {len(pieces)} pieces of {name} hold {have} bytes, expected {b.size}: "
+             "a piece is missing (the machine went back?); send them all again")
+  dst = os.path.join(bundled.cache_dir(), f"{name}.gguf")
+  try:
+    bundled.join_parts(b, pieces, dst)
+  except bundled.BundledModelError as e:
+    sys.exit(str(e))
+  if not keep:
+    for p in pieces:
+      os.remove(p)
+  print(f"{dst}: {b.size} bytes, sha256 {b.sha256[:16]}..., {b.tensors} tensors: OK")
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  sub = p.add_subparsers(dest="cmd", required=True)
+  s = sub.add_parser("split", help="here: cut the model into pieces and print the device calls")
+  s.add_argument("name")
+  s.add_argument("--piece-bytes", type=int, default=PIECE_BYTES)
+  s.add_argument("--env", default=f"PYTHONPATH=. JAX_LONGCTX_CACHE={DEVICE_DIR}/cache",
+                 help="environment for the commands run on the machine")
+  j = sub.add_parser("join", help="on the machine: join the pieces into the cache and check them")
+  j.add_argument("name")
+  j.add_argument("--pieces", default=DEVICE_DIR)
+  j.add_argument("--keep", action="store_true", help="keep the pieces after joining")
+  args = p.parse_args()
+  if args.cmd == "split":
+    split(args.name, args.piece_bytes, args.env)
+  else:
+    join(args.name, args.pieces, args.keep)
+
+
+if __name__ == "__main__":
+  main()
