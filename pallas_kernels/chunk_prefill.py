@@ -53,8 +53,8 @@ def cudnn_dense(q, k, v, q_seqlen, kv_seqlen, *, causal: bool, scale: float, lay
   """One cuDNN call. layout "BTNH" (q [B,S,H,d], k/v [B,T,KV,d]) or "BNTH" (heads first).
 
   Masks keys past kv_seqlen[b]; causal is top-left (query i sees keys j <= i). Returns (out in
-  q's layout and dtype, lse fp32 natural log, [B,S,H] for BTNH or [B,H,S] for BNTH); rows that
-  see no key are unspecified (the caller masks them by kv_seqlen)."""
+  q's layout and dtype, lse fp32 natural log [B,H,S] in either layout: cuDNN's statistics are
+  heads-first); rows that see no key are unspecified (the caller masks them by kv_seqlen)."""
   fn, mask = _private_cudnn()
   out, lse = fn(q, k, v, q_seqlen=q_seqlen, kv_seqlen=kv_seqlen, scale=scale,
                 mask_type=mask.PADDING_CAUSAL if causal else mask.PADDING, qkv_layout=layout,
@@ -72,8 +72,8 @@ def reference_dense(q, k, v, q_seqlen, kv_seqlen, *, causal: bool, scale: float,
                                        scale=scale, kv_layout="BHTD" if layout == "BNTH" else
                                        "BTHD")
   if layout == "BNTH":
-    out, lse = jnp.swapaxes(out, 1, 2), jnp.swapaxes(lse, 1, 2)
-  return out, lse
+    out = jnp.swapaxes(out, 1, 2)
+  return out, jnp.swapaxes(lse, 1, 2)
 
 
 def chunk_attention_composed(q, k_cache, v_cache, k_chunk, v_chunk, q_offset, *, scale: float,
@@ -87,11 +87,12 @@ def chunk_attention_composed(q, k_cache, v_cache, k_chunk, v_chunk, q_offset, *,
   if kv_layout == "BHTD":  # cuDNN takes q in the keys' layout: a chunk-sized transpose
     out_p, lse_p = dense(jnp.swapaxes(q, 1, 2), k_cache, v_cache, full, q_offset, causal=False,
                          scale=scale, layout="BNTH")
-    out_p, lse_p = jnp.swapaxes(out_p, 1, 2), jnp.swapaxes(lse_p, 1, 2)
+    out_p = jnp.swapaxes(out_p, 1, 2)
   else:
     out_p, lse_p = dense(q, k_cache, v_cache, full, q_offset, causal=False, scale=scale,
                          layout="BTNH")
   out_c, lse_c = dense(q, k_chunk, v_chunk, full, full, causal=True, scale=scale, layout="BTNH")
+  lse_p, lse_c = jnp.swapaxes(lse_p, 1, 2), jnp.swapaxes(lse_c, 1, 2)  # [B, H, C] -> [B, C, H]
   before = (q_offset > 0)[:, None, None]  # the first chunk has no prefix: its part is empty
   lse_p = jnp.where(before, lse_p, NEG_INF)
   out_p = jnp.where(before[..., None], out_p, jnp.zeros((), out_p.dtype))
