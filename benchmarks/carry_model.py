@@ -69,7 +69,9 @@ def split(name: str, piece_bytes: int, env: str) -> None:
   for k, piece in enumerate(pieces[:-1]):
     print(f"call {k + 1}: carry [{piece!r}]\n  mkdir -p {DEVICE_DIR} && cp {piece} {DEVICE_DIR}/")
   print(f"call {count}: carry [{pieces[-1]!r}, {wheel!r}]\n"
-        f"  cp {pieces[-1]} {DEVICE_DIR}/ && pip install -q --no-deps {wheel} && "
+        # `pip` there may not be the python's own: install into a folder on PYTHONPATH instead
+        f"  cp {pieces[-1]} {DEVICE_DIR}/ && python -m pip install -q --no-deps --target "
+        f"/tmp/site {wheel} && "
         f"{env} python benchmarks/carry_model.py join {name} --pieces {DEVICE_DIR} && <experiment>")
   print(f"# <experiment>, e.g.: {env} python -m jax_longctx.cli eval --model {name} --task "
         "passkey --chat --lengths 8k --samples 20 --out $OUT/passkey_8k")
@@ -101,7 +103,7 @@ def main():
   s = sub.add_parser("split", help="here: cut the model into pieces and print the device calls")
   s.add_argument("name")
   s.add_argument("--piece-bytes", type=int, default=PIECE_BYTES)
-  s.add_argument("--env", default=f"PYTHONPATH=. JAX_LONGCTX_CACHE={DEVICE_DIR}/cache",
+  s.add_argument("--env", default=f"PYTHONPATH=.:/tmp/site JAX_LONGCTX_CACHE={DEVICE_DIR}/cache",
                  help="environment for the commands run on the machine")
   j = sub.add_parser("join", help="on the machine: join the pieces into the cache and check them")
   j.add_argument("name")
