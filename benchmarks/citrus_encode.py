@@ -29,7 +29,7 @@ def child(args) -> None:
   import numpy as np
 
   from jax_longctx import preset
-  from jax_longctx.generate import prefill
+  from jax_longctx.generation import prefill
   from jax_longctx.methods import get, parse_method_args
   from jax_longctx.model import random_params
 

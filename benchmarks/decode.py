@@ -57,7 +57,7 @@ def run_jax(args) -> dict:
   import numpy as np
 
   from jax_longctx import preset
-  from jax_longctx.generate import Sampling, decode_loop, end_prefill, prefill_chunk
+  from jax_longctx.generation import Sampling, decode_loop, end_prefill, prefill_step
   from jax_longctx.methods import get, parse_method_args
   from jax_longctx.model import new_cache, random_params
 
@@ -80,7 +80,7 @@ def run_jax(args) -> dict:
     host_s = 0.0  # the host's time in the calls (they return before the GPU is done)
     for c in range(first_chunk, n_chunks):
       t_call = time.perf_counter()
-      cache, last = prefill_chunk(params, jnp.asarray(tokens[:, c * chunk:(c + 1) * chunk]),
+      cache, last = prefill_step(params, jnp.asarray(tokens[:, c * chunk:(c + 1) * chunk]),
                                   jnp.int32(c * chunk), plen, cache, last, cfg=cfg, method=method)
       host_s += time.perf_counter() - t_call
       if n_chunks >= 64 and c % (n_chunks // 8) == 0:  # long prefills (1M) show where they are
@@ -101,7 +101,7 @@ def run_jax(args) -> dict:
     timed_tokens = n_chunks * chunk
   else:  # very long prompts: the first chunk compiles and is left out of the timing
     t0 = time.perf_counter()
-    cache, last = prefill_chunk(params, jnp.asarray(tokens[:, :chunk]), jnp.int32(0), plen,
+    cache, last = prefill_step(params, jnp.asarray(tokens[:, :chunk]), jnp.int32(0), plen,
                                 *fresh(), cfg=cfg, method=method)
     jax.block_until_ready(last)
     first = time.perf_counter() - t0
@@ -130,7 +130,7 @@ def run_jax(args) -> dict:
   med, times = median_time(decode, warmup=0, reps=args.reps)
   per_token = med / (args.new_tokens - 1)
   wbytes, kvbytes = _bytes_per_token(cfg, ctx, b)
-  report = method.report(state["cache"]) if hasattr(method, "report") else {}
+  report = method.report(state["cache"])
   return {**report, "hparams": method.hparams(), "prefill_tok_s": b * timed_tokens / prefill_s,
           "prefill_warmup": args.warmup_prefill,
           "prefill_chunk": chunk, "prefill_s": prefill_s, "prefill_host_enqueue_s": host_s,

@@ -61,10 +61,10 @@ def measure(cfg, context: int) -> dict:
     return lambda: jax.block_until_ready(run(q, full, priority, part))
 
   def attend(q, full, priority, part):
-    return jnp.sum(Full().attend(full, q, ctx)[1])
+    return jnp.sum(Full().attend_cache(full, q, ctx)[1])
 
   def scores(q, full, priority, part):
-    _, lse = Full().attend(full, q, ctx)
+    _, lse = Full().attend_cache(full, q, ctx)
     s = pooled_scores(q, full.k, pos, k_pos, lse, ctx.valid, 7)
     return jnp.sum(s[..., :8]) - jnp.sum(lse)
 
@@ -79,7 +79,7 @@ def measure(cfg, context: int) -> dict:
 
   def partial(q, full, priority, part):
     added = part.add(pos[:, 0], ctx.valid[:, 0])
-    out = added.attend(full, q)
+    out = added.attend_rows(full, q)
     return jnp.sum(out[..., :8].astype(jnp.float32)) + jnp.sum(added.evict().pos[..., :8])
 
   rec = {"context": context, "top_n": n_top, "layers": n}

@@ -44,7 +44,7 @@ def child(args) -> None:
 
   from jax_longctx import preset
   from jax_longctx.distributed import answer, encode_context, replicate
-  from jax_longctx.generate import Sampling, decode_loop, prefill
+  from jax_longctx.generation import Sampling, decode_loop, prefill
   from jax_longctx.methods import get
   from jax_longctx.model import random_params
 

@@ -22,6 +22,7 @@ import numpy as np
 from checkpoints_convert import layout, safetensors_io
 from checkpoints_convert.sources import CheckpointError, Source, open_source
 from jax_longctx.config import LlamaConfig, load_config_file, save_config_file
+from jax_longctx.model import abstract_model  # the parameter tree's shapes
 from jax_longctx.progress import progress
 
 FORMAT = "jax-longctx"
@@ -41,8 +42,6 @@ def _first_dtype(source: Source):
 def assemble(source: Source, allocate: Callable[[tuple, tuple, np.dtype], np.ndarray],
              desc: str = "converting") -> tuple[LlamaConfig, dict]:
   """Fills the parameter tree tensor by tensor. allocate(path, shape, dtype) -> array."""
-  from jax_longctx.model import abstract_model
-
   dtype = np.dtype(_first_dtype(source))
   if dtype.kind != "f" and dtype.name != "bfloat16":
     raise CheckpointError(f"unsupported weight dtype {dtype}")
@@ -141,7 +140,6 @@ def restore(directory: str, dtype=None, sharding=None) -> tuple[LlamaConfig, dic
   """Loads a converted checkpoint's params (optionally cast to `dtype`, placed with `sharding`)."""
   import jax
   import orbax.checkpoint as ocp
-  from jax_longctx.model import abstract_model
 
   cfg_path = os.path.join(directory, "config.json")
   params_dir = os.path.join(os.path.abspath(directory), "params")

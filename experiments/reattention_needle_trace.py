@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_longctx import load, tasks
-from jax_longctx.generate import Sampling, decode_loop, prefill
+from jax_longctx.generation import Sampling, decode_loop, prefill
 from jax_longctx.methods import get, register
 from jax_longctx.methods.reattention import ReAttention
 

@@ -27,7 +27,7 @@ import numpy as np
 from flax import struct
 
 from jax_longctx import load, tasks
-from jax_longctx.generate import prefill
+from jax_longctx.generation import prefill
 from jax_longctx.methods import Method, get
 from jax_longctx.methods.full import Full
 from jax_longctx.methods.resa import Resa, ResaState, fold_into_prior, residual_attention
@@ -86,7 +86,7 @@ class Probe(Method):
     q_rot = apply_rope(q, ctx.q_pos, ctx.freqs)
     priors = {"head": fold_into_prior(state.resa.replace(inner=inner), k_rot, v, ctx.valid),
               "group": fold_into_prior(state.group_prior, k_rot, v, ctx.valid)}
-    full, _ = Full().attend(inner.kv, q_rot, ctx)
+    full, _ = Full().attend_cache(inner.kv, q_rot, ctx)
     full = full.astype(jnp.float32)
     rows = []
     for budget in self.budgets:

@@ -1,10 +1,33 @@
-"""jax-longctx: long-context attention methods for Flax Llama models, in JAX and Pallas."""
+"""jax-longctx: long-context attention methods for Flax Llama models, in JAX and Pallas.
 
-from jax_longctx import methods
-from jax_longctx.api import LM, load
-from jax_longctx.config import LlamaConfig, ModelConfig, preset
-from jax_longctx.generate import GenerationError, Sampling, generate
+The names below load on first use (PEP 562), so importing a config-level module such as
+`jax_longctx.config` (checkpoint conversion does) does not load the model, the methods or jax's
+compiled steps. `jax_longctx.generate` is the function; the module that defines it is
+`jax_longctx.generation` (it was `jax_longctx.generate` before issue 25).
+"""
 
-__all__ = ["LM", "GenerationError", "LlamaConfig", "ModelConfig", "Sampling", "generate", "load",
-           "methods", "preset"]
+import importlib
+
+_EXPORTS = {
+    "LM": "jax_longctx.api", "load": "jax_longctx.api",
+    "LlamaConfig": "jax_longctx.config", "ModelConfig": "jax_longctx.config",
+    "preset": "jax_longctx.config",
+    "GenerationError": "jax_longctx.generation", "Sampling": "jax_longctx.generation",
+    "generate": "jax_longctx.generation",
+}
+__all__ = sorted([*_EXPORTS, "methods"])
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+  if name == "methods":
+    return importlib.import_module("jax_longctx.methods")
+  if name in _EXPORTS:
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+  raise AttributeError(f"module 'jax_longctx' has no attribute {name!r}")
+
+
+def __dir__():
+  return __all__

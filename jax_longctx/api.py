@@ -13,7 +13,8 @@ import numpy as np
 
 from jax_longctx import methods as methods_lib
 from jax_longctx.config import LlamaConfig
-from jax_longctx.generate import GenerationError, Sampling, generate
+from jax_longctx.driver import generate_tokens
+from jax_longctx.generation import GenerationError, Sampling
 from jax_longctx.instructed import split_prompt
 from jax_longctx.model import forward, new_cache
 from jax_longctx.tokenizer import Tokenizer
@@ -84,7 +85,8 @@ class LM:
     `method` is a registry name or a method object; its hyper-parameters come as keywords
     (`lm.generate(p, "snapkv", budget=256)`) or as `method_args`. `instruction` (one per
     prompt, text or token ids) is read apart from the prompt, which is then the document, by
-    methods guided by it (CItruS); without it their text prompts are split by `split_prompt`.
+    methods that `needs_instruction` (CItruS; Star and ring, run over every device, take it as
+    their query); without it their text prompts are split by `split_prompt`.
     """
     if isinstance(prompts, str):
       prompts = [prompts]
@@ -95,7 +97,7 @@ class LM:
     as_text = len(prompts) > 0 and all(isinstance(p, str) for p in prompts)
     method = methods_lib.get(method, **{**(method_args or {}), **method_kwargs})
     instructions = None
-    if as_text and (instruction is not None or getattr(method, "needs_instruction", False)):
+    if as_text and (instruction is not None or method.needs_instruction):
       pairs = [self.apart(p, None if instruction is None else instruction[i], chat)
                for i, p in enumerate(prompts)]
       ids, instructions = [d for d, _ in pairs], [i for _, i in pairs]
@@ -104,9 +106,9 @@ class LM:
     else:
       ids = [list(p) for p in prompts]
       instructions = None if instruction is None else [list(i) for i in instruction]
-    result = generate(
-        self.params, self.config, ids, method, instructions=instructions,
-        max_new_tokens=max_new_tokens, sampling=Sampling(temperature, top_p, seed),
+    result = generate_tokens(
+        self.params, self.config, method, ids, instructions, max_new_tokens=max_new_tokens,
+        sampling=Sampling(temperature, top_p, seed),
         stop_tokens=self.stop_tokens() if stop_tokens is None else tuple(stop_tokens),
         chunk_size=chunk_size, cache_len=cache_len)
     if as_text:

@@ -13,18 +13,15 @@ import dataclasses
 import json
 import math
 import os
-import time
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
 from jax_longctx import methods as methods_lib
 from jax_longctx import tasks as tasks_lib
-from jax_longctx.generate import Sampling, decode_loop, prefill, teacher_forced_nll
-from jax_longctx.instructed import prefill_instructed
+from jax_longctx.driver import continuation_nll, generate_tokens
 from jax_longctx.progress import progress
+from jax_longctx.report import write_report
 
 RESULTS = "results.jsonl"
 
@@ -87,83 +84,35 @@ def _peak_bytes():
   return stats.get("peak_bytes_in_use")
 
 
-def _run_on_mesh(lm, task, method, sample) -> dict:
-  from jax.sharding import Mesh
-
-  from jax_longctx.distributed import generate_distributed, replicate
-  if task.name == "ppl":
-    raise EvalError(f"{method.name!r} answers a query; the ppl task has none")
-  doc, query = lm.apart(sample.document, sample.instruction)
-  mesh = Mesh(np.array(jax.devices()), ("ctx",))
-  t0 = time.perf_counter()
-  rows, _ = generate_distributed(replicate(lm.params, mesh), lm.config, [doc], [query], mesh,
-                                 method=method, max_new_tokens=task.max_new_tokens,
-                                 stop_tokens=lm.stop_tokens())
-  prediction = lm.tokenizer.decode(rows[0])
-  return {"prediction": prediction, "expected": list(sample.expected),
-          "score": task.score(prediction, sample), "prefill_s": time.perf_counter() - t0,
-          "decode_s": None, "devices": len(jax.devices())}
-
-
 def run_sample(lm, task, spec: MethodSpec, sample, chunk: int | None, cache_len: int | None = None) -> dict:
-  """One sample through one method: prediction, score and timings.
+  """One sample through one method (`driver`): prediction, score, timings, the method's report.
 
   cache_len: one cache size for every sample (one compile per method for a whole sweep of
   lengths); None sizes the cache per requested length.
   """
   method = spec.method
-  guided = getattr(method, "needs_instruction", False)
   if task.name == "ppl":
     prefix, targets = task.split(sample)
-    size = cache_len or _cache_len(sample.length, 0)
-    t0 = time.perf_counter()
-    if guided:  # the instruction steers the eviction only; the text goes on after the prefix
-      cache, last = prefill_instructed(
-          lm.params, lm.config, [prefix], [lm.instruction_ids(sample.instruction)], method,
-          cache_len=size, decode_room=len(targets), chunk_size=chunk, encode_instruction=False)
-    else:
-      cache, last = prefill(lm.params, lm.config, [prefix], method, cache_len=size,
-                            chunk_size=chunk)
-    jax.block_until_ready(last)
-    t1 = time.perf_counter()
-    nll, cache = teacher_forced_nll(lm.params, cache, last, jnp.asarray([targets], jnp.int32),
-                                    cfg=lm.config, method=method)
-    nll = np.asarray(nll[0], np.float64)
-    t2 = time.perf_counter()
-    ppl = float(math.exp(nll.mean()))
-    return {"prediction": None, "expected": None, "score": ppl, "nll": nll.round(5).tolist(),
-            "prefill_s": t1 - t0, "decode_s": t2 - t1, **_method_report(method, cache)}
-  if getattr(method, "distributed", False):  # Star / ring: the context over every device
-    return _run_on_mesh(lm, task, method, sample)
-  if guided:
+    nll, run = continuation_nll(lm.params, lm.config, method, prefix, targets,
+                                lm.instruction_ids(sample.instruction),
+                                cache_len=cache_len or _cache_len(sample.length, 0),
+                                chunk_size=chunk)
+    return {"prediction": None, "expected": None, "score": float(math.exp(nll.mean())),
+            "nll": nll.round(5).tolist(), "prefill_s": run.prefill_s, "decode_s": run.decode_s,
+            **run.report}
+  if method.needs_instruction:  # CItruS, or a mesh method's query
     ids, instruction = lm.apart(sample.document, sample.instruction)
     instructions = [instruction]
   else:
     ids, instructions = lm.tokenizer.encode(sample.prompt), None
-  t0 = time.perf_counter()
-  cache, last = prefill(lm.params, lm.config, [ids], method,
-                        cache_len=cache_len or _cache_len(sample.length, task.max_new_tokens),
-                        chunk_size=chunk, decode_room=task.max_new_tokens,
-                        instructions=instructions)
-  jax.block_until_ready(last)
-  t1 = time.perf_counter()
-  out, steps, cache = decode_loop(lm.params, cache, last, jnp.asarray(lm.stop_tokens() or (-1,)),
-                              jax.random.key(0), cfg=lm.config, method=method,
-                              max_new_tokens=task.max_new_tokens, sampling=Sampling())
-  row = np.asarray(out)[0, :int(steps)].tolist()
-  t2 = time.perf_counter()
-  stops = set(lm.stop_tokens())
-  row = row[:next((i for i, t in enumerate(row) if t in stops), len(row))]
-  prediction = lm.tokenizer.decode(row)
+  run = generate_tokens(lm.params, lm.config, method, [ids], instructions,
+                        max_new_tokens=task.max_new_tokens, stop_tokens=lm.stop_tokens(),
+                        chunk_size=chunk,
+                        cache_len=cache_len or _cache_len(sample.length, task.max_new_tokens))
+  prediction = lm.tokenizer.decode(run.tokens[0])
   return {"prediction": prediction, "expected": list(sample.expected),
-          "score": task.score(prediction, sample), "prefill_s": t1 - t0, "decode_s": t2 - t1,
-          **_method_report(method, cache)}
-
-
-def _method_report(method, cache) -> dict:
-  """What a method says about its own run (RefreshKV: the effective stride per layer)."""
-  report = getattr(method, "report", None)
-  return report(cache) if report else {}
+          "score": task.score(prediction, sample), "prefill_s": run.prefill_s,
+          "decode_s": run.decode_s, **run.report}
 
 
 def plan(task, specs, lengths, depths, samples) -> list[tuple]:
@@ -194,6 +143,5 @@ def run_sweep(lm, task_name: str, specs: list[MethodSpec], lengths: list[int],
       f.write(json.dumps(rec) + "\n")
       f.flush()
       done.append(rec)
-  from jax_longctx.report import write_report
   write_report(done, out_dir)
   return done

@@ -20,9 +20,10 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jax_longctx.cache import Cache
+from jax_longctx.chunked_prefill import (check_prompts, layer_method, padded, prefill_prompts,
+                                         prefill_step)
 from jax_longctx.config import LlamaConfig
 from jax_longctx.methods.base import Method
 from jax_longctx.model import forward, new_cache
@@ -81,13 +82,6 @@ def encode_appended(params, tokens, lengths, cache: Cache, *, cfg: LlamaConfig, 
   return cache, logits
 
 
-def _padded(rows: Sequence[Sequence[int]], width: int) -> jnp.ndarray:
-  out = np.zeros((len(rows), width), np.int32)
-  for i, r in enumerate(rows):
-    out[i, :len(r)] = r
-  return jnp.asarray(out)
-
-
 def prefill_instructed(params, cfg: LlamaConfig, documents: Sequence[Sequence[int]],
                        instructions: Sequence[Sequence[int]], method: Method, *, cache_len: int,
                        decode_room: int, chunk_size: int, encode_instruction: bool = True):
@@ -96,38 +90,28 @@ def prefill_instructed(params, cfg: LlamaConfig, documents: Sequence[Sequence[in
   decode_room: tokens decoding will append. encode_instruction=False stops after the final
   eviction (perplexity of a continuation, where the instruction only steers the eviction).
   """
-  from jax_longctx.generate import GenerationError, _check_prompts, prefill, prefill_chunk
-
-  doc_lens = _check_prompts(documents)
-  if len(instructions) != len(documents):
-    raise GenerationError(f"{len(documents)} documents but {len(instructions)} instructions")
-  ins_lens = [len(i) for i in instructions]
-  if 0 in ins_lens:
-    raise GenerationError(f"empty instruction at batch index {ins_lens.index(0)}")
-  total = max(d + i for d, i in zip(doc_lens, ins_lens))
-  if total > cache_len:
-    raise GenerationError(
-        f"document plus instruction of {total} tokens is longer than the cache ({cache_len} "
-        "slots)")
-  if not getattr(method, "needs_instruction", False):
+  method = layer_method(method)
+  check_prompts(documents, instructions, cache_len=cache_len)
+  if not method.needs_instruction:
     prompts = [list(d) + (list(i) if encode_instruction else [])
                for d, i in zip(documents, instructions)]
-    return prefill(params, cfg, prompts, method, cache_len=cache_len, chunk_size=chunk_size,
-                   decode_room=decode_room)
+    return prefill_prompts(params, cfg, prompts, method, cache_len=cache_len,
+                           chunk_size=chunk_size, decode_room=decode_room)
+  doc_lens, ins_lens = [len(d) for d in documents], [len(i) for i in instructions]
   chunk = method.prefill_chunk
   width = -(-max(ins_lens) // _INSTRUCTION_ROUND) * _INSTRUCTION_ROUND
   tail = (width if encode_instruction else 0) + decode_room
   b = len(documents)
   cache = new_cache(cfg, method, b, cache_len, chunk=max(chunk, tail))
   n_chunks = -(-max(doc_lens) // chunk)
-  doc = _padded(documents, n_chunks * chunk)
-  ins, ins_len = _padded(instructions, width), jnp.asarray(ins_lens, jnp.int32)
+  doc = padded(documents, n_chunks * chunk)
+  ins, ins_len = padded(instructions, width), jnp.asarray(ins_lens, jnp.int32)
   last = jnp.zeros((b, cfg.vocab_size), jnp.float32)
   plen = jnp.asarray(doc_lens, jnp.int32)
   for c in range(n_chunks):
     if method.scores_with_instruction:
       cache = instruction_pass(params, ins, ins_len, cache, cfg=cfg, method=method)
-    cache, last = prefill_chunk(params, doc[:, c * chunk:(c + 1) * chunk], jnp.int32(c * chunk),
+    cache, last = prefill_step(params, doc[:, c * chunk:(c + 1) * chunk], jnp.int32(c * chunk),
                                 plen, cache, last, cfg=cfg, method=method)
   cache = instruction_pass(params, ins, ins_len, cache, cfg=cfg, method=method)
   cache = final_eviction(cache, cfg=cfg, method=method)

@@ -77,7 +77,7 @@ def _tiny():
 def _full_reference(cfg, params, contexts, queries, new):
   """Last query-token logits and greedy tokens of plain full attention on one device."""
   import importlib
-  gen = importlib.import_module("jax_longctx.generate")
+  gen = importlib.import_module("jax_longctx.generation")
   from jax_longctx.methods import get
   prompts = [c + q for c, q in zip(contexts, queries)]
   cache, last = gen.prefill(params, cfg, prompts, get("full"), cache_len=128, chunk_size=16)

@@ -11,7 +11,7 @@ from jax_longctx.methods import AttnContext, MethodError, get
 from jax_longctx.rope import apply_rope, inv_freq
 from tests.conftest import tiny_config
 
-gen = importlib.import_module("jax_longctx.generate")
+gen = importlib.import_module("jax_longctx.generation")
 
 CFG = tiny_config(num_heads=6, num_kv_heads=2, head_dim=8)
 B, H, KV, D = 2, 6, 2, 8

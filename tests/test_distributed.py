@@ -91,7 +91,7 @@ def test_star_layout_and_errors():
 
   from jax_longctx.distributed import encode_context, generate_distributed
   from jax_longctx.distributed.star import Layout
-  from jax_longctx.generate import GenerationError
+  from jax_longctx.generation import GenerationError
   assert Layout.star(8177, 4, None, None) == Layout.star(8100, 4, None, None)
   assert Layout.star(8177, 4, None, None).block == 2048
   assert Layout.star(8177, 4, None, None).n_blocks == 4

@@ -9,7 +9,7 @@ import jax_longctx
 from checkpoints_convert import CheckpointError, convert, export_hf
 from jax_longctx import default_model
 from jax_longctx.config import ConfigError
-from jax_longctx.generate import GenerationError, generate
+from jax_longctx.generation import GenerationError, generate
 from jax_longctx.methods import MethodError, get
 from jax_longctx.model import random_params
 from tests.conftest import tiny_config
@@ -65,7 +65,7 @@ def test_generation_input_errors(tiny):
   cfg, params = tiny
   full = get("full")
   with pytest.raises(GenerationError, match="longer than the cache"):
-    from jax_longctx.generate import prefill
+    from jax_longctx.generation import prefill
     prefill(params, cfg, [[1] * 20], full, cache_len=16)
   with pytest.raises(GenerationError, match="does not fit the cache"):
     generate(params, cfg, [[1] * 10], full, max_new_tokens=10, cache_len=16)
@@ -96,7 +96,7 @@ def test_missing_default_model_package_says_how_to_install(monkeypatch, tmp_path
 
 
 def test_sampling_parameter_errors():
-  from jax_longctx.generate import Sampling
+  from jax_longctx.generation import Sampling
   with pytest.raises(GenerationError, match="top_p"):
     Sampling(top_p=0.0)
   with pytest.raises(GenerationError, match="temperature"):

@@ -9,7 +9,7 @@ from jax_longctx.api import LM
 from jax_longctx.methods import get
 from jax_longctx.model import forward, new_cache
 
-gen = importlib.import_module("jax_longctx.generate")  # the package exports a function of that name
+gen = importlib.import_module("jax_longctx.generation")
 FULL = get("full")
 
 

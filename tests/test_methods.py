@@ -14,11 +14,11 @@ from jax_longctx.methods import full as full_lib
 from jax_longctx.model import forward
 from pallas_kernels import chunk_prefill
 
-gen = importlib.import_module("jax_longctx.generate")  # the package exports a function of that name
+gen = importlib.import_module("jax_longctx.generation")
 
 EVICTING = ("h2o", "streaming_llm", "tova", "snapkv")
 # Star and ring run over a device mesh, not as per-layer steps: tests/test_distributed.py.
-PER_LAYER = [n for n in names() if not getattr(get(n), "distributed", False)]
+PER_LAYER = names("layer")
 CACHE_LEN = 48
 
 

@@ -10,7 +10,7 @@ from jax_longctx.methods import MethodError, get
 from jax_longctx.methods.refreshkv import RefreshKV
 from tests.test_method_references import B, CFG, D, G, KV, _ctx, _inputs, _rot, _run
 
-gen = importlib.import_module("jax_longctx.generate")
+gen = importlib.import_module("jax_longctx.generation")
 
 
 def _pool(x, kernel):

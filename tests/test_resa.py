@@ -12,7 +12,7 @@ from jax_longctx.methods import AttnContext, MethodError, PrefillEnd, get
 from jax_longctx.methods.resa import ResaState, fold_into_prior, residual_attention
 from tests.conftest import tiny_config
 
-gen = importlib.import_module("jax_longctx.generate")
+gen = importlib.import_module("jax_longctx.generation")
 
 B, H, KV, D, T = 2, 6, 2, 8, 40
 

@@ -13,8 +13,12 @@ import os
 import tomllib
 
 
-class ConfigError(ValueError):
-  pass
+class TrainConfigError(ValueError):
+  """Bad training settings (the model's own config errors are jax_longctx.config.ConfigError)."""
+
+
+# The name before issue 25 (it clashed with jax_longctx.config.ConfigError); kept for callers.
+ConfigError = TrainConfigError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +65,7 @@ class TrainConfig:
     ]
     for ok, msg in checks:
       if not ok:
-        raise ConfigError(msg)
+        raise TrainConfigError(msg)
 
   @property
   def row_len(self) -> int:
@@ -87,10 +91,10 @@ def _coerce(name: str, value, default):
   try:
     number = float(value)
   except (TypeError, ValueError) as e:
-    raise ConfigError(f"{name}={value!r}: expected a number") from e
+    raise TrainConfigError(f"{name}={value!r}: expected a number") from e
   if isinstance(default, int):
     if not number.is_integer():
-      raise ConfigError(f"{name}={value!r}: expected a whole number")
+      raise TrainConfigError(f"{name}={value!r}: expected a whole number")
     return int(number)
   return number
 
@@ -100,7 +104,7 @@ def load_config(path: str | None, overrides: dict | None = None) -> TrainConfig:
   values: dict = {}
   if path is not None:
     if not os.path.exists(path):
-      raise ConfigError(f"config file not found: {path}")
+      raise TrainConfigError(f"config file not found: {path}")
     with open(path, "rb") as f:
       values = json.load(f) if path.endswith(".json") else tomllib.load(f)
     base = os.path.dirname(os.path.abspath(path))
@@ -112,5 +116,5 @@ def load_config(path: str | None, overrides: dict | None = None) -> TrainConfig:
   fields = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
   unknown = sorted(set(values) - set(fields))
   if unknown:
-    raise ConfigError(f"unknown training settings {unknown}; known: {', '.join(sorted(fields))}")
+    raise TrainConfigError(f"unknown training settings {unknown}; known: {', '.join(sorted(fields))}")
   return TrainConfig(**{k: _coerce(k, v, fields[k]) for k, v in values.items()})

@@ -18,12 +18,15 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from checkpoints_convert.convert import atomic_dir, save_orbax
+from jax_longctx.api import load
 from jax_longctx.cache import Cache
+from jax_longctx.config import save_config_file
 from jax_longctx.model import forward
 from jax_longctx.progress import progress
 from train_cpt import data as data_lib
 from train_cpt import sharding
-from train_cpt.config import ConfigError, TrainConfig
+from train_cpt.config import TrainConfig, TrainConfigError
 from train_cpt.evaluate import heldout_perplexity
 from train_cpt.pattern import CptAttention, attention_flops
 
@@ -114,7 +117,7 @@ class Run:
         saved = json.load(f)
       changed = sorted(k for k in fields if json.dumps(fields[k]) != json.dumps(saved.get(k)))
       if changed:
-        raise ConfigError(f"{self.dir} holds a run with other settings ({', '.join(changed)}); "
+        raise TrainConfigError(f"{self.dir} holds a run with other settings ({', '.join(changed)}); "
                           "resume with the same settings or use another out_dir")
     else:
       with open(path, "w") as f:
@@ -140,22 +143,18 @@ class Run:
 def train(cfg: TrainConfig, *, stop_after: int | None = None) -> dict:
   """Runs (or resumes) the job. Returns the last evaluation. `stop_after`: leave after that many
   steps of this invocation (a planned interruption; checkpoints as usual)."""
-  import jax_longctx
-  from checkpoints_convert.convert import atomic_dir, save_orbax
-  from jax_longctx.config import save_config_file
-
   if not cfg.text_files:
-    raise ConfigError("text_files is empty: give glob patterns of the training text")
+    raise TrainConfigError("text_files is empty: give glob patterns of the training text")
   run = Run(cfg)
-  lm = jax_longctx.load(cfg.model, dtype=jnp.float32)
+  lm = load(cfg.model, dtype=jnp.float32)
   if lm.tokenizer is None:
-    raise ConfigError(f"{cfg.model}: the checkpoint has no tokenizer.json to read the text with")
+    raise TrainConfigError(f"{cfg.model}: the checkpoint has no tokenizer.json to read the text with")
   train_rows, held_rows = data_lib.load(list(cfg.text_files), lm.tokenizer, cfg.row_len,
                                         cfg.heldout)
   batches = data_lib.Batches(train_rows, cfg.global_batch, cfg.seed)
   mesh = sharding.make_mesh(cfg.fsdp)
   if cfg.micro_batch % mesh.size:
-    raise ConfigError(f"micro_batch={cfg.micro_batch} must be a multiple of the {mesh.size} "
+    raise TrainConfigError(f"micro_batch={cfg.micro_batch} must be a multiple of the {mesh.size} "
                       "devices (each device takes whole rows)")
   opt = optimizer(cfg)
   params = jax.device_put(lm.params, sharding.shard_like_params(mesh, lm.params))

@@ -30,8 +30,8 @@ import pallas_kernels
 from jax_longctx.attention import attention, merge_attention
 from jax_longctx.cache import Cache
 from jax_longctx.distributed.attention import merge_across, ring_attention
-from jax_longctx.generate import GenerationError, Sampling, decode_loop
-from jax_longctx.methods.base import Method
+from jax_longctx.generation import GenerationError, Sampling, decode_loop, trim_at_stops
+from jax_longctx.methods.base import MeshMethod, Method
 from jax_longctx.methods.chunk_cache import ChunkCache
 from jax_longctx.model import forward
 from jax_longctx.rope import apply_rope
@@ -299,11 +299,7 @@ def answer(params, cfg, context_kv, context_lengths, queries, mesh, axis: str = 
   out, n, logits = run(params, context_kv, jnp.asarray(q_tok), jnp.asarray(q_len),
                        jnp.asarray(context_lengths, jnp.int32), stops,
                        jax.random.key(sampling.seed))
-  stop_set = set(int(t) for t in stop_tokens)
-  rows = []
-  for row in np.asarray(out)[:, :int(n)].tolist():
-    rows.append(row[:next((i for i, t in enumerate(row) if t in stop_set), len(row))])
-  return rows, logits
+  return trim_at_stops(np.asarray(out)[:, :int(n)], stop_tokens), logits
 
 
 def generate_distributed(params, cfg, contexts, queries, mesh, axis: str = "ctx", *,
@@ -318,7 +314,7 @@ def generate_distributed(params, cfg, contexts, queries, mesh, axis: str = "ctx"
   method: "star", "ring", or the registry's Star / Ring object (whose settings apply). Weights
   already replicated over the mesh (`replicate`) are not copied again on each call.
   """
-  if isinstance(method, Method):
+  if isinstance(method, MeshMethod):
     settings = method.settings()
     block_size = settings.get("block_size", block_size)
     anchor_size = settings.get("anchor_size", anchor_size)

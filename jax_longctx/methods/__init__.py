@@ -1,12 +1,12 @@
 """Attention methods: one file each, all reachable through the registry."""
 
-from jax_longctx.methods.base import (AttnContext, Budget, Method, MethodError, PrefillEnd,
-                                      args_per_method, get, names, parse_method_args, register,
-                                      resolve_budget)
+from jax_longctx.methods.base import (AttnContext, Budget, MeshMethod, Method, MethodError,
+                                      PrefillEnd, RegisteredMethod, args_per_method, get, names,
+                                      parse_method_args, register, resolve_budget)
 from jax_longctx.methods.full import Full
 
-__all__ = ["AttnContext", "Budget", "Full", "Method", "MethodError", "PrefillEnd",
-           "args_per_method", "get", "names", "parse_method_args", "register", "resolve_budget"]
+__all__ = ["AttnContext", "Budget", "Full", "MeshMethod", "Method", "MethodError", "PrefillEnd",
+           "RegisteredMethod", "args_per_method", "get", "names", "parse_method_args", "register", "resolve_budget"]
 
 # Importing a method module registers it.
 from jax_longctx.methods import (citrus, h2o, quest, reattention, refreshkv,  # noqa: E402,F401

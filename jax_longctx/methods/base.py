@@ -4,6 +4,11 @@ The model never knows which method runs: every attention layer hands the method 
 q, k, v and the token positions, and the method owns that layer's cache state and returns the
 attention output. A method is a frozen dataclass of hyper-parameters (hashable, so it can be a
 static argument of a jitted step).
+
+Two kinds are registered: `Method` (per-layer steps, run by `generation`) and `MeshMethod`
+(Star Attention and ring attention: the context spread over a device mesh, run by
+`distributed`). Everything a driver may ask of either is declared here, with its default; the
+drivers read these members and nothing else (no `getattr` probing).
 """
 
 from __future__ import annotations
@@ -17,10 +22,11 @@ from jax_longctx.config import LlamaConfig
 from jax_longctx.methods.hparams import (Budget, MethodError, args_per_method, check_fields,
                                          parse_method_args, resolve_budget)
 
-__all__ = ["AttnContext", "Budget", "Method", "MethodError", "PrefillEnd", "args_per_method",
-           "get", "names", "parse_method_args", "register", "resolve_budget"]
+__all__ = ["AttnContext", "Budget", "MeshMethod", "Method", "MethodError", "PrefillEnd",
+           "RegisteredMethod", "args_per_method", "get", "names", "parse_method_args", "register",
+           "resolve_budget"]
 
-_REGISTRY: dict[str, type["Method"]] = {}
+_REGISTRY: dict[str, type["RegisteredMethod"]] = {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,8 +47,26 @@ class AttnContext:
 
 
 @dataclasses.dataclass(frozen=True)
-class Method:
-  """Base class. Subclasses set `name` and implement the three methods below.
+class RegisteredMethod:
+  """What every registry entry is: a name, checked hyper-parameters, and whether it reads the
+  instruction (or query) apart from the document."""
+
+  name: ClassVar[str] = ""
+  # True: the method needs each prompt as (document, instruction) apart. Text prompts are then
+  # split (`instructed.split_prompt`) and token prompts need `instructions=`.
+  needs_instruction: ClassVar[bool] = False
+
+  def __post_init__(self):
+    check_fields(self)
+
+  def hparams(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class Method(RegisteredMethod):
+  """A per-layer method. Subclasses set `name` and implement `init_state` and `prefill` (and
+  `decode` when it differs); every other member below is optional, with the default stated.
 
   Hyper-parameters are the dataclass fields; their annotations are checked at construction
   (`hparams.check_fields`): a budget-like field is annotated `Budget`, a field with a few
@@ -53,21 +77,17 @@ class Method:
   through the step, so XLA updates it in place). `ctx.layer` says which layer it is.
   """
 
-  name: ClassVar[str] = ""
-  keys_before_rope: ClassVar[bool] = False
-  # Prefill chunk this method needs (None: the caller's choice).
+  # Prefill chunk this method needs (None: the caller's choice). A property may compute it.
   prefill_chunk: ClassVar[int | None] = None
-
-  def __post_init__(self):
-    check_fields(self)
+  # True when `end_of_prefill` is overridden: the drivers run (and compile) it only then.
+  ends_prefill: ClassVar[bool] = False
+  # For `needs_instruction` methods: True runs an instruction pass (`score_instruction` on every
+  # layer) before each document chunk, False only once after the document.
+  scores_with_instruction: ClassVar[bool] = False
 
   def init_state(self, cfg: LlamaConfig, batch: int, max_len: int, dtype, chunk: int) -> Any:
     """One layer's state for `batch` sequences of up to `max_len` tokens, fed `chunk` at a time."""
     raise NotImplementedError
-
-  def end_of_prefill(self, state, info: "PrefillEnd"):
-    """Called once per layer after the whole prompt is in (SnapKV compresses here)."""
-    return state
 
   def prefill(self, state, q, k, v, ctx: AttnContext):
     """One prompt chunk. q [B,S,H,d], k/v [B,S,KV,d] before RoPE -> (out [B,S,H,d], state)."""
@@ -77,17 +97,47 @@ class Method:
     """One generated token (S = 1, or a few). Same shapes as `prefill`."""
     return self.prefill(state, q, k, v, ctx)
 
+  def end_of_prefill(self, state, info: "PrefillEnd"):
+    """Called once per layer after the whole prompt is in when `ends_prefill` (SnapKV compresses
+    here, changing the state's type for decoding)."""
+    return state
+
   def decode_gate(self, cache, q_pos) -> jnp.ndarray | None:
     """None, or a scalar bool computed once per decode step (q_pos [B, S]: the step's token
     positions) before any layer runs: False says no layer can take the method's occasional
-    costly branch this step. The decode loops (`generate.decode_while`) then run that step
+    costly branch this step. The decode loops (`generation.decode_while`) then run that step
     compiled with `ctx.gate_open=False`, so it carries no per-layer conditional (on GPU each
     waits for its predicate on the host)."""
     del cache, q_pos
     return None
 
-  def hparams(self) -> dict[str, Any]:
-    return dataclasses.asdict(self)
+  def score_instruction(self, state, q, k, v, ctx: AttnContext):
+    """`needs_instruction` methods: the instruction's tokens over this layer's cache; records
+    its scores in the state and leaves the cache otherwise unchanged. -> (out, state)."""
+    raise NotImplementedError(f"{self.name!r} does not score with an instruction")
+
+  def evict_by_instruction(self, state):
+    """`needs_instruction` methods: the final eviction after the document, by the scores of the
+    last instruction pass."""
+    raise NotImplementedError(f"{self.name!r} does not evict by an instruction")
+
+  def report(self, cache) -> dict[str, Any]:
+    """JSON-safe facts about a finished run for evaluation records (RefreshKV: its full steps)."""
+    del cache
+    return {}
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshMethod(RegisteredMethod):
+  """A method whose context is encoded across the devices of a mesh axis (Star Attention, ring
+  attention): no per-layer state here; `distributed.generate_distributed` runs it over the
+  context and the query, which it takes apart (hence `needs_instruction`)."""
+
+  needs_instruction: ClassVar[bool] = True
+
+  def settings(self) -> dict[str, Any]:
+    """Keyword arguments for `distributed.encode_context` (None: its default)."""
+    return {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,20 +150,24 @@ class PrefillEnd:
   decode_room: int  # slots the decode phase will append at most
 
 
-def register(cls: type[Method]) -> type[Method]:
+def register(cls: type[RegisteredMethod]) -> type[RegisteredMethod]:
   if not cls.name:
     raise TypeError(f"{cls.__name__} has no registry name")
   _REGISTRY[cls.name] = cls
   return cls
 
 
-def names() -> list[str]:
-  return sorted(_REGISTRY)
+_KINDS = {"all": RegisteredMethod, "layer": Method, "mesh": MeshMethod}
 
 
-def get(name: str | Method, **overrides) -> Method:
+def names(kind: str = "all") -> list[str]:
+  """Registered names: "all", "layer" (per-layer `Method`s) or "mesh" (`MeshMethod`s)."""
+  return sorted(n for n, cls in _REGISTRY.items() if issubclass(cls, _KINDS[kind]))
+
+
+def get(name: str | RegisteredMethod, **overrides) -> RegisteredMethod:
   """A method by registry name with hyper-parameter overrides (or a method object, returned)."""
-  if isinstance(name, Method):
+  if isinstance(name, RegisteredMethod):
     return dataclasses.replace(name, **overrides) if overrides else name
   if name not in _REGISTRY:
     raise MethodError(f"unknown method {name!r}; known methods: {', '.join(names())}")

@@ -47,7 +47,7 @@ class ChunkCache:
     rank = jnp.arange(self.capacity, dtype=jnp.int32)[None, :]
     return jnp.where(rank < self.n[:, None], rank, -1)
 
-  def attend(self, q, k_new, v_new, valid, freqs):
+  def attend_and_score(self, q, k_new, v_new, valid, freqs):
     """New tokens (q [B,S,H,d], k/v_new [B,S,KV,d], pre-RoPE) over the cache and each other.
 
     Returns (out [B,S,H,d], scores [B, C]): scores are the attention each old slot receives,

@@ -22,8 +22,6 @@ that outer loop; the methods here are one layer's steps.
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
-
 import jax.numpy as jnp
 from flax import struct
 
@@ -38,10 +36,7 @@ class CitrusStandard(Method):
   """Standard CSE: each chunk's own attention evicts the cache; the instruction evicts last."""
 
   name = "citrus_standard"
-  keys_before_rope = True
-  # The outer loop runs an instruction pass before every document chunk when True.
-  scores_with_instruction: ClassVar[bool] = False
-  needs_instruction: ClassVar[bool] = True
+  needs_instruction = True  # instructed.py runs its outer loop
 
   budget: Budget = 768  # k in the paper (§5.3)
   chunk: int = 256  # l in the paper
@@ -78,7 +73,7 @@ class CitrusStandard(Method):
 
   def prefill(self, state, q, k, v, ctx: AttnContext):
     """A document chunk: attend over the cache, evict its old states, append the chunk."""
-    out, mean, summed = state.attend(q, k, v, ctx.valid, ctx.freqs)
+    out, mean, summed = state.attend_and_score(q, k, v, ctx.valid, ctx.freqs)
     n_queries = jnp.sum(ctx.valid, axis=1)
     priority, state = self.document_priority(state, mean, summed, n_queries)
     return out, self._evict_append(state, priority, k, v, ctx)
@@ -94,7 +89,7 @@ class CitrusStandard(Method):
   def score_instruction(self, state, q, k, v, ctx: AttnContext):
     """The instruction over the answering cache; records its scores, changes nothing else."""
     cache = self.answer_cache(state)
-    out, mean, _ = cache.attend(q, k, v, ctx.valid, ctx.freqs)
+    out, mean, _ = cache.attend_and_score(q, k, v, ctx.valid, ctx.freqs)
     return out, self.with_answer_cache(state, cache.replace(score=mean))
 
   def evict_by_instruction(self, state):
@@ -105,7 +100,7 @@ class CitrusStandard(Method):
   def decode(self, state, q, k, v, ctx: AttnContext):
     """The instruction and the answer: attend over the answering cache and append, no eviction."""
     cache = self.answer_cache(state)
-    out, _, _ = cache.attend(q, k, v, ctx.valid, ctx.freqs)
+    out, _, _ = cache.attend_and_score(q, k, v, ctx.valid, ctx.freqs)
     return out, self.with_answer_cache(state, cache.append(k, v, ctx.valid, ctx.q_pos))
 
 
@@ -171,7 +166,7 @@ class CitrusIndividual(CitrusStandard):
     return state.replace(instruction=cache)
 
   def prefill(self, state: TwinCache, q, k, v, ctx):
-    out, mean, _ = state.document.attend(q, k, v, ctx.valid, ctx.freqs)
+    out, mean, _ = state.document.attend_and_score(q, k, v, ctx.valid, ctx.freqs)
     document = self._evict_append(state.document, mean, k, v, ctx)
     instruction = self._evict_append(state.instruction, state.instruction.score, k, v, ctx)
     return out, TwinCache(document, instruction)

@@ -31,7 +31,7 @@ class Full(Method):
   def init_state(self, cfg, batch, max_len, dtype, chunk) -> KVCache:
     return KVCache.zeros(cfg, batch, max_len, dtype)
 
-  def attend(self, state: KVCache, q, ctx: AttnContext, chunk_kv=None):
+  def attend_cache(self, state: KVCache, q, ctx: AttnContext, chunk_kv=None):
     """q (after RoPE) over every cached slot it may see. Returns (out, lse).
 
     chunk_kv: (k, v) [B, S, KV, d] of a prefill chunk just written (k after RoPE), which lets
@@ -54,5 +54,5 @@ class Full(Method):
   def prefill(self, state: KVCache, q, k, v, ctx: AttnContext):
     k = apply_rope(k, ctx.q_pos, ctx.freqs)
     state = state.write(ctx.q_pos, k, v)
-    out, _ = self.attend(state, apply_rope(q, ctx.q_pos, ctx.freqs), ctx, chunk_kv=(k, v))
+    out, _ = self.attend_cache(state, apply_rope(q, ctx.q_pos, ctx.freqs), ctx, chunk_kv=(k, v))
     return out, state

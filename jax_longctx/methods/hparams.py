@@ -93,16 +93,16 @@ def check_value(tp, value) -> tuple[str | None, Any]:
   return (None if ok else _takes(tp)), value
 
 
-def check_fields(method) -> None:
-  """Checks (and converts) every field of a method object; raises MethodError on the first bad
-  one."""
-  for name, tp in field_types(type(method)).items():
-    value = getattr(method, name)
+def check_fields(entry) -> None:
+  """Checks (and converts) every field of a method object (a dataclass's fields, read by name);
+  raises MethodError on the first bad one."""
+  for name, tp in field_types(type(entry)).items():
+    value = getattr(entry, name)
     why, converted = check_value(tp, value)
     if why:
-      raise MethodError(f"method {method.name!r}: {name}={value!r} is not valid; {name} {why}")
+      raise MethodError(f"method {entry.name!r}: {name}={value!r} is not valid; {name} {why}")
     if converted is not value:
-      object.__setattr__(method, name, converted)
+      object.__setattr__(entry, name, converted)
 
 
 def _literal(raw: str):

@@ -70,7 +70,7 @@ class Quest(SelectingMethod):
   def prefill(self, state: QuestState, q, k, v, ctx: AttnContext):
     k = apply_rope(k, ctx.q_pos, ctx.freqs)
     state = self.write(state, k, v, ctx)
-    out, _ = Full().attend(state.kv, apply_rope(q, ctx.q_pos, ctx.freqs), ctx, chunk_kv=(k, v))
+    out, _ = Full().attend_cache(state.kv, apply_rope(q, ctx.q_pos, ctx.freqs), ctx, chunk_kv=(k, v))
     return out, state
 
   def select(self, state: QuestState, q_rot, ctx: AttnContext):

@@ -32,7 +32,6 @@ class ReAttention(Method):
   """
 
   name = "reattention"
-  keys_before_rope = True
 
   n_global: int = 32
   n_local: int = 4096

@@ -89,7 +89,7 @@ class PartialCache:
     b_idx, h_idx = jnp.indices(victim.shape)
     return self.replace(pos=self.pos.at[b_idx, h_idx, victim].set(-1, mode="drop"))
 
-  def attend(self, full: KVCache, q_rot):
+  def attend_rows(self, full: KVCache, q_rot):
     """q_rot [B, 1, H, d] over the C_f rows this cache names (each query head its kv head's)."""
     out, _ = pallas_kernels.gathered_attention(q_rot, full.k, full.v, jnp.maximum(self.pos, 0),
                                                self.pos >= 0, kv_layout="BHTD")
@@ -120,6 +120,7 @@ def _cosine(a, b):
 @dataclasses.dataclass(frozen=True)
 class RefreshKV(Method):
   name = "refreshkv"
+  ends_prefill = True  # end_of_prefill below
 
   budget: Budget = 0.125  # K: tokens, or a fraction of the cache (the paper: L / 8)
   qc_stride: int = 10  # query-comparison stride (the paper: 5 or 10)
@@ -208,16 +209,16 @@ class RefreshKV(Method):
     q_rot = apply_rope(q, ctx.q_pos, ctx.freqs)
     # The partial step: attend over C_p and the step's token, then the lowest-scoring one leaves.
     added = state.part.add(ctx.q_pos[:, 0], ctx.valid[:, 0])
-    out_p, part_p = added.attend(full, q_rot), added.evict()
+    out_p, part_p = added.attend_rows(full, q_rot), added.evict()
     if not ctx.gate_open:  # no sequence is at a comparison step: a partial step, no conditional
       return out_p, state.replace(full=full, part=part_p)
     due = self.due(state, q, ctx)
 
     def full_step(_):
-      out_f, lse = Full().attend(full, q_rot, ctx)
+      out_f, lse = Full().attend_cache(full, q_rot, ctx)
       part = self.refreshed(full, q_rot, lse, ctx, part_p.budget) if self.refresh else part_p
       if not self.full_attention:
-        out_f = part.attend(full, q_rot)
+        out_f = part.attend_rows(full, q_rot)
       keep = jax.tree.map(lambda a, b: jnp.where(due[:, None, None], a, b), part, part_p)
       return jnp.where(due[:, None, None, None], out_f.astype(out_p.dtype), out_p), keep
 

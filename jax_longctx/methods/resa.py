@@ -57,6 +57,7 @@ class Resa(Method):
   further hyper-parameters to the wrapped method, e.g. (("page_size", 16),)."""
 
   name = "resa"
+  ends_prefill = True  # end_of_prefill below
 
   base: str = "quest"
   budget: Budget = 1024

@@ -8,6 +8,7 @@ the front in position order, emptying the rest. Rows may keep different tokens p
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -117,13 +118,17 @@ class EvictingMethod(Method):
   Keys are cached after RoPE at their original positions unless `keys_before_rope`.
   """
 
+  # True caches keys before RoPE (StreamingLLM rotates them at their rank in the cache).
+  keys_before_rope: ClassVar[bool] = False
+
   budget: Budget = 1024
 
   def init_state(self, cfg, batch, max_len, dtype, chunk) -> SlotCache:
     n = resolve_budget(self.budget, max_len)
     return SlotCache.empty(cfg, batch, n, n + chunk, dtype)
 
-  def attend(self, state: SlotCache, q, ctx: AttnContext):
+  def attend_slots(self, state: SlotCache, q, ctx: AttnContext):
+    """q (pre-RoPE) over the occupied slots. Returns (q after RoPE, out, lse)."""
     q = apply_rope(q, ctx.q_pos, ctx.freqs)
     out, lse = attention(q, state.k, state.v, ctx.q_pos, state.pos)
     return q, out, lse
@@ -132,7 +137,7 @@ class EvictingMethod(Method):
     if not self.keys_before_rope:
       k = apply_rope(k, ctx.q_pos, ctx.freqs)
     state = state.append(k, v, ctx.q_pos, ctx.valid)
-    q, out, lse = self.attend(state, q, ctx)
+    q, out, lse = self.attend_slots(state, q, ctx)
     state, priority = self.priority(state, q, lse, ctx)
     return out, state.keep(priority)
 

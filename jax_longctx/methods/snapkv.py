@@ -53,6 +53,7 @@ class SnapDecode:
 @dataclasses.dataclass(frozen=True)
 class SnapKV(Method):
   name = "snapkv"
+  ends_prefill = True  # end_of_prefill below
 
   budget: Budget = 1024
   window: int = 32

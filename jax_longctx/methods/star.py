@@ -1,29 +1,16 @@
-"""Star Attention and ring attention as registry entries (their settings; they run over a mesh).
+"""Star Attention and ring attention as registry entries (`MeshMethod`s: their settings).
 
 Acharya et al., "Star Attention: Efficient LLM Inference over Long Sequences", 2024
 (arXiv:2411.17116). Not per-layer steps like the other methods: the context is encoded across
 the devices of a mesh axis and the query merges every device's attention, so they run through
-`jax_longctx.distributed.generate_distributed` (the evaluation harness does that for them).
+`jax_longctx.distributed.generate_distributed` (`jax_longctx.driver` routes them there).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
 
-from jax_longctx.methods.base import Method, MethodError, register
-
-
-@dataclasses.dataclass(frozen=True)
-class MeshMethod(Method):
-  distributed: ClassVar[bool] = True
-
-  def init_state(self, cfg, batch, max_len, dtype, chunk):
-    raise MethodError(f"{self.name!r} runs over a device mesh: use "
-                      "jax_longctx.distributed.generate_distributed (or `jax-longctx eval`)")
-
-  def settings(self) -> dict:
-    return {}
+from jax_longctx.methods.base import MeshMethod, register
 
 
 @register

@@ -33,7 +33,7 @@ class StreamingLLM(EvictingMethod):
       raise MethodError(f"n_sink={self.n_sink} must be >= 0 and below the budget ({state.budget})")
     return state
 
-  def attend(self, state: SlotCache, q, ctx: AttnContext):
+  def attend_slots(self, state: SlotCache, q, ctx: AttnContext):
     # Slots are in position order, so a slot's rank among occupied slots is its shifted position.
     rank = jnp.cumsum(state.pos >= 0, axis=-1, dtype=jnp.int32) - 1
     k_pos = jnp.where(state.pos >= 0, rank, -1)

@@ -1,0 +1,22 @@
+"""Every registered method declares what the drivers ask of it (methods/base.py)."""
+
+import pytest
+
+from jax_longctx.methods import MeshMethod, Method, get, names
+
+
+def test_the_registry_lists_two_kinds():
+  assert sorted(names("layer") + names("mesh")) == names()
+  assert names("mesh") == ["ring", "star"]
+  assert all(isinstance(get(n), MeshMethod) and get(n).needs_instruction for n in names("mesh"))
+
+
+@pytest.mark.parametrize("name", names("layer"))
+def test_declared_capabilities_match_the_code(name):
+  cls = type(get(name))
+  assert issubclass(cls, Method)
+  # The drivers run end_of_prefill only for methods that declare it.
+  assert cls.ends_prefill == (cls.end_of_prefill is not Method.end_of_prefill)
+  if cls.needs_instruction:  # instructed.py calls both
+    assert cls.score_instruction is not Method.score_instruction
+    assert cls.evict_by_instruction is not Method.evict_by_instruction
