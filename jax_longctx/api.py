@@ -11,6 +11,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from checkpoints_convert import load_source, restore
+from checkpoints_convert.sources import CheckpointError
+from jax_longctx import bundled, default_model
 from jax_longctx import methods as methods_lib
 from jax_longctx.config import LlamaConfig
 from jax_longctx.driver import generate_tokens
@@ -119,10 +122,6 @@ class LM:
 def load(name_or_path: str = "default", dtype=None) -> LM:
   """'default' (SmolLM2-135M-Instruct), a bundled model's name ('qwen2.5-coder-0.5b',
   'qwen2.5-coder-1.5b'), a converted checkpoint, an HF directory or a GGUF file."""
-  from checkpoints_convert import load_source, restore
-  from checkpoints_convert.sources import CheckpointError
-  from jax_longctx import bundled, default_model
-
   if name_or_path == "default":
     path = default_model.checkpoint_dir()
   elif name_or_path in bundled.BUNDLED and not os.path.exists(name_or_path):

@@ -11,39 +11,9 @@ import json
 import os
 from typing import Any, Mapping
 
-import jax.numpy as jnp
-
-ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
-# What the decoder looks like per family: "llama" and "mistral" share one layout, "qwen2" adds
-# q/k/v biases, "qwen3" a per-head RMSNorm on q and k before RoPE.
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-
-
-class ConfigError(ValueError):
-  """A checkpoint's configuration this library cannot run."""
-
-
-@dataclasses.dataclass(frozen=True)
-class RopeScaling:
-  """RoPE frequency scaling (HF `rope_scaling` / `rope_parameters`)."""
-
-  type: str = "default"
-  factor: float = 1.0
-  # llama3 (Llama-3.1 style) only.
-  low_freq_factor: float = 1.0
-  high_freq_factor: float = 4.0
-  original_max_position_embeddings: int = 8192
-  # yarn only (transformers' defaults). attention_factor multiplies cos and sin in transformers,
-  # so every q.k score by its square.
-  beta_fast: float = 32.0
-  beta_slow: float = 1.0
-  attention_factor: float = 1.0
-  truncate: bool = True
-
-  def __post_init__(self):
-    if self.type not in ROPE_TYPES:
-      raise ConfigError(f"unsupported rope scaling type {self.type!r}; supported: {ROPE_TYPES}")
+from jax_longctx import families
+from jax_longctx.config_types import (  # noqa: F401  (re-exported: their public home)
+    _DTYPES, ARCHITECTURES, ROPE_TYPES, ConfigError, RopeScaling)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,7 +84,6 @@ class LlamaConfig:
   @classmethod
   def from_hf(cls, hf: Mapping[str, Any]) -> "LlamaConfig":
     """From a Hugging Face config.json dict (transformers v4 or v5 spelling), any supported family."""
-    from jax_longctx import families
     return families.from_hf(cls, hf)
 
   @classmethod
@@ -127,13 +96,11 @@ class LlamaConfig:
     return cls.from_hf(hf)
 
   def to_hf(self) -> dict[str, Any]:
-    from jax_longctx import families
     return families.to_hf(self)
 
   @classmethod
   def from_gguf_fields(cls, meta: Mapping[str, Any]) -> "LlamaConfig":
     """From GGUF key/value metadata (already decoded to Python values)."""
-    from jax_longctx import families
     return families.from_gguf(cls, meta)
 
 

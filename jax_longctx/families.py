@@ -9,9 +9,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
-from jax_longctx.config import _DTYPES, ConfigError, LlamaConfig, RopeScaling
+import numpy as np
+
+from jax_longctx.config_types import _DTYPES, ConfigError, RopeScaling
+from jax_longctx.rope import _base_inv_freq, _llama3_inv_freq
+
+if TYPE_CHECKING:  # the config class comes in as `cls` (config.py imports this module)
+  from jax_longctx.config import LlamaConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,14 +195,11 @@ def to_hf(cfg: LlamaConfig) -> dict[str, Any]:
 _LLAMA3_CANDIDATES = tuple(RopeScaling("llama3", f, 1.0, 4.0, 8192) for f in (8.0, 32.0, 16.0, 4.0))
 
 
-def _llama3_from_freqs(freqs, head_dim: int, theta: float) -> RopeScaling:
-  import numpy as np
-
-  from jax_longctx.rope import _base_inv_freq, _llama3_inv_freq
+def _llama3_from_freqs(cls, freqs, head_dim: int, theta: float) -> RopeScaling:
   freqs = np.asarray(freqs, np.float64)
   base = _base_inv_freq(head_dim, theta).astype(np.float64)
   for scaling in _LLAMA3_CANDIDATES:
-    probe = LlamaConfig(1, head_dim, 1, 1, 1, head_dim, 1, rope_theta=theta, rope_scaling=scaling)
+    probe = cls(1, head_dim, 1, 1, 1, head_dim, 1, rope_theta=theta, rope_scaling=scaling)
     if freqs.shape == base.shape and np.allclose(base / _llama3_inv_freq(probe), freqs, rtol=1e-4):
       return scaling
   raise ConfigError(
@@ -204,13 +207,14 @@ def _llama3_from_freqs(freqs, head_dim: int, theta: float) -> RopeScaling:
       "low/high 1/4, original 8192); convert the Hugging Face checkpoint instead")
 
 
-def _gguf_rope(meta: Mapping[str, Any], p: str, head_dim: int, theta: float) -> RopeScaling:
+def _gguf_rope(cls, meta: Mapping[str, Any], p: str, head_dim: int,
+               theta: float) -> RopeScaling:
   kind = meta.get(p + "rope.scaling.type", "none")
   original = int(meta.get(p + "rope.scaling.original_context_length", meta[p + "context_length"]))
   if meta.get("_rope_freqs") is not None:
     if kind not in ("none", None):
       raise ConfigError(f"GGUF has both rope_freqs.weight and rope.scaling.type={kind!r}")
-    return _llama3_from_freqs(meta["_rope_freqs"], head_dim, theta)
+    return _llama3_from_freqs(cls, meta["_rope_freqs"], head_dim, theta)
   if kind in ("none", None):
     return RopeScaling()
   factor = float(meta.get(p + "rope.scaling.factor", 1.0))
@@ -248,7 +252,7 @@ def from_gguf(cls, meta: Mapping[str, Any]) -> LlamaConfig:
       rms_norm_eps=float(meta.get(p + "attention.layer_norm_rms_epsilon", 1e-5)),
       tie_word_embeddings=not meta.get("_has_output_weight", False),
       rope_theta=theta,
-      rope_scaling=_gguf_rope(meta, p, head_dim, theta),
+      rope_scaling=_gguf_rope(cls, meta, p, head_dim, theta),
       max_position_embeddings=int(meta[p + "context_length"]),
       dtype="float32",
       bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),

@@ -7,11 +7,13 @@ them at positions of their own choosing, so RoPE is a function of (x, positions)
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import jax.numpy as jnp
 import numpy as np
 
-from jax_longctx.config import LlamaConfig
+if TYPE_CHECKING:  # only read for its fields (jax_longctx.families, below config, uses this module)
+  from jax_longctx.config import LlamaConfig
 
 
 def _exponents(head_dim: int) -> np.ndarray:

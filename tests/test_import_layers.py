@@ -13,8 +13,8 @@ PACKAGES = ("pallas_kernels", "jax_longctx", "checkpoints_convert", "train_cpt")
 # Lowest first. A module takes the layer of the longest prefix listed for it.
 LAYERS = [
     ("kernels", ["pallas_kernels"]),
-    ("config", ["jax_longctx.config", "jax_longctx.families", "jax_longctx.rope",
-                "jax_longctx.progress", "jax_longctx.tokenizer", "jax_longctx.tasks",
+    ("config", ["jax_longctx.config", "jax_longctx.config_types", "jax_longctx.families",
+                "jax_longctx.rope", "jax_longctx.progress", "jax_longctx.tokenizer", "jax_longctx.tasks",
                 "jax_longctx.report", "checkpoints_convert.errors",
                 "checkpoints_convert.safetensors_io", "checkpoints_convert.sources",
                 "checkpoints_convert.layout", "checkpoints_convert.gguf_tokenizer",
