@@ -17,7 +17,7 @@ from checkpoints_convert import safetensors_io
 from jax_longctx.model import random_params
 from tests.conftest import TINY_LLAMA3, tiny_config
 
-convert_mod = importlib.import_module("checkpoints_convert.convert")
+convert_mod = importlib.import_module("checkpoints_convert.pipeline")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

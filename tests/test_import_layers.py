@@ -21,8 +21,9 @@ LAYERS = [
                 "train_cpt.config", "train_cpt.data", "train_cpt.sharding"]),
     ("attention", ["jax_longctx.attention", "jax_longctx.cache", "jax_longctx.top_n"]),
     ("methods", ["jax_longctx.methods", "train_cpt.pattern"]),
-    # checkpoints_convert.convert needs the model's parameter shapes (abstract_model).
-    ("model", ["jax_longctx.model", "checkpoints_convert.convert", "checkpoints_convert"]),
+    # checkpoints_convert.pipeline needs the model's parameter shapes (abstract_model); the
+    # package's __init__ loads it lazily, so its readers and layout stay on the config layer.
+    ("model", ["jax_longctx.model", "checkpoints_convert.pipeline", "checkpoints_convert"]),
     ("prefill", ["jax_longctx.chunked_prefill"]),
     ("instructed", ["jax_longctx.instructed"]),
     ("generate", ["jax_longctx.generation"]),

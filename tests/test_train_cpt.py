@@ -91,7 +91,7 @@ def test_bad_settings_are_named(overrides, match):
 @pytest.fixture(scope="module")
 def tiny_job(default_lm, tmp_path_factory):
   """A tiny random model with the default model's tokenizer, prose files and a config."""
-  from checkpoints_convert.convert import save_orbax
+  from checkpoints_convert.pipeline import save_orbax
   from jax_longctx.config import save_config_file
   from jax_longctx.model import random_params
   from jax_longctx.tasks import text_sources

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from checkpoints_convert.convert import atomic_dir, save_orbax
+from checkpoints_convert.pipeline import atomic_dir, save_orbax
 from jax_longctx.api import load
 from jax_longctx.cache import Cache
 from jax_longctx.config import save_config_file
