@@ -18,6 +18,8 @@ import importlib.util
 import os
 import tempfile
 
+from checkpoints_convert import convert
+from checkpoints_convert.sources import _gguf_reader
 from jax_longctx.default_model import DefaultModelMissing, cache_dir
 
 _CHUNK = 16 << 20
@@ -90,7 +92,6 @@ def check_gguf(b: Bundled, path: str) -> None:
   """Size, parse and tensor count of a joined file (sha256 is checked while joining)."""
   if os.path.getsize(path) != b.size:
     raise BundledModelError(f"{path}: {os.path.getsize(path)} bytes, expected {b.size} for {b.name}")
-  from checkpoints_convert.sources import _gguf_reader
   _, reader = _gguf_reader(path)
   if len(reader.tensors) != b.tensors:
     raise BundledModelError(f"{path}: {len(reader.tensors)} tensors, expected {b.tensors}")
@@ -135,7 +136,6 @@ def gguf_file(name: str) -> str:
 
 def checkpoint_dir(name: str) -> str:
   """The converted checkpoint in the cache, joining and converting first if needed."""
-  from checkpoints_convert import convert
 
   dst = os.path.join(cache_dir(), _bundle(name).name)
   if os.path.exists(os.path.join(dst, "config.json")):

