@@ -12,6 +12,16 @@ from jax_longctx.config import LlamaConfig, RopeScaling  # noqa: E402
 from jax_longctx.model import random_params  # noqa: E402
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _drop_compiled_programs():
+  """Frees each test module's compiled programs when it ends. XLA's CPU executables stay mapped
+  while JAX caches them (~6 memory maps each, more for large programs); over the whole suite they
+  reached the kernel's limit of 65,530 maps per process, and XLA's compiler then segfaulted
+  (three CI runs, always at the same test of the suite, never when its file ran alone)."""
+  yield
+  jax.clear_caches()
+
+
 def tiny_config(**kw) -> LlamaConfig:
   base = dict(vocab_size=97, hidden_size=48, num_layers=3, num_heads=6, num_kv_heads=2,
               head_dim=8, intermediate_size=64, rms_norm_eps=1e-5, tie_word_embeddings=False,
