@@ -21,7 +21,6 @@ import functools
 import inspect
 import os
 
-import jax
 import jax.numpy as jnp
 
 from pallas_kernels import backend as backend_lib

@@ -5,7 +5,6 @@ scan of the sources: fast, and it sees imports that a run would not reach."""
 import ast
 import pathlib
 
-import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGES = ("pallas_kernels", "jax_longctx", "checkpoints_convert", "train_cpt")

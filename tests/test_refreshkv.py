@@ -176,7 +176,8 @@ def test_the_decode_gate_changes_no_result(tiny):
 @pytest.mark.parametrize("kw, match", [
     (dict(qc_stride=0), "qc_stride=0 must be >= 1"),
     (dict(n_local=0), "n_local=0 must be >= 1"),
-    (dict(selection="heap"), "selection='heap' must be 'radix' or 'sort'"),
+    (dict(selection="heap"), "selection='heap' is not valid; selection takes one of 'radix', "
+                             "'sort'"),  # checked at construction, like every field's type
     (dict(refresh=False, full_attention=False), "leaves nothing to do"),
     (dict(budget=100), r"budget=100 is larger than the cache \(64 slots\)"),
 ])

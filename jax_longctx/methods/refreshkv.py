@@ -146,8 +146,6 @@ class RefreshKV(Method):
     if self.qc_stride < 1 or self.fixed_stride < 0:
       raise MethodError(f"qc_stride={self.qc_stride} must be >= 1 and fixed_stride="
                         f"{self.fixed_stride} >= 0")
-    if self.selection not in ("radix", "sort"):
-      raise MethodError(f"selection={self.selection!r} must be 'radix' or 'sort'")
     if not (self.refresh or self.full_attention):
       raise MethodError("refresh=False with full_attention=False leaves nothing to do at a full "
                         "step: that is SnapKV (method 'snapkv' with keep_size=True, window=1)")

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import typing
 from typing import Literal
 
 import jax.numpy as jnp
@@ -35,7 +34,6 @@ from jax_longctx.methods.selection import SelectingMethod, gather_slots, gathere
 from jax_longctx.rope import apply_rope
 
 Prior = Literal["head", "group"]
-PRIORS = typing.get_args(Prior)
 
 
 @struct.dataclass
@@ -81,8 +79,6 @@ class Resa(Method):
   def init_state(self, cfg, batch, max_len, dtype, chunk) -> ResaState:
     if not 0 <= self.lam <= 1:
       raise MethodError(f"lam={self.lam} must lie in [0, 1]")
-    if self.prior not in PRIORS:
-      raise MethodError(f"prior={self.prior!r} must be one of {PRIORS}")
     h, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     zeros = lambda *s: jnp.zeros(s, jnp.float32)  # noqa: E731
     return ResaState(self.inner.init_state(cfg, batch, max_len, dtype, chunk),
