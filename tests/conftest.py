@@ -15,9 +15,10 @@ from jax_longctx.model import random_params  # noqa: E402
 @pytest.fixture(autouse=True, scope="module")
 def _drop_compiled_programs():
   """Frees each test module's compiled programs when it ends. XLA's CPU executables stay mapped
-  while JAX caches them (~6 memory maps each, more for large programs); over the whole suite they
-  reached the kernel's limit of 65,530 maps per process, and XLA's compiler then segfaulted
-  (three CI runs, always at the same test of the suite, never when its file ran alone)."""
+  while JAX caches them (~6 memory maps each, more for large programs). Without this, XLA's
+  compiler segfaulted in four CI runs at the same point of the suite (never when that file ran
+  alone), as the process neared the kernel's 65,530 maps: with it, the count peaks at ~37K within
+  one module (test_methods) and the modules' peaks add up to ~300K."""
   yield
   jax.clear_caches()
 
