@@ -1,21 +1,30 @@
 #!/usr/bin/env bash
-# The RefreshKV quality sweep of issue 9 (docs/results/refreshkv/), as run on one GPU.
+# The RefreshKV quality sweep (issues 9 and 24; docs/results/refreshkv/), as run on one GPU.
 #   experiments/refreshkv_quality.sh [MODEL] [OUT]
 # K = L/8 (budget 0.125 of the cache, SnapKV the same), similarity threshold 0.85, QC stride 5
-# and 10. Long-text perplexity at 8K (last 256 tokens, teacher-forced one token per decode
-# step; ppl_ratio_by_position.png is the paper's Figure 3), chain-of-key and niah multi-key
-# at 8K with the chat template.
-#   TASKS="ppl" runs a subset, SAMPLES=N another sample count; results resume.
+# and 10. Long-text perplexity at PPL_LENGTHS (default 8k; last 256 tokens, teacher-forced one
+# token per decode step; ppl_ratio_by_position.png is the paper's Figure 3), chain-of-key and
+# niah multi-key at TASK_LENGTHS (default 8k) with the chat template. Several lengths write
+# OUT/TASK/LENGTH, each with its own cache (L + 512), so K = L/8 holds at every length.
+#   TASKS="ppl" runs a subset, SAMPLES=N another sample count, DTYPE; results resume.
 set -euo pipefail
+source "$(dirname "$0")/common.sh"
 model=${1:-default}
 out=${2:-docs/results/refreshkv}
 tasks=${TASKS:-ppl chain_of_key niah_multikey}
 methods=full,snapkv,rkv5:refreshkv,rkv10:refreshkv
 args=(--method-arg snapkv.budget=0.125 --method-arg rkv5.qc_stride=5
-      --method-arg rkv10.qc_stride=10 --lengths 8k --cache-len 8704)
+      --method-arg rkv10.qc_stride=10)
 cli=(python -m jax_longctx.cli eval --model "$model" --samples "${SAMPLES:-20}")
+[ -n "${DTYPE:-}" ] && cli+=(--dtype "$DTYPE")
 for task in $tasks; do
   chat=(--chat)
-  [ "$task" = ppl ] && chat=()
-  "${cli[@]}" "${chat[@]}" --task "$task" --methods "$methods" "${args[@]}" --out "$out/$task"
+  lengths=${TASK_LENGTHS:-8k}
+  [ "$task" = ppl ] && chat=() && lengths=${PPL_LENGTHS:-8k}
+  for length in ${lengths//,/ }; do
+    dir=$out/$task
+    [ "$lengths" != "$length" ] && dir=$out/$task/$length
+    "${cli[@]}" "${chat[@]}" --task "$task" --methods "$methods" "${args[@]}" \
+      --lengths "$length" --cache-len $(( $(tokens "$length") + 512 )) --out "$dir"
+  done
 done
