@@ -14,12 +14,12 @@ reference behind one `backend=` switch ("auto" | "reference" | "gpu" | "tpu").
 docs/KERNELS.md says which lowering each variant uses, how it is tested and what was measured.
 """
 
-from pallas_kernels.backend import BACKENDS, lowering_for, resolve
+from pallas_kernels.backend import BACKENDS, lowering_for, platform, resolve
 from pallas_kernels.chunk_prefill import chunk_attention
 from pallas_kernels.flash_attention import flash_attention
 from pallas_kernels.gathered_attention import gathered_attention
 from pallas_kernels.merge_attention import merge_attention
 from pallas_kernels.topk_scores import topk_scores
 
-__all__ = ["BACKENDS", "lowering_for", "resolve", "chunk_attention", "flash_attention",
+__all__ = ["BACKENDS", "lowering_for", "platform", "resolve", "chunk_attention", "flash_attention",
            "gathered_attention", "merge_attention", "topk_scores"]
