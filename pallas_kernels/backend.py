@@ -19,7 +19,7 @@ import jax
 
 BACKENDS = ("auto", "reference", "gpu", "tpu")
 # Platforms `lowering_for` can stand in for. Only TPU: a GPU export on CPU would also need the
-# cuDNN route's lowering, which asks the local CUDA runtime for its version.
+# cuDNN route, whose jax entry reads the local cuDNN version and GPU compute capability.
 LOWERING_PLATFORMS = ("tpu",)
 
 # The platform `lowering_for` names, or None. A jax user context, not a plain contextvar: its
