@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import pallas_kernels
 from jax_longctx.cache import Cache
 from jax_longctx.config import LlamaConfig
 from jax_longctx.methods.base import Method, MethodError, PrefillEnd, RegisteredMethod
@@ -33,9 +34,10 @@ def default_chunk() -> int:
   1.10x / 1.04x transformers' speed at 4096, 1.11x / 1.05x at 8192 and 1.12x / 1.05x at 16384,
   with the same peak memory (the cache and weights dominate it); 8192 keeps most of the gain at
   half of 16384's activations. 512 elsewhere: on CPU the jnp attention holds chunk x cache score
-  blocks, and TPU chunk sizes are not measured.
+  blocks, and TPU chunk sizes are not measured. The platform is the kernels' (`pallas_kernels.
+  platform()`), which `pallas_kernels.lowering_for` overrides while exporting for another one.
   """
-  return 8192 if jax.default_backend() == "gpu" else 512
+  return 8192 if pallas_kernels.platform() == "gpu" else 512
 
 
 def check_prompts(prompts: Sequence[Sequence[int]],

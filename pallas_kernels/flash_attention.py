@@ -89,7 +89,7 @@ def _cudnn(q, k, v, *, causal, kv_len, scale):
 
 def _row_positions(first_row, bm: int, group: int, q_off):
   """Positions [bm, 1] of rows first_row.. (row = query * group + head)."""
-  return q_off + (first_row + lax.broadcasted_iota(jnp.int32, (bm, 1), 0)) // group
+  return q_off + tpu.div(first_row + lax.broadcasted_iota(jnp.int32, (bm, 1), 0), group)
 
 
 @functools.partial(jax.jit, static_argnames=("group", "span", "splits", "causal", "scale",
@@ -148,12 +148,12 @@ def _tpu(qr, k, v, meta, *, group, bm, bk, causal, scale, interpret):
   nk = pl.cdiv(t, bk)
 
   def kernel(meta_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_s, l_s, acc_s):
-    bi, j = pl.program_id(0) // kvh, pl.program_id(2)
+    bi, j = tpu.div(pl.program_id(0), kvh), pl.program_id(2)
     q_off, kv_len = meta_ref[2 * bi], meta_ref[2 * bi + 1]
     first_row = pl.program_id(1) * bm
     end = kv_len
     if causal:
-      end = jnp.minimum(end, q_off + (first_row + bm - 1) // group + 1)
+      end = jnp.minimum(end, q_off + tpu.div(first_row + bm - 1, group) + 1)
 
     @pl.when(j == 0)
     def _():
@@ -175,8 +175,8 @@ def _tpu(qr, k, v, meta, *, group, bm, bk, causal, scale, interpret):
     def _():
       o_ref[...], lse_ref[...] = osm.finish(m_s[...], l_s[...], acc_s[...])
 
-  row = lambda bh, r, j, meta: (bh // kvh, bh % kvh, r, 0)  # noqa: E731
-  key = pl.BlockSpec((SQ, SQ, bk, d), lambda bh, r, j, meta: (bh // kvh, bh % kvh, j, 0))
+  row = lambda bh, r, j, meta: (*tpu.batch_head(bh, kvh), r, 0)  # noqa: E731
+  key = pl.BlockSpec((SQ, SQ, bk, d), lambda bh, r, j, meta: (*tpu.batch_head(bh, kvh), j, 0))
   grid_spec = pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=1, grid=(b * kvh, rp // bm, nk),
       in_specs=[pl.BlockSpec((SQ, SQ, bm, d), row), key, key],

@@ -158,7 +158,7 @@ def _tpu(qr, k, v, indices, ok, rope_table, *, bm, bn, scale, interpret):
 
     def copies(i):
       row = idx_ref[base + i]
-      src = (bh // kvh, bh % kvh, pl.ds(row, 1))
+      src = (*tpu.batch_head(bh, kvh), pl.ds(row, 1))
       return (pltpu.make_async_copy(k_hbm.at[src], k_buf.at[pl.ds(i, 1)], sem.at[0]),
               pltpu.make_async_copy(v_hbm.at[src], v_buf.at[pl.ds(i, 1)], sem.at[1]))
 
@@ -188,11 +188,12 @@ def _tpu(qr, k, v, indices, ok, rope_table, *, bm, bn, scale, interpret):
     def _():
       o_ref[...], lse_ref[...] = osm.finish(m_s[...], l_s[...], acc_s[...])
 
-  row = lambda bh, r, j, idx: (bh // kvh, bh % kvh, r, 0)  # noqa: E731
+  row = lambda bh, r, j, idx: (*tpu.batch_head(bh, kvh), r, 0)  # noqa: E731
   any_spec = pl.BlockSpec(memory_space=pl.ANY)
   grid_spec = pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=1, grid=(b * kvh, rp // bm, nt),
-      in_specs=[pl.BlockSpec((SQ, SQ, 1, bn), lambda bh, r, j, idx: (bh // kvh, bh % kvh, 0, j)),
+      in_specs=[pl.BlockSpec((SQ, SQ, 1, bn),
+                             lambda bh, r, j, idx: (*tpu.batch_head(bh, kvh), 0, j)),
                 pl.BlockSpec((SQ, SQ, bm, d), row), any_spec, any_spec] + (
                     [pl.BlockSpec((2, bn, half), lambda bh, r, j, idx: (0, j, 0))]
                     if rope else []),

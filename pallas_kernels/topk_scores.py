@@ -120,7 +120,7 @@ def _tpu(qr, k, bounds, *, kp, bm, bk, scale, interpret):
   nk = pl.cdiv(t, bk)
 
   def kernel(bounds_ref, q_ref, k_ref, v_out, i_out, run_v, run_i):
-    bi, j = pl.program_id(0) // kvh, pl.program_id(2)
+    bi, j = tpu.div(pl.program_id(0), kvh), pl.program_id(2)
     lo, hi = bounds_ref[2 * bi], bounds_ref[2 * bi + 1]
 
     @pl.when(j == 0)
@@ -139,12 +139,15 @@ def _tpu(qr, k, bounds, *, kp, bm, bk, scale, interpret):
       v_out[...] = run_v[...]
       i_out[...] = run_i[...]
 
-  out_spec = pl.BlockSpec((SQ, SQ, SQ, bm, kp), lambda bh, r, j, bnd: (bh // kvh, bh % kvh, 0, r, 0))
+  out_spec = pl.BlockSpec((SQ, SQ, SQ, bm, kp),
+                          lambda bh, r, j, bnd: (*tpu.batch_head(bh, kvh), 0, r, 0))
   shape = (b, kvh, 1, rp, kp)
   grid_spec = pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=1, grid=(b * kvh, rp // bm, nk),
-      in_specs=[pl.BlockSpec((SQ, SQ, bm, d), lambda bh, r, j, bnd: (bh // kvh, bh % kvh, r, 0)),
-                pl.BlockSpec((SQ, SQ, bk, d), lambda bh, r, j, bnd: (bh // kvh, bh % kvh, j, 0))],
+      in_specs=[pl.BlockSpec((SQ, SQ, bm, d),
+                             lambda bh, r, j, bnd: (*tpu.batch_head(bh, kvh), r, 0)),
+                pl.BlockSpec((SQ, SQ, bk, d),
+                             lambda bh, r, j, bnd: (*tpu.batch_head(bh, kvh), j, 0))],
       out_specs=[out_spec, out_spec],
       scratch_shapes=[pltpu.VMEM((bm, kp), jnp.float32), pltpu.VMEM((bm, kp), jnp.int32)])
   return pl.pallas_call(

@@ -1,10 +1,27 @@
-"""Helpers shared by the TPU kernels: the grid semantics and the attention kernels' call."""
+"""Helpers shared by the TPU kernels: the grid semantics, integer division of grid indices and
+the attention kernels' call."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
+
+
+def div(x, n: int):
+  """x // n for a non-negative traced int32 x (grid indices, positions) and n > 0.
+
+  `//` on a traced int adds a sign correction (floor vs truncation) whose Mosaic lowering asks
+  the local TPU for its generation: it cannot lower without a TPU (export on CPU) and is extra
+  work on one. For x >= 0 truncating division is floor division.
+  """
+  return lax.div(x, n)
+
+
+def batch_head(bh, kvh: int):
+  """(batch, kv head) of the first grid axis, which runs over batch x kv heads."""
+  return div(bh, kvh), lax.rem(bh, kvh)
 
 
 def compiler_params():

@@ -20,6 +20,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+import pallas_kernels
 from jax_longctx.attention import attention
 from jax_longctx.config import LlamaConfig
 from jax_longctx.methods.base import AttnContext, Method
@@ -27,7 +28,7 @@ from jax_longctx.rope import apply_rope
 
 
 def _prefix_implementation(dtype) -> str | None:
-  on_gpu = jax.default_backend() == "gpu"
+  on_gpu = pallas_kernels.platform() == "gpu"  # as the kernels see it (lowering_for overrides)
   return "cudnn" if on_gpu and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) else None
 
 

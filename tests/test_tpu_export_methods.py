@@ -1,0 +1,130 @@
+"""Every registered method's steps on a tiny model, exported for TPU from this CPU machine
+(pallas_kernels.lowering_for): the Mosaic lowering of the kernels each method calls, with the
+shapes and layouts the method hands them, fails here and not first on a TPU. Shapes only:
+nothing runs (tests/kernels/test_tpu_export.py does the kernels alone; docs/KERNELS.md says what
+an export does and does not prove).
+
+Per-layer methods: a prefill chunk, a decode step (each gate value when the method has a decode
+gate), and the end-of-prefill hook where there is one (RESA's prior runs flash_attention there).
+Mesh methods: Star's / ring's phase 1 (the context encoded over the mesh axis) and phase 2 (the
+query and the decode loop), on a real 1-device mesh and on an abstract 4-device one.
+
+KERNEL_STEPS is exact both ways: a step that should reach a kernel but exports without a Mosaic
+call (silently on the jnp reference) fails, and so does a new or changed method whose step
+starts calling kernels without being listed here.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AbstractMesh, Mesh
+
+from jax_longctx.chunked_prefill import end_prefill, prefill_step
+from jax_longctx.distributed import encode_context
+from jax_longctx.distributed import star as star_lib
+from jax_longctx.generation import Sampling
+from jax_longctx.methods import Method, get, names
+from jax_longctx.model import abstract_model, forward, new_cache
+from tests.conftest import tiny_config
+from tests.test_methods import _method
+from tests.tpu_export import export_for_tpu, mosaic_calls
+
+S = jax.ShapeDtypeStruct
+# bf16 and a head dim of 64 as on a TPU; a cache past one 256-key tile, not a multiple of it.
+CFG = tiny_config(dtype="bfloat16", head_dim=64)
+BATCH, CACHE_LEN, CHUNK, BUDGET = 2, 300, 16, 32
+
+# The per-layer steps that run a Pallas kernel on a TPU (found by these exports, and why):
+# prefill chunks of full and of the methods whose prefill is full's (Quest, top-k and RESA over
+# them, SnapKV, RefreshKV) go to chunk_attention; ReAttention votes with topk_scores and attends
+# with flash_attention in its chunks and gathers its scope in decode; RefreshKV's decode steps
+# use gathered_attention; RESA's end-of-prefill hook computes its prior with flash_attention.
+# Decode of full and its kin keeps the jnp path (measured at 78% of the HBM bound).
+KERNEL_STEPS = {
+    "full": {"prefill"},
+    "quest": {"prefill"},
+    "topk": {"prefill"},
+    "snapkv": {"prefill"},
+    "resa": {"prefill", "end_of_prefill"},
+    "refreshkv": {"prefill", "decode"},
+    "reattention": {"prefill", "decode"},
+}
+MESHES = {"1_device": lambda: Mesh(np.array(jax.devices()[:1]), ("ctx",)),
+          "abstract_4": lambda: AbstractMesh((4,), ("ctx",))}
+
+
+def _setup(name):
+  method = _method(name, BUDGET)
+  chunk = method.prefill_chunk or CHUNK
+  cache = jax.eval_shape(lambda: new_cache(CFG, method, BATCH, CACHE_LEN, chunk=chunk))
+  return method, chunk, abstract_model(CFG)[1], cache
+
+
+def _expect(name, step, exported):
+  calls = mosaic_calls(exported)
+  if step in KERNEL_STEPS.get(name, ()):
+    assert calls > 0, f"{name} {step}: no Mosaic kernel in the TPU export (reference path?)"
+  else:
+    assert calls == 0, f"{name} {step}: {calls} Mosaic kernel(s); add it to KERNEL_STEPS"
+
+
+@pytest.mark.parametrize("name", names("layer"))
+def test_prefill_chunk_exports_for_tpu(name):
+  method, chunk, params, cache = _setup(name)
+
+  def step(params, tokens, start, lengths, cache, last):
+    return prefill_step(params, tokens, start, lengths, cache, last, cfg=CFG, method=method)
+
+  exported = export_for_tpu(step, params, S((BATCH, chunk), jnp.int32), S((), jnp.int32),
+                            S((BATCH,), jnp.int32), cache, S((BATCH, CFG.vocab_size), jnp.float32))
+  _expect(name, "prefill", exported)
+
+
+@pytest.mark.parametrize("name", [n for n in names("layer") if get(n).ends_prefill])
+def test_end_of_prefill_exports_for_tpu(name):
+  method, _, _, cache = _setup(name)
+  exported = export_for_tpu(lambda c: end_prefill(c, CFG, method, decode_room=8), cache)
+  _expect(name, "end_of_prefill", exported)
+
+
+@pytest.mark.parametrize("name", names("layer"))
+def test_decode_step_exports_for_tpu(name):
+  method, _, params, cache = _setup(name)
+  # The cache as decoding gets it: after the end-of-prefill hook (SnapKV compresses there).
+  cache = jax.eval_shape(lambda c: end_prefill(c, CFG, method, decode_room=8), cache)
+  # With a decode gate, each gate value compiles a step of its own (generation.decode_while).
+  gated = type(method).decode_gate is not Method.decode_gate
+  for gate_open in (True, False) if gated else (True,):
+
+    def step(params, tokens, cache):
+      return forward(params, tokens, cache.lengths[:, None], cache, method, CFG, decode=True,
+                     logits_index=jnp.zeros((BATCH,), jnp.int32), gate_open=gate_open)
+
+    _expect(name, "decode", export_for_tpu(step, params, S((BATCH, 1), jnp.int32), cache))
+
+
+@pytest.mark.parametrize("mesh", list(MESHES))
+@pytest.mark.parametrize("name", names("mesh"))
+def test_mesh_method_phases_export_for_tpu(name, mesh):
+  """Phase 1 through the public encode_context, its tokens baked in as constants. Phase 2 is
+  star_lib._phase2, the compiled part of `answer` (which then syncs with the host to trim the
+  tokens, so it cannot be traced whole). On the abstract mesh each device's kernels get their
+  share of the context and ring's K/V go around 4 devices; that export says mhlo.num_partitions
+  = 1 beside a 4-device sdy mesh, so it checks lowering, it is not an artifact to deploy."""
+  mesh, method, params = MESHES[mesh](), get(name), abstract_model(CFG)[1]
+  rng = np.random.default_rng(0)
+  contexts = [rng.integers(0, CFG.vocab_size, n).tolist() for n in (CACHE_LEN, 111)]
+
+  def phase1(params):
+    return encode_context(params, CFG, contexts, mesh, method=name, **method.settings())
+
+  exported = export_for_tpu(phase1, params)
+  assert mosaic_calls(exported) > 0, f"{name} phase 1: no Mosaic kernel"
+  context_kv = jax.eval_shape(phase1, params)
+  q_w, new_tokens = 8, 4
+  phase2 = star_lib._phase2(CFG, mesh, "ctx", BATCH, q_w, new_tokens, Sampling())
+  i32 = lambda *shape: S(shape, jnp.int32)  # noqa: E731
+  exported = export_for_tpu(phase2, params, context_kv, i32(BATCH, q_w), i32(BATCH), i32(BATCH),
+                            i32(1), jax.random.key(0))
+  assert mosaic_calls(exported) > 0, f"{name} phase 2: no Mosaic kernel"
