@@ -52,3 +52,9 @@ def num_cores() -> int:
   """Streaming multiprocessors on a GPU (what key-axis splits must fill); 1 elsewhere."""
   dev = jax.devices()[0]
   return int(getattr(dev, "core_count", 0) or 132) if dev.platform == "gpu" else 1
+
+
+def is_hopper() -> bool:
+  """Whether the default device is an sm_90 GPU (H100/H200), where Mosaic GPU's WGMMA runs."""
+  dev = jax.devices()[0]
+  return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")) == "9.0"

@@ -72,6 +72,9 @@ class Config:
       raise ValueError(f"semantics {self.semantics!r} must be None, 'lane' or 'warpgroup'")
 
 
+DEFAULT_CONFIG = Config()  # what flash_attention uses (set from the device sweep's best)
+
+
 def smem_bytes(config: Config, d: int, itemsize: int = 2) -> int:
   """Shared memory of one CTA: Q/O per compute warpgroup, the K and V rings, the LSE rows."""
   tiles = COMPUTE_WGS * config.block_q * d + 2 * config.stages * config.block_kv * d
@@ -100,12 +103,13 @@ def unsupported(q, k, v, *, kv_layout: str, config: Config) -> str | None:
                                              "interpret", "native"))
 def mgpu_flash_attention(q, k, v, q_offset, kv_len, *, causal: bool, scale: float,
                          kv_layout: str = "BTHD", config: Config = Config(),
-                         interpret: bool = False, native: bool | None = None):
+                         interpret=False, native: bool | None = None):
   """q [B, Lq, H, d]; k, v [B, T, KV, d] (BTHD) or [B, KV, T, d] (BHTD); q_offset, kv_len int32
   [B] (kv_len <= T, q_offset >= 0). Returns (out [B, Lq, H, d] in q's dtype, lse [B, Lq, H] fp32,
-  natural log; rows that see no key give (0, -inf)). interpret: run in jax's Mosaic GPU
-  interpreter on CPU; native (default: not interpret) selects the GPU-only code paths."""
-  native = (not interpret) if native is None else native
+  natural log; rows that see no key give (0, -inf)). interpret: True or an InterpretGPUParams:
+  run in jax's Mosaic GPU interpreter on CPU; native (default: not interpret) selects the
+  GPU-only code paths (see the module doc)."""
+  native = (interpret is False) if native is None else native
   b, lq, h, d = q.shape
   t, kvh = (k.shape[1], k.shape[2]) if kv_layout == "BTHD" else (k.shape[2], k.shape[1])
   why = unsupported(q, k, v, kv_layout=kv_layout, config=config)
@@ -121,8 +125,8 @@ def mgpu_flash_attention(q, k, v, q_offset, kv_len, *, causal: bool, scale: floa
                 jax.ShapeDtypeStruct((b, h, lq), jnp.float32)],  # seq minor: 1-D TMA rows
       grid=(h, dims.q_blocks, b), grid_names=("head", "qblock", "batch"),
       num_threads=COMPUTE_WGS + 1, thread_name="wg",
-      compiler_params=None if interpret else _compiler_params(config),
-      interpret=_interpret_params() if interpret else None,
+      compiler_params=None if interpret is not False else _compiler_params(config),
+      interpret=_interpret_params(interpret),
   )(meta, q, k, v)
   return out, jnp.swapaxes(lse, 1, 2)
 
@@ -153,9 +157,13 @@ def interpreter_available() -> str | None:
   return None
 
 
-def _interpret_params():
-  from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-  return InterpretGPUParams()
+def _interpret_params(interpret):
+  if interpret is False:
+    return None
+  if interpret is True:
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+    return InterpretGPUParams()
+  return interpret  # the caller's InterpretGPUParams (e.g. detect_races=True)
 
 
 def _entry(meta_ref, q_ref, k_ref, v_ref, out_ref, lse_ref, *, dims, cfg, dtype, **kw):
@@ -403,21 +411,30 @@ class _Ops:
     if not self.native:
       s = lax.dot_general(q_smem[...], k_tile[...], (((1,), (1,)), ((), ())),
                           preferred_element_type=jnp.float32)
+      self.fence_reads()
       after_issue()
       return s
 
     def product(acc_ref):
-      plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_tile, (1, 0)))
+      plgpu.wgmma(acc_ref, q_smem, k_tile.transpose((1, 0)))  # K^T: a view
       after_issue()
       return acc_ref[...]
 
     return pl.run_scoped(product, plgpu.ACC((self.bq, self.bk), jnp.float32))
+
+  @staticmethod
+  def fence_reads():
+    """WGMMA reads SMEM through the async proxy, as TMA writes it; the interpreter's plain loads
+    go through the generic proxy, which needs a proxy fence before TMA refills the slot (jax
+    0.11's interpreter checks this; without it, it reports the refill as a race)."""
+    plgpu.commit_smem()
 
   def accumulate(self, acc, p, v_tile, *, after_issue):
     """acc + P [bq, bk] . V [bk, d] in fp32."""
     if not self.native:
       pv = lax.dot_general(p, v_tile[...], (((1,), (0,)), ((), ())),
                            preferred_element_type=jnp.float32)
+      self.fence_reads()
       after_issue()
       return acc + pv
 
