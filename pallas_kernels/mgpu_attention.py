@@ -121,14 +121,16 @@ def mgpu_flash_attention(q, k, v, q_offset, kv_len, *, causal: bool, scale: floa
                            cfg=config, native=native, dtype=q.dtype)
   out, lse = plgpu.kernel(
       body,
+      # LSE with the queries minor (each warpgroup's rows: one 1-D TMA store), padded to a
+      # multiple of 4 floats: a TMA stride must be a multiple of 16 bytes.
       out_type=[jax.ShapeDtypeStruct(q.shape, q.dtype),
-                jax.ShapeDtypeStruct((b, h, lq), jnp.float32)],  # seq minor: 1-D TMA rows
+                jax.ShapeDtypeStruct((b, h, -(-lq // 4) * 4), jnp.float32)],
       grid=(h, dims.q_blocks, b), grid_names=("head", "qblock", "batch"),
       num_threads=COMPUTE_WGS + 1, thread_name="wg",
       compiler_params=None if interpret is not False else _compiler_params(config),
       interpret=_interpret_params(interpret),
   )(meta, q, k, v)
-  return out, jnp.swapaxes(lse, 1, 2)
+  return out, jnp.swapaxes(lse[..., :lq], 1, 2)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -310,7 +312,12 @@ def _consumer(refs, smem, loaded, freed, turn, *, wg, q_base, dims, cfg, causal,
       ops=ops, steps=steps, c=scale * LOG2E, dtype=dtype, t=dims.t, cfg=cfg, causal=causal,
       q_pos0=q_off + q_base, kv_len=kv_len)
   state = lax.fori_loop(0, unmasked, functools.partial(step, masked=False), state)
-  state = lax.fori_loop(unmasked, steps, functools.partial(step, masked=True), state)
+  # The cond only skips an empty loop; tokamax's FA3 guards its masked loop the same way ("a weird
+  # compiler bug" without it).
+  state = lax.cond(unmasked < steps,
+                   lambda: lax.fori_loop(unmasked, steps, functools.partial(step, masked=True),
+                                         state),
+                   lambda: state)
 
   @pl.loop(steps, cta_steps)
   def _(i):  # the other warpgroup's rows see more tiles: keep the ring and the turns in step

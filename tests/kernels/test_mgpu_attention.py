@@ -73,9 +73,10 @@ CASES = {
     "causal_square_g1_d64": (1, 256, 2, 2, 256, 64, True, (0,), (256,), "BTHD",
                              Config(64, 64, 2)),
     # a chunk at an offset into a cache, per sequence; neither 160 queries nor 320 keys are
-    # multiples of a block (clamped last query block and key tile); the second sequence's
+    # multiples of a block (clamped last query block and key tile; 157 is not a multiple of 4
+    # either: the padded LSE rows); the second sequence's
     # kv_len cuts the chunk's causal range
-    "chunk_offset_g4_d128": (2, 160, 4, 1, 320, 128, True, (160, 7), (320, 150), "BTHD",
+    "chunk_offset_g4_d128": (2, 157, 4, 1, 320, 128, True, (163, 7), (320, 150), "BTHD",
                              Config(64, 128, 2)),
     # non-causal with per-sequence lengths, the cache layout, a 3-slot ring
     "noncausal_kvlen_g4_bhtd": (2, 128, 4, 1, 300, 64, False, (0, 0), (300, 77), "BHTD",
