@@ -76,9 +76,12 @@ DEFAULT_CONFIG = Config()  # what flash_attention uses (set from the device swee
 
 
 def smem_bytes(config: Config, d: int, itemsize: int = 2) -> int:
-  """Shared memory of one CTA: Q/O per compute warpgroup, the K and V rings, the LSE rows."""
+  """Shared memory of one CTA: Q/O per compute warpgroup, the K and V rings, the LSE rows, and
+  up to 1 KiB of barriers and alignment (Mosaic's lowering counted 120-700 bytes; its cross-warp
+  reduction scratch is set to 0: a WGMMA tile's row max / sum stay within a warp, as in
+  tokamax's FA3). Lowering checks the real size against the 227 KiB a CTA may use."""
   tiles = COMPUTE_WGS * config.block_q * d + 2 * config.stages * config.block_kv * d
-  return tiles * itemsize + COMPUTE_WGS * config.block_q * 4 + 1024  # + barriers, alignment
+  return tiles * itemsize + COMPUTE_WGS * config.block_q * 4 + 1024
 
 
 def unsupported(q, k, v, *, kv_layout: str, config: Config) -> str | None:
@@ -143,7 +146,8 @@ class _Dims:
 
 
 def _compiler_params(config: Config):
-  kw = dict(approx_math=True)  # exp2 / reciprocal as the fast hardware approximations
+  kw = dict(approx_math=True,  # exp2 / reciprocal as the fast hardware approximations
+            reduction_scratch_bytes=0)  # (see smem_bytes)
   if config.semantics is not None:
     kw["lowering_semantics"] = {"lane": plgpu.LoweringSemantics.Lane,
                                 "warpgroup": plgpu.LoweringSemantics.Warpgroup}[config.semantics]

@@ -183,3 +183,24 @@ def test_native_kernel_lowers_to_mosaic_gpu(d, causal, kv_layout, semantics):
 
   text = jax.jit(f).trace(q, k, k, ints, ints).lower(lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text
+
+
+def test_smem_estimate_agrees_with_mosaic_lowering(monkeypatch):
+  """At d=128, 3 stages of 128 keys fit in a CTA's 227 KiB and 4 do not: `unsupported` says so,
+  and Mosaic's own check at lowering agrees when the estimate is bypassed."""
+  q = jax.ShapeDtypeStruct((1, 256, 8, 128), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((1, 1024, 2, 128), jnp.bfloat16)
+  ints = jax.ShapeDtypeStruct((1,), jnp.int32)
+
+  def lower(config):
+    f = lambda q, k, v, o, n: mgpu_flash_attention(q, k, v, o, n, causal=True, scale=0.1,  # noqa
+                                                   config=config)
+    return jax.jit(f).trace(q, k, k, ints, ints).lower(lowering_platforms=("cuda",))
+
+  fits, too_big = Config(64, 128, 3), Config(64, 128, 4)
+  assert mgpu_attention.unsupported(q, k, k, kv_layout="BTHD", config=fits) is None
+  assert "SMEM" in mgpu_attention.unsupported(q, k, k, kv_layout="BTHD", config=too_big)
+  lower(fits)
+  monkeypatch.setattr(mgpu_attention, "SMEM_LIMIT", 1 << 30)
+  with pytest.raises(Exception, match="exceeds available shared memory"):
+    lower(too_big)
