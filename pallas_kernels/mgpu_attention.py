@@ -18,8 +18,8 @@ last query block and the last key tile are clamped to end at Lq and T (never out
 overlapped query rows are computed twice, identically, and overlapped keys are masked.
 Requires Lq >= block_q and T >= block_kv (`unsupported` says why a call does not apply).
 
-Off a GPU the same kernel runs in jax's Mosaic GPU interpreter (`interpret=True`), which in JAX
-0.10 cannot run three things of the native kernel: `layout_cast` (no CPU rule), WGMMA with a
+Off a GPU the same kernel runs in jax's Mosaic GPU interpreter (`interpret=True`), which (JAX
+0.10 and 0.11) cannot run three things of the native kernel: `layout_cast` (no CPU rule), WGMMA with a
 transposed SMEM operand or a register operand, and `run_state`. With `native=False` those become
 identity casts and plain dot products of the SMEM tiles; everything else (TMA copies, barriers,
 the pipeline, masks, block skipping, the epilogue) is the code that runs on the GPU. The native
@@ -31,75 +31,20 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-try:
-  from jax.experimental.pallas import mosaic_gpu as plgpu
-except ImportError:  # pragma: no cover  (a jaxlib without Mosaic GPU)
-  plgpu = None
+from pallas_kernels.mgpu_common import (COMPUTE_WGS, LOG2E, NEG_INF, Config, Ops,
+                                        compiler_params, interpret_params, interpreter_available,
+                                        plgpu, rows, smem_bytes, unsupported)
 
-COMPUTE_WGS = 2
-SMEM_LIMIT = 227 * 1024  # bytes of shared memory one CTA may use on an H100/H200
-LOG2E = math.log2(math.e)
-LN2 = math.log(2.0)
-NEG_INF = float("-inf")
-HEAD_DIMS = (64, 128)
-DTYPES = (jnp.bfloat16, jnp.float16)
-
-
-@dataclasses.dataclass(frozen=True)
-class Config:
-  """block_q: query rows per compute warpgroup (a CTA covers 2 * block_q); block_kv: keys per
-  tile; stages: K/V tiles in flight; semantics: Mosaic GPU lowering, "lane" | "warpgroup" |
-  None (this JAX's default: lane in 0.10, warpgroup since 0.11)."""
-  block_q: int = 64
-  block_kv: int = 128
-  stages: int = 2
-  semantics: str | None = None
-
-  def __post_init__(self):
-    if self.block_q % 64 or self.block_kv % 64:
-      raise ValueError(f"block_q {self.block_q} and block_kv {self.block_kv} must be multiples "
-                       "of 64 (one WGMMA row block per warpgroup)")
-    if self.stages < 2:
-      raise ValueError(f"stages {self.stages} must be at least 2 (load one tile, use another)")
-    if self.semantics not in (None, "lane", "warpgroup"):
-      raise ValueError(f"semantics {self.semantics!r} must be None, 'lane' or 'warpgroup'")
-
+__all__ = ["Config", "DEFAULT_CONFIG", "interpreter_available", "mgpu_flash_attention",
+           "smem_bytes", "unsupported"]
 
 DEFAULT_CONFIG = Config()  # what flash_attention uses (set from the device sweep's best)
-
-
-def smem_bytes(config: Config, d: int, itemsize: int = 2) -> int:
-  """Shared memory of one CTA: Q/O per compute warpgroup, the K and V rings, the LSE rows, and
-  up to 1 KiB of barriers and alignment (Mosaic's lowering counted 120-700 bytes; its cross-warp
-  reduction scratch is set to 0: a WGMMA tile's row max / sum stay within a warp, as in
-  tokamax's FA3). Lowering checks the real size against the 227 KiB a CTA may use."""
-  tiles = COMPUTE_WGS * config.block_q * d + 2 * config.stages * config.block_kv * d
-  return tiles * itemsize + COMPUTE_WGS * config.block_q * 4 + 1024
-
-
-def unsupported(q, k, v, *, kv_layout: str, config: Config) -> str | None:
-  """Why this kernel cannot run the call (None: it can)."""
-  lq, d = q.shape[1], q.shape[3]
-  t = k.shape[1 if kv_layout == "BTHD" else 2]
-  if plgpu is None:
-    return "this jaxlib has no Mosaic GPU"
-  if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
-    return f"dtypes {q.dtype}/{k.dtype}/{v.dtype}: needs q, k, v all bf16 or all fp16"
-  if d not in HEAD_DIMS:
-    return f"head dim {d} not in {HEAD_DIMS}"
-  if lq < config.block_q or t < config.block_kv:
-    return f"{lq} queries / {t} keys: needs at least block_q={config.block_q} / " \
-           f"block_kv={config.block_kv}"
-  if smem_bytes(config, d) > SMEM_LIMIT:
-    return f"{config} needs {smem_bytes(config, d)} bytes of SMEM at d={d} (> {SMEM_LIMIT})"
-  return None
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "scale", "kv_layout", "config",
@@ -130,8 +75,8 @@ def mgpu_flash_attention(q, k, v, q_offset, kv_len, *, causal: bool, scale: floa
                 jax.ShapeDtypeStruct((b, h, -(-lq // 4) * 4), jnp.float32)],
       grid=(h, dims.q_blocks, b), grid_names=("head", "qblock", "batch"),
       num_threads=COMPUTE_WGS + 1, thread_name="wg",
-      compiler_params=None if interpret is not False else _compiler_params(config),
-      interpret=_interpret_params(interpret),
+      compiler_params=None if interpret is not False else compiler_params(config),
+      interpret=interpret_params(interpret),
   )(meta, q, k, v)
   return out, jnp.swapaxes(lse[..., :lq], 1, 2)
 
@@ -143,33 +88,6 @@ class _Dims:
   d: int
   group: int  # query heads per kv head
   q_blocks: int  # CTAs along the queries
-
-
-def _compiler_params(config: Config):
-  kw = dict(approx_math=True,  # exp2 / reciprocal as the fast hardware approximations
-            reduction_scratch_bytes=0)  # (see smem_bytes)
-  if config.semantics is not None:
-    kw["lowering_semantics"] = {"lane": plgpu.LoweringSemantics.Lane,
-                                "warpgroup": plgpu.LoweringSemantics.Warpgroup}[config.semantics]
-  return plgpu.CompilerParams(**kw)
-
-
-def interpreter_available() -> str | None:
-  """None if jax's Mosaic GPU interpreter (private in JAX 0.10/0.11) imports, else why not."""
-  try:
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # noqa: F401
-  except ImportError as e:
-    return f"no Mosaic GPU interpreter in jax {jax.__version__}: {e}"
-  return None
-
-
-def _interpret_params(interpret):
-  if interpret is False:
-    return None
-  if interpret is True:
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-    return InterpretGPUParams()
-  return interpret  # the caller's InterpretGPUParams (e.g. detect_races=True)
 
 
 def _entry(meta_ref, q_ref, k_ref, v_ref, out_ref, lse_ref, *, dims, cfg, dtype, **kw):
@@ -192,6 +110,8 @@ def _entry(meta_ref, q_ref, k_ref, v_ref, out_ref, lse_ref, *, dims, cfg, dtype,
 
 
 def _cta(refs, smem, loaded, freed, turn, *, dims, cfg, causal, **kw):
+  """One CTA: which sequence, head and query block, how many key tiles its rows see in all
+  (cta_steps: the memory warpgroup loads those), then each warpgroup's role."""
   meta_ref = refs[0]
   b, h, wg = lax.axis_index("batch"), lax.axis_index("head"), lax.axis_index("wg")
   blk = lax.axis_index("qblock")
@@ -200,18 +120,18 @@ def _cta(refs, smem, loaded, freed, turn, *, dims, cfg, causal, **kw):
   q_off, kv_len = meta_ref[b, 0], meta_ref[b, 1]
   last_wg_base = _q_base(blk, COMPUTE_WGS - 1, cfg.block_q, dims.lq)
   cta_steps = _key_bounds(last_wg_base, q_off, kv_len, causal=causal, cfg=cfg)[1]
-  where = dict(b=b, h=h, kvh=lax.div(h, jnp.int32(dims.group)), q_off=q_off, kv_len=kv_len,
-               cta_steps=cta_steps)
+  scalars = dict(b=b, h=h, kvh=lax.div(h, jnp.int32(dims.group)), q_off=q_off, kv_len=kv_len,
+                 cta_steps=cta_steps)
   args = (refs, smem, loaded, freed, turn)
 
   @pl.when(wg < COMPUTE_WGS)
   def _():
     _consumer(*args, wg=wg, q_base=_q_base(blk, wg, cfg.block_q, dims.lq), dims=dims, cfg=cfg,
-              causal=causal, **where, **kw)
+              causal=causal, **scalars, **kw)
 
   @pl.when(wg == COMPUTE_WGS)
   def _():
-    _producer(*args, dims=dims, cfg=cfg, **where, kv_layout=kw["kv_layout"],
+    _producer(*args, dims=dims, cfg=cfg, **scalars, kv_layout=kw["kv_layout"],
               native=kw["native"])
 
 
@@ -240,7 +160,7 @@ def _tile_start(step, bk: int, t: int):
   return jnp.minimum(step * bk, t - bk)
 
 
-def _key_rows(ref, kv_layout: str, b, kvh, start, bk: int):
+def _keyrows(ref, kv_layout: str, b, kvh, start, bk: int):
   """[bk, d] view of keys start.. of kv head kvh in either layout (a strided TMA box in BTHD)."""
   if kv_layout == "BTHD":
     return ref.at[b, pl.ds(start, bk), kvh]
@@ -260,7 +180,7 @@ def _producer(refs, smem, loaded, freed, turn, *, dims, cfg, kv_layout, native, 
 
   def load(x_ref, x_smem, barrier, step, slot):
     start = _tile_start(step, cfg.block_kv, dims.t)
-    plgpu.copy_gmem_to_smem(_key_rows(x_ref, kv_layout, b, kvh, start, cfg.block_kv),
+    plgpu.copy_gmem_to_smem(_keyrows(x_ref, kv_layout, b, kvh, start, cfg.block_kv),
                             x_smem.at[slot], barrier.at[slot])
 
   for i in range(cfg.stages):  # fill the ring (only with tiles this CTA will use)
@@ -299,7 +219,7 @@ def _consumer(refs, smem, loaded, freed, turn, *, wg, q_base, dims, cfg, causal,
   plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q_base, cfg.block_q), h], qo, q_loaded.at[wg])
   plgpu.barrier_wait(q_loaded.at[wg])
   unmasked, steps = _key_bounds(q_base, q_off, kv_len, causal=causal, cfg=cfg)
-  ops = _Ops(native, cfg, dims.d)
+  ops = Ops(native, cfg, dims.d)
   state = ops.init_state()
 
   def sync_turn():
@@ -360,8 +280,8 @@ def _step(i, state, *, masked: bool, qo, smem, loaded, freed, turn, sync_turn, o
   # A row that has seen no key yet keeps m = -inf; subtract 0 then (its p are all 0), not -inf.
   m_sub = jnp.where(m_new == NEG_INF, 0.0, m_new) if masked else m_new
   alpha = jnp.exp2(m - m_sub)
-  p = jnp.exp2(s * c - _rows(m_sub, s.shape))
-  acc = acc * _rows(alpha, acc.shape)
+  p = jnp.exp2(s * c - rows(m_sub, s.shape))
+  acc = acc * rows(alpha, acc.shape)
   l = l * alpha + p.sum(axis=1)
   p16 = p.astype(dtype)
   # FA3's order at d <= 128 (measured faster there): the row sum before the barriers below.
@@ -391,73 +311,6 @@ def _visible(ops, i, *, t, cfg, causal, q_pos0, kv_len):
   return ok
 
 
-def _rows(x, shape):
-  """Per-row values [n] broadcast along the columns of `shape`."""
-  return lax.broadcast_in_dim(x, shape, [0])
 
 
-class _Ops:
-  """What the GPU and jax's CPU interpreter do differently: register layouts and the two matrix
-  products (WGMMA natively; dot products of the SMEM tiles in the interpreter, which in JAX 0.10
-  runs neither a transposed nor a register WGMMA operand, nor run_state)."""
 
-  def __init__(self, native: bool, cfg: Config, d: int):
-    self.native, self.bq, self.bk, self.d = native, cfg.block_q, cfg.block_kv, d
-
-  def layout(self, x, layout):
-    return plgpu.layout_cast(x, layout) if self.native else x
-
-  def iota(self, dim: int):
-    x = lax.broadcasted_iota(jnp.int32, (self.bq, self.bk), dim)
-    return self.layout(x, plgpu.Layout.WGMMA)
-
-  def init_state(self):
-    row = plgpu.Layout.WGMMA.reduce(1)
-    return (self.layout(jnp.zeros((self.bq, self.d), jnp.float32), plgpu.Layout.WGMMA),
-            self.layout(jnp.full((self.bq,), NEG_INF, jnp.float32), row),
-            self.layout(jnp.zeros((self.bq,), jnp.float32), row))
-
-  def scores(self, q_smem, k_tile, *, after_issue):
-    """Q [bq, d] . K [bk, d]^T -> fp32 [bq, bk]; after_issue runs while the product is in flight."""
-    if not self.native:
-      s = lax.dot_general(q_smem[...], k_tile[...], (((1,), (1,)), ((), ())),
-                          preferred_element_type=jnp.float32)
-      self.fence_reads()
-      after_issue()
-      return s
-
-    def product(acc_ref):
-      plgpu.wgmma(acc_ref, q_smem, k_tile.transpose((1, 0)))  # K^T: a view
-      after_issue()
-      return acc_ref[...]
-
-    return pl.run_scoped(product, plgpu.ACC((self.bq, self.bk), jnp.float32))
-
-  @staticmethod
-  def fence_reads():
-    """WGMMA reads SMEM through the async proxy, as TMA writes it; the interpreter's plain loads
-    go through the generic proxy, which needs a proxy fence before TMA refills the slot (jax
-    0.11's interpreter checks this; without it, it reports the refill as a race)."""
-    plgpu.commit_smem()
-
-  def accumulate(self, acc, p, v_tile, *, after_issue):
-    """acc + P [bq, bk] . V [bk, d] in fp32."""
-    if not self.native:
-      pv = lax.dot_general(p, v_tile[...], (((1,), (0,)), ((), ())),
-                           preferred_element_type=jnp.float32)
-      self.fence_reads()
-      after_issue()
-      return acc + pv
-
-    def product(acc_ref):
-      plgpu.wgmma(acc_ref, p, v_tile)
-      after_issue()
-
-    return pl.run_state(product)(plgpu.ACC.init(acc))
-
-  def finish(self, acc, m, l):
-    """-> (out [bq, d] fp32, natural-log LSE [bq]); rows that saw no key: (0, -inf)."""
-    seen = l > 0
-    inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
-    lse = jnp.where(seen, m * LN2 + jnp.log(jnp.where(seen, l, 1.0)), NEG_INF)
-    return acc * _rows(inv, acc.shape), lse

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import flash_attention, mgpu_attention, reference
+from pallas_kernels import flash_attention, mgpu_attention, mgpu_common, reference
 from pallas_kernels.backend import Variant
 from pallas_kernels.gpu import Tiling
 from pallas_kernels.mgpu_attention import Config, mgpu_flash_attention
@@ -201,6 +201,6 @@ def test_smem_estimate_agrees_with_mosaic_lowering(monkeypatch):
   assert mgpu_attention.unsupported(q, k, k, kv_layout="BTHD", config=fits) is None
   assert "SMEM" in mgpu_attention.unsupported(q, k, k, kv_layout="BTHD", config=too_big)
   lower(fits)
-  monkeypatch.setattr(mgpu_attention, "SMEM_LIMIT", 1 << 30)
+  monkeypatch.setattr(mgpu_common, "SMEM_LIMIT", 1 << 30)
   with pytest.raises(Exception, match="exceeds available shared memory"):
     lower(too_big)
