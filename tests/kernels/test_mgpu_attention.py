@@ -204,3 +204,35 @@ def test_smem_estimate_agrees_with_mosaic_lowering(monkeypatch):
   monkeypatch.setattr(mgpu_common, "SMEM_LIMIT", 1 << 30)
   with pytest.raises(Exception, match="exceeds available shared memory"):
     lower(too_big)
+
+
+def test_routing_on_a_hopper_gpu(monkeypatch):
+  """With a (pretended) native Hopper GPU: prefill goes to Mosaic unless cuDNN can express it
+  (offset 0, BTHD) and MOSAIC_BEFORE_CUDNN is off; GPU_PREFILL_IMPL="triton" and decode keep the
+  Triton kernel. The kernels themselves are stubbed: this checks only which one is called."""
+  calls = []
+  monkeypatch.setattr(fa_module.backend_lib, "resolve", lambda backend: Variant("gpu", False))
+  monkeypatch.setattr(fa_module.backend_lib, "is_hopper", lambda: True)
+  monkeypatch.setattr(fa_module, "_cudnn", lambda *a, **kw: calls.append("cudnn") or "cudnn")
+  monkeypatch.setattr(fa_module.mgpu_attention, "mgpu_flash_attention",
+                      lambda *a, **kw: calls.append("mosaic") or "mosaic")
+  monkeypatch.setattr(fa_module, "_gpu", lambda *a, **kw: calls.append("triton") or 1 / 0)
+  q, k, v = inputs(11, 1, 128, 4, 2, 256, 128)
+
+  def route(q, k, v, **kw):
+    calls.clear()
+    try:
+      flash_attention(q, k, v, backend="gpu", **kw)
+    except ZeroDivisionError:  # the stubbed Triton kernel
+      pass
+    return calls[0]
+
+  assert route(q, k, v) == "cudnn"
+  assert route(q, k, v, q_offset=5) == "mosaic"
+  assert route(q, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), kv_layout="BHTD") == "mosaic"
+  assert route(q, k, v, tiling=Tiling(impl="mosaic")) == "mosaic"
+  assert route(q[:, :1], k, v, q_offset=255) == "triton"
+  monkeypatch.setattr(fa_module, "MOSAIC_BEFORE_CUDNN", True)
+  assert route(q, k, v) == "mosaic"
+  monkeypatch.setattr(fa_module, "GPU_PREFILL_IMPL", "triton")
+  assert route(q, k, v, q_offset=5) == "triton"
