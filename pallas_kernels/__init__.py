@@ -2,7 +2,8 @@
 reference behind one `backend=` switch ("auto" | "reference" | "gpu" | "tpu").
 
 - topk_scores: fused q.k + exact top-k over a long key axis (no score matrix in HBM).
-- flash_attention: online-softmax attention returning its log-sum-exp (prefill and decode).
+- flash_attention: online-softmax attention returning its log-sum-exp (prefill and decode; on
+  Hopper, prefill runs a Mosaic GPU kernel, mgpu_attention).
 - chunk_attention: a prefill chunk over the cache before it and itself (two cuDNN calls merged
   by LSE on NVIDIA GPUs, flash_attention elsewhere).
 - gathered_attention: attention over keys at given indices per KV group (sparse decoding).

@@ -84,3 +84,9 @@ def num_cores() -> int:
   if platform() != "gpu":
     return 1
   return int(getattr(jax.devices()[0], "core_count", 0) or 132)
+
+
+def is_hopper() -> bool:
+  """Whether the default device is an sm_90 GPU (H100/H200), where Mosaic GPU's WGMMA runs."""
+  dev = jax.devices()[0]
+  return platform() == "gpu" and str(getattr(dev, "compute_capability", "")) == "9.0"

@@ -5,7 +5,9 @@ t > position. GQA rows as in layout.q_rows. GPU: one program per (batch x kv hea
 key split), looping over key tiles up to the causal edge of its rows; decode splits the key axis
 (flash-decoding) and merges the splits' (out, lse) exactly. TPU: key tiles as the innermost grid
 axis with the softmax state in VMEM. On GPU, "auto" hands prefill that cuDNN can express (no query
-offset, BTHD layout, bf16/fp16) to cuDNN, which measured faster (BENCHMARKS.md).
+offset, BTHD layout, bf16/fp16) to cuDNN, which measured faster (BENCHMARKS.md). On Hopper,
+prefill (bf16/fp16, d 64/128) runs the Mosaic GPU kernel of mgpu_attention.py instead of the
+Triton one (GPU_PREFILL_IMPL); decode, fp32 and other GPUs keep the Triton kernel.
 """
 
 from __future__ import annotations
@@ -19,11 +21,18 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import backend as backend_lib
-from pallas_kernels import gpu, layout, tpu
+from pallas_kernels import gpu, layout, mgpu_attention, tpu
 from pallas_kernels import online_softmax as osm
 from pallas_kernels import reference
 
 SQ = gpu.SQ
+
+# The GPU kernel for calls the Mosaic GPU kernel can run, on a Hopper GPU: "mosaic" or "triton"
+# (tiling.impl overrides it per call). Off GPU ("gpu" interpreted) only tiling.impl picks Mosaic.
+GPU_PREFILL_IMPL = "mosaic"
+# Whether "auto" gives cuDNN-expressible calls to the Mosaic kernel rather than to cuDNN: flip
+# once benchmarks/mgpu_attention.py measures it at least as fast.
+MOSAIC_BEFORE_CUDNN = False
 
 
 def flash_attention(q, k, v, *, causal: bool = True, q_offset=0, kv_len=None,
@@ -33,15 +42,19 @@ def flash_attention(q, k, v, *, causal: bool = True, q_offset=0, kv_len=None,
 
   q_offset, kv_len: ints or [B]. scale defaults to 1/sqrt(d). Returns (out [B, Lq, H, d] in q's
   dtype, lse [B, Lq, H] fp32, natural log; rows that see no key give (0, -inf)).
-  use_cudnn: None = when the GPU variant runs natively and cuDNN can express the call.
+  use_cudnn: None = when the GPU variant runs natively and cuDNN can express the call (and the
+  Mosaic kernel is not preferred: MOSAIC_BEFORE_CUDNN, or tiling.impl="mosaic" asked for).
   """
   b, lq, h, kvh, t, d = layout.check_qk(q, k, kv_layout)
   if v.shape != k.shape:
     raise ValueError(f"k {k.shape} and v {v.shape} must have the same shape")
   scale = float(scale) if scale is not None else 1.0 / math.sqrt(d)
   variant = backend_lib.resolve(backend)
+  mosaic = _mosaic_config(variant, q, k, v, kv_layout, tiling)
   if use_cudnn is None:
-    use_cudnn = (variant.kind == "gpu" and not variant.interpret and lq > 1
+    asked = tiling is not None and tiling.impl == "mosaic"
+    mosaic_first = mosaic is not None and (MOSAIC_BEFORE_CUDNN or asked)
+    use_cudnn = (variant.kind == "gpu" and not variant.interpret and lq > 1 and not mosaic_first
                  and isinstance(q_offset, int) and q_offset == 0 and kv_layout == "BTHD"
                  and q.dtype in (jnp.bfloat16, jnp.float16))
   q_off = layout.per_batch(q_offset, b, 0)
@@ -51,6 +64,10 @@ def flash_attention(q, k, v, *, causal: bool = True, q_offset=0, kv_len=None,
                                      scale=scale, kv_layout=kv_layout)
   if use_cudnn:
     return _cudnn(q, k, v, causal=causal, kv_len=kv_len, scale=scale)
+  if mosaic is not None:
+    return mgpu_attention.mgpu_flash_attention(q, k, v, q_off, kv_len, causal=causal, scale=scale,
+                                               kv_layout=kv_layout, config=mosaic,
+                                               interpret=variant.interpret)
 
   rows = lq * (h // kvh)
   bm = min(max(16, layout.next_pow2(rows)), 128)
@@ -77,6 +94,27 @@ def flash_attention(q, k, v, *, causal: bool = True, q_offset=0, kv_len=None,
     lse = lse[..., 0]
   out = layout.from_rows(out, lq, h).astype(q.dtype)
   return out, layout.from_rows(lse, lq, h)
+
+
+def _mosaic_config(variant, q, k, v, kv_layout, tiling):
+  """The Mosaic GPU kernel's Config when it serves this call, else None (the Triton kernel)."""
+  if variant.kind != "gpu":
+    return None
+  impl = tiling.impl if tiling is not None and tiling.impl else (
+      GPU_PREFILL_IMPL if not variant.interpret and backend_lib.is_hopper() else "triton")
+  if impl not in ("mosaic", "triton"):
+    raise ValueError(f"tiling.impl {impl!r} must be 'mosaic' or 'triton'")
+  if impl == "triton":
+    return None
+  config = mgpu_attention.DEFAULT_CONFIG
+  if tiling is not None and tiling.impl == "mosaic":  # its fields are the Mosaic kernel's then
+    config = mgpu_attention.Config(block_q=tiling.block_rows or config.block_q,
+                                   block_kv=tiling.block_keys or config.block_kv,
+                                   stages=tiling.num_stages or config.stages,
+                                   semantics=config.semantics)
+  if mgpu_attention.unsupported(q, k, v, kv_layout=kv_layout, config=config):
+    return None  # e.g. decode (fewer queries than a block), fp32, head dim 256
+  return config
 
 
 def _cudnn(q, k, v, *, causal, kv_len, scale):

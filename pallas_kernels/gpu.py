@@ -29,6 +29,8 @@ class Tiling:
   block_rows: query rows (query x head of a group) per program; block_keys: keys per tile;
   key_splits: programs along the key axis (GPU); num_warps, num_stages: Triton launch options;
   prefetch: load the next key tile before working on the current one (GPU).
+  impl: which GPU flash-attention kernel, "mosaic" (Hopper, mgpu_attention) or "triton"; with
+  "mosaic", block_rows / block_keys / num_stages are its block_q / block_kv / stages.
   """
   block_rows: int | None = None
   block_keys: int | None = None
@@ -36,6 +38,7 @@ class Tiling:
   num_warps: int | None = None
   num_stages: int | None = None
   prefetch: bool | None = None
+  impl: str | None = None
 
   def pick(self, **defaults):
     """Merged with per-call defaults: a Tiling with no None left for the given fields."""

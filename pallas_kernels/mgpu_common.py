@@ -1,0 +1,179 @@
+"""What the Mosaic GPU attention kernel (mgpu_attention.py) needs besides its body: its Config and
+the checks of what it can run, the compiler / interpreter parameters across JAX versions, and
+Ops, the few operations that differ between the GPU and jax's Mosaic GPU interpreter on CPU.
+
+JAX 0.10 -> 0.11 differences met here: the default lowering semantics changed from Lane to
+Warpgroup (Config.semantics pins one; None keeps the version's default); `transpose_ref` is
+deprecated for `ref.transpose` (both versions have the latter); the interpreter is private in
+both (`jax._src.pallas.mosaic_gpu.interpret`), and 0.11's also checks SMEM proxy fences.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+try:
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+except ImportError:  # pragma: no cover  (a jaxlib without Mosaic GPU)
+  plgpu = None
+
+COMPUTE_WGS = 2
+SMEM_LIMIT = 227 * 1024  # bytes of shared memory one CTA may use on an H100/H200
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+NEG_INF = float("-inf")
+HEAD_DIMS = (64, 128)
+DTYPES = (jnp.bfloat16, jnp.float16)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """block_q: query rows per compute warpgroup (a CTA covers 2 * block_q); block_kv: keys per
+  tile; stages: K/V tiles in flight; semantics: Mosaic GPU lowering, "lane" | "warpgroup" |
+  None (this JAX's default: lane in 0.10, warpgroup since 0.11)."""
+  block_q: int = 64
+  block_kv: int = 128
+  stages: int = 2
+  semantics: str | None = None
+
+  def __post_init__(self):
+    if self.block_q % 64 or self.block_kv % 64:
+      raise ValueError(f"block_q {self.block_q} and block_kv {self.block_kv} must be multiples "
+                       "of 64 (one WGMMA row block per warpgroup)")
+    if self.stages < 2:
+      raise ValueError(f"stages {self.stages} must be at least 2 (load one tile, use another)")
+    if self.semantics not in (None, "lane", "warpgroup"):
+      raise ValueError(f"semantics {self.semantics!r} must be None, 'lane' or 'warpgroup'")
+
+
+def smem_bytes(config: Config, d: int, itemsize: int = 2) -> int:
+  """Shared memory of one CTA: Q/O per compute warpgroup, the K and V rings, the LSE rows, and
+  up to 1 KiB of barriers and alignment (Mosaic's lowering counted 120-700 bytes; its cross-warp
+  reduction scratch is set to 0: a WGMMA tile's row max / sum stay within a warp, as in
+  tokamax's FA3). Lowering checks the real size against the 227 KiB a CTA may use."""
+  tiles = COMPUTE_WGS * config.block_q * d + 2 * config.stages * config.block_kv * d
+  return tiles * itemsize + COMPUTE_WGS * config.block_q * 4 + 1024
+
+
+def unsupported(q, k, v, *, kv_layout: str, config: Config) -> str | None:
+  """Why this kernel cannot run the call (None: it can)."""
+  lq, d = q.shape[1], q.shape[3]
+  t = k.shape[1 if kv_layout == "BTHD" else 2]
+  if plgpu is None:
+    return "this jaxlib has no Mosaic GPU"
+  if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+    return f"dtypes {q.dtype}/{k.dtype}/{v.dtype}: needs q, k, v all bf16 or all fp16"
+  if d not in HEAD_DIMS:
+    return f"head dim {d} not in {HEAD_DIMS}"
+  if lq < config.block_q or t < config.block_kv:
+    return f"{lq} queries / {t} keys: needs at least block_q={config.block_q} / " \
+           f"block_kv={config.block_kv}"
+  if smem_bytes(config, d) > SMEM_LIMIT:
+    return f"{config} needs {smem_bytes(config, d)} bytes of SMEM at d={d} (> {SMEM_LIMIT})"
+  return None
+
+
+def compiler_params(config: Config):
+  kw = dict(approx_math=True,  # exp2 / reciprocal as the fast hardware approximations
+            reduction_scratch_bytes=0)  # (see smem_bytes)
+  if config.semantics is not None:
+    kw["lowering_semantics"] = {"lane": plgpu.LoweringSemantics.Lane,
+                                "warpgroup": plgpu.LoweringSemantics.Warpgroup}[config.semantics]
+  return plgpu.CompilerParams(**kw)
+
+
+def interpreter_available() -> str | None:
+  """None if jax's Mosaic GPU interpreter (private in JAX 0.10/0.11) imports, else why not."""
+  try:
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # noqa: F401
+  except ImportError as e:
+    return f"no Mosaic GPU interpreter in jax {jax.__version__}: {e}"
+  return None
+
+
+def interpret_params(interpret):
+  if interpret is False:
+    return None
+  if interpret is True:
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+    return InterpretGPUParams()
+  return interpret  # the caller's InterpretGPUParams (e.g. detect_races=True)
+
+
+def rows(x, shape):
+  """Per-row values [n] broadcast along the columns of `shape`."""
+  return lax.broadcast_in_dim(x, shape, [0])
+
+
+class Ops:
+  """The softmax state's registers and the two matrix products, where the GPU and jax's CPU
+  interpreter differ: register layouts (`layout_cast` has no CPU rule) and WGMMA natively, dot
+  products of the SMEM tiles in the interpreter (which in JAX 0.10 runs neither a transposed nor
+  a register WGMMA operand, nor run_state)."""
+
+  def __init__(self, native: bool, cfg: Config, d: int):
+    self.native, self.bq, self.bk, self.d = native, cfg.block_q, cfg.block_kv, d
+
+  def layout(self, x, layout):
+    return plgpu.layout_cast(x, layout) if self.native else x
+
+  def iota(self, dim: int):
+    x = lax.broadcasted_iota(jnp.int32, (self.bq, self.bk), dim)
+    return self.layout(x, plgpu.Layout.WGMMA)
+
+  def init_state(self):
+    row = plgpu.Layout.WGMMA.reduce(1)
+    return (self.layout(jnp.zeros((self.bq, self.d), jnp.float32), plgpu.Layout.WGMMA),
+            self.layout(jnp.full((self.bq,), NEG_INF, jnp.float32), row),
+            self.layout(jnp.zeros((self.bq,), jnp.float32), row))
+
+  def scores(self, q_smem, k_tile, *, after_issue):
+    """Q [bq, d] . K [bk, d]^T -> fp32 [bq, bk]; after_issue runs while the product is in flight."""
+    if not self.native:
+      s = lax.dot_general(q_smem[...], k_tile[...], (((1,), (1,)), ((), ())),
+                          preferred_element_type=jnp.float32)
+      self.fence_reads()
+      after_issue()
+      return s
+
+    def product(acc_ref):
+      plgpu.wgmma(acc_ref, q_smem, k_tile.transpose((1, 0)))  # K^T: a view
+      after_issue()
+      return acc_ref[...]
+
+    return pl.run_scoped(product, plgpu.ACC((self.bq, self.bk), jnp.float32))
+
+  @staticmethod
+  def fence_reads():
+    """WGMMA reads SMEM through the async proxy, as TMA writes it; the interpreter's plain loads
+    go through the generic proxy, which needs a proxy fence before TMA refills the slot (jax
+    0.11's interpreter checks this; without it, it reports the refill as a race)."""
+    plgpu.commit_smem()
+
+  def accumulate(self, acc, p, v_tile, *, after_issue):
+    """acc + P [bq, bk] . V [bk, d] in fp32."""
+    if not self.native:
+      pv = lax.dot_general(p, v_tile[...], (((1,), (0,)), ((), ())),
+                           preferred_element_type=jnp.float32)
+      self.fence_reads()
+      after_issue()
+      return acc + pv
+
+    def product(acc_ref):
+      plgpu.wgmma(acc_ref, p, v_tile)
+      after_issue()
+
+    return pl.run_state(product)(plgpu.ACC.init(acc))
+
+  def finish(self, acc, m, l):
+    """-> (out [bq, d] fp32, natural-log LSE [bq]); rows that saw no key: (0, -inf)."""
+    seen = l > 0
+    inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
+    lse = jnp.where(seen, m * LN2 + jnp.log(jnp.where(seen, l, 1.0)), NEG_INF)
+    return acc * rows(inv, acc.shape), lse
