@@ -29,7 +29,8 @@ SQ = gpu.SQ
 
 # The GPU kernel for calls the Mosaic GPU kernel can run, on a Hopper GPU: "mosaic" or "triton"
 # (tiling.impl overrides it per call). Off GPU ("gpu" interpreted) only tiling.impl picks Mosaic.
-GPU_PREFILL_IMPL = "mosaic"
+# "triton" until benchmarks/mgpu_attention.py has checked the Mosaic kernel on an H200.
+GPU_PREFILL_IMPL = "triton"
 # Whether "auto" gives cuDNN-expressible calls to the Mosaic kernel rather than to cuDNN: flip
 # once benchmarks/mgpu_attention.py measures it at least as fast.
 MOSAIC_BEFORE_CUDNN = False
