@@ -211,6 +211,7 @@ def test_routing_on_a_hopper_gpu(monkeypatch):
   (offset 0, BTHD) and MOSAIC_BEFORE_CUDNN is off; GPU_PREFILL_IMPL="triton" and decode keep the
   Triton kernel. The kernels themselves are stubbed: this checks only which one is called."""
   calls = []
+  monkeypatch.setattr(fa_module, "GPU_PREFILL_IMPL", "mosaic")
   monkeypatch.setattr(fa_module.backend_lib, "resolve", lambda backend: Variant("gpu", False))
   monkeypatch.setattr(fa_module.backend_lib, "is_hopper", lambda: True)
   monkeypatch.setattr(fa_module, "_cudnn", lambda *a, **kw: calls.append("cudnn") or "cudnn")
