@@ -29,11 +29,12 @@ SQ = gpu.SQ
 
 # The GPU kernel for calls the Mosaic GPU kernel can run, on a Hopper GPU: "mosaic" or "triton"
 # (tiling.impl overrides it per call). Off GPU ("gpu" interpreted) only tiling.impl picks Mosaic.
-# "triton" until benchmarks/mgpu_attention.py has checked the Mosaic kernel on an H200.
-GPU_PREFILL_IMPL = "triton"
-# Whether "auto" gives cuDNN-expressible calls to the Mosaic kernel rather than to cuDNN: flip
-# once benchmarks/mgpu_attention.py measures it at least as fast.
-MOSAIC_BEFORE_CUDNN = False
+# On an H200 (benchmarks/mgpu_attention.py) the Mosaic kernel ran causal 16K / 32K at 1.05x /
+# 1.04x one cuDNN call and a 4096-query chunk at offset 28K at 1.10-1.14x `chunk_attention`'s
+# two cuDNN calls, so it is the default there and goes before cuDNN; the Triton kernel at 0.56x.
+GPU_PREFILL_IMPL = "mosaic"
+# Whether "auto" gives cuDNN-expressible calls to the Mosaic kernel rather than to cuDNN.
+MOSAIC_BEFORE_CUDNN = True
 
 
 def flash_attention(q, k, v, *, causal: bool = True, q_offset=0, kv_len=None,
@@ -95,6 +96,11 @@ def flash_attention(q, k, v, *, causal: bool = True, q_offset=0, kv_len=None,
     lse = lse[..., 0]
   out = layout.from_rows(out, lq, h).astype(q.dtype)
   return out, layout.from_rows(lse, lq, h)
+
+
+def mosaic_serves(q, k, v, *, kv_layout: str = "BTHD", backend: str = "auto") -> bool:
+  """Whether `flash_attention` would run these shapes on the Mosaic GPU kernel by default."""
+  return _mosaic_config(backend_lib.resolve(backend), q, k, v, kv_layout, None) is not None
 
 
 def _mosaic_config(variant, q, k, v, kv_layout, tiling):

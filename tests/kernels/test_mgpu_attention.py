@@ -212,6 +212,7 @@ def test_routing_on_a_hopper_gpu(monkeypatch):
   Triton kernel. The kernels themselves are stubbed: this checks only which one is called."""
   calls = []
   monkeypatch.setattr(fa_module, "GPU_PREFILL_IMPL", "mosaic")
+  monkeypatch.setattr(fa_module, "MOSAIC_BEFORE_CUDNN", False)
   monkeypatch.setattr(fa_module.backend_lib, "resolve", lambda backend: Variant("gpu", False))
   monkeypatch.setattr(fa_module.backend_lib, "is_hopper", lambda: True)
   monkeypatch.setattr(fa_module, "_cudnn", lambda *a, **kw: calls.append("cudnn") or "cudnn")
