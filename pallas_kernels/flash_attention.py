@@ -73,9 +73,11 @@ def flash_attention(q, k, v, *, causal: bool = True, q_offset=0, kv_len=None,
 
   rows = lq * (h // kvh)
   bm = min(max(16, layout.next_pow2(rows)), 128)
-  tl = (tiling or gpu.Tiling()).pick(
-      block_rows=bm, block_keys=128 if variant.kind == "gpu" else 256,
-      num_warps=4 if bm <= 64 else 8, num_stages=3 if bm >= 128 else 2, prefetch=False)
+  stages = 3 if bm >= 128 else 2
+  bk = 256 if variant.kind != "gpu" else gpu.fitting_block_keys(
+      128, block_rows=bm, d=d, itemsize=q.dtype.itemsize, num_stages=stages)
+  tl = (tiling or gpu.Tiling()).pick(block_rows=bm, block_keys=bk, num_warps=4 if bm <= 64 else 8,
+                                     num_stages=stages, prefetch=False)
   bm, bk = tl.block_rows, tl.block_keys
   rows_padded = layout.round_up(rows, bm)
   qr = layout.q_rows(q, kvh, rows_padded)

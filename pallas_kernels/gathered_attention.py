@@ -62,9 +62,10 @@ def gathered_attention(q, k, v, indices, valid=None, *, scale: float | None = No
                                         key_rope_freqs=key_rope_freqs)
 
   rows = lq * (h // kvh)
-  tl = (tiling or gpu.Tiling()).pick(
-      block_rows=min(max(16, layout.next_pow2(rows)), 128),
-      block_keys=128, num_warps=4, num_stages=2, prefetch=False)
+  bm = min(max(16, layout.next_pow2(rows)), 128)
+  bn = gpu.fitting_block_keys(128, block_rows=bm, d=d, itemsize=q.dtype.itemsize, num_stages=2)
+  tl = (tiling or gpu.Tiling()).pick(block_rows=bm, block_keys=bn, num_warps=4, num_stages=2,
+                                     prefetch=False)
   bm, bn = tl.block_rows, tl.block_keys
   rows_padded = layout.round_up(rows, bm)
   qr = layout.q_rows(q, kvh, rows_padded)

@@ -46,6 +46,22 @@ class Tiling:
                                         if getattr(self, k) is None})
 
 
+# Shared memory one block may use on Hopper (227 KiB); the Triton pipeliner keeps num_stages K and
+# V tiles there beside the query tile.
+SMEM_BYTES = 232448
+
+
+def fitting_block_keys(block_keys: int, *, block_rows: int, d: int, itemsize: int,
+                       num_stages: int, tensors: int = 2) -> int:
+  """block_keys halved (down to 16) until the query tile and num_stages tiles of each of
+  `tensors` key-indexed inputs (K and V: 2; K alone: 1) fit in shared memory: flash attention in
+  fp32 at d=128 with 128-key tiles and 3 stages asked for 384 KiB and failed to launch."""
+  while (block_keys > 16 and
+         (num_stages * tensors * block_keys + block_rows) * d * itemsize > SMEM_BYTES):
+    block_keys //= 2
+  return block_keys
+
+
 def tile_loop(first, last, load, step, init, prefetch: bool):
   """carry = step(j, load(j), carry) for first <= j < last.
 

@@ -49,9 +49,11 @@ def topk_scores(q, k, top_k: int, *, scale: float | None = None, valid_len=None,
   # defaults measured on an H200 (BENCHMARKS.md): 64 x 64 tiles for chunks, 256-key tiles for
   # decode, where a program has few rows and checks its set once per tile.
   bm = min(max(16, layout.next_pow2(rows)), 64 if kp <= 64 else 32)
-  tl = (tiling or gpu.Tiling()).pick(
-      block_rows=bm, block_keys=(256 if bm <= 16 else 64) if variant.kind == "gpu" else 256,
-      num_warps=4, num_stages=3, prefetch=False)
+  bk = 256 if variant.kind != "gpu" else gpu.fitting_block_keys(
+      256 if bm <= 16 else 64, block_rows=bm, d=d, itemsize=q.dtype.itemsize, num_stages=3,
+      tensors=1)
+  tl = (tiling or gpu.Tiling()).pick(block_rows=bm, block_keys=bk, num_warps=4, num_stages=3,
+                                     prefetch=False)
   bm, bk = tl.block_rows, tl.block_keys
   rows_padded = layout.round_up(rows, bm)
   qr = layout.q_rows(q, kvh, rows_padded)

@@ -148,3 +148,17 @@ def test_attention_kernel_errors():
     gathered_attention(q, k, k, jnp.zeros((1, 3, 4), jnp.int32))
   with pytest.raises(ValueError, match="plus a head dim"):
     merge_attention(jnp.ones((2, 3, 64)), jnp.ones((2, 4)))
+
+
+def test_triton_tiles_fit_in_shared_memory():
+  """fp32 at d=128 asked the H200 for 384 KiB of shared memory (flash attention's 128-key tiles, 3
+  stages; seen in RESA's fp32 error study on Qwen2.5-Coder-1.5B); the key tile now shrinks until
+  it fits, and the bf16 tilings measured fastest stay as they were."""
+  from pallas_kernels import gpu
+  fit = gpu.fitting_block_keys
+  assert fit(128, block_rows=128, d=128, itemsize=2, num_stages=3) == 128  # flash prefill bf16
+  assert fit(256, block_rows=16, d=128, itemsize=2, num_stages=3, tensors=1) == 256  # top-k decode
+  for rows, stages, tensors in ((128, 3, 2), (128, 2, 2), (16, 3, 1)):
+    bk = fit(256, block_rows=rows, d=128, itemsize=4, num_stages=stages, tensors=tensors)
+    assert (stages * tensors * bk + rows) * 128 * 4 <= gpu.SMEM_BYTES
+    assert bk >= 16
