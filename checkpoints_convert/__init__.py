@@ -7,7 +7,7 @@ on the config alone, so importing them does not load the model that `pipeline` b
 
 import importlib
 
-_EXPORTS = {"FORMAT": "pipeline", "atomic_dir": "pipeline", "convert": "pipeline",
+_EXPORTS = {"FORMAT": "pipeline", "atomic_dir": "pipeline", "convert": "pipeline", "convert_once": "pipeline",
             "export_hf": "pipeline", "load_source": "pipeline", "restore": "pipeline",
             "CheckpointError": "sources"}
 

@@ -11,6 +11,7 @@ interrupted conversion leaves no destination behind.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -134,6 +135,24 @@ def convert(src: str, dst: str, overwrite: bool = False) -> LlamaConfig:
     save_config_file(cfg, tmp)
     source.write_tokenizer(tmp)
   return cfg
+
+
+def convert_once(src: str, dst: str) -> str:
+  """`dst`, converted from `src` first unless a finished checkpoint (its config.json) is there.
+
+  Processes that start at once (several eval jobs sharing a GPU and a fresh cache) take turns on
+  a lock file beside `dst`: one converts, the others wait and then find it finished. Without the
+  lock, four such jobs on an H200 all converted and one failed reading the checkpoint
+  ("Truncated Zstd-compressed stream")."""
+  done = os.path.join(dst, "config.json")
+  if os.path.exists(done):
+    return dst
+  os.makedirs(os.path.dirname(os.path.abspath(dst)), exist_ok=True)
+  with open(os.path.abspath(dst) + ".lock", "a") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+    if not os.path.exists(done):
+      convert(src, dst)
+  return dst
 
 
 def restore(directory: str, dtype=None, sharding=None) -> tuple[LlamaConfig, dict]:

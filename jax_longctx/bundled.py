@@ -18,7 +18,7 @@ import importlib.util
 import os
 import tempfile
 
-from checkpoints_convert import convert
+from checkpoints_convert import convert_once
 from checkpoints_convert.sources import _gguf_reader
 from jax_longctx.default_model import DefaultModelMissing, cache_dir
 
@@ -140,9 +140,4 @@ def checkpoint_dir(name: str) -> str:
   dst = os.path.join(cache_dir(), _bundle(name).name)
   if os.path.exists(os.path.join(dst, "config.json")):
     return dst
-  src = gguf_file(name)
-  try:
-    convert(src, dst)
-  except FileExistsError:  # another process converted it meanwhile
-    pass
-  return dst
+  return convert_once(gguf_file(name), dst)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib.util
 import os
 
-from checkpoints_convert import convert
+from checkpoints_convert import convert_once
 
 DEFAULT_NAME = "smollm2-135m-instruct"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -46,9 +46,4 @@ def checkpoint_dir() -> str:
   dst = os.path.join(cache_dir(), DEFAULT_NAME)
   if os.path.exists(os.path.join(dst, "config.json")):
     return dst
-  src = gguf_path()
-  try:
-    convert(src, dst)
-  except FileExistsError:  # another process converted it meanwhile
-    pass
-  return dst
+  return convert_once(gguf_path(), dst)

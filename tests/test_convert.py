@@ -132,3 +132,32 @@ def test_gguf_file_loads_directly_with_the_same_weights(default_lm):
                       direct.params, default_lm.params)
   assert all(jax.tree.leaves(same))
   assert direct.tokenizer.encode("pass key 12345") == default_lm.tokenizer.encode("pass key 12345")
+
+
+_CONVERT_ONCE = """
+import os, sys
+from checkpoints_convert import pipeline
+real = pipeline.convert
+def logged(src, dst, overwrite=False):
+  with open(sys.argv[3], "a") as f:
+    f.write(f"{os.getpid()}\\n")
+  return real(src, dst, overwrite)
+pipeline.convert = logged
+pipeline.convert_once(sys.argv[1], sys.argv[2])
+pipeline.restore(sys.argv[2])
+"""
+
+
+def test_processes_started_together_convert_once(tmp_path):
+  """Several jobs on a fresh cache (eval processes sharing one GPU): one converts, the others wait
+  on the lock and read the finished checkpoint."""
+  _make_hf_dir(tmp_path / "src", np.float32)
+  log = tmp_path / "conversions.txt"
+  env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"}
+  jobs = [subprocess.Popen([sys.executable, "-c", _CONVERT_ONCE, str(tmp_path / "src"),
+                            str(tmp_path / "ckpt"), str(log)], env=env, stderr=subprocess.PIPE)
+          for _ in range(3)]
+  for job in jobs:
+    assert job.wait(timeout=300) == 0, job.stderr.read().decode()[-2000:]
+  assert len(log.read_text().split()) == 1
+  assert os.path.exists(tmp_path / "ckpt" / "config.json")
