@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import platform
 import statistics
 import time
+import traceback
+from typing import Callable
 
 
 def median_time(fn, *, warmup: int = 1, reps: int = 5) -> tuple[float, list[float]]:
@@ -38,6 +41,36 @@ def write_json(path: str, record: dict) -> None:
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   with open(path, "a") as f:
     f.write(json.dumps(record) + "\n")
+
+
+def run_cases(cases: dict[str, Callable], only: str, record: Callable[[dict], None]) -> list[str]:
+  """Runs each case (name -> a function returning a record or a list of them) unless `only`
+  (comma list) leaves it out; hands every record, stamped with the case name and seconds, to
+  `record`. A case that raises is recorded with its error and the rest still run (one broken
+  case must not waste a device call). Returns the names of the failed cases."""
+  wanted = set(filter(None, only.split(",")))
+  failed = []
+  for name, run in cases.items():
+    if wanted and name not in wanted:
+      continue
+    t0 = time.time()
+    try:
+      recs = run()
+    except Exception as e:  # noqa: BLE001 - reported in the record
+      traceback.print_exc()
+      recs = {"case": name, **getattr(e, "record", {}),
+              "error": f"{type(e).__name__}: {str(e)[:3000]}"}
+      failed.append(name)
+    for rec in recs if isinstance(recs, list) else [recs]:
+      rec.update(name=rec.get("name", name), seconds=round(time.time() - t0, 1))
+      record(rec)
+    gc.collect()
+  return failed
+
+
+def printable(rec: dict, leave_out=()) -> str:
+  return json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in rec.items()
+                     if k not in leave_out})
 
 
 def gemm_tflops(n: int = 8192) -> float:

@@ -12,13 +12,11 @@ fails is recorded with its error and the rest still run.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import statistics
 import sys
 import time
-import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -195,22 +193,13 @@ def main():
   if args.sweep:
     from benchmarks.kernel_sweep import sweep_cases
     cases = sweep_cases(key, args)
-  only = set(filter(None, args.only.split(",")))
-  for name, run in cases.items():
-    if only and name not in only:
-      continue
-    t0 = time.time()
-    try:
-      recs = run()
-    except Exception as e:  # keep going: one broken case must not hide the others
-      traceback.print_exc()
-      recs = {"case": name, "error": f"{type(e).__name__}: {str(e)[:2000]}"}
-    for rec in recs if isinstance(recs, list) else [recs]:
-      rec.update(facts, seconds=round(time.time() - t0, 1))
-      common.write_json(args.out, rec)
-      print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in rec.items()
-                        if k not in facts}), flush=True)
-    gc.collect()
+
+  def record(rec):
+    rec.update(facts)
+    common.write_json(args.out, rec)
+    print(common.printable(rec, facts), flush=True)
+
+  common.run_cases(cases, args.only, record)
 
 
 if __name__ == "__main__":

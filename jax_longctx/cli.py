@@ -69,6 +69,8 @@ def _cmd_eval(args) -> int:
   if any(not 0 <= d <= 1 for d in depths):
     raise ValueError(f"--depths must lie in [0, 1], got {depths}")
   options = methods_lib.parse_method_args(args.task_arg)
+  if args.coordinator:
+    _join(args.coordinator, args.num_processes, args.process_id)
   lm = load(args.model, dtype=args.dtype)
   records = eval_lib.run_sweep(lm, args.task, specs, lengths, depths, args.samples, args.out,
                                chat=args.chat, chunk=args.chunk_size, task_options=options,
@@ -76,6 +78,15 @@ def _cmd_eval(args) -> int:
   print(summary_table(records))
   print(f"results in {args.out}")
   return 0
+
+
+def _join(coordinator: str, num_processes: int, process_id: int) -> None:
+  import jax
+  if not 0 <= process_id < num_processes:
+    raise ValueError(f"--process-id {process_id} must lie in [0, --num-processes {num_processes})")
+  # CPU processes (tests, a CPU cluster) need a collectives backend; GPUs use NCCL regardless.
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id)
 
 
 def _cmd_train_cpt(args) -> int:
@@ -136,6 +147,11 @@ def build_parser() -> argparse.ArgumentParser:
   ev.add_argument("--cache-len", type=int, default=None,
                   help="one cache size (tokens) for all lengths: one compile per method")
   ev.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
+  ev.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                  help="run as one of --num-processes processes (jax.distributed, one per GPU "
+                       "or host): mesh methods span every process's devices; process 0 writes")
+  ev.add_argument("--num-processes", type=int, default=1)
+  ev.add_argument("--process-id", type=int, default=0)
   ev.set_defaults(func=_cmd_eval)
 
   c = sub.add_parser("convert", help="HF directory or GGUF file -> orbax checkpoint")

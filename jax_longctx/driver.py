@@ -59,9 +59,24 @@ def _on_mesh(params, cfg, method: MeshMethod, contexts, queries, **kw) -> Genera
                           "document: pass instructions= (or --instruction on the command line)")
   mesh = Mesh(np.array(jax.devices()), ("ctx",))
   t0 = time.perf_counter()
-  rows, _ = generate_distributed(replicate(params, mesh), cfg, contexts, queries, mesh,
+  rows, _ = generate_distributed(_replicated(params, mesh), cfg, contexts, queries, mesh,
                                  method=method, **kw)
   return Generated(rows, time.perf_counter() - t0, None, {"devices": len(jax.devices())})
+
+
+_REPLICATED: list = []  # [(params, mesh, copies)]: the last weights put on a mesh
+
+
+def _replicated(params, mesh):
+  """The weights on every device of the mesh, copied once for a sweep of samples. With several
+  processes the mesh spans devices this process cannot address: the copy then starts from host
+  arrays, which every process holds alike."""
+  if _REPLICATED and _REPLICATED[0][0] is params and _REPLICATED[0][1] == mesh:
+    return _REPLICATED[0][2]
+  src = jax.device_get(params) if jax.process_count() > 1 else params
+  copies = replicate(src, mesh)
+  _REPLICATED[:] = [(params, mesh, copies)]
+  return copies
 
 
 def continuation_nll(params, cfg: LlamaConfig, method: Method, prefix: Sequence[int],

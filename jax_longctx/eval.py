@@ -80,7 +80,7 @@ def _cache_len(length: int, new_tokens: int) -> int:
 
 
 def _peak_bytes():
-  stats = jax.devices()[0].memory_stats() or {}
+  stats = jax.local_devices()[0].memory_stats() or {}
   return stats.get("peak_bytes_in_use")
 
 
@@ -132,7 +132,9 @@ def run_sweep(lm, task_name: str, specs: list[MethodSpec], lengths: list[int],
   seen = {_key(r) for r in done}
   todo = [p for p in plan(task, specs, lengths, depths, samples)
           if (task.name, p[0].label, p[1], p[2], p[3]) not in seen]
-  with open(os.path.join(out_dir, RESULTS), "a") as f:
+  # Several processes (a multi-host mesh) run the same sweep; the first one writes the records.
+  writer = jax.process_index() == 0
+  with open(os.path.join(out_dir, RESULTS) if writer else os.devnull, "a") as f:
     for spec, length, depth, seed in progress(todo, desc=f"{task.name} sweep"):
       sample = task.make(lm.tokenizer, length, depth, seed, chat=chat)
       rec = {"task": task.name, "method": spec.label, "hparams": spec.method.hparams(),
@@ -143,5 +145,6 @@ def run_sweep(lm, task_name: str, specs: list[MethodSpec], lengths: list[int],
       f.write(json.dumps(rec) + "\n")
       f.flush()
       done.append(rec)
-  write_report(done, out_dir)
+  if writer:
+    write_report(done, out_dir)
   return done

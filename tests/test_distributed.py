@@ -22,14 +22,17 @@ def test_on_eight_devices(name):
   assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-3000:]
 
 
-def test_star_across_two_processes_matches_one(tmp_path):
-  """2 processes x 4 CPU devices (jax.distributed on localhost) give what 1 process x 8 does."""
+def _free_port() -> str:
   import socket
-
-  import numpy as np
   with socket.socket() as s:
     s.bind(("localhost", 0))
-    port = str(s.getsockname()[1])
+    return str(s.getsockname()[1])
+
+
+def test_star_across_two_processes_matches_one(tmp_path):
+  """2 processes x 4 CPU devices (jax.distributed on localhost) give what 1 process x 8 does."""
+  import numpy as np
+  port = _free_port()
   env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu",
              XLA_FLAGS="--xla_force_host_platform_device_count=4")
   cmd = [sys.executable, "-m", "tests.two_process_check"]
@@ -48,6 +51,26 @@ def test_star_across_two_processes_matches_one(tmp_path):
     got = np.load(tmp_path / f"p{i}.npz")
     assert (got["tokens"] == want["tokens"]).all()
     np.testing.assert_allclose(got["logits"], want["logits"], atol=1e-5)
+
+
+def test_eval_as_two_processes(tmp_path, default_lm):
+  """`jax-longctx eval --coordinator ...` as 2 processes x 2 CPU devices, as one process per GPU
+  would run it: Star's mesh spans both processes' 4 devices, and only process 0 writes."""
+  import json
+  port, out = _free_port(), tmp_path / "eval"
+  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu",
+             XLA_FLAGS="--xla_force_host_platform_device_count=2")
+  cmd = [sys.executable, "-m", "jax_longctx.cli", "eval", "--model", "default", "--task",
+         "passkey", "--chat", "--methods", "star", "--lengths", "1k", "--samples", "1",
+         "--out", str(out), "--coordinator", f"localhost:{port}", "--num-processes", "2"]
+  procs = [subprocess.Popen(cmd + ["--process-id", str(i)], cwd=ROOT, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE) for i in range(2)]
+  outs = [p.communicate(timeout=600) for p in procs]
+  for p, (_, err) in zip(procs, outs):
+    assert p.returncode == 0, err[-3000:]
+  records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+  assert len(records) == 1 and records[0]["devices"] == 4
+  assert (out / "summary.md").exists()
 
 
 @pytest.mark.parametrize("shared_anchor", [True, False])
