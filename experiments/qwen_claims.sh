@@ -2,7 +2,8 @@
 # The papers' experiments on a bundled 32K-window Qwen2.5-Coder model (issue 24), as run on one
 # GPU after `benchmarks/carry_model.py join` put the model in $JAX_LONGCTX_CACHE (docs/MODELS.md):
 #   experiments/qwen_claims.sh MODEL OUT PART...
-# PART: reattention | resa_error | resa | citrus768 | citrus2048 | refreshkv. Each runs the
+# PART: reattention | resa_error | resa | citrus768 | citrus2048 | refreshkv | star (on a 4-GPU
+# machine, one process per GPU). Each runs the
 # method's own script with the settings for a 32K window; results go to OUT/<method>/MODEL/
 # (OUT=docs/results: where they are recorded) and resume,
 # so a PART cut off by a time limit continues where it stopped when run again.
@@ -33,6 +34,9 @@ for part in "$@"; do
     refreshkv)  # K = L/8; perplexity at 16K and 32K, tasks at 16K
       PPL_LENGTHS=16k,32k TASK_LENGTHS=16k "$here/refreshkv_quality.sh" "$model" \
         "$out/refreshkv/$model" ;;
+    star)  # 4 blocks (a quarter of the context each) on 4 GPUs, one process per GPU
+      LENGTHS=16k,32k PROCESSES=${PROCESSES:-4} "$here/star_quality.sh" "$model" \
+        "$out/star/$model" ;;
     *) echo "unknown part $part" >&2; exit 2 ;;
   esac
 done
