@@ -88,8 +88,8 @@ def _stage(msg: str) -> None:
 
 def smoke_config():
   from jax_longctx.config import LlamaConfig
-  return LlamaConfig(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                     head_dim=16, intermediate_size=128, max_position_embeddings=4096)
+  return LlamaConfig(vocab_size=320, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                     head_dim=16, intermediate_size=96, max_position_embeddings=4096)
 
 
 def use_flash_decode() -> None:
@@ -107,7 +107,9 @@ def use_flash_decode() -> None:
   Full.attend_cache = attend_cache
 
 
-def run_child(args) -> dict:
+def run_child(args, rec: dict) -> None:
+  """Times the variant's decode loop, then profiles one more loop; fills `rec` as it goes (a
+  profile that fails leaves the timing in it)."""
   import jax
   import jax.numpy as jnp
 
@@ -150,12 +152,27 @@ def run_child(args) -> dict:
   _stage(f"decode compile+run {compile_s:.1f}s")
   med, times = median_time(decode, warmup=0, reps=args.reps)
   wbytes, kvbytes = _bytes_per_token(cfg, ctx, b)
-  rec = {"decode_ms": med / (n - 1) * 1e3, "decode_times_s": times, "decode_compile_s": compile_s,
-         "weight_bytes": wbytes, "kv_bytes": kvbytes, "peak_bytes": jax_peak_bytes()}
-  hlo = decode_loop.lower(params, state["cache"], last, stops, jax.random.key(0),
-                          **kw).compile().as_text()
-  with gzip.open(os.path.join(args.out, f"{args.variant}.hlo.txt.gz"), "wt") as f:
-    f.write(hlo)
+  rec.update({"decode_ms": med / (n - 1) * 1e3, "decode_times_s": times,
+              "decode_compile_s": compile_s, "weight_bytes": wbytes, "kv_bytes": kvbytes,
+              "peak_bytes": jax_peak_bytes()})
+  try:
+    profile(args, rec, cfg, fused, decode, lambda: decode_loop.lower(
+        params, state["cache"], last, stops, jax.random.key(0), **kw).compile().as_text())
+  except Exception as e:  # the timing above stays a result
+    import traceback
+    traceback.print_exc()
+    rec["profile_error"] = f"{type(e).__name__}: {str(e)[:400]}"
+
+
+def profile(args, rec: dict, cfg, fused: bool, decode, hlo_text) -> None:
+  """The compiled loop's HLO to OUT/VARIANT.hlo.txt.gz, one loop traced, the trace summarized."""
+  import jax
+  try:
+    hlo = hlo_text()
+    with gzip.open(os.path.join(args.out, f"{args.variant}.hlo.txt.gz"), "wt") as f:
+      f.write(hlo)
+  except Exception as e:  # no HLO: the profile still counts kernels, without labels or bytes
+    hlo, rec["hlo_error"] = "", f"{type(e).__name__}: {str(e)[:300]}"
   trace_dir = tempfile.mkdtemp(prefix=f"trace_{args.variant}_")
   opts = jax.profiler.ProfileOptions()
   opts.python_tracer_level = 0  # Python frames would only slow the host down
@@ -166,12 +183,13 @@ def run_child(args) -> dict:
   finally:
     jax.profiler.stop_trace()
   rec["profiled_loop_s"] = time.perf_counter() - t0
-  events, plane = xplane_summary.kernel_events(xplane_summary.find_xplane(trace_dir),
-                                               module="decode_loop")
+  events, plane, host = xplane_summary.kernel_events(xplane_summary.find_xplane(trace_dir),
+                                                     module="decode_loop")
+  n = args.new_tokens
   ops = xplane_summary.hlo_ops(hlo, xplane_summary.weight_labels(cfg, fused))
-  rec["profile"] = {"plane": plane, **xplane_summary.summarize(events, ops, steps=n - 1)}
+  rec["profile"] = {"plane": plane,
+                    **xplane_summary.summarize(events, ops, steps=n - 1, host=host)}
   _stage(f"profile: {rec['profile'].get('kernels_per_step')} kernels/step")
-  return rec
 
 
 def child(args) -> None:
@@ -180,7 +198,7 @@ def child(args) -> None:
          "model": "smoke" if args.smoke else args.model, "context": args.context,
          "batch": args.batch, "new_tokens": args.new_tokens}
   try:
-    rec.update(run_child(args))
+    run_child(args, rec)
   except Exception as e:  # a variant that fails is a result; the others still run
     import traceback
     traceback.print_exc()
@@ -191,7 +209,7 @@ def child(args) -> None:
 
 
 def _line(rec: dict) -> str:
-  p = rec.get("profile", {})
+  p = rec.get("profile", {"kernels_per_step": rec.get("profile_error", "-")[:60]})
   if "error" in rec:
     return f"| {rec['variant']} | error: {rec['error'][:120]} |||||||"
   share = f"{rec['of_bound']:.1%}" if "of_bound" in rec else "-"
@@ -221,6 +239,7 @@ def main() -> None:
   p.add_argument("--variants", default="base,fused", help=", ".join(VARIANTS))
   p.add_argument("--budget-s", type=float, default=480,
                  help="start no further variant after this many seconds")
+  p.add_argument("--variant-timeout-s", type=float, default=200)
   p.add_argument("--smoke", action="store_true", help="a 2-layer tiny model (CPU tests)")
   p.add_argument("--out", required=True, help="directory")
   p.add_argument("--child", action="store_true")
@@ -239,6 +258,7 @@ def main() -> None:
   from benchmarks.decode import _has_cuda
   from benchmarks import common
   bw = common.copy_bandwidth() if _has_cuda() else None
+  cache_dir = tempfile.mkdtemp(prefix="decode_profile_jax_cache_")  # not under --out: large
   recs = []
   for name in names:
     left = args.budget_s - (time.perf_counter() - t_start)
@@ -246,6 +266,9 @@ def main() -> None:
       recs.append({"variant": name, "error": "skipped: --budget-s spent"})
       continue
     env = dict(os.environ)
+    # shared by the children: what a variant compiled with the same flags is not compiled again
+    env.setdefault("JAX_COMPILATION_CACHE_DIR", cache_dir)
+    env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", "")] + VARIANTS[name][0]).strip()
     cmd = [sys.executable, __file__, "--child", "--variant", name, "--model", args.model,
            "--context", str(args.context), "--batch", str(args.batch), "--new-tokens",
@@ -254,7 +277,7 @@ def main() -> None:
     _stage(f"variant {name}: XLA_FLAGS={env['XLA_FLAGS']!r}")
     try:
       proc = subprocess.run(cmd, capture_output=True, text=True, env=env,
-                            timeout=max(left, 0) + 120)
+                            timeout=min(left + 60, args.variant_timeout_s))
       lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
       rec = json.loads(lines[-1][7:]) if lines else {"variant": name,
                                                      "error": proc.stderr[-600:]}

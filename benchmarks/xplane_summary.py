@@ -158,22 +158,32 @@ def _kind(opcode: str, rest: str, name: str) -> str:
   return opcode
 
 
-def weight_labels(cfg, fused: bool) -> dict[int, str]:
-  """Bytes of each projection weight -> its label, for GEMMs whose metadata XLA dropped (sizes
-  two weights share, q and o at most shapes, get both names)."""
+def weight_labels(cfg, fused: bool) -> dict[int, list[tuple[str, int]]]:
+  """Bytes of each projection weight -> [(label, bytes of its output row)], to name GEMMs whose
+  metadata XLA dropped (by weight size, then by output size: gate/up and down have the same
+  size; q and o at most shapes share both, and get both names)."""
   d, h, kv, hd, f = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                      cfg.intermediate_size)
   item = 2 if "16" in str(cfg.dtype) else 4
-  sizes = {"o_proj": d * h * hd, "down_proj": f * d, "lm_head": d * cfg.vocab_size}
-  sizes.update({"qkv_proj": d * (h + 2 * kv) * hd, "gate_up_proj": 2 * d * f} if fused else
-               {"q_proj": d * h * hd, "k/v_proj": d * kv * hd, "gate/up_proj": d * f})
-  out: dict[int, str] = {}
-  for label, n in sizes.items():
-    out[n * item] = f"{out[n * item]}|{label}" if n * item in out else label
+  shapes = {"o_proj": (h * hd, d), "down_proj": (f, d), "lm_head": (d, cfg.vocab_size)}
+  shapes.update({"qkv_proj": (d, (h + 2 * kv) * hd), "gate_up_proj": (d, 2 * f)} if fused else
+                {"q_proj": (d, h * hd), "k/v_proj": (d, kv * hd), "gate/up_proj": (d, f)})
+  out: dict[int, list[tuple[str, int]]] = {}
+  for label, (n_in, n_out) in shapes.items():
+    out.setdefault(n_in * n_out * item, []).append((label, n_out * item))
   return out
 
 
-def hlo_ops(hlo_text: str, weights: dict[int, str] | None = None) -> dict[str, OpInfo]:
+def _weight_label(weights: dict, operand_bytes: list[int], result_bytes: int) -> str | None:
+  for b in operand_bytes:
+    if b in weights:
+      exact = [lab for lab, o in weights[b] if result_bytes % o == 0] or \
+          [lab for lab, _ in weights[b]]
+      return "|".join(exact)
+  return None
+
+
+def hlo_ops(hlo_text: str, weights: dict | None = None) -> dict[str, OpInfo]:
   """Every instruction of an optimized HLO module's text by name. A fusion or call takes its
   source from the dot inside it if any (a GEMM fusion is its dot), else from its root.
   weights: `weight_labels`, to name GEMMs that carry no source."""
@@ -218,7 +228,7 @@ def hlo_ops(hlo_text: str, weights: dict[int, str] | None = None) -> dict[str, O
       out_b, in_b = 0, max(in_b - _shape_bytes(result), 0) * 2
     label = _label(source_file, line, function, op_name)
     if kind == "gemm" and not source_file and weights:
-      label = next((weights[b] for b in sizes if b in weights), label)
+      label = _weight_label(weights, sizes, out_b) or label
     ops[name] = OpInfo(name, opcode, kind, out_b + in_b,
                        f"{os.path.basename(source_file)}:{line}" if source_file else "", label)
   return ops
@@ -232,27 +242,50 @@ def find_xplane(trace_dir: str) -> str:
   return paths[-1]
 
 
-def kernel_events(xplane_path: str, module: str) -> tuple[list[Event], str]:
-  """(leaf events of HLO module `module` (a substring of its name), plane they came from).
+# Lines that profilers derive from the kernels (they would count every kernel twice).
+_DERIVED_LINES = {"XLA Modules", "XLA Ops", "Steps", "XLA TraceMe", "Framework Name Scope",
+                  "Framework Ops", "Source code", "Launch Stats", "TensorFlow Name Scope",
+                  "TensorFlow Ops"}
 
-  Device planes win when they hold any such event (GPU); else host planes (CPU)."""
+
+def kernel_events(xplane_path: str, module: str) -> tuple[list[Event], str, dict]:
+  """(leaf events of HLO module `module` (a substring of its name), the plane they came from,
+  host-side totals by event name: {plane/name: (count, ns)}).
+
+  Device planes win when they hold any such event (GPU); else host planes (CPU). If no device
+  event names an HLO op, every kernel and memcpy on the device's stream lines is taken."""
   from jax.profiler import ProfileData
   data = ProfileData.from_file(xplane_path)
   found: dict[str, list[Event]] = collections.defaultdict(list)
+  unannotated: dict[str, list[Event]] = collections.defaultdict(list)
+  host: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])
   for plane in data.planes:
+    is_device = plane.name.startswith("/device:")
     for line in plane.lines:
+      if line.name in _DERIVED_LINES:
+        continue
       for ev in line.events:
         stats = dict(ev.stats)
         op, mod = stats.get("hlo_op"), str(stats.get("hlo_module", ""))
+        if not is_device and not ev.name.startswith("$"):  # $: Python frames
+          h = host[f"{plane.name}/{ev.name[:60]}"]
+          h[0] += 1
+          h[1] += ev.end_ns - ev.start_ns
         if op is None and "memcpy_details" in stats:
           op = "memcpy"  # a copy with no annotation (the loop predicate, on some versions)
-        if op is None or (mod and module not in mod):
+        e = Event(ev.name, str(op or ev.name), ev.start_ns, ev.end_ns, f"{plane.name}/{line.name}")
+        if op is None:
+          if is_device and line.name.startswith("Stream"):
+            unannotated[plane.name].append(e)
           continue
-        found[plane.name].append(Event(ev.name, str(op), ev.start_ns, ev.end_ns,
-                                       f"{plane.name}/{line.name}"))
+        if mod and module not in mod:
+          continue
+        found[plane.name].append(e)
   device = [p for p in found if p.startswith("/device:")]
+  if not device and unannotated:
+    found, device = unannotated, list(unannotated)
   plane = device[0] if device else next(iter(found), "")
-  return _leaves(found.get(plane, [])), plane
+  return _leaves(found.get(plane, [])), plane, {k: tuple(v) for k, v in host.items()}
 
 
 def _leaves(events: list[Event]) -> list[Event]:
@@ -281,7 +314,8 @@ def _busy_ns(events: list[Event]) -> float:
   return busy
 
 
-def summarize(events: list[Event], ops: dict[str, OpInfo], steps: int, top: int = 25) -> dict:
+def summarize(events: list[Event], ops: dict[str, OpInfo], steps: int, top: int = 25,
+              host: dict | None = None) -> dict:
   """Per decode step: kernels, busy and wall time, gaps between kernels (what the device waited
   for), time and achieved bandwidth by kind and label, and the top ops."""
   if not events:
@@ -292,7 +326,8 @@ def summarize(events: list[Event], ops: dict[str, OpInfo], steps: int, top: int 
   per_op: dict[str, dict] = collections.defaultdict(lambda: {"n": 0, "ns": 0.0})
   gaps_before: dict[str, float] = collections.defaultdict(float)
   gap_hist = {"<2us": 0, "2-5us": 0, "5-20us": 0, "20-100us": 0, ">=100us": 0}
-  gap_sum, end = 0.0, events[0].start_ns
+  gap_pairs: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])
+  gap_sum, end, prev = 0.0, events[0].start_ns, "start"
   for e in events:
     info = ops.get(e.op) or OpInfo(e.op, "?", "memcpy" if "memcpy" in e.name.lower() else "?",
                                    0, "", "unknown")
@@ -313,6 +348,11 @@ def summarize(events: list[Event], ops: dict[str, OpInfo], steps: int, top: int 
       key = ("<2us" if us < 2 else "2-5us" if us < 5 else "5-20us" if us < 20 else
              "20-100us" if us < 100 else ">=100us")
       gap_hist[key] += 1
+      pair = gap_pairs[f"{prev} -> {info.kind}:{info.label}"]
+      pair[0] += 1
+      pair[1] += gap
+    if e.end_ns >= end:
+      prev = f"{info.kind}:{info.label}"
     end = max(end, e.end_ns)
 
   def ms(ns):
@@ -334,6 +374,11 @@ def summarize(events: list[Event], ops: dict[str, OpInfo], steps: int, top: int 
       "gap_histogram_per_step": {k: round(v / steps, 1) for k, v in gap_hist.items()},
       "gap_ms_before": dict(sorted(((k, ms(v)) for k, v in gaps_before.items()),
                                    key=lambda kv: -kv[1])[:12]),
+      "gap_pairs": {k: {"per_step": round(n / steps, 2), "us_mean": round(ns / n / 1e3, 2),
+                        "ms_per_step": ms(ns)}
+                    for k, (n, ns) in sorted(gap_pairs.items(), key=lambda kv: -kv[1][1])[:12]},
+      "host_top": {k: {"per_step": round(n / steps, 2), "ms_per_step": ms(ns)}
+                   for k, (n, ns) in sorted((host or {}).items(), key=lambda kv: -kv[1][1])[:15]},
       "bytes_GB_per_step": round(sum(v["bytes"] for v in groups.values()) / steps / 1e9, 4),
       "by_kind": by_kind, "top_ops": top_ops}
 
@@ -346,6 +391,8 @@ def markdown(name: str, s: dict) -> str:
           f"busy {s['busy_ms_per_step']} ms, idle {s['idle_ms_per_step']} ms per step; "
           f"gaps {s['gap_histogram_per_step']}; {s['bytes_GB_per_step']} GB/step counted\n\n"
           f"idle before (kind:label -> ms/step): {s['gap_ms_before']}\n\n"
+          f"largest gaps (previous -> next: count/step, mean us, ms/step): {s['gap_pairs']}\n\n"
+          f"host (plane/event: count/step, ms/step): {s['host_top']}\n\n"
           "| kind | label | kernels/step | ms/step | GB/step | TB/s |\n|---|---|---|---|---|---|\n")
   rows = [f"| {g['kind']} | {g['label']} | {g['kernels_per_step']} | {g['ms_per_step']} | "
           f"{g['GB_per_step']} | {g['TB_s']} |" for g in s["by_kind"]]
