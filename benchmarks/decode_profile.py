@@ -29,8 +29,9 @@ Candidate fixes (--variants, in the order run; each is a flag set of this script
   the 8B shape) stop paying a launch and a bandwidth ramp of their own. Equality with the
   unfused model: tests/test_fused_projections.py.
 - `pdl`: --xla_gpu_enable_pdl=true: programmatic dependent launch on Hopper: a kernel's launch and
-  prologue overlap the previous kernel's tail, a few us per kernel boundary; ~700 boundaries per
-  step at the 8B shape (may already be XLA's default in this version: then it equals base).
+  prologue overlap the previous kernel's tail, a few us per kernel boundary, and a step has
+  hundreds of boundaries (the profile counts them). Newer XLA turns it on by default: if this
+  version does too, `pdl` equals `base` and `nopdl` shows what it is worth.
 - `nopdl`: --xla_gpu_enable_pdl=false, the control for `pdl`.
 - `cublas`: --xla_gpu_enable_triton_gemm=false: every M=1 GEMM to cuBLAS (gemv kernels) instead
   of an autotuned Triton GEMM fusion, whose tiles are made for larger M.
@@ -43,12 +44,18 @@ Not tried: --xla_gpu_dot_merger_threshold_mb (merging dots that share x would co
 weights inside every step: the bytes moved twice); command buffers incl. WHILE (measured: 5.84-5.87
 vs 5.88 ms, BENCHMARKS.md).
 
-One device call (H200, < 9 min; each variant ~40-60 s; the parent stops starting variants once
---budget-s is spent, and everything finished so far is already in $OUT):
+Reading the profile: `idle_ms_per_step` (wall minus busy) is time the GPU ran nothing: launch
+gaps between kernels and the loop's per-step host round trip (`gap_pairs` says between which
+ops); `by_kind` TB/s against the copy bandwidth says which ops read HBM slowly; kernels/step
+times ~1-2 us is what per-kernel ramp and drain can cost even without idle gaps.
+
+One device call (H200, < 9 min: ~30-60 s a variant; no variant starts after --budget-s, and each
+finished one is already in $OUT):
 
     python benchmarks/decode_profile.py --model llama-3.1-8b --context 32768 --new-tokens 32 \
-      --reps 3 --budget-s 480 --variants base,fused,cublas,pdl,flash_decode,fused_cublas,all,nopdl \
-      --out $OUT/decode_profile 2>&1 | tail -40
+      --reps 3 --budget-s 420 \
+      --variants base,fused,flash_decode,pdl,cublas,fused_flash,all,nopdl \
+      --out $OUT/decode_profile 2>&1 | tail -30
 """
 
 from __future__ import annotations

@@ -29,7 +29,8 @@ _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+([\w\-]+)\((.*)
 _LINE_LABELS = (("qkv_proj", "qkv_proj"), ("q_proj", "qkv_proj"), ("k_proj", "qkv_proj"),
                 ("v_proj", "qkv_proj"), ("o_proj", "o_proj"), ("gate_up_proj", "gate_up_proj"),
                 ("gate_proj", "gate_up_proj"), ("up_proj", "gate_up_proj"),
-                ("down_proj", "down_proj"), ("lm_head", "lm_head"), ("self.embed", "embed"),
+                ("down_proj", "down_proj"), ("lm_head", "lm_head"), ("vd->", "lm_head"),
+                ("self.embed", "embed"),
                 ("rsqrt", "rmsnorm"), ("self.scale", "rmsnorm"))
 _FILE_LABELS = {"rope.py": "rope", "attention.py": "attention", "full.py": "attention",
                 "cache.py": "cache_write", "generation.py": "sample/loop", "random.py": "rng",
@@ -72,7 +73,8 @@ _FUNC_LABELS = (("RMSNorm", "rmsnorm"), ("rope", "rope"), ("rotate", "rope"),
                 ("attention", "attention"), ("attend", "attention"), ("_dense", "attention"),
                 ("_scores", "attention"), ("_finish", "attention"), ("_visible", "attention"),
                 ("_group", "attention"), ("_blocked", "attention"), ("keep_going", "loop"),
-                ("decode_loop", "loop"), ("Llama.__call__", "embed/residual"),
+                ("decode_loop", "loop"), ("decode_while", "loop"), ("forward", "logits_row"),
+                ("Llama.__call__", "embed/residual"),
                 ("DecoderLayer", "residual"))
 
 
