@@ -215,20 +215,24 @@ def child(args) -> None:
   print("RESULT " + json.dumps(rec), flush=True)
 
 
-def _line(rec: dict) -> str:
+def _line(rec: dict, base_ms: float | None = None) -> str:
   p = rec.get("profile", {"kernels_per_step": rec.get("profile_error", "-")[:60]})
   if "error" in rec:
-    return f"| {rec['variant']} | error: {rec['error'][:120]} |||||||"
+    return f"| {rec['variant']} | error: {rec['error'][:120]} ||||||||"
   share = f"{rec['of_bound']:.1%}" if "of_bound" in rec else "-"
-  return (f"| {rec['variant']} | {rec['decode_ms']:.3f} | {rec.get('bound_ms', 0):.3f} | {share} | "
+  bound = f"{rec['bound_ms']:.3f}" if "bound_ms" in rec else "-"
+  delta = f"{rec['decode_ms'] - base_ms:+.3f}" if base_ms else "-"
+  return (f"| {rec['variant']} | {rec['decode_ms']:.3f} | {delta} | {bound} | {share} | "
           f"{p.get('kernels_per_step')} | {p.get('wall_ms_per_step')} | "
           f"{p.get('busy_ms_per_step')} | {p.get('idle_ms_per_step')} |")
 
 
 def write_summary(out: str, recs: list[dict]) -> None:
-  head = ("| variant | ms/token | bound ms | of bound | kernels/step | profiled wall ms/step | "
-          "busy ms/step | idle ms/step |\n|---|---|---|---|---|---|---|---|\n")
-  body = "\n".join(_line(r) for r in recs)
+  base_ms = next((r.get("decode_ms") for r in recs if r["variant"] == "base"), None)
+  head = ("| variant | ms/token | vs base | bound ms | of bound | kernels/step | "
+          "profiled wall ms/step | busy ms/step | idle ms/step |\n"
+          "|---|---|---|---|---|---|---|---|---|\n")
+  body = "\n".join(_line(r, base_ms) for r in recs)
   details = "\n".join(xplane_summary.markdown(r["variant"], r["profile"])
                       for r in recs if "profile" in r)
   with open(os.path.join(out, "summary.md"), "w") as f:
