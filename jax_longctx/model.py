@@ -7,6 +7,12 @@ A step still compiles once per shape, with compile time growing with depth. Meas
 (8B shape, batch 1, 32K context): stacking layers on a leading axis under `lax.scan` made XLA copy
 each layer's weights and cache slice out of the stacked buffers every step (3x the HBM traffic;
 15.3 ms/token against a 4.5 ms bound); separate buffers let every matmul read them in place.
+
+Serving params may be fused (`fuse_projections`): q/k/v as one [D, H + 2 KV, hd] weight and
+gate/up as one [D, 2F], so a decode step runs one matrix-vector product where it ran three (two),
+each reading one contiguous weight. The fused form is built from the ordinary params and only
+ever lives in memory: checkpoints, training and export keep the unfused tree. `forward` tells the
+two apart by the params' structure.
 """
 
 from __future__ import annotations
@@ -43,11 +49,14 @@ class RMSNorm(nnx.Module):
 
 class Attention(nnx.Module):
 
-  def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+  def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, fused: bool = False):
     d, h, kv, hd, dt = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.jnp_dtype
-    self.q_proj = _param(rngs, (d, h, hd), dt)
-    self.k_proj = _param(rngs, (d, kv, hd), dt)
-    self.v_proj = _param(rngs, (d, kv, hd), dt)
+    if fused:  # heads [q..., k..., v...]; in memory the same bytes as [D, (H + 2 KV) * hd]
+      self.qkv_proj = _param(rngs, (d, h + 2 * kv, hd), dt)
+    else:
+      self.q_proj = _param(rngs, (d, h, hd), dt)
+      self.k_proj = _param(rngs, (d, kv, hd), dt)
+      self.v_proj = _param(rngs, (d, kv, hd), dt)
     self.o_proj = _param(rngs, (h, hd, d), dt)
     if cfg.attention_bias:  # Qwen2
       self.q_bias = _param(rngs, (h, hd), dt)
@@ -57,11 +66,20 @@ class Attention(nnx.Module):
       self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, dt)
       self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dt)
     self.q_scale = query_scale(cfg)
+    self.num_heads, self.num_kv_heads = h, kv
 
-  def __call__(self, x, state, ctx: AttnContext, method: Method, decode: bool):
+  def _qkv(self, x):
+    if hasattr(self, "qkv_proj"):
+      h, kv = self.num_heads, self.num_kv_heads
+      qkv = jnp.einsum("bsd,dhk->bshk", x, self.qkv_proj[...])
+      return qkv[:, :, :h], qkv[:, :, h:h + kv], qkv[:, :, h + kv:]
     q = jnp.einsum("bsd,dhk->bshk", x, self.q_proj[...])  # [B, S, H, hd]
     k = jnp.einsum("bsd,dhk->bshk", x, self.k_proj[...])  # [B, S, KV, hd]
     v = jnp.einsum("bsd,dhk->bshk", x, self.v_proj[...])
+    return q, k, v
+
+  def __call__(self, x, state, ctx: AttnContext, method: Method, decode: bool):
+    q, k, v = self._qkv(x)
     if hasattr(self, "q_bias"):
       q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
     if hasattr(self, "q_norm"):
@@ -77,25 +95,34 @@ class Attention(nnx.Module):
 
 class MLP(nnx.Module):
 
-  def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+  def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, fused: bool = False):
     d, f, dt = cfg.hidden_size, cfg.intermediate_size, cfg.jnp_dtype
-    self.gate_proj = _param(rngs, (d, f), dt)
-    self.up_proj = _param(rngs, (d, f), dt)
+    if fused:  # [gate | up] along the output axis
+      self.gate_up_proj = _param(rngs, (d, 2 * f), dt)
+    else:
+      self.gate_proj = _param(rngs, (d, f), dt)
+      self.up_proj = _param(rngs, (d, f), dt)
     self.down_proj = _param(rngs, (f, d), dt)
+    self.intermediate_size = f
 
   def __call__(self, x):
-    gate = jnp.einsum("bsd,df->bsf", x, self.gate_proj[...])
-    up = jnp.einsum("bsd,df->bsf", x, self.up_proj[...])
+    if hasattr(self, "gate_up_proj"):
+      f = self.intermediate_size
+      gate_up = jnp.einsum("bsd,df->bsf", x, self.gate_up_proj[...])
+      gate, up = gate_up[..., :f], gate_up[..., f:]
+    else:
+      gate = jnp.einsum("bsd,df->bsf", x, self.gate_proj[...])
+      up = jnp.einsum("bsd,df->bsf", x, self.up_proj[...])
     return jnp.einsum("bsf,fd->bsd", jax.nn.silu(gate) * up, self.down_proj[...])
 
 
 class DecoderLayer(nnx.Module):
 
-  def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+  def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, fused: bool = False):
     self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.jnp_dtype)
-    self.attn = Attention(cfg, rngs)
+    self.attn = Attention(cfg, rngs, fused)
     self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.jnp_dtype)
-    self.mlp = MLP(cfg, rngs)
+    self.mlp = MLP(cfg, rngs, fused)
 
   def __call__(self, x, state, ctx, method, decode):
     h, state = self.attn(self.attn_norm(x), state, ctx, method, decode)
@@ -105,10 +132,11 @@ class DecoderLayer(nnx.Module):
 
 class Llama(nnx.Module):
 
-  def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+  def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, fused: bool = False):
+    """fused: the serving layout of `fuse_projections` (one q/k/v and one gate/up weight)."""
     self.cfg = cfg
     self.embed = _param(rngs, (cfg.vocab_size, cfg.hidden_size), cfg.jnp_dtype)
-    self.layers = nnx.List([DecoderLayer(cfg, rngs) for _ in range(cfg.num_layers)])
+    self.layers = nnx.List([DecoderLayer(cfg, rngs, fused) for _ in range(cfg.num_layers)])
     self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.jnp_dtype)
     if not cfg.tie_word_embeddings:
       self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), cfg.jnp_dtype)
@@ -136,10 +164,38 @@ class Llama(nnx.Module):
     return self.final_norm(x), cache.replace(lengths=lengths, state=tuple(state))
 
 
-def abstract_model(cfg: LlamaConfig):
-  """(graphdef, params shape tree) without allocating weights."""
-  graphdef, state = nnx.split(nnx.eval_shape(lambda: Llama(cfg, nnx.Rngs(0))))
+def abstract_model(cfg: LlamaConfig, fused: bool = False):
+  """(graphdef, params shape tree) without allocating weights (fused: `fuse_projections`' tree)."""
+  graphdef, state = nnx.split(nnx.eval_shape(lambda: Llama(cfg, nnx.Rngs(0), fused)))
   return graphdef, nnx.to_pure_dict(state)
+
+
+def is_fused(params) -> bool:
+  """Whether params are in `fuse_projections`' serving layout (checked on the first layer)."""
+  return "qkv_proj" in next(iter(params["layers"].values()))["attn"]
+
+
+def fuse_projections(params):
+  """The serving layout: per layer q/k/v concatenated over heads into `qkv_proj` [D, H+2KV, hd]
+  and gate/up over outputs into `gate_up_proj` [D, 2F]; everything else shared, not copied.
+
+  A new tree (the input is left as it is; drop it to free the unfused weights). Why: a batch-1
+  decode step is one matrix-vector product per weight, and each small one (k, v: 8 MB at the 8B
+  shape) pays a kernel launch and a ramp-up for little data; one launch per fused weight reads
+  the same bytes. Only for generation: checkpoints, training and HF export take unfused params.
+  """
+  if is_fused(params):
+    return params
+  layers = {}
+  for i, layer in params["layers"].items():
+    attn = {k: v for k, v in layer["attn"].items() if k not in ("q_proj", "k_proj", "v_proj")}
+    attn["qkv_proj"] = jnp.concatenate(
+        [layer["attn"]["q_proj"], layer["attn"]["k_proj"], layer["attn"]["v_proj"]], axis=1)
+    mlp = {k: v for k, v in layer["mlp"].items() if k not in ("gate_proj", "up_proj")}
+    mlp["gate_up_proj"] = jnp.concatenate([layer["mlp"]["gate_proj"], layer["mlp"]["up_proj"]],
+                                          axis=1)
+    layers[i] = {**layer, "attn": attn, "mlp": mlp}
+  return {**params, "layers": layers}
 
 
 @functools.partial(jax.jit, static_argnames=("shape", "dtype"))
@@ -161,8 +217,8 @@ def random_params(cfg: LlamaConfig, seed: int = 0):
 
 
 @functools.lru_cache(maxsize=None)
-def graphdef_for(cfg: LlamaConfig):
-  return abstract_model(cfg)[0]
+def graphdef_for(cfg: LlamaConfig, fused: bool = False):
+  return abstract_model(cfg, fused)[0]
 
 
 def forward(params, tokens, positions, cache: Cache, method: Method, cfg: LlamaConfig, *,
@@ -173,7 +229,7 @@ def forward(params, tokens, positions, cache: Cache, method: Method, cfg: LlamaC
   logits_index: None -> logits for every token [B, S, V]; an int32 array [B] -> only at that index
   of each row [B, V] (what generation needs, without a [B, S, V] buffer).
   """
-  model = nnx.merge(graphdef_for(cfg), params)
+  model = nnx.merge(graphdef_for(cfg, is_fused(params)), params)
   h, cache = model(tokens, positions, cache, method, valid=valid, decode=decode,
                    gate_open=gate_open)
   if logits_index is not None:
