@@ -28,6 +28,36 @@ def device_facts() -> dict:
           "jax": jax.__version__, "python": platform.python_version()}
 
 
+def run_cases(cases: dict, out: str, facts: dict, only=()) -> list[str]:
+  """Runs each case (name -> function returning a dict) in its own try/except, so one that fails
+  is recorded with its error (and what it measured before: the exception's `record`) and the
+  rest still run; prints each record and rewrites the JSON file `out` after every case.
+  Returns the names of the failed cases."""
+  import gc
+  import traceback
+  records, failed = [], []
+  for name, run in cases.items():
+    if only and name not in only:
+      continue
+    t0 = time.time()
+    try:
+      rec = run()
+    except Exception as e:  # keep going: one broken case must not hide the others
+      traceback.print_exc()
+      rec = {"case": name, **getattr(e, "record", {}),
+             "error": f"{type(e).__name__}: {str(e)[:3000]}"}
+      failed.append(name)
+    rec.update(name=name, seconds=round(time.time() - t0, 1))
+    records.append(rec)
+    print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in rec.items()}),
+          flush=True)
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+      json.dump({"facts": facts, "records": records, "failed": failed}, f, indent=1)
+    gc.collect()
+  return failed
+
+
 def jax_peak_bytes() -> int | None:
   import jax
   stats = jax.devices()[0].memory_stats() or {}

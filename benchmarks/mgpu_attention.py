@@ -24,12 +24,9 @@ of cuDNN): checks this script end to end before it spends device time; its times
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import sys
-import time
-import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -265,26 +262,7 @@ def main():
   facts = {**common.device_facts(), "default_config": vars(mgpu_attention.DEFAULT_CONFIG)}
   print(json.dumps(facts), flush=True)
   only = set(filter(None, args.only.split(",")))
-  records, failed = [], []
-  for name, run in cases(jax.random.PRNGKey(0), args).items():
-    if only and name not in only:
-      continue
-    t0 = time.time()
-    try:
-      rec = run()
-    except Exception as e:  # keep going: one broken case must not hide the others
-      traceback.print_exc()
-      rec = {"case": name, **getattr(e, "record", {}),
-             "error": f"{type(e).__name__}: {str(e)[:3000]}"}
-      failed.append(name)
-    rec.update(name=name, seconds=round(time.time() - t0, 1))
-    records.append(rec)
-    print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in rec.items()}),
-          flush=True)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-      json.dump({"facts": facts, "records": records, "failed": failed}, f, indent=1)
-    gc.collect()
+  failed = common.run_cases(cases(jax.random.PRNGKey(0), args), args.out, facts, only)
   if failed:
     print(f"FAILED CASES: {failed}", flush=True)
     sys.exit(1)
