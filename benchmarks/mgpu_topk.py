@@ -11,6 +11,8 @@ Shapes of one layer: 32 query / 8 KV heads, d=128, bf16, batch 1, unless a case 
 2. prefill_128k / prefill_512k: 512 queries x 128K / 512K keys, top-4: median ms after warm-up
    of the Mosaic kernel beside the Triton kernel and einsum + lax.top_k, in the same run.
    TFLOP/s count 2 * queries * keys * d * H. Decode (1 query) stays on the Triton kernel.
+3. gemm_only_128k: the kernel with a running max in place of the selection (pipeline + products
+   alone: the bound for what a cheaper selection could gain).
 --sweep: 512 x 128K over block_kv 64/128/256, stages 2-4, key splits and lowering semantics (each
 output checked against the default config's).
 Every case runs in its own try/except (benchmarks/common.run_cases); the JSON file is rewritten
@@ -145,6 +147,25 @@ def bench(key, t, args, *, top_k=4, lq=512, config=None, key_splits=None, anchor
   return rec
 
 
+def gemm_only(key, args, t=131072):
+  """The kernel with its selection swapped for a running row max (results meaningless): what the
+  pipeline and the products cost alone, i.e. the most the selection could still gain."""
+  real = mgpu_topk._select
+
+  def running_max(state, s, key):
+    vals, keys = state
+    return [jnp.maximum(vals[0], s.max(axis=1)), *vals[1:]], keys
+
+  mgpu_topk.mgpu_topk.clear_cache()
+  mgpu_topk._select = running_max
+  try:
+    rec = bench(key, t, args, anchors=False)
+  finally:
+    mgpu_topk._select = real
+    mgpu_topk.mgpu_topk.clear_cache()
+  return {**rec, "case": "gemm_only"}
+
+
 def sweep(key, args):
   points = [(mgpu_topk.Config(64, bk, st), None) for bk in (64, 128, 256) for st in (2, 3, 4)]
   points = [(c, s) for c, s in points if mgpu_topk.smem_bytes(c, D, 4) <= mgpu_topk.SMEM_LIMIT]
@@ -168,7 +189,8 @@ def cases(key, args) -> dict:
   if args.sweep:
     return {"check_top4_bthd_d128_g4": checks["check_top4_bthd_d128_g4"], **sweep(key, args)}
   return {**checks, "prefill_128k": lambda: bench(key, 131072, args),
-          "prefill_512k": lambda: bench(key, 524288, args)}
+          "prefill_512k": lambda: bench(key, 524288, args),
+          "gemm_only_128k": lambda: gemm_only(key, args)}
 
 
 def main():
