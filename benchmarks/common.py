@@ -68,6 +68,24 @@ def run_cases(cases: dict[str, Callable], only: str, record: Callable[[dict], No
   return failed
 
 
+def run_cases_to_json(cases: dict[str, Callable], out: str, facts: dict, only: str) -> list[str]:
+  """`run_cases`, printing each record and rewriting the JSON file `out` ({facts, records,
+  failed}) after every case, so a call cut off by its time limit still leaves what it measured."""
+  records, failed = [], []
+
+  def record(rec):
+    records.append(rec)
+    if "error" in rec:
+      failed.append(rec["name"])
+    print(printable(rec), flush=True)
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+      json.dump({"facts": facts, "records": records, "failed": failed}, f, indent=1)
+
+  run_cases(cases, only, record)
+  return failed
+
+
 def printable(rec: dict, leave_out=()) -> str:
   return json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in rec.items()
                      if k not in leave_out})

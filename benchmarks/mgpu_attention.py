@@ -261,18 +261,8 @@ def main():
     SMOKE, H, KV, args.reps, args.inner = True, 4, 2, 1, 1
   facts = {**common.device_facts(), "default_config": vars(mgpu_attention.DEFAULT_CONFIG)}
   print(json.dumps(facts), flush=True)
-  records = []
-
-  def record(rec):
-    records.append(rec)
-    print(common.printable(rec), flush=True)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-      json.dump({"facts": facts, "records": records}, f, indent=1)
-
-  failed = common.run_cases(cases(jax.random.PRNGKey(0), args), args.only, record)
-  with open(args.out, "w") as f:
-    json.dump({"facts": facts, "records": records, "failed": failed}, f, indent=1)
+  failed = common.run_cases_to_json(cases(jax.random.PRNGKey(0), args), args.out, facts,
+                                     args.only)
   if failed:
     print(f"FAILED CASES: {failed}", flush=True)
     sys.exit(1)

@@ -1,7 +1,8 @@
 """Pallas kernels for long-context attention, each with a GPU variant, a TPU variant and a jnp
 reference behind one `backend=` switch ("auto" | "reference" | "gpu" | "tpu").
 
-- topk_scores: fused q.k + exact top-k over a long key axis (no score matrix in HBM).
+- topk_scores: fused q.k + exact top-k over a long key axis (no score matrix in HBM; on Hopper,
+  prefill chunks can run a Mosaic GPU kernel, mgpu_topk, when asked: GPU_TOPK_IMPL / Tiling).
 - flash_attention: online-softmax attention returning its log-sum-exp (prefill and decode; on
   Hopper, prefill runs a Mosaic GPU kernel, mgpu_attention).
 - chunk_attention: a prefill chunk over the cache before it and itself (two cuDNN calls merged

@@ -38,8 +38,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.mgpu_common import (COMPUTE_WGS, LOG2E, NEG_INF, Config, Ops,
-                                        compiler_params, interpret_params, interpreter_available,
-                                        plgpu, rows, smem_bytes, unsupported)
+                                        compiler_params, fill_ring, interpret_params,
+                                        interpreter_available, keyrows, plgpu, rendezvous, rows,
+                                        smem_bytes, tile_start, unsupported)
 
 __all__ = ["Config", "DEFAULT_CONFIG", "interpreter_available", "mgpu_flash_attention",
            "smem_bytes", "unsupported"]
@@ -154,19 +155,6 @@ def _key_bounds(q_base, q_off, kv_len, *, causal: bool, cfg: Config):
   return unmasked, steps
 
 
-def _tile_start(step, bk: int, t: int):
-  """First key of tile `step`; the last tile is clamped to end at T (keys before step * bk in it
-  were seen by the previous tile and get masked)."""
-  return jnp.minimum(step * bk, t - bk)
-
-
-def _keyrows(ref, kv_layout: str, b, kvh, start, bk: int):
-  """[bk, d] view of keys start.. of kv head kvh in either layout (a strided TMA box in BTHD)."""
-  if kv_layout == "BTHD":
-    return ref.at[b, pl.ds(start, bk), kvh]
-  return ref.at[b, kvh, pl.ds(start, bk)]
-
-
 def _producer(refs, smem, loaded, freed, turn, *, dims, cfg, kv_layout, native, b, kvh,
               cta_steps, **_):
   """Memory warpgroup: fills the K/V ring, each slot once both compute warpgroups freed it."""
@@ -179,31 +167,13 @@ def _producer(refs, smem, loaded, freed, turn, *, dims, cfg, kv_layout, native, 
     plgpu.set_max_registers(40, action="decrease")  # registers go to the compute warpgroups
 
   def load(x_ref, x_smem, barrier, step, slot):
-    start = _tile_start(step, cfg.block_kv, dims.t)
-    plgpu.copy_gmem_to_smem(_keyrows(x_ref, kv_layout, b, kvh, start, cfg.block_kv),
+    start = tile_start(step, cfg.block_kv, dims.t)
+    plgpu.copy_gmem_to_smem(keyrows(x_ref, kv_layout, b, kvh, start, cfg.block_kv),
                             x_smem.at[slot], barrier.at[slot])
 
-  for i in range(cfg.stages):  # fill the ring (only with tiles this CTA will use)
-    @pl.when(i < cta_steps)
-    def _():
-      load(k_ref, k_smem, k_loaded, i, i)
-      load(v_ref, v_smem, v_loaded, i, i)
-
-  @pl.loop(cfg.stages, jnp.maximum(cta_steps, cfg.stages))
-  def _(step):
-    slot = lax.rem(step, jnp.int32(cfg.stages))
-    plgpu.barrier_wait(k_free.at[slot])  # tile step - stages released
-    load(k_ref, k_smem, k_loaded, step, slot)
-    plgpu.barrier_wait(v_free.at[slot])
-    load(v_ref, v_smem, v_loaded, step, slot)
-
-  # Await the release of the last tiles too: idle time on the GPU (the compute warpgroups are
-  # still busy), and it lets jax's interpreter check that every barrier phase was observed.
-  @pl.loop(jnp.maximum(cta_steps - cfg.stages, 0), cta_steps)
-  def _(step):
-    slot = lax.rem(step, jnp.int32(cfg.stages))
-    plgpu.barrier_wait(k_free.at[slot])
-    plgpu.barrier_wait(v_free.at[slot])
+  fill_ring(cta_steps, cfg.stages,
+            [(functools.partial(load, k_ref, k_smem, k_loaded), k_free),
+             (functools.partial(load, v_ref, v_smem, v_loaded), v_free)])
 
 
 def _consumer(refs, smem, loaded, freed, turn, *, wg, q_base, dims, cfg, causal, scale,
@@ -222,9 +192,7 @@ def _consumer(refs, smem, loaded, freed, turn, *, wg, q_base, dims, cfg, causal,
   ops = Ops(native, cfg, dims.d)
   state = ops.init_state()
 
-  def sync_turn():
-    plgpu.barrier_arrive(turn)
-    plgpu.barrier_wait(turn)
+  sync_turn = functools.partial(rendezvous, turn)
 
   @pl.when(steps > 0)
   def _():
@@ -302,9 +270,9 @@ def _step(i, state, *, masked: bool, qo, smem, loaded, freed, turn, sync_turn, o
 
 def _visible(ops, i, *, t, cfg, causal, q_pos0, kv_len):
   """[bq, bk] bool: key (column) visible to query row (row) in tile i, whose keys start at the
-  clamped _tile_start; keys below i * bk in a clamped tile were already seen."""
+  clamped tile_start; keys below i * bk in a clamped tile were already seen."""
   nominal = i * cfg.block_kv
-  key = _tile_start(i, cfg.block_kv, t) + ops.iota(1)
+  key = tile_start(i, cfg.block_kv, t) + ops.iota(1)
   ok = (key >= nominal) & (key < kv_len)
   if causal:
     ok = ok & (key <= q_pos0 + ops.iota(0))

@@ -1,6 +1,7 @@
-"""What the Mosaic GPU attention kernel (mgpu_attention.py) needs besides its body: its Config and
-the checks of what it can run, the compiler / interpreter parameters across JAX versions, and
-Ops, the few operations that differ between the GPU and jax's Mosaic GPU interpreter on CPU.
+"""What the Mosaic GPU kernels (mgpu_attention.py, mgpu_topk.py) share besides their bodies: the
+Config and the checks of what they can run, the compiler / interpreter parameters across JAX
+versions, the key tiles and the ring that streams them, and Ops, the few operations that differ
+between the GPU and jax's Mosaic GPU interpreter on CPU.
 
 JAX 0.10 -> 0.11 differences met here: the default lowering semantics changed from Lane to
 Warpgroup (Config.semantics pins one; None keeps the version's default); `transpose_ref` is
@@ -79,9 +80,12 @@ def unsupported(q, k, v, *, kv_layout: str, config: Config) -> str | None:
   return None
 
 
-def compiler_params(config: Config):
+def compiler_params(config: Config, reduction_scratch_bytes: int = 0):
+  """reduction_scratch_bytes: SMEM for reductions across the warps of a warpgroup (a row vector
+  to a scalar); Mosaic gives every warpgroup the same scratch, so the kernel must keep two
+  warpgroups from reducing at the same time (mgpu_topk does, by its turns)."""
   kw = dict(approx_math=True,  # exp2 / reciprocal as the fast hardware approximations
-            reduction_scratch_bytes=0)  # (see smem_bytes)
+            reduction_scratch_bytes=reduction_scratch_bytes)  # 0: see smem_bytes
   if config.semantics is not None:
     kw["lowering_semantics"] = {"lane": plgpu.LoweringSemantics.Lane,
                                 "warpgroup": plgpu.LoweringSemantics.Warpgroup}[config.semantics]
@@ -109,6 +113,50 @@ def interpret_params(interpret):
 def rows(x, shape):
   """Per-row values [n] broadcast along the columns of `shape`."""
   return lax.broadcast_in_dim(x, shape, [0])
+
+
+def rendezvous(barrier):
+  """Arrive at a barrier all compute warpgroups use and wait for its phase to complete."""
+  plgpu.barrier_arrive(barrier)
+  plgpu.barrier_wait(barrier)
+
+
+def tile_start(step, bk: int, t: int):
+  """First key of tile `step`; the last tile is clamped to end at T (keys before step * bk in it
+  were seen by the previous tile and get masked)."""
+  return jnp.minimum(step * bk, t - bk)
+
+
+def keyrows(ref, kv_layout: str, b, kvh, start, bk: int):
+  """[bk, d] view of keys start.. of kv head kvh in either layout (a strided TMA box in BTHD)."""
+  if kv_layout == "BTHD":
+    return ref.at[b, pl.ds(start, bk), kvh]
+  return ref.at[b, kvh, pl.ds(start, bk)]
+
+
+def fill_ring(steps, stages: int, streams):
+  """Memory warpgroup: load(step, slot) for step in [0, steps) of every (load, freed) stream,
+  into slot step % stages, once the compute warpgroups released the slot (`freed[slot]`, all of
+  them arrive). Then awaits the release of the last tiles too: idle time on the GPU (the compute
+  warpgroups are still busy), and it lets jax's interpreter check every barrier phase was seen."""
+  for i in range(stages):  # fill the ring (only with tiles that will be used)
+    @pl.when(i < steps)
+    def _():
+      for load, _ in streams:
+        load(i, i)
+
+  @pl.loop(stages, jnp.maximum(steps, stages))
+  def _(step):
+    slot = lax.rem(step, jnp.int32(stages))
+    for load, freed in streams:
+      plgpu.barrier_wait(freed.at[slot])  # tile step - stages released
+      load(step, slot)
+
+  @pl.loop(jnp.maximum(steps - stages, 0), steps)
+  def _(step):
+    slot = lax.rem(step, jnp.int32(stages))
+    for _, freed in streams:
+      plgpu.barrier_wait(freed.at[slot])
 
 
 class Ops:

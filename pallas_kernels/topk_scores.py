@@ -5,6 +5,9 @@ tiles, scores every query head of the group against each K tile in one matrix pr
 a running top-k (topk_tile). Splitting the key axis keeps the GPU busy when there are few
 queries (decode); the splits' candidates (kp per row each) are merged by a small sort after.
 TPU: the key tiles are the innermost grid axis and the running set lives in VMEM scratch.
+On Hopper, prefill chunks (at least MOSAIC_MIN_ROWS rows per kv head) can run the Mosaic GPU
+kernel of mgpu_topk.py instead (GPU_TOPK_IMPL, or tiling.impl="mosaic" per call); its output has
+the Triton kernel's layout, so the splits are merged the same way. Decode stays on Triton.
 """
 
 from __future__ import annotations
@@ -17,9 +20,15 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import backend as backend_lib
-from pallas_kernels import gpu, layout, online_softmax, reference, topk_tile, tpu
+from pallas_kernels import gpu, layout, mgpu_topk, online_softmax, reference, topk_tile, tpu
 
 SQ = gpu.SQ
+
+# The GPU kernel for calls the Mosaic GPU kernel can run, on a Hopper GPU: "mosaic" or "triton"
+# (tiling.impl overrides it per call; off GPU only tiling.impl picks Mosaic). "triton" until
+# benchmarks/mgpu_topk.py has measured the Mosaic kernel on a GPU.
+GPU_TOPK_IMPL = "triton"
+MOSAIC_MIN_ROWS = 64  # query rows (queries x group) per kv head: fewer (decode) stay on Triton
 
 
 def topk_scores(q, k, top_k: int, *, scale: float | None = None, valid_len=None,
@@ -45,6 +54,13 @@ def topk_scores(q, k, top_k: int, *, scale: float | None = None, valid_len=None,
 
   kp = max(4, layout.next_pow2(top_k))
   rows = lq * (h // kvh)
+  bounds = jnp.stack([lo, hi], axis=1)  # [B, 2]
+  mosaic = _mosaic_config(variant, q, k, rows, top_k, tiling)
+  if mosaic is not None:
+    vals, idx = _mosaic(q, k, bounds, top_k, mosaic, scale=scale, kv_layout=kv_layout,
+                        key_splits=tiling.key_splits if tiling else None,
+                        interpret=variant.interpret)
+    return _finish(vals, idx, top_k, lq, h)
   # The running set is kp registers per row: fewer rows per program when k is large. GPU
   # defaults measured on an H200 (BENCHMARKS.md): 64 x 64 tiles for chunks, 256-key tiles for
   # decode, where a program has few rows and checks its set once per tile.
@@ -57,7 +73,6 @@ def topk_scores(q, k, top_k: int, *, scale: float | None = None, valid_len=None,
   bm, bk = tl.block_rows, tl.block_keys
   rows_padded = layout.round_up(rows, bm)
   qr = layout.q_rows(q, kvh, rows_padded)
-  bounds = jnp.stack([lo, hi], axis=1)  # [B, 2]
   if variant.kind == "gpu":
     kk = layout.pad_keys(k, kv_layout, bk)
     tk = kk.shape[1 if kv_layout == "BTHD" else 2]
@@ -67,11 +82,51 @@ def topk_scores(q, k, top_k: int, *, scale: float | None = None, valid_len=None,
   else:
     vals, idx = _tpu(qr, layout.heads_first(k, kv_layout), bounds, kp=kp, bm=bm, bk=bk,
                      scale=scale, interpret=variant.interpret_arg())
-  # [B, KV, S, R, kp] -> [B, KV, R, S * kp]: every split's candidates for a row, then the best.
+  return _finish(vals, idx, top_k, lq, h)
+
+
+def _finish(vals, idx, top_k: int, lq: int, h: int):
+  """[B, KV, S, R, kp] per split -> [B, KV, R, S * kp]: every split's candidates for a row, then
+  the best top_k of them, back to [B, Lq, H, top_k]."""
+  b, kvh, _, rows_padded, _ = vals.shape
   vals = jnp.moveaxis(vals, 2, 3).reshape(b, kvh, rows_padded, -1)
   idx = jnp.moveaxis(idx, 2, 3).reshape(b, kvh, rows_padded, -1)
   vals, idx = topk_tile.finish(vals, idx, top_k)
   return layout.from_rows(vals, lq, h), layout.from_rows(idx, lq, h)
+
+
+def _mosaic_config(variant, q, k, rows: int, top_k: int, tiling):
+  """The Mosaic GPU kernel's Config when it serves this call, else None (the Triton kernel)."""
+  if variant.kind != "gpu":
+    return None
+  impl = tiling.impl if tiling is not None and tiling.impl else (
+      GPU_TOPK_IMPL if not variant.interpret and backend_lib.is_hopper() else "triton")
+  if impl not in ("mosaic", "triton"):
+    raise ValueError(f"tiling.impl {impl!r} must be 'mosaic' or 'triton'")
+  if impl == "triton" or rows < MOSAIC_MIN_ROWS:
+    return None
+  config = mgpu_topk.DEFAULT_CONFIG
+  if tiling is not None and tiling.impl == "mosaic":  # its fields are the Mosaic kernel's then
+    config = mgpu_topk.Config(block_q=tiling.block_rows or config.block_q,
+                              block_kv=tiling.block_keys or config.block_kv,
+                              stages=tiling.num_stages or config.stages,
+                              semantics=config.semantics)
+  return None if mgpu_topk.unsupported(q, k, top_k, config=config) else config
+
+
+def _mosaic(q, k, bounds, top_k, config, *, scale, kv_layout, key_splits, interpret):
+  b, _, h, _ = q.shape
+  kvh = k.shape[2 if kv_layout == "BTHD" else 1]
+  bk = config.block_kv
+  rows_padded = layout.round_up(q.shape[1] * (h // kvh), 2 * config.block_q)
+  kk = layout.pad_keys(k, kv_layout, bk)
+  tk = kk.shape[1 if kv_layout == "BTHD" else 2]
+  # One CTA per SM at a time (SMEM): about one CTA per SM in all, unless asked.
+  span, splits = gpu.split_plan(b * kvh * rows_padded // (2 * config.block_q), tk, bk,
+                                key_splits, per_core=1)
+  return mgpu_topk.mgpu_topk(layout.q_rows(q, kvh, rows_padded), kk, bounds, kp=top_k,
+                             span=span, splits=splits, scale=scale, kv_layout=kv_layout,
+                             config=config, interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("kp", "span", "splits", "scale", "kv_layout",

@@ -1,0 +1,175 @@
+"""The Mosaic GPU top-k kernel (pallas_kernels/mgpu_topk.py) on CPU.
+
+jax's Mosaic GPU interpreter runs the kernel's warpgroups as threads (TMA ring, barriers, turns,
+the selection rounds, masks, splits) with WGMMA and layout casts replaced by plain dot products
+(`native=False`, see mgpu_common.Ops); the native code is lowered to Mosaic GPU MLIR on this
+CPU-only jaxlib (layouts, SMEM), and runs on the GPU in benchmarks/mgpu_topk.py.
+Integer inputs make every score exact: indices and scores must equal the reference's.
+"""
+
+import importlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import layout, mgpu_common, mgpu_topk, topk_scores
+from pallas_kernels.backend import Variant
+from pallas_kernels.gpu import Tiling
+from tests.kernels.inputs import keys_shape, normal, small_ints
+
+ts_module = importlib.import_module("pallas_kernels.topk_scores")
+NO_INTERPRETER = mgpu_common.interpreter_available()
+needs_interpreter = pytest.mark.skipif(NO_INTERPRETER is not None, reason=str(NO_INTERPRETER))
+
+
+@pytest.fixture(autouse=True)
+def _reset_interpreter():
+  """jax's GPU interpreter must be reset after a kernel raised, or the next run fails too."""
+  yield
+  if NO_INTERPRETER is None:
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+    interpret_pallas_call.reset_gpu_interpret_mode_state()
+
+
+def mosaic(block_kv=64, stages=2, key_splits=None):
+  return Tiling(impl="mosaic", block_rows=64, block_keys=block_kv, num_stages=stages,
+                key_splits=key_splits)
+
+
+def assert_exact(q, k, top_k, tiling, **kw):
+  v, i = topk_scores(q, k, top_k, backend="gpu", tiling=tiling, **kw)
+  rv, ri = topk_scores(q, k, top_k, backend="reference", **kw)
+  assert v.shape == i.shape == rv.shape and v.dtype == jnp.float32 and i.dtype == jnp.int32
+  np.testing.assert_array_equal(np.asarray(i), np.asarray(ri))
+  np.testing.assert_array_equal(np.asarray(v), np.asarray(rv))
+  return np.asarray(v), np.asarray(i)
+
+
+# name: (batch, q_len, q_heads, kv_heads, keys, d, top_k, layout, valid, prefix, suffix, tiling)
+CASES = {
+    # 2 sequences of different lengths, prefix / suffix excluded, 300 keys: a clamped last tile
+    "g4_d64_top4_bthd": (2, 16, 4, 1, 300, 64, 4, "BTHD", (300, 171), 5, 17, mosaic()),
+    # top 16 over 2 key splits, the other layout, a 3-slot ring; 64 rows padded to a CTA's 128
+    "g4_d128_top16_bhtd_split": (1, 16, 4, 1, 330, 128, 16, "BHTD", None, 70, 0,
+                                 mosaic(stages=3, key_splits=2)),
+    # no GQA; top 1; 128-key tiles; the second sequence has a single candidate
+    "g1_d64_top1": (2, 64, 2, 2, 200, 64, 1, "BTHD", (200, 6), 5, 0, mosaic(block_kv=128)),
+}
+
+
+@needs_interpreter
+@pytest.mark.parametrize("case", list(CASES))
+def test_mgpu_topk_matches_reference_in_interpreter(case):
+  b, lq, h, kvh, t, d, top_k, kv_layout, valid, prefix, suffix, tiling = CASES[case]
+  rng = np.random.default_rng(len(case))
+  q = small_ints(rng, (b, lq, h, d))
+  k = small_ints(rng, keys_shape(b, t, kvh, d, kv_layout))
+  v, i = assert_exact(q, k, top_k, tiling, valid_len=None if valid is None else jnp.asarray(valid),
+                      exclude_prefix=prefix, exclude_suffix=suffix, kv_layout=kv_layout)
+  hi = (t if valid is None else np.asarray(valid)[:, None, None, None]) - suffix
+  assert np.all((i == -1) | ((i >= prefix) & (i < hi))), "an excluded key was selected"
+  if case == "g1_d64_top1":  # sequence 1 has the single candidate key 5
+    assert np.all(i[1] == 5)
+
+
+@needs_interpreter
+def test_mgpu_topk_ties_go_to_lowest_index():
+  """37 distinct keys repeated: every score is tied many times over, across tiles and splits."""
+  rng = np.random.default_rng(7)
+  k = jnp.tile(small_ints(rng, (1, 37, 1, 64)), (1, 12, 1, 1))[:, :420]
+  q = small_ints(rng, (1, 16, 4, 64))
+  v, i = assert_exact(q, k, 16, mosaic(key_splits=2))
+  tied = v[..., 1:] == v[..., :-1]
+  assert tied.any() and np.all(i[..., 1:][tied] > i[..., :-1][tied])
+
+
+@needs_interpreter
+def test_mgpu_topk_float_inputs():
+  rng = np.random.default_rng(3)
+  q, k = normal(rng, (1, 16, 4, 128), jnp.bfloat16), normal(rng, (1, 260, 1, 128), jnp.bfloat16)
+  v, i = topk_scores(q, k, 8, scale=0.125, backend="gpu", tiling=mosaic())
+  rv, ri = topk_scores(q, k, 8, scale=0.125, backend="reference")
+  np.testing.assert_allclose(np.asarray(v), np.asarray(rv), rtol=1e-5, atol=1e-5)
+  gap = np.abs(np.diff(np.asarray(rv), axis=-1)).min(axis=-1) > 1e-4
+  np.testing.assert_array_equal(np.asarray(i)[gap], np.asarray(ri)[gap])
+
+
+@needs_interpreter
+def test_pipeline_has_no_races():
+  """The interpreter's race detector over the K ring (4 tiles through 2 slots, both warpgroups,
+  the selection rounds in their turns): every refill is ordered after both releases."""
+  from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+  from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+  rng = np.random.default_rng(11)
+  q, k = small_ints(rng, (1, 32, 4, 64)), small_ints(rng, (1, 256, 1, 64))
+  bounds = jnp.array([[3, 250]], jnp.int32)
+  vals, idx = mgpu_topk.mgpu_topk(layout.q_rows(q, 1, 128), k, bounds, kp=4, span=256, splits=1,
+                                  scale=None, config=mgpu_topk.Config(64, 64, 2),
+                                  interpret=InterpretGPUParams(detect_races=True))
+  jax.block_until_ready(idx)
+  assert not interpret_pallas_call.get_races().races_found
+  v, i = ts_module._finish(vals, idx, 4, 32, 4)
+  rv, ri = topk_scores(q, k, 4, exclude_prefix=3, valid_len=250, backend="reference")
+  np.testing.assert_array_equal(np.asarray(i), np.asarray(ri))
+  np.testing.assert_array_equal(np.asarray(v), np.asarray(rv))
+
+
+def test_routing():
+  """Off GPU only tiling.impl="mosaic" picks the kernel; decode-sized rows, fp32, top_k above
+  MAX_TOP_K stay on Triton; GPU_TOPK_IMPL decides on a (pretended) Hopper GPU."""
+  q, k = jnp.zeros((1, 16, 4, 64), jnp.bfloat16), jnp.zeros((1, 256, 1, 64), jnp.bfloat16)
+  interp = Variant("gpu", True)
+  cfg = ts_module._mosaic_config
+  assert cfg(interp, q, k, 64, 4, None) is None
+  assert cfg(interp, q, k, 64, 4, Tiling(impl="mosaic")) == mgpu_topk.DEFAULT_CONFIG
+  assert cfg(interp, q, k, 4, 4, Tiling(impl="mosaic")) is None  # decode: 1 query x group 4
+  assert cfg(interp, q.astype(jnp.float32), k.astype(jnp.float32), 64, 4,
+             Tiling(impl="mosaic")) is None
+  assert cfg(interp, q, k, 64, mgpu_topk.MAX_TOP_K + 1, Tiling(impl="mosaic")) is None
+  assert cfg(Variant("reference", False), q, k, 64, 4, Tiling(impl="mosaic")) is None
+  with pytest.raises(ValueError, match="impl"):
+    cfg(interp, q, k, 64, 4, Tiling(impl="cuda"))
+
+
+def test_routing_on_a_hopper_gpu(monkeypatch):
+  native = Variant("gpu", False)
+  q, k = jnp.zeros((1, 16, 4, 64), jnp.bfloat16), jnp.zeros((1, 256, 1, 64), jnp.bfloat16)
+  monkeypatch.setattr(ts_module.backend_lib, "is_hopper", lambda: True)
+  monkeypatch.setattr(ts_module, "GPU_TOPK_IMPL", "triton")
+  assert ts_module._mosaic_config(native, q, k, 64, 4, None) is None
+  monkeypatch.setattr(ts_module, "GPU_TOPK_IMPL", "mosaic")
+  assert ts_module._mosaic_config(native, q, k, 64, 4, None) == mgpu_topk.DEFAULT_CONFIG
+  assert ts_module._mosaic_config(native, q, k, 64, 4, Tiling(impl="triton")) is None
+
+
+LOWERINGS = [(128, "BTHD", 4, None), (64, "BHTD", 16, "warpgroup"), (128, "BHTD", 1, "lane")]
+
+
+@pytest.mark.parametrize("d,kv_layout,kp,semantics", LOWERINGS)
+def test_native_kernel_lowers_to_mosaic_gpu(d, kv_layout, kp, semantics):
+  """The GPU code (WGMMA, layout casts, the cross-warp "any" reduction in the while loop) lowers
+  to a Mosaic GPU custom call on this CPU-only jaxlib, at the benchmark's shapes; Mosaic's own
+  SMEM check runs too."""
+  b, kvh, rows, t = 1, 8, 2048, 131072
+  qr = jax.ShapeDtypeStruct((b, kvh, rows, d), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct(keys_shape(b, t, kvh, d, kv_layout), jnp.bfloat16)
+  bounds = jax.ShapeDtypeStruct((b, 2), jnp.int32)
+  config = mgpu_topk.Config(64, 128, 4, semantics=semantics)
+
+  def f(qr, k, bounds):
+    return mgpu_topk.mgpu_topk(qr, k, bounds, kp=kp, span=t // 2, splits=2, scale=d ** -0.5,
+                               kv_layout=kv_layout, config=config)
+
+  text = jax.jit(f).trace(qr, k, bounds).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text
+
+
+def test_unsupported():
+  q, k = jnp.zeros((1, 64, 4, 64), jnp.bfloat16), jnp.zeros((1, 256, 1, 64), jnp.bfloat16)
+  config = mgpu_topk.DEFAULT_CONFIG
+  assert mgpu_topk.unsupported(q, k, 4, config=config) is None
+  assert "top_k" in mgpu_topk.unsupported(q, k, 64, config=config)
+  assert "head dim" in mgpu_topk.unsupported(q[..., :32], k[..., :32], 4, config=config)
+  assert "SMEM" in mgpu_topk.unsupported(q, k, 4, config=mgpu_topk.Config(64, 256, 8))
