@@ -148,10 +148,16 @@ def convert_once(src: str, dst: str) -> str:
   if os.path.exists(done):
     return dst
   os.makedirs(os.path.dirname(os.path.abspath(dst)), exist_ok=True)
-  with open(os.path.abspath(dst) + ".lock", "a") as lock:
+  lock_path = os.path.abspath(dst) + ".lock"
+  with open(lock_path, "a") as lock:
     fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
     if not os.path.exists(done):
-      convert(src, dst)
+      try:
+        convert(src, dst)
+      finally:
+        # No leftovers in the cache. Safe while others wait on this file: they hold it open and
+        # find config.json once they get the lock; a later arrival finds it without locking.
+        os.remove(lock_path)
   return dst
 
 
