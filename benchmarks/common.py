@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
 import gc
 import json
 import os
 import platform
 import statistics
+import sys
 import time
 import traceback
 from typing import Callable
@@ -84,6 +86,31 @@ def run_cases_to_json(cases: dict[str, Callable], out: str, facts: dict, only: s
 
   run_cases(cases, only, record)
   return failed
+
+
+def kernel_benchmark_main(doc: str, make_cases: Callable, config, *, inner: int, sweep_help: str,
+                          smoke: Callable[[], None]) -> None:
+  """The command line of a Mosaic GPU kernel's benchmark: --out, --reps, --inner, --sweep, --only
+  and --smoke (tiny shapes on CPU through the interpreter: `smoke()` shrinks the module's shapes).
+  Runs make_cases(key, args) through `run_cases_to_json`; exits 1 when a case failed."""
+  import jax
+  p = argparse.ArgumentParser(description=doc.splitlines()[0])
+  p.add_argument("--out", required=True, help="JSON file (rewritten after every case)")
+  p.add_argument("--reps", type=int, default=7)
+  p.add_argument("--inner", type=int, default=inner)
+  p.add_argument("--sweep", action="store_true", help=sweep_help)
+  p.add_argument("--only", default="", help="comma list of case names to run")
+  p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (checks the script)")
+  args = p.parse_args()
+  if args.smoke:
+    smoke()
+    args.reps, args.inner = 1, 1
+  facts = {**device_facts(), "default_config": vars(config)}
+  print(json.dumps(facts), flush=True)
+  failed = run_cases_to_json(make_cases(jax.random.PRNGKey(0), args), args.out, facts, args.only)
+  if failed:
+    print(f"FAILED CASES: {failed}", flush=True)
+    sys.exit(1)
 
 
 def printable(rec: dict, leave_out=()) -> str:

@@ -23,8 +23,6 @@ of cuDNN): checks this script end to end before it spends device time; its times
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 
@@ -247,25 +245,14 @@ def cudnn_only(key, t, args):
           "cudnn_tflops": 4 * D * H * causal_pairs(t, 0, t) / ms / 1e9}
 
 
+def _smoke():
+  global SMOKE, H, KV
+  SMOKE, H, KV = True, 4, 2
+
+
 def main():
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--out", required=True, help="JSON file (rewritten after every case)")
-  p.add_argument("--reps", type=int, default=7)
-  p.add_argument("--inner", type=int, default=5)
-  p.add_argument("--sweep", action="store_true", help="block sizes / stages / semantics sweep")
-  p.add_argument("--only", default="", help="comma list of case names to run")
-  p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (checks the script)")
-  args = p.parse_args()
-  if args.smoke:
-    global SMOKE, H, KV
-    SMOKE, H, KV, args.reps, args.inner = True, 4, 2, 1, 1
-  facts = {**common.device_facts(), "default_config": vars(mgpu_attention.DEFAULT_CONFIG)}
-  print(json.dumps(facts), flush=True)
-  failed = common.run_cases_to_json(cases(jax.random.PRNGKey(0), args), args.out, facts,
-                                     args.only)
-  if failed:
-    print(f"FAILED CASES: {failed}", flush=True)
-    sys.exit(1)
+  common.kernel_benchmark_main(__doc__, cases, mgpu_attention.DEFAULT_CONFIG, inner=5,
+                               sweep_help="block sizes / stages / semantics sweep", smoke=_smoke)
 
 
 if __name__ == "__main__":
