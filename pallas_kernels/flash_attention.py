@@ -107,20 +107,9 @@ def mosaic_serves(q, k, v, *, kv_layout: str = "BTHD", backend: str = "auto") ->
 
 def _mosaic_config(variant, q, k, v, kv_layout, tiling):
   """The Mosaic GPU kernel's Config when it serves this call, else None (the Triton kernel)."""
-  if variant.kind != "gpu":
+  if not gpu.mosaic_asked(variant, tiling, GPU_PREFILL_IMPL):
     return None
-  impl = tiling.impl if tiling is not None and tiling.impl else (
-      GPU_PREFILL_IMPL if not variant.interpret and backend_lib.is_hopper() else "triton")
-  if impl not in ("mosaic", "triton"):
-    raise ValueError(f"tiling.impl {impl!r} must be 'mosaic' or 'triton'")
-  if impl == "triton":
-    return None
-  config = mgpu_attention.DEFAULT_CONFIG
-  if tiling is not None and tiling.impl == "mosaic":  # its fields are the Mosaic kernel's then
-    config = mgpu_attention.Config(block_q=tiling.block_rows or config.block_q,
-                                   block_kv=tiling.block_keys or config.block_kv,
-                                   stages=tiling.num_stages or config.stages,
-                                   semantics=config.semantics)
+  config = gpu.mosaic_tiling(mgpu_attention.DEFAULT_CONFIG, tiling)
   if mgpu_attention.unsupported(q, k, v, kv_layout=kv_layout, config=config):
     return None  # e.g. decode (fewer queries than a block), fp32, head dim 256
   return config

@@ -58,6 +58,28 @@ class Tiling:
 SMEM_BYTES = 232448
 
 
+def mosaic_asked(variant, tiling, default: str) -> bool:
+  """Whether a kernel with a Mosaic GPU variant runs it: per call by `tiling.impl`, else `default`
+  ("mosaic" | "triton") on a native Hopper GPU; never off the GPU variant."""
+  if variant.kind != "gpu":
+    return False
+  impl = tiling.impl if tiling is not None and tiling.impl else (
+      default if not variant.interpret and backend_lib.is_hopper() else "triton")
+  if impl not in ("mosaic", "triton"):
+    raise ValueError(f"tiling.impl {impl!r} must be 'mosaic' or 'triton'")
+  return impl == "mosaic"
+
+
+def mosaic_tiling(config, tiling):
+  """A Mosaic kernel's config with a per-call Tiling(impl="mosaic") applied: its block_rows,
+  block_keys and num_stages are the kernel's block_q, block_kv and stages then."""
+  if tiling is None or tiling.impl != "mosaic":
+    return config
+  return dataclasses.replace(config, block_q=tiling.block_rows or config.block_q,
+                             block_kv=tiling.block_keys or config.block_kv,
+                             stages=tiling.num_stages or config.stages)
+
+
 def fitting_block_keys(block_keys: int, *, block_rows: int, d: int, itemsize: int,
                        num_stages: int, tensors: int = 2) -> int:
   """block_keys halved (down to 16) until the query tile and num_stages tiles of each of

@@ -97,20 +97,9 @@ def _finish(vals, idx, top_k: int, lq: int, h: int):
 
 def _mosaic_config(variant, q, k, rows: int, top_k: int, tiling):
   """The Mosaic GPU kernel's Config when it serves this call, else None (the Triton kernel)."""
-  if variant.kind != "gpu":
+  if not gpu.mosaic_asked(variant, tiling, GPU_TOPK_IMPL) or rows < MOSAIC_MIN_ROWS:
     return None
-  impl = tiling.impl if tiling is not None and tiling.impl else (
-      GPU_TOPK_IMPL if not variant.interpret and backend_lib.is_hopper() else "triton")
-  if impl not in ("mosaic", "triton"):
-    raise ValueError(f"tiling.impl {impl!r} must be 'mosaic' or 'triton'")
-  if impl == "triton" or rows < MOSAIC_MIN_ROWS:
-    return None
-  config = mgpu_topk.DEFAULT_CONFIG
-  if tiling is not None and tiling.impl == "mosaic":  # its fields are the Mosaic kernel's then
-    config = mgpu_topk.Config(block_q=tiling.block_rows or config.block_q,
-                              block_kv=tiling.block_keys or config.block_kv,
-                              stages=tiling.num_stages or config.stages,
-                              semantics=config.semantics)
+  config = gpu.mosaic_tiling(mgpu_topk.DEFAULT_CONFIG, tiling)
   return None if mgpu_topk.unsupported(q, k, top_k, config=config) else config
 
 
