@@ -55,3 +55,26 @@ def default_hf_dir(default_lm, tmp_path_factory):
   dst = tmp_path_factory.mktemp("hf") / "smollm2"
   export_hf(default_lm.params, default_lm.config, str(dst), tokenizer_dir=default_lm.path)
   return str(dst)
+
+
+def chunked_then_decoded_logits(cfg, params, ids, n_prompt: int, chunk: int, cache_len: int):
+  """Full attention's logits of ids[:, :n_prompt] prefilled in `chunk`-token pieces, then one
+  decode step per later token: (logits [B, T, V] numpy, the final cache)."""
+  import jax.numpy as jnp
+  import numpy as np
+
+  from jax_longctx.methods import get
+  from jax_longctx.model import forward, new_cache
+  full = get("full")
+  cache = new_cache(cfg, full, ids.shape[0], cache_len)
+  outs = []
+  for s in range(0, n_prompt, chunk):
+    e = min(s + chunk, n_prompt)
+    pos = jnp.broadcast_to(jnp.arange(s, e), (ids.shape[0], e - s))
+    logits, cache = forward(params, jnp.asarray(ids[:, s:e]), pos, cache, full, cfg)
+    outs.append(np.asarray(logits))
+  for t in range(n_prompt, ids.shape[1]):
+    logits, cache = forward(params, jnp.asarray(ids[:, t:t + 1]), cache.lengths[:, None], cache,
+                            full, cfg, decode=True)
+    outs.append(np.asarray(logits))
+  return np.concatenate(outs, axis=1), cache

@@ -10,7 +10,7 @@ from jax_longctx.generation import Sampling, decode_loop
 from jax_longctx.methods import get
 from jax_longctx.model import abstract_model, forward, fuse_projections, is_fused, new_cache, \
     random_params
-from tests.conftest import TINY_LLAMA3, tiny_config
+from tests.conftest import TINY_LLAMA3, chunked_then_decoded_logits, tiny_config
 
 FULL = get("full")
 FAMILIES = {"llama": TINY_LLAMA3, "qwen2": dict(architecture="qwen2", attention_bias=True),
@@ -19,17 +19,7 @@ FAMILIES = {"llama": TINY_LLAMA3, "qwen2": dict(architecture="qwen2", attention_
 
 def _prefill_then_decode(cfg, params, ids, n_prompt):
   """fp32 logits of a 2-chunk prefill of ids[:, :n_prompt] and one decode step per later token."""
-  cache = new_cache(cfg, FULL, ids.shape[0], 32)
-  outs = []
-  for s, e in ((0, n_prompt // 2), (n_prompt // 2, n_prompt)):
-    pos = jnp.broadcast_to(jnp.arange(s, e), (ids.shape[0], e - s))
-    logits, cache = forward(params, jnp.asarray(ids[:, s:e]), pos, cache, FULL, cfg)
-    outs.append(np.asarray(logits))
-  for t in range(n_prompt, ids.shape[1]):
-    logits, cache = forward(params, jnp.asarray(ids[:, t:t + 1]), cache.lengths[:, None], cache,
-                            FULL, cfg, decode=True)
-    outs.append(np.asarray(logits))
-  return np.concatenate(outs, axis=1)
+  return chunked_then_decoded_logits(cfg, params, ids, n_prompt, -(-n_prompt // 2), 32)[0]
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

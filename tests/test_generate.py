@@ -7,7 +7,7 @@ import pytest
 import importlib
 from jax_longctx.api import LM
 from jax_longctx.methods import get
-from jax_longctx.model import forward, new_cache
+from tests.conftest import chunked_then_decoded_logits
 
 gen = importlib.import_module("jax_longctx.generation")
 FULL = get("full")
@@ -23,19 +23,9 @@ def test_chunked_prefill_and_decode_match_uncached(tiny, chunk):
   rng = np.random.default_rng(chunk)
   ids = rng.integers(0, cfg.vocab_size, (2, 29))
   ref = _uncached(cfg, params, ids)
-  n_prompt = 21  # prefill 21 tokens in chunks, then decode the remaining 8 one by one
-  cache = new_cache(cfg, FULL, 2, 40)
-  outs = []
-  for s in range(0, n_prompt, chunk):
-    e = min(s + chunk, n_prompt)
-    pos = jnp.broadcast_to(jnp.arange(s, e), (2, e - s))
-    logits, cache = forward(params, jnp.asarray(ids[:, s:e]), pos, cache, FULL, cfg)
-    outs.append(np.asarray(logits))
-  for t in range(n_prompt, ids.shape[1]):
-    logits, cache = forward(params, jnp.asarray(ids[:, t:t + 1]), cache.lengths[:, None], cache,
-                            FULL, cfg, decode=True)
-    outs.append(np.asarray(logits))
-  np.testing.assert_allclose(np.concatenate(outs, axis=1), ref, atol=1e-4, rtol=0)
+  # prefill 21 tokens in chunks, then decode the remaining 8 one by one
+  logits, cache = chunked_then_decoded_logits(cfg, params, ids, 21, chunk, 40)
+  np.testing.assert_allclose(logits, ref, atol=1e-4, rtol=0)
   assert cache.lengths.tolist() == [29, 29]
 
 
