@@ -64,17 +64,18 @@ def _on_mesh(params, cfg, method: MeshMethod, contexts, queries, **kw) -> Genera
   return Generated(rows, time.perf_counter() - t0, None, {"devices": len(jax.devices())})
 
 
-_REPLICATED: list = []  # [(params, mesh, copies)]: the last weights put on a mesh
+_REPLICATED: list = []  # [(params, mesh, copies)]: the last weights put on a multi-process mesh
 
 
 def _replicated(params, mesh):
-  """The weights on every device of the mesh, copied once for a sweep of samples. With several
-  processes the mesh spans devices this process cannot address: the copy then starts from host
-  arrays, which every process holds alike."""
+  """The weights on every device of the mesh. With several processes the mesh spans devices this
+  process cannot address, so the copy starts from host arrays (which every process holds alike);
+  that costs a trip through the host, so the copy is kept for the next call (a sweep's samples)."""
+  if jax.process_count() == 1:
+    return replicate(params, mesh)
   if _REPLICATED and _REPLICATED[0][0] is params and _REPLICATED[0][1] == mesh:
     return _REPLICATED[0][2]
-  src = jax.device_get(params) if jax.process_count() > 1 else params
-  copies = replicate(src, mesh)
+  copies = replicate(jax.device_get(params), mesh)
   _REPLICATED[:] = [(params, mesh, copies)]
   return copies
 
