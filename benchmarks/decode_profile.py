@@ -40,6 +40,9 @@ Candidate fixes (--variants, in the order run; each is a flag set of this script
   decode kernel, 89-101% of copy bandwidth in benchmarks/kernels.py) instead of the jnp dense
   path with its fp32 score buffers, reading only the slots below the current length.
 - `fused_pdl`, `fused_cublas`, `fused_flash`, `all` (fused + pdl + flash_decode): combinations.
+- `all_op_by_op`: `all` without command buffers (CUDA graphs): what they save per step.
+- `all_exhaustive`: `all` with --xla_gpu_exhaustive_tiling_search=true (the GEMM autotuner tries
+  every Triton tiling, so the M=1 projections may find a faster one).
 Not tried: --xla_gpu_dot_merger_threshold_mb (merging dots that share x would concatenate the
 weights inside every step: the bytes moved twice); command buffers incl. WHILE (measured: 5.84-5.87
 vs 5.88 ms, BENCHMARKS.md).
@@ -86,6 +89,9 @@ VARIANTS = {
     "fused_cublas": (["--xla_gpu_enable_triton_gemm=false"], True, False),
     "fused_flash": ([], True, True),
     "all": (["--xla_gpu_enable_pdl=true"], True, True),
+    "all_op_by_op": (["--xla_gpu_enable_pdl=true", "--xla_gpu_enable_command_buffer="], True, True),
+    "all_exhaustive": (["--xla_gpu_enable_pdl=true", "--xla_gpu_exhaustive_tiling_search=true"],
+                       True, True),
 }
 
 

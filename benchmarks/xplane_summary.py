@@ -330,7 +330,12 @@ def summarize(events: list[Event], ops: dict[str, OpInfo], steps: int, top: int 
   gap_hist = {"<2us": 0, "2-5us": 0, "5-20us": 0, "20-100us": 0, ">=100us": 0}
   gap_pairs: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])
   gap_sum, end, prev = 0.0, events[0].start_ns, "start"
+  # Inside a command buffer (CUDA graph) the event names the buffer, not the HLO op; its kernel
+  # is named after the fusion, with "." and "-" made "_".
+  by_kernel = {re.sub(r"[.-]", "_", name): name for name in ops}
   for e in events:
+    if e.op not in ops and by_kernel.get(e.name) is not None:
+      e = dataclasses.replace(e, op=by_kernel[e.name])
     info = ops.get(e.op) or OpInfo(e.op, "?", "memcpy" if "memcpy" in e.name.lower() else "?",
                                    0, "", "unknown")
     g = groups[(info.kind, info.label)]
