@@ -59,12 +59,12 @@ def run_jax(args) -> dict:
   from jax_longctx import preset
   from jax_longctx.generation import Sampling, decode_loop, end_prefill, prefill_step
   from jax_longctx.methods import get, parse_method_args
-  from jax_longctx.model import new_cache, random_params
+  from jax_longctx.model import new_cache, random_params, serving_params
 
   cfg = preset(args.model, dtype="bfloat16")
   method = get(args.method, **parse_method_args(args.method_arg))
   _stage("random params")
-  params = random_params(cfg)
+  params = serving_params(random_params(cfg))  # as `load(serving=True)`: fused on GPU
   jax.block_until_ready(params)
   _stage("params ready")
   b, ctx = args.batch, args.context

@@ -19,7 +19,7 @@ from jax_longctx.config import LlamaConfig
 from jax_longctx.driver import generate_tokens
 from jax_longctx.generation import GenerationError, Sampling
 from jax_longctx.instructed import split_prompt
-from jax_longctx.model import forward, new_cache
+from jax_longctx.model import forward, new_cache, serving_params
 from jax_longctx.tokenizer import Tokenizer
 
 
@@ -119,9 +119,12 @@ class LM:
     return result.tokens
 
 
-def load(name_or_path: str = "default", dtype=None) -> LM:
+def load(name_or_path: str = "default", dtype=None, serving: bool = False) -> LM:
   """'default' (SmolLM2-135M-Instruct), a bundled model's name ('qwen2.5-coder-0.5b',
-  'qwen2.5-coder-1.5b'), a converted checkpoint, an HF directory or a GGUF file."""
+  'qwen2.5-coder-1.5b'), a converted checkpoint, an HF directory or a GGUF file.
+
+  serving: params in the layout generation runs fastest on (`model.serving_params`); leave it
+  off to train or export them."""
   if name_or_path == "default":
     path = default_model.checkpoint_dir()
   elif name_or_path in bundled.BUNDLED and not os.path.exists(name_or_path):
@@ -143,4 +146,4 @@ def load(name_or_path: str = "default", dtype=None) -> LM:
       tok_dir = tempfile.mkdtemp(prefix="jax-longctx-tok-")
       source.write_tokenizer(tok_dir)
   tokenizer = Tokenizer(tok_dir) if os.path.exists(os.path.join(tok_dir, "tokenizer.json")) else None
-  return LM(cfg, params, tokenizer, path)
+  return LM(cfg, serving_params(params) if serving else params, tokenizer, path)

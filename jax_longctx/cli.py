@@ -30,7 +30,7 @@ def _cmd_generate(args) -> int:
   routed = methods_lib.args_per_method(args.method_arg, {args.method: args.method},
                                            option="--method")
   method = methods_lib.get(args.method, **methods_lib.parse_method_args(routed[args.method]))
-  lm = load(args.model, dtype=args.dtype)
+  lm = load(args.model, dtype=args.dtype, serving=True)
   (text,) = lm.generate([prompt], method, max_new_tokens=args.max_new_tokens,
                         temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                         chat=args.chat, chunk_size=args.chunk_size,
@@ -71,7 +71,7 @@ def _cmd_eval(args) -> int:
   options = methods_lib.parse_method_args(args.task_arg)
   if args.coordinator:
     _join(args.coordinator, args.num_processes, args.process_id)
-  lm = load(args.model, dtype=args.dtype)
+  lm = load(args.model, dtype=args.dtype, serving=True)
   records = eval_lib.run_sweep(lm, args.task, specs, lengths, depths, args.samples, args.out,
                                chat=args.chat, chunk=args.chunk_size, task_options=options,
                                cache_len=args.cache_len)

@@ -189,6 +189,20 @@ def test_full_prefill_through_the_kernel_equals_the_jnp_path(tiny, monkeypatch, 
   np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0)
 
 
+def test_full_decode_through_the_kernel_equals_the_jnp_path(tiny, monkeypatch):
+  """On NVIDIA GPUs one-token steps go to flash_attention (its split-K decode kernel there, its
+  reference here) with the fused projections of `serving_params`: logits as the CPU path's, for
+  sequences of different lengths."""
+  from jax_longctx.model import fuse_projections
+  cfg, params = tiny
+  prompts = _prompts(cfg, (13, 29))
+  ref, _ = _step_logits(params, cfg, prompts, get("full"), 4)
+  monkeypatch.setattr(full_lib, "decode_uses_kernel", lambda: True)
+  jax.clear_caches()
+  got, _ = _step_logits(fuse_projections(params), cfg, prompts, get("full"), 4)
+  np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0)
+
+
 @pytest.mark.parametrize("name", ["star", "ring"])
 def test_mesh_methods_say_how_to_run(tiny, name):
   cfg, params = tiny

@@ -18,6 +18,13 @@ def prefill_uses_kernel() -> bool:
   return pallas_kernels.resolve("auto").kind != "reference"
 
 
+def decode_uses_kernel() -> bool:
+  """Whether one-token steps go to the flash-attention kernel: on NVIDIA GPUs, where its split-K
+  decode variant reads only the slots below each sequence's length (H200, 8B shape: decode 5.70
+  -> 5.47 ms at 32K with fused projections, BENCHMARKS.md). Not on TPU: unmeasured there."""
+  return pallas_kernels.resolve("auto").kind == "gpu"
+
+
 @register
 @dataclasses.dataclass(frozen=True)
 class Full(Method):
@@ -37,10 +44,14 @@ class Full(Method):
     chunk_kv: (k, v) [B, S, KV, d] of a prefill chunk just written (k after RoPE), which lets
     the chunk's own part run as a square causal cuDNN call (pallas_kernels.chunk_attention).
     """
+    if q.shape[1] == 1 and decode_uses_kernel():
+      pos = ctx.q_pos[:, 0]
+      return pallas_kernels.flash_attention(q, state.k, state.v, causal=True, q_offset=pos,
+                                            kv_len=pos + 1, kv_layout="BHTD")
     if q.shape[1] > 1 and prefill_uses_kernel():
       # A prefill chunk's positions are contiguous, so the causal rule is the kernel's own; keys
-      # past the chunk's end are never read. (The jnp path stays for decode, measured at 78% of
-      # the HBM bound, and for CPU, where the kernel's reference would hold a score matrix.)
+      # past the chunk's end are never read. (The jnp path stays for CPU, where the kernel's
+      # reference would hold a score matrix, and for decode on TPU.)
       if chunk_kv is not None:
         return pallas_kernels.chunk_attention(q, state.k, state.v, *chunk_kv, ctx.q_pos[:, 0],
                                               kv_layout="BHTD")
