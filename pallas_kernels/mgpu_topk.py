@@ -60,8 +60,8 @@ def smem_bytes(config: Config, d: int, kp: int, itemsize: int = 2) -> int:
   return tiles * itemsize + 2 * COMPUTE_WGS * kp * config.block_q * 4 + 1024 + REDUCTION_SCRATCH
 
 
-def unsupported(q, k, top_k: int, *, config: Config) -> str | None:
-  """Why this kernel cannot run the call (None: it can)."""
+def unsupported(q, k, top_k: int, *, config: Config, keys: int | None = None) -> str | None:
+  """Why this kernel cannot run the call (None: it can); keys: the key count, when known."""
   d = q.shape[3]
   if plgpu is None:
     return "this jaxlib has no Mosaic GPU"
@@ -69,6 +69,9 @@ def unsupported(q, k, top_k: int, *, config: Config) -> str | None:
     return f"dtypes {q.dtype}/{k.dtype}: needs q and k both bf16 or both fp16"
   if d not in HEAD_DIMS:
     return f"head dim {d} not in {HEAD_DIMS}"
+  if keys is not None and keys % 8:
+    # TMA tiles the key axis by 8: 999 keys failed to lower for CUDA (either layout)
+    return f"{keys} keys: needs a multiple of 8"
   if top_k > MAX_TOP_K:
     return f"top_k {top_k} > {MAX_TOP_K} (the running set lives in registers)"
   if smem_bytes(config, d, top_k) > SMEM_LIMIT:

@@ -56,7 +56,7 @@ def topk_scores(q, k, top_k: int, *, scale: float | None = None, valid_len=None,
   kp = max(4, layout.next_pow2(top_k))
   rows = lq * (h // kvh)
   bounds = jnp.stack([lo, hi], axis=1)  # [B, 2]
-  mosaic = _mosaic_config(variant, q, k, rows, top_k, tiling)
+  mosaic = _mosaic_config(variant, q, k, rows, top_k, tiling, keys=t)
   if mosaic is not None:
     vals, idx = _mosaic(q, k, bounds, top_k, mosaic, scale=scale, kv_layout=kv_layout,
                         key_splits=tiling.key_splits if tiling else None,
@@ -96,12 +96,12 @@ def _finish(vals, idx, top_k: int, lq: int, h: int):
   return layout.from_rows(vals, lq, h), layout.from_rows(idx, lq, h)
 
 
-def _mosaic_config(variant, q, k, rows: int, top_k: int, tiling):
+def _mosaic_config(variant, q, k, rows: int, top_k: int, tiling, keys: int | None = None):
   """The Mosaic GPU kernel's Config when it serves this call, else None (the Triton kernel)."""
   if not gpu.mosaic_asked(variant, tiling, GPU_TOPK_IMPL) or rows < MOSAIC_MIN_ROWS:
     return None
   config = gpu.mosaic_tiling(mgpu_topk.DEFAULT_CONFIG, tiling)
-  return None if mgpu_topk.unsupported(q, k, top_k, config=config) else config
+  return None if mgpu_topk.unsupported(q, k, top_k, config=config, keys=keys) else config
 
 
 def _mosaic(q, k, bounds, top_k, config, *, scale, kv_layout, key_splits, interpret):

@@ -72,14 +72,13 @@ CASES = {
     # a whole prompt: square, offset 0; 4 key tiles through a 2-slot ring
     "causal_square_g1_d64": (1, 256, 2, 2, 256, 64, True, (0,), (256,), "BTHD",
                              Config(64, 64, 2)),
-    # a chunk at an offset into a cache, per sequence; neither 160 queries nor 320 keys are
-    # multiples of a block (clamped last query block and key tile; 157 is not a multiple of 4
-    # either: the padded LSE rows); the second sequence's
-    # kv_len cuts the chunk's causal range
-    "chunk_offset_g4_d128": (2, 157, 4, 1, 320, 128, True, (163, 7), (320, 150), "BTHD",
+    # a chunk at an offset into a cache, per sequence; neither 152 queries nor 320 keys are
+    # multiples of a block (clamped last query block and key tile; counts must be multiples of
+    # 8, `unsupported`); the second sequence's kv_len cuts the chunk's causal range
+    "chunk_offset_g4_d128": (2, 152, 4, 1, 320, 128, True, (163, 7), (320, 150), "BTHD",
                              Config(64, 128, 2)),
     # non-causal with per-sequence lengths, the cache layout, a 3-slot ring
-    "noncausal_kvlen_g4_bhtd": (2, 128, 4, 1, 300, 64, False, (0, 0), (300, 77), "BHTD",
+    "noncausal_kvlen_g4_bhtd": (2, 128, 4, 1, 296, 64, False, (0, 0), (296, 77), "BHTD",
                                 Config(64, 64, 3)),
     # the second sequence has no key at all: its rows are (0, -inf)
     "no_visible_key": (2, 128, 2, 1, 128, 64, True, (0, 0), (128, 0), "BTHD",
@@ -137,6 +136,14 @@ def test_unsupported_and_config_errors():
   big = Config(block_q=64, block_kv=128, stages=4)
   q, k, v = inputs(9, 1, 128, 2, 2, 512, 128)
   assert "SMEM" in mgpu_attention.unsupported(q, k, v, kv_layout="BTHD", config=big)
+  q, k, v = inputs(9, 1, 300, 2, 2, 512, 128)  # TMA tiles by 8: found on the H200
+  assert "multiple of 8" in mgpu_attention.unsupported(q, k, v, kv_layout="BTHD",
+                                                        config=Config())
+  q, k, v = inputs(9, 1, 128, 2, 2, 999, 128)
+  kt, vt = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
+  assert "multiple of 8" in mgpu_attention.unsupported(q, kt, vt, kv_layout="BHTD",
+                                                        config=Config())
+  assert mgpu_attention.unsupported(q, k, v, kv_layout="BTHD", config=Config()) is None
   with pytest.raises(ValueError, match="multiples of 64"):
     Config(block_q=32)
   with pytest.raises(ValueError, match="at least 2"):
@@ -165,6 +172,23 @@ def test_pipeline_has_no_races():
 
 LOWERINGS = [(128, True, "BTHD", None), (64, False, "BHTD", None), (128, True, "BHTD", "lane"),
              (64, True, "BTHD", "warpgroup")]
+
+
+@pytest.mark.parametrize("lq,t,kv_layout", [(304, 5000, "BTHD"), (136, 1000, "BHTD")])
+def test_lengths_that_pass_unsupported_lower(lq, t, kv_layout):
+  """Query and key counts off the block sizes that `unsupported` accepts lower for CUDA (the
+  interpreter has no TMA, so it cannot find what the tiling of 8 rejects)."""
+  q = jax.ShapeDtypeStruct((2, lq, 32, 128), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct(keys_shape(2, t, 8, 128, kv_layout), jnp.bfloat16)
+  ints = jax.ShapeDtypeStruct((2,), jnp.int32)
+  assert mgpu_attention.unsupported(q, k, k, kv_layout=kv_layout, config=Config()) is None
+
+  def f(q, k, v, off, kv_len):
+    return mgpu_flash_attention(q, k, v, off, kv_len, causal=True, scale=0.1,
+                                kv_layout=kv_layout, config=Config())
+
+  assert "mosaic_gpu" in jax.jit(f).trace(q, k, k, ints, ints).lower(
+      lowering_platforms=("cuda",)).as_text()
 
 
 @pytest.mark.parametrize("d,causal,kv_layout,semantics", LOWERINGS)

@@ -171,5 +171,7 @@ def test_unsupported():
   config = mgpu_topk.DEFAULT_CONFIG
   assert mgpu_topk.unsupported(q, k, 4, config=config) is None
   assert "top_k" in mgpu_topk.unsupported(q, k, 64, config=config)
+  assert "multiple of 8" in mgpu_topk.unsupported(q, k, 4, config=config, keys=999)  # TMA
+  assert mgpu_topk.unsupported(q, k, 4, config=config, keys=1000) is None
   assert "head dim" in mgpu_topk.unsupported(q[..., :32], k[..., :32], 4, config=config)
   assert "SMEM" in mgpu_topk.unsupported(q, k, 4, config=mgpu_topk.Config(64, 256, 8))
