@@ -130,8 +130,10 @@ def errors():
     raise AssertionError("no error")
 
 
-CHECKS = {"layer": lambda: layer(False), "layer_tied": lambda: layer(True), "model": model,
-          "errors": errors}
+CHECKS = {"layer": lambda: layer(False), "layer_tied": lambda: layer(True),
+          # The GPU kernels interpreted: decode's gathered kernel and the flash kernel, given
+          # parts whose query ranks are negative or that are empty.
+          "layer_gpu_kernels": lambda: layer(False, "gpu"), "model": model, "errors": errors}
 
 if __name__ == "__main__":
   assert len(jax.devices()) >= N, f"needs {N} devices, got {len(jax.devices())}"
