@@ -121,16 +121,23 @@ def _decode_logits(params, cfg, method, n_decode=4):
   return np.stack(out, 1)
 
 
+# ReAttention's scope 2 + 3 * 2 + 8 = 16 tokens of prompts of 30 and 21: it selects spans.
+_REATTENTION = (("n_global", 2), ("n_local", 8), ("span", 2), ("clip", 3), ("top_k", 2),
+                ("chunk", 8))
+
+
 @pytest.mark.parametrize("base,args", [("quest", (("page_size", 4), ("dense_layers", 0))),
-                                       ("topk", ())])
+                                       ("topk", ()), ("reattention", _REATTENTION)])
 def test_lam_zero_is_the_wrapped_method_and_lam_one_differs(tiny, base, args):
   cfg, params = tiny
-  wrapped = get(base, budget=8, **dict(args))
+  wrapped = get(base, **dict(args)) if base == "reattention" else get(base, budget=8,
+                                                                      **dict(args))
   plain = _decode_logits(params, cfg, wrapped)
   np.testing.assert_array_equal(
       _decode_logits(params, cfg, get("resa", base=base, budget=8, lam=0.0, base_args=args)),
       plain)
   with_prior = _decode_logits(params, cfg, get("resa", base=base, budget=8, base_args=args))
+  assert np.isfinite(with_prior).all()
   assert np.max(np.abs(with_prior[:, 1:] - plain[:, 1:])) > 1e-4
 
 

@@ -15,6 +15,18 @@ logits, the rest keep the prior, and the merge is done in log-sum-exp form:
 where Z_b = exp(lse_P + b), (O_I, Z_I) is mu_Q's attention restricted to I (times exp(b)) and
 (O_SA, Z_SA) the wrapped method's own attention over I. lam = 1 is Eq. 3 exactly; lam = 0 is the
 wrapped method exactly.
+
+Over ReAttention (`base="reattention"`; the scope is its budget, set through `base_args`): I is
+the step's scope, (O_SA, Z_SA) ReAttention's attention over it (keys at scope ranks 0..n-1, the
+query at its rank), and the prior is taken on PRE-RoPE queries and keys: P_j = mu_Q.k_j / sqrt(d)
+with mu_Q the prompt's mean pre-RoPE query, i.e. every key scored as if at the query's own rank
+(relative distance 0). Why: an unselected key has no position in ReAttention's attention (ranks
+are reassigned each step, original positions are never used), and ReAttention itself ranks
+tokens by these same pre-RoPE logits; a fixed far rank would instead tie each key's estimate to
+the query's rank, which moves with the scope's length, so the prior could not be computed once
+at the end of prefill. Z_b and Z_I are both pre-RoPE, so their difference is exactly the prior
+mass of the keys outside the scope; only that difference meets RoPE-scored mass (Z_SA) in the
+merge, which `lam` weighs.
 """
 
 from __future__ import annotations
@@ -30,6 +42,7 @@ import pallas_kernels
 from jax_longctx.attention import attention
 from jax_longctx.methods.base import (AttnContext, Budget, Method, MethodError, PrefillEnd,
                                       get, register)
+from jax_longctx.methods.reattention import ReAttention
 from jax_longctx.methods.selection import SelectingMethod, gather_slots, gathered_attention
 from jax_longctx.rope import apply_rope
 
@@ -52,7 +65,9 @@ class Resa(Method):
   """`lam` = 1 by default: Eq. 3 as written, which the paper finds best for retrieval tasks
   (§5.4; summarization prefers smaller values). `prior`: "head" gives each query head its own
   mu_Q; "group" shares one mu_Q (the mean of the group's heads) per kv head. `base_args` pass
-  further hyper-parameters to the wrapped method, e.g. (("page_size", 16),)."""
+  further hyper-parameters to the wrapped method, e.g. (("page_size", 16),). `budget` is the
+  selecting method's; ReAttention's budget is its scope (n_global, clip, span, n_local in
+  `base_args`), and `budget` does not apply to it."""
 
   name = "resa"
   ends_prefill = True  # end_of_prefill below
@@ -68,13 +83,21 @@ class Resa(Method):
     self.inner  # noqa: B018  (a wrong base or base_args fails at construction)
 
   @property
-  def inner(self) -> SelectingMethod:
+  def inner(self) -> SelectingMethod | ReAttention:
     if self.base == self.name:
       raise MethodError("resa cannot wrap itself")
-    inner = get(self.base, budget=self.budget, **dict(self.base_args))
-    if not isinstance(inner, SelectingMethod):
-      raise MethodError(f"resa wraps a selecting method (quest, topk), not {self.base!r}")
+    inner = get(self.base, **dict(self.base_args))
+    if isinstance(inner, SelectingMethod):
+      return dataclasses.replace(inner, budget=self.budget)
+    if not isinstance(inner, ReAttention):
+      raise MethodError(f"resa wraps a selecting method (quest, topk) or reattention, not "
+                        f"{self.base!r}")
     return inner
+
+  @property
+  def pre_rope(self) -> bool:
+    """The prior on keys and queries before RoPE (under ReAttention: see the module's doc)."""
+    return isinstance(self.inner, ReAttention)
 
   def init_state(self, cfg, batch, max_len, dtype, chunk) -> ResaState:
     if not 0 <= self.lam <= 1:
@@ -87,8 +110,8 @@ class Resa(Method):
 
   def prefill(self, state: ResaState, q, k, v, ctx: AttnContext):
     out, inner = self.inner.prefill(state.inner, q, k, v, ctx)
-    q_rot = apply_rope(q, ctx.q_pos, ctx.freqs).astype(jnp.float32)
-    q_sum = state.q_sum + jnp.einsum("bshd,bs->bhd", q_rot, ctx.valid.astype(jnp.float32))
+    q_prior = (q if self.pre_rope else apply_rope(q, ctx.q_pos, ctx.freqs)).astype(jnp.float32)
+    q_sum = state.q_sum + jnp.einsum("bshd,bs->bhd", q_prior, ctx.valid.astype(jnp.float32))
     return out, state.replace(inner=inner, q_sum=q_sum)
 
   def end_of_prefill(self, state: ResaState, info: PrefillEnd) -> ResaState:
@@ -112,6 +135,8 @@ class Resa(Method):
 
   def decode(self, state: ResaState, q, k, v, ctx: AttnContext):
     inner = self.inner
+    if self.pre_rope:
+      return self._decode_scope(state, q, k, v, ctx)
     if inner.dense_at(ctx):
       out, inner_state = inner.decode(state.inner, q, k, v, ctx)
       return out, state.replace(inner=inner_state)
@@ -125,10 +150,36 @@ class Resa(Method):
     out = residual_attention(q_rot, state, inner.cache(inner_state), slots, ctx.q_pos, self.lam)
     return out.astype(q.dtype), state
 
+  def _decode_scope(self, state: ResaState, q, k, v, ctx: AttnContext):
+    """Over ReAttention: its own step (the scope and its attention with LSE), then the prior's
+    estimate of the keys outside the scope merged in; all of the prior pre-RoPE."""
+    if q.shape[1] != 1:
+      raise MethodError("resa decodes one token per step")
+    out, lse, inner_state, sc = self.inner.step(state.inner, q, k, v, ctx)
+    state = fold_into_prior(state.replace(inner=inner_state), k, v, ctx.valid)
+    if self.lam == 0:  # ReAttention's own output, bit for bit
+      return out, state
+    kv = self.inner.cache(inner_state)
+    b, _, h, d = q.shape
+    take = sc.idx[:, None, :, None]
+    in_scope = jnp.arange(sc.idx.shape[1])[None, :] < sc.length[:, None]  # [B, N]
+    # mu_Q over the scope's keys, no mask but the scope's length (positions play no part).
+    o_sel, lse_sel = attention(state.mu_q[:, None].astype(kv.k.dtype),
+                               jnp.take_along_axis(kv.k, take, axis=2),
+                               jnp.take_along_axis(kv.v, take, axis=2),
+                               jnp.zeros((b, 1), jnp.int32), jnp.where(in_scope, 0, -1))
+    mu_k = jnp.repeat(state.mu_k, h // state.mu_k.shape[1], axis=1)  # [B, H, d]
+    bias = jnp.sum((q[:, 0].astype(jnp.float32) - state.mu_q) * mu_k, axis=-1) / math.sqrt(d)
+    merged = merge_residual(out[:, 0].astype(jnp.float32), lse[:, 0], state.o_est,
+                            state.lse_p + bias, o_sel[:, 0].astype(jnp.float32),
+                            lse_sel[:, 0] + bias, self.lam)
+    return merged[:, None].astype(q.dtype), state
+
 
 def fold_into_prior(state: ResaState, k_rot, v, valid) -> ResaState:
-  """Adds generated tokens (k_rot, v [B, S, KV, d]) to the prior, so it keeps covering every
-  cached token: O(S) per step. mu_Q and mu_K stay the prompt's."""
+  """Adds generated tokens (k_rot, v [B, S, KV, d]: keys as the prior takes them, after RoPE or,
+  over ReAttention, before) to the prior, so it keeps covering every cached token: O(S) per
+  step. mu_Q and mu_K stay the prompt's."""
   b, s, kvh, d = k_rot.shape
   h = state.mu_q.shape[1]
   kh = jnp.repeat(k_rot.astype(jnp.float32), h // kvh, axis=2)  # [B, S, H, d]
