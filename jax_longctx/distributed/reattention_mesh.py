@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -163,9 +163,11 @@ def _decode_loop(cfg, method: ShardedReAttention, mesh, cache_len: int, max_new_
 
 
 def prefill_sharded(params, cfg, prompts: Sequence[Sequence[int]], method: ReAttentionSettings,
-                    mesh, axis: str = "ctx", *, cache_len: int):
+                    mesh, axis: str = "ctx", *, cache_len: int,
+                    on_chunk: Callable[[int, int, jax.Array], None] | None = None):
   """The prompts read whole in the method's chunks into a cache sharded over `axis`. Returns
-  (cache, last-token logits [B, V]); progress on stderr (one tick per chunk)."""
+  (cache, last-token logits [B, V]); progress on stderr (one tick per chunk). on_chunk(i, n,
+  last) after chunk i of n is dispatched (benchmarks time the chunks through it)."""
   method = sharded(method, axis)
   check_cache_len(cache_len, mesh.shape[axis])
   lengths = check_prompts(prompts, cache_len=cache_len)
@@ -179,6 +181,8 @@ def prefill_sharded(params, cfg, prompts: Sequence[Sequence[int]], method: ReAtt
   for c in progress(range(n_chunks), desc="mesh prefill"):
     cache, last = step(params, tokens[:, c * chunk:(c + 1) * chunk], jnp.int32(c * chunk), plen,
                        cache, last)
+    if on_chunk is not None:
+      on_chunk(c, n_chunks, last)
   return cache, last
 
 
