@@ -40,6 +40,7 @@ from flax import struct
 
 import pallas_kernels
 from jax_longctx.attention import attention
+from jax_longctx.cache import KVCache
 from jax_longctx.methods.base import (AttnContext, Budget, Method, MethodError, PrefillEnd,
                                       get, register)
 from jax_longctx.methods.reattention import ReAttention
@@ -124,14 +125,30 @@ class Resa(Method):
       kvh = cache.k.shape[1]
       grouped = jnp.mean(mu_q.reshape(b, kvh, h // kvh, d), axis=2, keepdims=True)
       mu_q = jnp.broadcast_to(grouped, (b, kvh, h // kvh, d)).reshape(b, h, d)
-    in_prompt = jnp.arange(cache.max_len)[None, :] < info.prompt_lengths[:, None]  # [B, T]
-    mu_k = jnp.einsum("bktd,bt->bkd", cache.k.astype(jnp.float32),
-                      in_prompt.astype(jnp.float32)) / n[:, None, None]
+    k_sum, o_est, lse_p = self.prior_over_cache(mu_q, cache, info.prompt_lengths)
+    return state.replace(inner=inner, mu_q=mu_q, mu_k=k_sum / n[:, None, None], o_est=o_est,
+                         lse_p=lse_p)
+
+  def prior_over_cache(self, mu_q, cache: KVCache, lengths):
+    """Over the prompt's keys (slots < lengths [B]): (their sum [B, KV, d] fp32, softmax(P) V
+    [B, H, d] fp32, lse [B, H]) with P = mu_Q.k / sqrt(d). The mesh variant merges its shards'."""
+    in_prompt = jnp.arange(cache.max_len)[None, :] < lengths[:, None]  # [B, T]
+    k_sum = jnp.einsum("bktd,bt->bkd", cache.k.astype(jnp.float32), in_prompt.astype(jnp.float32))
     o_est, lse_p = pallas_kernels.flash_attention(
-        mu_q[:, None].astype(cache.k.dtype), cache.k, cache.v, causal=False,
-        kv_len=info.prompt_lengths, kv_layout="BHTD")
-    return state.replace(inner=inner, mu_q=mu_q, mu_k=mu_k, o_est=o_est[:, 0].astype(jnp.float32),
-                         lse_p=lse_p[:, 0])
+        mu_q[:, None].astype(cache.k.dtype), cache.k, cache.v, causal=False, kv_len=lengths,
+        kv_layout="BHTD")
+    return k_sum, o_est[:, 0].astype(jnp.float32), lse_p[:, 0]
+
+  def prior_over_scope(self, mu_q, cache: KVCache, sc):
+    """mu_Q's attention over the scope's keys (pre-RoPE; no mask but the scope's length):
+    (out [B, H, d] fp32, lse [B, H]). The mesh variant merges its devices' parts."""
+    take = sc.idx[:, None, :, None]
+    in_scope = jnp.arange(sc.idx.shape[1])[None, :] < sc.length[:, None]  # [B, N]
+    out, lse = attention(mu_q[:, None].astype(cache.k.dtype),
+                         jnp.take_along_axis(cache.k, take, axis=2),
+                         jnp.take_along_axis(cache.v, take, axis=2),
+                         jnp.zeros((mu_q.shape[0], 1), jnp.int32), jnp.where(in_scope, 0, -1))
+    return out[:, 0].astype(jnp.float32), lse[:, 0]
 
   def decode(self, state: ResaState, q, k, v, ctx: AttnContext):
     inner = self.inner
@@ -159,20 +176,12 @@ class Resa(Method):
     state = fold_into_prior(state.replace(inner=inner_state), k, v, ctx.valid)
     if self.lam == 0:  # ReAttention's own output, bit for bit
       return out, state
-    kv = self.inner.cache(inner_state)
-    b, _, h, d = q.shape
-    take = sc.idx[:, None, :, None]
-    in_scope = jnp.arange(sc.idx.shape[1])[None, :] < sc.length[:, None]  # [B, N]
-    # mu_Q over the scope's keys, no mask but the scope's length (positions play no part).
-    o_sel, lse_sel = attention(state.mu_q[:, None].astype(kv.k.dtype),
-                               jnp.take_along_axis(kv.k, take, axis=2),
-                               jnp.take_along_axis(kv.v, take, axis=2),
-                               jnp.zeros((b, 1), jnp.int32), jnp.where(in_scope, 0, -1))
+    o_sel, lse_sel = self.prior_over_scope(state.mu_q, self.inner.cache(inner_state), sc)
+    h, d = q.shape[2:]
     mu_k = jnp.repeat(state.mu_k, h // state.mu_k.shape[1], axis=1)  # [B, H, d]
     bias = jnp.sum((q[:, 0].astype(jnp.float32) - state.mu_q) * mu_k, axis=-1) / math.sqrt(d)
     merged = merge_residual(out[:, 0].astype(jnp.float32), lse[:, 0], state.o_est,
-                            state.lse_p + bias, o_sel[:, 0].astype(jnp.float32),
-                            lse_sel[:, 0] + bias, self.lam)
+                            state.lse_p + bias, o_sel, lse_sel + bias, self.lam)
     return merged[:, None].astype(q.dtype), state
 
 
