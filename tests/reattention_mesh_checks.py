@@ -84,11 +84,12 @@ def layer(tied: bool, backend: str = "reference"):
   assert selected > 10, "contexts too short: no step selected spans"
 
 
-def model():
+def model(one_name="reattention", mesh_name="reattention_mesh", **kw):
   """The tiny model (GQA 6/2) end to end, prompts of 93 and 52 tokens over a 128-token cache:
   the last-token logits after the chunked prefill, the per-token NLL of 6 teacher-forced decode
-  steps, and greedy tokens through the driver (`reattention_mesh` routes to the sharded cache)
-  equal one-device ReAttention's."""
+  steps, and greedy tokens through the driver (the mesh entry routes to the sharded cache)
+  equal the one-device method's: ReAttention, or RESA over it (`kw`: its settings; its prior
+  then sums and attends over every shard)."""
   from jax_longctx import driver
   from jax_longctx.distributed.reattention_mesh import decode_sharded, prefill_sharded
   from jax_longctx.generation import prefill, teacher_forced_nll
@@ -98,17 +99,26 @@ def model():
   rng = np.random.default_rng(0)
   prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (93, 52)]
   targets = rng.integers(0, cfg.vocab_size, (2, 6)).astype(np.int32)
-  one, mesh_entry = get("reattention", **HP), get("reattention_mesh", **HP)
+  if one_name == "resa":
+    one = get("resa", base="reattention", base_args=tuple(HP.items()), **kw)
+    mesh_entry = get("resa_mesh", base_args=tuple(HP.items()), **kw)
+  else:
+    one, mesh_entry = get(one_name, **HP), get(mesh_name, **HP)
   cache, last = prefill(params, cfg, prompts, one, cache_len=128)
   nll, _ = teacher_forced_nll(params, cache, last, targets, cfg=cfg, method=one)
   m_cache, m_last = prefill_sharded(params, cfg, prompts, mesh_entry, MESH, cache_len=128)
   np.testing.assert_allclose(np.asarray(m_last), np.asarray(last), atol=1e-4, rtol=0)
-  specs = cache_specs(cfg, "ctx", 128)
+  specs = cache_specs(cfg, sharded(mesh_entry), 128)
   nll_on_mesh = jax.jit(jax.shard_map(
       lambda p, c, l, t: teacher_forced_nll(p, c, l, t, cfg=cfg, method=sharded(mesh_entry))[0],
       mesh=MESH, in_specs=(P(), specs, P(), P()), out_specs=P(), check_vma=False))
   np.testing.assert_allclose(np.asarray(nll_on_mesh(params, m_cache, m_last, targets)),
                              np.asarray(nll), atol=1e-4, rtol=0)
+  if one_name == "resa":  # the prior did change the decode steps
+    plain = get("reattention", **HP)
+    c, l = prefill(params, cfg, prompts, plain, cache_len=128)
+    assert np.max(np.abs(np.asarray(teacher_forced_nll(params, c, l, targets, cfg=cfg,
+                                                       method=plain)[0]) - nll)) > 1e-3
   rows, _ = decode_sharded(params, cfg, *prefill_sharded(params, cfg, prompts, mesh_entry, MESH,
                                                          cache_len=128),
                            mesh_entry, MESH, max_new_tokens=5)
@@ -133,7 +143,8 @@ def errors():
 CHECKS = {"layer": lambda: layer(False), "layer_tied": lambda: layer(True),
           # The GPU kernels interpreted: decode's gathered kernel and the flash kernel, given
           # parts whose query ranks are negative or that are empty.
-          "layer_gpu_kernels": lambda: layer(False, "gpu"), "model": model, "errors": errors}
+          "layer_gpu_kernels": lambda: layer(False, "gpu"), "model": model, "errors": errors,
+          "resa_model": lambda: model("resa", "resa_mesh", lam=0.7)}
 
 if __name__ == "__main__":
   assert len(jax.devices()) >= N, f"needs {N} devices, got {len(jax.devices())}"

@@ -12,7 +12,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.parametrize("name", ["layer", "layer_tied", "layer_gpu_kernels", "model",
-                                  "errors"])
+                                  "resa_model", "errors"])
 def test_on_eight_devices(name):
   env = dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS="--xla_force_host_platform_device_count=8",
              JAX_PLATFORMS="cpu")

@@ -131,16 +131,20 @@ def test_mesh_method_phases_export_for_tpu(name, mesh):
 
 
 @pytest.mark.parametrize("mesh", list(MESHES))
-def test_sharded_reattention_steps_export_for_tpu(mesh):
-  """Mesh ReAttention's chunk and decode steps per device under shard_map, the cache split along
-  the tokens over the mesh axis: its kernels (topk_scores on the shard, flash / gathered attention
-  on the shard's part of the scope) lower for TPU with the shard's shapes."""
+@pytest.mark.parametrize("name", [n for n in names("mesh") if get(n).layer_method() is not None])
+def test_sharded_steps_export_for_tpu(name, mesh):
+  """Mesh ReAttention's (and RESA over it) chunk and decode steps per device under shard_map, the
+  cache split along the tokens over the mesh axis: their kernels (topk_scores on the shard,
+  flash / gathered attention on the shard's part of the scope; RESA's prior over each shard at
+  the end of prefill) lower for TPU with the shard's shapes."""
   from jax_longctx.distributed.reattention_mesh import cache_specs, sharded
   mesh = MESHES[mesh]()
-  method = sharded(_method("reattention", BUDGET))
-  cache_len = 320  # 80 slots per device on the abstract mesh
-  specs = cache_specs(CFG, "ctx", cache_len)
-  cache = jax.eval_shape(lambda: new_cache(CFG, method, BATCH, cache_len, chunk=method.chunk))
+  settings = tuple(_method("reattention", BUDGET).hparams().items())
+  method = sharded(get(name, **dict(settings)) if name == "reattention_mesh"
+                   else get(name, base_args=settings))
+  chunk, cache_len = method.prefill_chunk, 320  # 80 slots per device on the abstract mesh
+  specs = cache_specs(CFG, method, cache_len)
+  cache = jax.eval_shape(lambda: new_cache(CFG, method, BATCH, cache_len, chunk=chunk))
   params = abstract_model(CFG)[1]
   i32 = lambda *shape: S(shape, jnp.int32)  # noqa: E731
 
@@ -151,11 +155,16 @@ def test_sharded_reattention_steps_export_for_tpu(mesh):
     return forward(params, tokens, cache.lengths[:, None], cache, method, CFG, decode=True,
                    logits_index=jnp.zeros((BATCH,), jnp.int32))
 
-  on_mesh = lambda f, n_rep: jax.shard_map(  # noqa: E731
-      f, mesh=mesh, in_specs=(P(),) * n_rep + (specs,) + (P(),) * (f is prefill),
-      out_specs=(specs, P()) if f is prefill else (P(), specs), check_vma=False)
-  exported = export_for_tpu(on_mesh(prefill, 4), params, i32(BATCH, method.chunk), i32(),
+  def on_mesh(f, n_rep, n_after=0, out=(specs, P())):
+    return jax.shard_map(f, mesh=mesh, in_specs=(P(),) * n_rep + (specs,) + (P(),) * n_after,
+                         out_specs=out, check_vma=False)
+
+  exported = export_for_tpu(on_mesh(prefill, 4, 1), params, i32(BATCH, chunk), i32(),
                             i32(BATCH), cache, S((BATCH, CFG.vocab_size), jnp.float32))
-  assert mosaic_calls(exported) > 0, "mesh reattention prefill: no Mosaic kernel"
-  exported = export_for_tpu(on_mesh(decode, 2), params, i32(BATCH, 1), cache)
-  assert mosaic_calls(exported) > 0, "mesh reattention decode: no Mosaic kernel"
+  assert mosaic_calls(exported) > 0, f"{name} prefill: no Mosaic kernel"
+  exported = export_for_tpu(on_mesh(decode, 2, out=(P(), specs)), params, i32(BATCH, 1), cache)
+  assert mosaic_calls(exported) > 0, f"{name} decode: no Mosaic kernel"
+  if method.ends_prefill:
+    exported = export_for_tpu(on_mesh(lambda c: end_prefill(c, CFG, method, decode_room=0), 0,
+                                      out=specs), cache)
+    assert mosaic_calls(exported) > 0, f"{name} end of prefill: no Mosaic kernel"

@@ -37,14 +37,16 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_longctx.cache import Cache, KVCache
-from jax_longctx.chunked_prefill import check_prompts, padded, prefill_step
+from jax_longctx.chunked_prefill import check_prompts, end_prefill, padded, prefill_step
 from jax_longctx.distributed.attention import merge_across
 from jax_longctx.generation import (GenerationError, GenerationResult, Sampling, decode_loop,
                                     trim_at_stops)
 from jax_longctx.methods.base import AttnContext
 from jax_longctx.methods.reattention import ReAttention, ReAttentionSettings
+from jax_longctx.methods.reattention_mesh import MeshResa
 from jax_longctx.methods.reattention_scope import (Scope, ballots, candidates, scope_from_votes,
                                                    step_bounds)
+from jax_longctx.methods.resa import Resa, ResaState
 from jax_longctx.model import new_cache
 from jax_longctx.progress import progress
 
@@ -113,17 +115,53 @@ class ShardedReAttention(ReAttention):
     return out.astype(q.dtype), lse
 
 
-def sharded(method: ReAttentionSettings, axis: str = "ctx") -> ShardedReAttention:
-  """The per-device method of a ReAttention setting (the registry's `reattention_mesh` or a
-  one-device `reattention`)."""
+@dataclasses.dataclass(frozen=True)
+class ShardedResa(Resa):
+  """RESA over ShardedReAttention inside `shard_map`: the wrapped cache is this device's shard,
+  the prior's vectors are replicated; its attention over the prompt and over the scope merge
+  the devices' parts (the key sum by psum, the rest by LSE)."""
+
+  axis: str = "ctx"
+
+  @property
+  def inner(self) -> ShardedReAttention:
+    return sharded(super().inner, self.axis)
+
+  def _base(self, cache: KVCache):
+    return jax.lax.axis_index(self.axis) * cache.max_len
+
+  def prior_over_cache(self, mu_q, cache: KVCache, lengths):
+    here = jnp.clip(lengths - self._base(cache), 0, cache.max_len)  # this shard's prompt slots
+    k_sum, o_est, lse_p = super().prior_over_cache(mu_q, cache, here)
+    o_est, lse_p = merge_across(o_est, lse_p, self.axis)
+    return jax.lax.psum(k_sum, self.axis), o_est, lse_p
+
+  def prior_over_scope(self, mu_q, cache: KVCache, sc: Scope):
+    part = shard_part(sc, self._base(cache), cache.max_len)
+    return merge_across(*super().prior_over_scope(mu_q, cache, part), self.axis)
+
+
+def sharded(method, axis: str = "ctx") -> ShardedReAttention | ShardedResa:
+  """The per-device method of a setting: `reattention_mesh` (or a one-device `reattention`) ->
+  ShardedReAttention; `resa_mesh` (or `resa` over reattention) -> ShardedResa."""
+  if isinstance(method, MeshResa):
+    method = method.layer_method()
+  if isinstance(method, Resa):
+    if not method.pre_rope:
+      raise GenerationError(f"resa over a mesh wraps reattention, not {method.base!r}")
+    return ShardedResa(**method.hparams(), axis=axis)
   fields = {f.name: getattr(method, f.name) for f in dataclasses.fields(ReAttentionSettings)}
   return ShardedReAttention(**fields, axis=axis)
 
 
-def cache_specs(cfg, axis: str, cache_len: int) -> Cache:
-  """How the cache lies on the mesh: lengths replicated, every layer's K/V split along T."""
-  kv = P(None, None, axis)
-  return Cache(P(), tuple(KVCache(kv, kv) for _ in range(cfg.num_layers)), cache_len)
+def cache_specs(cfg, method: ShardedReAttention | ShardedResa, cache_len: int) -> Cache:
+  """How the cache lies on the mesh: lengths replicated, every layer's K/V split along T (and
+  RESA's prior vectors replicated)."""
+  kv = P(None, None, method.axis)
+  layer = KVCache(kv, kv)
+  if isinstance(method, ShardedResa):
+    layer = ResaState(layer, P(), P(), P(), P(), P())
+  return Cache(P(), (layer,) * cfg.num_layers, cache_len)
 
 
 def check_cache_len(cache_len: int, n_dev: int):
@@ -136,42 +174,52 @@ def check_cache_len(cache_len: int, n_dev: int):
 def _empty_cache(cfg, method: ShardedReAttention, mesh, batch: int, cache_len: int):
   """A zero cache made sharded (each device allocates only its shard), compiled once."""
   shardings = jax.tree.map(lambda p: NamedSharding(mesh, p),
-                           cache_specs(cfg, method.axis, cache_len),
+                           cache_specs(cfg, method, cache_len),
                            is_leaf=lambda x: isinstance(x, P))
-  return jax.jit(lambda: new_cache(cfg, method, batch, cache_len, chunk=method.chunk),
+  return jax.jit(lambda: new_cache(cfg, method, batch, cache_len, chunk=method.prefill_chunk),
                  out_shardings=shardings)
 
 
 @functools.lru_cache(maxsize=16)
 def _prefill_step(cfg, method: ShardedReAttention, mesh, cache_len: int):
   """The one-device chunk step per device; the cache and last logits donated."""
-  specs = cache_specs(cfg, method.axis, cache_len)
+  specs = cache_specs(cfg, method, cache_len)
   body = functools.partial(prefill_step, cfg=cfg, method=method)
   return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(),) * 4 + (specs, P()),
                                out_specs=(specs, P()), check_vma=False), donate_argnums=(4, 5))
 
 
 @functools.lru_cache(maxsize=16)
+def _end_prefill(cfg, method: ShardedResa, mesh, cache_len: int):
+  """The method's end-of-prefill hook per device (RESA's prior over every shard), donated."""
+  specs = cache_specs(cfg, method, cache_len)
+  body = functools.partial(end_prefill, cfg=cfg, method=method, decode_room=0)  # unread by RESA
+  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs,), out_specs=specs,
+                               check_vma=False), donate_argnums=(0,))
+
+
+@functools.lru_cache(maxsize=16)
 def _decode_loop(cfg, method: ShardedReAttention, mesh, cache_len: int, max_new_tokens: int,
                  sampling: Sampling):
   """The one-device decode loop per device (every device samples the same tokens)."""
-  specs = cache_specs(cfg, method.axis, cache_len)
+  specs = cache_specs(cfg, method, cache_len)
   body = functools.partial(decode_loop, cfg=cfg, method=method, max_new_tokens=max_new_tokens,
                            sampling=sampling)
   return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), specs, P(), P(), P()),
                                out_specs=(P(), P(), specs), check_vma=False), donate_argnums=(1,))
 
 
-def prefill_sharded(params, cfg, prompts: Sequence[Sequence[int]], method: ReAttentionSettings,
+def prefill_sharded(params, cfg, prompts: Sequence[Sequence[int]], method,
                     mesh, axis: str = "ctx", *, cache_len: int,
                     on_chunk: Callable[[int, int, jax.Array], None] | None = None):
-  """The prompts read whole in the method's chunks into a cache sharded over `axis`. Returns
+  """The prompts read whole in the method's chunks into a cache sharded over `axis` (method: a
+  mesh entry, `reattention_mesh` or `resa_mesh`, or its one-device setting). Returns
   (cache, last-token logits [B, V]); progress on stderr (one tick per chunk). on_chunk(i, n,
   last) after chunk i of n is dispatched (benchmarks time the chunks through it)."""
   method = sharded(method, axis)
   check_cache_len(cache_len, mesh.shape[axis])
   lengths = check_prompts(prompts, cache_len=cache_len)
-  chunk = method.chunk
+  chunk = method.prefill_chunk
   n_chunks = -(-max(lengths) // chunk)
   tokens = padded(prompts, n_chunks * chunk)
   cache = _empty_cache(cfg, method, mesh, len(prompts), cache_len)()
@@ -183,10 +231,12 @@ def prefill_sharded(params, cfg, prompts: Sequence[Sequence[int]], method: ReAtt
                        cache, last)
     if on_chunk is not None:
       on_chunk(c, n_chunks, last)
+  if method.ends_prefill:
+    cache = _end_prefill(cfg, method, mesh, cache_len)(cache)
   return cache, last
 
 
-def decode_sharded(params, cfg, cache: Cache, last_logits, method: ReAttentionSettings, mesh,
+def decode_sharded(params, cfg, cache: Cache, last_logits, method, mesh,
                    axis: str = "ctx", *, max_new_tokens: int, sampling: Sampling = Sampling(),
                    stop_tokens=()):
   """The decode loop over a sharded cache. Returns (new tokens per row, stop excluded; cache)."""
@@ -196,7 +246,7 @@ def decode_sharded(params, cfg, cache: Cache, last_logits, method: ReAttentionSe
   return trim_at_stops(np.asarray(out)[:, :int(steps)], stop_tokens), cache
 
 
-def generate_sharded(params, cfg, prompts: Sequence[Sequence[int]], method: ReAttentionSettings,
+def generate_sharded(params, cfg, prompts: Sequence[Sequence[int]], method,
                      mesh, axis: str = "ctx", *, max_new_tokens: int,
                      sampling: Sampling = Sampling(), stop_tokens=(),
                      cache_len: int | None = None) -> GenerationResult:

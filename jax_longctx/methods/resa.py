@@ -96,6 +96,11 @@ class Resa(Method):
     return inner
 
   @property
+  def prefill_chunk(self) -> int | None:  # type: ignore[override]
+    """The wrapped method's (ReAttention's `chunk`; None for the selecting methods)."""
+    return self.inner.prefill_chunk
+
+  @property
   def pre_rope(self) -> bool:
     """The prior on keys and queries before RoPE (under ReAttention: see the module's doc)."""
     return isinstance(self.inner, ReAttention)
