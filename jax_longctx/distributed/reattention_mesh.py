@@ -18,10 +18,13 @@ p*T/N .. (p+1)*T/N - 1). A step (a prefill chunk or one decode token) is the one
   gives lse = -inf there. The parts merge exactly by their log-sum-exp (`merge_across`).
 
 So mesh ReAttention computes what one device does (the same scope; outputs equal up to float
-rounding) with 1/N of the cache per device. The driver below (`generate_sharded`) is the one-
-device chunked prefill (`chunked_prefill.prefill_step`) and decode loop (`generation.
-decode_loop`), each run per device under `shard_map`; with several processes (`jax.
-distributed`, one per GPU) the mesh spans them all as Star's does (`driver`).
+rounding) with 1/N of the cache per device. RESA over it (`ShardedResa`) keeps its prior's
+vectors replicated and merges the shards' parts of the prior's sums and attentions.
+
+The driver below (`generate_sharded`) is the one-device chunked prefill (`chunked_prefill.
+prefill_step`), end-of-prefill hook and decode loop (`generation.decode_loop`), each run per
+device under `shard_map`; with several processes (`jax.distributed`, one per GPU) the mesh
+spans them all as Star's does (`driver`).
 """
 
 from __future__ import annotations
@@ -80,6 +83,11 @@ def shard_part(sc: Scope, base, size: int) -> Scope:
                sc.q_offset - first)
 
 
+def shard_start(axis: str, cache: KVCache):
+  """The position of this device's first cache slot (inside shard_map over `axis`)."""
+  return jax.lax.axis_index(axis) * cache.max_len
+
+
 @dataclasses.dataclass(frozen=True)
 class ShardedReAttention(ReAttention):
   """ReAttention inside `shard_map` over `axis`: one layer's state is this device's shard of the
@@ -87,18 +95,14 @@ class ShardedReAttention(ReAttention):
 
   axis: str = "ctx"
 
-  def _base(self, state: KVCache):
-    """The position of this device's first slot."""
-    return jax.lax.axis_index(self.axis) * state.max_len
-
   def write(self, state: KVCache, k, v, ctx: AttnContext) -> KVCache:
     t = state.max_len
-    local = ctx.q_pos - self._base(state)
+    local = ctx.q_pos - shard_start(self.axis, state)
     # Another shard's tokens go to slot t, which the write drops (a negative index would wrap).
     return state.write(jnp.where((local >= 0) & (local < t), local, t), k, v)
 
   def scope(self, state: KVCache, q, ctx: AttnContext) -> Scope:
-    t, base = state.max_len, self._base(state)
+    t, base = state.max_len, shard_start(self.axis, state)
     seq_end, hi = step_bounds(ctx.q_pos, ctx.valid, self.n_local)
     scores, idx = candidates(q, state.k, jnp.clip(self.n_global - base, 0, t),
                              jnp.clip(hi - base, 0, t), self.top_k, self.backend, offset=base)
@@ -109,7 +113,7 @@ class ShardedReAttention(ReAttention):
                             clip=self.clip)
 
   def attend_scope(self, q, state: KVCache, sc: Scope, ctx: AttnContext):
-    part = shard_part(sc, self._base(state), state.max_len)
+    part = shard_part(sc, shard_start(self.axis, state), state.max_len)
     out, lse = super().attend_scope(q, state, part, ctx)
     out, lse = merge_across(out, lse, self.axis)
     return out.astype(q.dtype), lse
@@ -127,21 +131,21 @@ class ShardedResa(Resa):
   def inner(self) -> ShardedReAttention:
     return sharded(super().inner, self.axis)
 
-  def _base(self, cache: KVCache):
-    return jax.lax.axis_index(self.axis) * cache.max_len
-
   def prior_over_cache(self, mu_q, cache: KVCache, lengths):
-    here = jnp.clip(lengths - self._base(cache), 0, cache.max_len)  # this shard's prompt slots
+    here = jnp.clip(lengths - shard_start(self.axis, cache), 0, cache.max_len)  # this shard's prompt slots
     k_sum, o_est, lse_p = super().prior_over_cache(mu_q, cache, here)
     o_est, lse_p = merge_across(o_est, lse_p, self.axis)
     return jax.lax.psum(k_sum, self.axis), o_est, lse_p
 
   def prior_over_scope(self, mu_q, cache: KVCache, sc: Scope):
-    part = shard_part(sc, self._base(cache), cache.max_len)
+    part = shard_part(sc, shard_start(self.axis, cache), cache.max_len)
     return merge_across(*super().prior_over_scope(mu_q, cache, part), self.axis)
 
 
-def sharded(method, axis: str = "ctx") -> ShardedReAttention | ShardedResa:
+Sharded = ShardedReAttention | ShardedResa
+
+
+def sharded(method, axis: str = "ctx") -> Sharded:
   """The per-device method of a setting: `reattention_mesh` (or a one-device `reattention`) ->
   ShardedReAttention; `resa_mesh` (or `resa` over reattention) -> ShardedResa."""
   if isinstance(method, MeshResa):
@@ -154,7 +158,7 @@ def sharded(method, axis: str = "ctx") -> ShardedReAttention | ShardedResa:
   return ShardedReAttention(**fields, axis=axis)
 
 
-def cache_specs(cfg, method: ShardedReAttention | ShardedResa, cache_len: int) -> Cache:
+def cache_specs(cfg, method: Sharded, cache_len: int) -> Cache:
   """How the cache lies on the mesh: lengths replicated, every layer's K/V split along T (and
   RESA's prior vectors replicated)."""
   kv = P(None, None, method.axis)
@@ -171,7 +175,7 @@ def check_cache_len(cache_len: int, n_dev: int):
 
 
 @functools.lru_cache(maxsize=16)
-def _empty_cache(cfg, method: ShardedReAttention, mesh, batch: int, cache_len: int):
+def _empty_cache(cfg, method: Sharded, mesh, batch: int, cache_len: int):
   """A zero cache made sharded (each device allocates only its shard), compiled once."""
   shardings = jax.tree.map(lambda p: NamedSharding(mesh, p),
                            cache_specs(cfg, method, cache_len),
@@ -181,7 +185,7 @@ def _empty_cache(cfg, method: ShardedReAttention, mesh, batch: int, cache_len: i
 
 
 @functools.lru_cache(maxsize=16)
-def _prefill_step(cfg, method: ShardedReAttention, mesh, cache_len: int):
+def _prefill_step(cfg, method: Sharded, mesh, cache_len: int):
   """The one-device chunk step per device; the cache and last logits donated."""
   specs = cache_specs(cfg, method, cache_len)
   body = functools.partial(prefill_step, cfg=cfg, method=method)
@@ -190,7 +194,7 @@ def _prefill_step(cfg, method: ShardedReAttention, mesh, cache_len: int):
 
 
 @functools.lru_cache(maxsize=16)
-def _end_prefill(cfg, method: ShardedResa, mesh, cache_len: int):
+def _end_prefill(cfg, method: Sharded, mesh, cache_len: int):
   """The method's end-of-prefill hook per device (RESA's prior over every shard), donated."""
   specs = cache_specs(cfg, method, cache_len)
   body = functools.partial(end_prefill, cfg=cfg, method=method, decode_room=0)  # unread by RESA
@@ -199,7 +203,7 @@ def _end_prefill(cfg, method: ShardedResa, mesh, cache_len: int):
 
 
 @functools.lru_cache(maxsize=16)
-def _decode_loop(cfg, method: ShardedReAttention, mesh, cache_len: int, max_new_tokens: int,
+def _decode_loop(cfg, method: Sharded, mesh, cache_len: int, max_new_tokens: int,
                  sampling: Sampling):
   """The one-device decode loop per device (every device samples the same tokens)."""
   specs = cache_specs(cfg, method, cache_len)
@@ -250,8 +254,9 @@ def generate_sharded(params, cfg, prompts: Sequence[Sequence[int]], method,
                      mesh, axis: str = "ctx", *, max_new_tokens: int,
                      sampling: Sampling = Sampling(), stop_tokens=(),
                      cache_len: int | None = None) -> GenerationResult:
-  """Mesh ReAttention end to end: prefill, then up to max_new_tokens per prompt. cache_len None:
-  the longest prompt plus max_new_tokens, rounded up to a multiple of 128 x the axis' devices."""
+  """Mesh ReAttention (or RESA over it) end to end: prefill, then up to max_new_tokens per
+  prompt. cache_len None: the longest prompt plus max_new_tokens, rounded up to a multiple of
+  128 x the axis' devices."""
   lengths = check_prompts(prompts, cache_len=cache_len, new_tokens=max_new_tokens)
   if cache_len is None:
     unit = 128 * mesh.shape[axis]
