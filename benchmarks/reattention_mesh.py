@@ -7,7 +7,7 @@ per device, with the pre-RoPE cache split along the tokens over N devices (issue
 
 Random bf16 weights at the Llama-3.2-3B shape (speed does not depend on the values), replicated
 on the first N local devices; ReAttention at the paper's settings (scope 32 + 127 x 32 + 4096 =
-8192 tokens, top-4). One random prompt of C tokens per context, prefilled in `--chunk`-token
+8192 tokens, top-4; `--method resa_mesh` adds RESA's prior). One random prompt of C tokens per context, prefilled in `--chunk`-token
 chunks (the first chunk compiles: prefill tok/s counts the chunks after it; `prefill_s` is the
 whole prefill), then `--decode-reps` timed runs of `--decode-tokens` greedy tokens after one
 warm-up run (the on-device decode loop; ms/token = run time / tokens, the median reported).
@@ -60,11 +60,14 @@ def child(args) -> dict:
   from jax_longctx.model import random_params
 
   cfg = preset(args.model, dtype="bfloat16")
-  method = get("reattention_mesh")
+  settings = dict(SMOKE_METHOD) if args.smoke else {}
   if args.smoke:
     cfg = cfg.replace(**SMOKE_MODEL)
-    method = get("reattention_mesh", **SMOKE_METHOD)
-  method = get(method, chunk=args.chunk) if args.chunk else method
+  if args.chunk:
+    settings["chunk"] = args.chunk
+  method = (get(args.method, base_args=tuple(settings.items())) if args.method == "resa_mesh"
+            else get(args.method, **settings))
+  chunk = method.layer_method().prefill_chunk
   devices = jax.local_devices()[:args.devices or None]
   if args.devices and len(devices) < args.devices:
     raise SystemExit(f"{args.devices} devices asked for, {len(devices)} visible")
@@ -74,7 +77,7 @@ def child(args) -> dict:
   unit = 128 * n_dev
   cache_len = -(-(c + room) // unit) * unit
   _stage(f"context {c} over {n_dev} devices: cache {cache_len} slots "
-         f"({cache_len // n_dev} a device), chunk {method.chunk}")
+         f"({cache_len // n_dev} a device), {args.method}, chunk {chunk}")
   params = replicate(random_params(cfg), mesh)
   prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, c).tolist()
   marks = {}
@@ -84,21 +87,21 @@ def child(args) -> dict:
       jax.block_until_ready(last)
       now = time.perf_counter()
       marks.setdefault("first", now)
-      done = (i + 1) * method.chunk
-      rate = (i * method.chunk / (now - marks["first"])) if i else 0.0
+      done = (i + 1) * chunk
+      rate = (i * chunk / (now - marks["first"])) if i else 0.0
       _stage(f"prefill {min(done, c)}/{c} tokens, {now - marks['t0']:.1f} s, "
              f"{rate:.0f} tok/s after the first chunk")
 
   marks["t0"] = time.perf_counter()
   cache, last = prefill_sharded(params, cfg, [prompt], method, mesh, cache_len=cache_len,
                                 on_chunk=on_chunk)
-  jax.block_until_ready(last)
+  jax.block_until_ready((cache, last))  # RESA's end of prefill included
   t_end = time.perf_counter()
-  n_chunks = -(-c // method.chunk)
-  rec = {"model": args.model, "smoke": args.smoke, "devices": n_dev, "context": c,
-         "cache_len": cache_len, "chunk": method.chunk, "hparams": method.hparams(),
+  n_chunks = -(-c // chunk)
+  rec = {"model": args.model, "method": args.method, "smoke": args.smoke, "devices": n_dev,
+         "context": c, "cache_len": cache_len, "chunk": chunk, "hparams": method.hparams(),
          "prefill_s": t_end - marks["t0"], "first_chunk_s": marks["first"] - marks["t0"],
-         "prefill_tok_s": ((n_chunks - 1) * method.chunk / (t_end - marks["first"])
+         "prefill_tok_s": ((n_chunks - 1) * chunk / (t_end - marks["first"])
                            if n_chunks > 1 else None)}
   _stage(f"prefill done: {rec['prefill_s']:.1f} s; decoding")
 
@@ -122,7 +125,7 @@ def child(args) -> dict:
 def _run_child(args, context: int) -> dict:
   """One context in its own process (its peak memory alone); its record, or its error."""
   cmd = [sys.executable, os.path.abspath(__file__), "--child", "--context", str(context),
-         "--model", args.model, "--devices", str(args.devices), "--chunk", str(args.chunk),
+         "--method", args.method, "--model", args.model, "--devices", str(args.devices), "--chunk", str(args.chunk),
          "--decode-tokens", str(args.decode_tokens), "--decode-reps", str(args.decode_reps)]
   env = dict(os.environ)
   if args.smoke:
@@ -148,6 +151,8 @@ def main() -> None:
   p = argparse.ArgumentParser(description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--model", default="llama-3.2-3b", help="model shape (random weights)")
+  p.add_argument("--method", default="reattention_mesh", choices=["reattention_mesh", "resa_mesh"],
+                 help="resa_mesh: RESA's prior over it (lam 1)")
   p.add_argument("--contexts", default=str(2 ** 21), help="comma list of prompt lengths")
   p.add_argument("--devices", type=int, default=0, help="mesh size (0: every local device)")
   p.add_argument("--chunk", type=int, default=2048, help="prefill chunk (<= n_local)")
