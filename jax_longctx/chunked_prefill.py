@@ -76,8 +76,8 @@ def layer_method(method: RegisteredMethod) -> Method:
   """The method, if it runs per layer; a mesh method is an error that says where it runs."""
   if not isinstance(method, Method):
     raise MethodError(f"{method.name!r} runs over a device mesh: use "
-                      "jax_longctx.distributed.generate_distributed (or `jax-longctx eval`, "
-                      "LM.generate)")
+                      "jax_longctx.distributed.generate_distributed (generate_sharded for "
+                      "reattention_mesh), or `jax-longctx eval`, LM.generate")
   return method
 
 

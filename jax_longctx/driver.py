@@ -1,7 +1,8 @@
 """The one generation driver under the API (`LM.generate`), the CLI and the evaluation sweeps.
 
-It routes by what the method declares: a `MeshMethod` (Star, ring) runs over a mesh of every
-device through `distributed.generate_distributed`, a per-layer `Method` through
+It routes by what the method declares: a `MeshMethod` runs over a mesh of every device, through
+`distributed.generate_sharded` when it has a `layer_method` (mesh ReAttention) and
+`distributed.generate_distributed` otherwise (Star, ring), a per-layer `Method` through
 `generation.generate`; prompt checks and stop-token trimming happen there, once. Token ids in,
 token ids out: text (chat templates, the instruction split) is the caller's.
 """
@@ -18,7 +19,7 @@ from jax.sharding import Mesh
 
 from jax_longctx.cache import Cache
 from jax_longctx.config import LlamaConfig
-from jax_longctx.distributed import generate_distributed, replicate
+from jax_longctx.distributed import generate_distributed, generate_sharded, replicate
 from jax_longctx.generation import (GenerationError, Sampling, generate, prefill,
                                     teacher_forced_nll)
 from jax_longctx.methods.base import MeshMethod, Method, RegisteredMethod
@@ -44,7 +45,7 @@ def generate_tokens(params, cfg: LlamaConfig, method: RegisteredMethod,
   `needs_instruction` methods require."""
   if isinstance(method, MeshMethod):
     return _on_mesh(params, cfg, method, prompts, instructions, max_new_tokens=max_new_tokens,
-                    sampling=sampling, stop_tokens=stop_tokens)
+                    sampling=sampling, stop_tokens=stop_tokens, cache_len=cache_len)
   result = generate(params, cfg, prompts, method, max_new_tokens=max_new_tokens,
                     sampling=sampling, stop_tokens=stop_tokens, chunk_size=chunk_size,
                     cache_len=cache_len, instructions=instructions)
@@ -52,16 +53,29 @@ def generate_tokens(params, cfg: LlamaConfig, method: RegisteredMethod,
                    method.report(result.cache), result.cache)
 
 
-def _on_mesh(params, cfg, method: MeshMethod, contexts, queries, **kw) -> Generated:
-  """The context over every device of a one-axis mesh, the query and answer replicated."""
+def _on_mesh(params, cfg, method: MeshMethod, contexts, queries, *, cache_len: int | None,
+             **kw) -> Generated:
+  """The context over every device of a one-axis mesh: a sharded cache for a method with a
+  `layer_method` (the instruction, if given apart, follows its prompt), else the query and answer
+  replicated (Star, ring)."""
+  mesh = Mesh(np.array(jax.devices()), ("ctx",))
+  n_dev = len(jax.devices())
+  layer = method.layer_method()
+  if layer is not None:
+    prompts = contexts if queries is None else [list(c) + list(q)
+                                                for c, q in zip(contexts, queries)]
+    if cache_len is not None:  # the driver sizes caches itself: round up to equal shards
+      cache_len = -(-cache_len // n_dev) * n_dev
+    result = generate_sharded(_replicated(params, mesh), cfg, prompts, layer, mesh,
+                              cache_len=cache_len, **kw)
+    return Generated(result.tokens, result.prefill_s, result.decode_s, {"devices": n_dev})
   if queries is None:
     raise GenerationError(f"method {method.name!r} needs the instruction apart from the "
                           "document: pass instructions= (or --instruction on the command line)")
-  mesh = Mesh(np.array(jax.devices()), ("ctx",))
   t0 = time.perf_counter()
   rows, _ = generate_distributed(_replicated(params, mesh), cfg, contexts, queries, mesh,
                                  method=method, **kw)
-  return Generated(rows, time.perf_counter() - t0, None, {"devices": len(jax.devices())})
+  return Generated(rows, time.perf_counter() - t0, None, {"devices": n_dev})
 
 
 _REPLICATED: list = []  # [(params, mesh, copies)]: the last weights put on a multi-process mesh

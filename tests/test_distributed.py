@@ -29,20 +29,23 @@ def _free_port() -> str:
     return str(s.getsockname()[1])
 
 
-def test_star_across_two_processes_matches_one(tmp_path):
-  """2 processes x 4 CPU devices (jax.distributed on localhost) give what 1 process x 8 does."""
+@pytest.mark.parametrize("method", ["star", "reattention_mesh"])
+def test_mesh_method_across_two_processes_matches_one(tmp_path, method):
+  """2 processes x 4 CPU devices (jax.distributed on localhost) give what 1 process x 8 does:
+  Star, and mesh ReAttention (its cache split over both processes' devices)."""
   import numpy as np
   port = _free_port()
   env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu",
              XLA_FLAGS="--xla_force_host_platform_device_count=4")
   cmd = [sys.executable, "-m", "tests.two_process_check"]
-  procs = [subprocess.Popen(cmd + [port, str(i), str(tmp_path / f"p{i}.npz")], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  procs = [subprocess.Popen(cmd + [port, str(i), str(tmp_path / f"p{i}.npz"), method], cwd=ROOT,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
            for i in range(2)]
   outs = [p.communicate(timeout=600) for p in procs]
   for p, (out, err) in zip(procs, outs):
     assert p.returncode == 0 and "OK" in out, err[-3000:]
-  single = subprocess.run(cmd + ["single", str(tmp_path / "s.npz")], cwd=ROOT, timeout=600,
+  single = subprocess.run(cmd + ["single", str(tmp_path / "s.npz"), method], cwd=ROOT,
+                          timeout=600,
                           env=dict(env, XLA_FLAGS="--xla_force_host_platform_device_count=8"),
                           capture_output=True, text=True)
   assert single.returncode == 0, single.stderr[-3000:]

@@ -7,8 +7,15 @@ from jax_longctx.methods import MeshMethod, Method, get, names
 
 def test_the_registry_lists_two_kinds():
   assert sorted(names("layer") + names("mesh")) == names()
-  assert names("mesh") == ["ring", "star"]
-  assert all(isinstance(get(n), MeshMethod) and get(n).needs_instruction for n in names("mesh"))
+  assert names("mesh") == ["reattention_mesh", "resa_mesh", "ring", "star"]
+  for n in names("mesh"):
+    method = get(n)
+    assert isinstance(method, MeshMethod)
+    # Either the context and the query are encoded apart (Star, ring), or the whole prompt
+    # streams through a per-layer method over a sharded cache (mesh ReAttention, RESA over it).
+    layer = method.layer_method()
+    assert method.needs_instruction == (layer is None)
+    assert layer is None or (isinstance(layer, Method) and not layer.needs_instruction)
 
 
 @pytest.mark.parametrize("name", names("layer"))

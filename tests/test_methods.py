@@ -203,7 +203,7 @@ def test_full_decode_through_the_kernel_equals_the_jnp_path(tiny, monkeypatch):
   np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("name", ["star", "ring"])
+@pytest.mark.parametrize("name", ["star", "ring", "reattention_mesh"])
 def test_mesh_methods_say_how_to_run(tiny, name):
   cfg, params = tiny
   with pytest.raises(MethodError, match=f"'{name}' runs over a device mesh"):

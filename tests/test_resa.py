@@ -10,6 +10,7 @@ import pytest
 from jax_longctx.cache import KVCache
 from jax_longctx.methods import AttnContext, MethodError, PrefillEnd, get
 from jax_longctx.methods.resa import ResaState, fold_into_prior, residual_attention
+from jax_longctx.rope import inv_freq
 from tests.conftest import tiny_config
 
 gen = importlib.import_module("jax_longctx.generation")
@@ -121,16 +122,23 @@ def _decode_logits(params, cfg, method, n_decode=4):
   return np.stack(out, 1)
 
 
+# ReAttention's scope 2 + 3 * 2 + 8 = 16 tokens of prompts of 30 and 21: it selects spans.
+_REATTENTION = (("n_global", 2), ("n_local", 8), ("span", 2), ("clip", 3), ("top_k", 2),
+                ("chunk", 8))
+
+
 @pytest.mark.parametrize("base,args", [("quest", (("page_size", 4), ("dense_layers", 0))),
-                                       ("topk", ())])
+                                       ("topk", ()), ("reattention", _REATTENTION)])
 def test_lam_zero_is_the_wrapped_method_and_lam_one_differs(tiny, base, args):
   cfg, params = tiny
-  wrapped = get(base, budget=8, **dict(args))
+  wrapped = get(base, **dict(args)) if base == "reattention" else get(base, budget=8,
+                                                                      **dict(args))
   plain = _decode_logits(params, cfg, wrapped)
   np.testing.assert_array_equal(
       _decode_logits(params, cfg, get("resa", base=base, budget=8, lam=0.0, base_args=args)),
       plain)
   with_prior = _decode_logits(params, cfg, get("resa", base=base, budget=8, base_args=args))
+  assert np.isfinite(with_prior).all()
   assert np.max(np.abs(with_prior[:, 1:] - plain[:, 1:])) > 1e-4
 
 
@@ -170,3 +178,37 @@ def test_fixed_sink_and_recent_tokens_are_read_once_beside_the_selection():
       assert set(got) == fixed | chosen
   with pytest.raises(MethodError, match="leaves no tokens to select"):
     get("topk", budget=5, n_sink=2, n_recent=3).init_state(cfg, 1, T, jnp.float32, 8)
+
+
+@pytest.mark.parametrize("lam", [1.0, 0.5])
+def test_over_reattention_the_prior_covers_the_keys_outside_the_scope(lam):
+  """One decode step of RESA over ReAttention (random pre-RoPE cache; token 33 / 20 written by
+  the step) equals Eq. 3 written out: ReAttention's own attention over its scope (Z_SA, O_SA,
+  RoPE at scope ranks) plus lam * exp(P_j + b) for every cached key outside the scope, the prior
+  logits P_j = mu_Q.k_j / sqrt(d) and the bias on PRE-RoPE vectors, all in one softmax."""
+  k, v, q, mu_q, mu_k, q_pos, _ = _random_case(11)
+  cfg = tiny_config()
+  method = get("resa", base="reattention", lam=lam, base_args=_REATTENTION)
+  assert method.pre_rope
+  f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+  at_step = lambda x: np.take_along_axis(x, q_pos[:, None, :, None], axis=2)  # noqa: E731
+  k_new, v_new = at_step(k).transpose(0, 2, 1, 3), at_step(v).transpose(0, 2, 1, 3)
+  before = q_pos - 1  # the prior folded so far covers the tokens before the step's
+  state = _state(k, v, mu_q, mu_k, before).replace(inner=KVCache(f32(k), f32(v)))
+  ctx = AttnContext(layer=0, q_pos=jnp.asarray(q_pos, jnp.int32), valid=jnp.ones((B, 1), bool),
+                    freqs=inv_freq(cfg), cfg=cfg)
+  got, _ = method.decode(state, f32(q), f32(k_new), f32(v_new), ctx)
+  out_sa, lse_sa, _, sc = method.inner.step(state.inner, f32(q), f32(k_new), f32(v_new), ctx)
+  group = H // KV
+  kh, vh = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)  # [B, H, T, d]
+  prior = np.einsum("bhd,bhtd->bht", mu_q, kh) / np.sqrt(D)
+  bias = np.einsum("bhd,bhd->bh", q[:, 0] - mu_q, np.repeat(mu_k, group, axis=1)) / np.sqrt(D)
+  outside = np.arange(T)[None, :] <= q_pos  # [B, T]: cached after the step's write ...
+  for b in range(B):
+    outside[b, np.asarray(sc.idx[b, :int(sc.length[b])])] = False  # ... and not in the scope
+  assert outside.sum() > 5  # ReAttention left keys out
+  w = np.where(outside[:, None, :], np.exp(prior + bias[..., None]), 0.0) * lam  # [B, H, T]
+  z_sa = np.exp(np.asarray(lse_sa[:, 0], np.float64))
+  want = ((z_sa[..., None] * np.asarray(out_sa[:, 0], np.float64)
+           + np.einsum("bht,bhtd->bhd", w, vh)) / (z_sa + w.sum(-1))[..., None])
+  np.testing.assert_allclose(np.asarray(got[:, 0]), want, atol=1e-5, rtol=1e-4)

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AbstractMesh, Mesh
+from jax.sharding import AbstractMesh, Mesh, PartitionSpec as P
 
 from jax_longctx.chunked_prefill import end_prefill, prefill_step
 from jax_longctx.distributed import encode_context
@@ -105,7 +105,7 @@ def test_decode_step_exports_for_tpu(name):
 
 
 @pytest.mark.parametrize("mesh", list(MESHES))
-@pytest.mark.parametrize("name", names("mesh"))
+@pytest.mark.parametrize("name", [n for n in names("mesh") if get(n).layer_method() is None])
 def test_mesh_method_phases_export_for_tpu(name, mesh):
   """Phase 1 through the public encode_context, its tokens baked in as constants. Phase 2 is
   star_lib._phase2, the compiled part of `answer` (which then syncs with the host to trim the
@@ -128,3 +128,43 @@ def test_mesh_method_phases_export_for_tpu(name, mesh):
   exported = export_for_tpu(phase2, params, context_kv, i32(BATCH, q_w), i32(BATCH), i32(BATCH),
                             i32(1), jax.random.key(0))
   assert mosaic_calls(exported) > 0, f"{name} phase 2: no Mosaic kernel"
+
+
+@pytest.mark.parametrize("mesh", list(MESHES))
+@pytest.mark.parametrize("name", [n for n in names("mesh") if get(n).layer_method() is not None])
+def test_sharded_steps_export_for_tpu(name, mesh):
+  """Mesh ReAttention's (and RESA over it) chunk and decode steps per device under shard_map, the
+  cache split along the tokens over the mesh axis: their kernels (topk_scores on the shard,
+  flash / gathered attention on the shard's part of the scope; RESA's prior over each shard at
+  the end of prefill) lower for TPU with the shard's shapes."""
+  from jax_longctx.distributed.reattention_mesh import cache_specs, sharded
+  mesh = MESHES[mesh]()
+  settings = tuple(_method("reattention", BUDGET).hparams().items())
+  method = sharded(get(name, **dict(settings)) if name == "reattention_mesh"
+                   else get(name, base_args=settings))
+  chunk, cache_len = method.prefill_chunk, 320  # 80 slots per device on the abstract mesh
+  specs = cache_specs(CFG, method, cache_len)
+  cache = jax.eval_shape(lambda: new_cache(CFG, method, BATCH, cache_len, chunk=chunk))
+  params = abstract_model(CFG)[1]
+  i32 = lambda *shape: S(shape, jnp.int32)  # noqa: E731
+
+  def prefill(params, tokens, start, lengths, cache, last):
+    return prefill_step(params, tokens, start, lengths, cache, last, cfg=CFG, method=method)
+
+  def decode(params, tokens, cache):
+    return forward(params, tokens, cache.lengths[:, None], cache, method, CFG, decode=True,
+                   logits_index=jnp.zeros((BATCH,), jnp.int32))
+
+  def on_mesh(f, n_rep, n_after=0, out=(specs, P())):
+    return jax.shard_map(f, mesh=mesh, in_specs=(P(),) * n_rep + (specs,) + (P(),) * n_after,
+                         out_specs=out, check_vma=False)
+
+  exported = export_for_tpu(on_mesh(prefill, 4, 1), params, i32(BATCH, chunk), i32(),
+                            i32(BATCH), cache, S((BATCH, CFG.vocab_size), jnp.float32))
+  assert mosaic_calls(exported) > 0, f"{name} prefill: no Mosaic kernel"
+  exported = export_for_tpu(on_mesh(decode, 2, out=(P(), specs)), params, i32(BATCH, 1), cache)
+  assert mosaic_calls(exported) > 0, f"{name} decode: no Mosaic kernel"
+  if method.ends_prefill:
+    exported = export_for_tpu(on_mesh(lambda c: end_prefill(c, CFG, method, decode_room=0), 0,
+                                      out=specs), cache)
+    assert mosaic_calls(exported) > 0, f"{name} end of prefill: no Mosaic kernel"

@@ -1,7 +1,8 @@
-"""Star Attention across 2 processes x 4 CPU devices on localhost (jax.distributed, gloo
-collectives), against the same run in one process with 8 devices (tests/test_distributed.py):
-    python -m tests.two_process_check PORT PROCESS_ID OUT_FILE    (one per process)
-    python -m tests.two_process_check single OUT_FILE            (8 devices, one process)
+"""Star Attention (or mesh ReAttention: METHOD reattention_mesh) across 2 processes x 4 CPU
+devices on localhost (jax.distributed, gloo collectives), against the same run in one process
+with 8 devices (tests/test_distributed.py):
+    python -m tests.two_process_check PORT PROCESS_ID OUT_FILE [METHOD]   (one per process)
+    python -m tests.two_process_check single OUT_FILE [METHOD]           (8 devices, one process)
 """
 
 import sys
@@ -10,10 +11,11 @@ import jax
 import numpy as np
 
 
-def run(out_file):
+def run(out_file, method="star"):
   from jax.sharding import Mesh
 
-  from jax_longctx.distributed import generate_distributed
+  from jax_longctx.distributed import decode_sharded, generate_distributed, prefill_sharded
+  from jax_longctx.methods import get
   from jax_longctx.model import random_params
   from tests.conftest import TINY_LLAMA3, tiny_config
   cfg = tiny_config(**TINY_LLAMA3)
@@ -22,17 +24,23 @@ def run(out_file):
   contexts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (45, 30)]
   queries = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (4, 6)]
   mesh = Mesh(np.array(jax.devices()).reshape(8), ("ctx",))
-  rows, logits = generate_distributed(params, cfg, contexts, queries, mesh, block_size=8,
-                                      max_new_tokens=5)
+  if method == "star":
+    rows, logits = generate_distributed(params, cfg, contexts, queries, mesh, block_size=8,
+                                        max_new_tokens=5)
+  else:  # a 128-token cache, 16 tokens a device, each process holding half of it
+    settings = get(method, n_global=4, n_local=16, span=4, top_k=2, clip=3, chunk=8)
+    prompts = [c + q for c, q in zip(contexts, queries)]
+    cache, logits = prefill_sharded(params, cfg, prompts, settings, mesh, cache_len=128)
+    rows, _ = decode_sharded(params, cfg, cache, logits, settings, mesh, max_new_tokens=5)
   np.savez(out_file, tokens=np.asarray(rows), logits=np.asarray(logits))
   print("OK")
 
 
 if __name__ == "__main__":
   if sys.argv[1] == "single":
-    run(sys.argv[2])
+    run(*sys.argv[2:])
   else:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(f"localhost:{sys.argv[1]}", num_processes=2,
                                process_id=int(sys.argv[2]), local_device_ids=[0, 1, 2, 3])
-    run(sys.argv[3])
+    run(*sys.argv[3:])

@@ -9,5 +9,6 @@ __all__ = ["AttnContext", "Budget", "Full", "MeshMethod", "Method", "MethodError
            "RegisteredMethod", "args_per_method", "get", "names", "parse_method_args", "register", "resolve_budget"]
 
 # Importing a method module registers it.
-from jax_longctx.methods import (citrus, h2o, quest, reattention, refreshkv,  # noqa: E402,F401
-                                 resa, snapkv, star, streaming_llm, topk, tova)
+from jax_longctx.methods import (citrus, h2o, quest, reattention,  # noqa: E402,F401
+                                 reattention_mesh, refreshkv, resa, snapkv, star,
+                                 streaming_llm, topk, tova)

@@ -6,8 +6,8 @@ attention output. A method is a frozen dataclass of hyper-parameters (hashable, 
 static argument of a jitted step).
 
 Two kinds are registered: `Method` (per-layer steps, run by `generation`) and `MeshMethod`
-(Star Attention and ring attention: the context spread over a device mesh, run by
-`distributed`). Everything a driver may ask of either is declared here, with its default; the
+(Star Attention, ring attention, mesh ReAttention: the context spread over a device mesh, run
+by `distributed`). Everything a driver may ask of either is declared here, with its default; the
 drivers read these members and nothing else (no `getattr` probing).
 """
 
@@ -129,15 +129,23 @@ class Method(RegisteredMethod):
 
 @dataclasses.dataclass(frozen=True)
 class MeshMethod(RegisteredMethod):
-  """A method whose context is encoded across the devices of a mesh axis (Star Attention, ring
-  attention): no per-layer state here; `distributed.generate_distributed` runs it over the
-  context and the query, which it takes apart (hence `needs_instruction`)."""
+  """A method whose context is spread across the devices of a mesh axis. Star Attention and
+  ring attention: no per-layer state here; `distributed.generate_distributed` runs them over the
+  context and the query, which they take apart (hence `needs_instruction`). Mesh ReAttention:
+  a per-layer method over a sharded cache (`layer_method`)."""
 
   needs_instruction: ClassVar[bool] = True
 
   def settings(self) -> dict[str, Any]:
     """Keyword arguments for `distributed.encode_context` (None: its default)."""
     return {}
+
+  def layer_method(self) -> Method | None:
+    """None: the context and the query are encoded apart (`distributed.generate_distributed`:
+    Star, ring). Else the one-device `Method` whose steps every device runs over its shard of
+    the cache, split along the tokens (`distributed.generate_sharded`: mesh ReAttention); the
+    whole prompt streams through it in chunks, so such an entry sets `needs_instruction` False."""
+    return None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,14 +24,12 @@ from jax_longctx.methods.reattention_scope import Scope, select_scope
 from jax_longctx.rope import apply_rope, rotate
 
 
-@register
 @dataclasses.dataclass(frozen=True)
-class ReAttention(Method):
-  """Defaults are the paper's §3.1 settings (OpenMOSS/ReAttention uses per-query top-1; the
-  paper's runs top-4). `backend` picks the kernels' variant (pallas_kernels: "auto" by platform).
-  """
-
-  name = "reattention"
+class ReAttentionSettings:
+  """ReAttention's hyper-parameters, shared by the one-device method and its registry entry over
+  a device mesh (`reattention_mesh`). Defaults are the paper's §3.1 settings (OpenMOSS/
+  ReAttention uses per-query top-1; the paper's runs top-4). `backend` picks the kernels'
+  variant (pallas_kernels: "auto" by platform)."""
 
   n_global: int = 32
   n_local: int = 4096
@@ -42,7 +40,7 @@ class ReAttention(Method):
   backend: Literal["auto", "reference", "gpu", "tpu"] = "auto"  # pallas_kernels.BACKENDS
 
   @property
-  def prefill_chunk(self) -> int:  # type: ignore[override]
+  def prefill_chunk(self) -> int:
     return self.chunk
 
   @property
@@ -52,7 +50,7 @@ class ReAttention(Method):
 
   @classmethod
   def for_window(cls, window: int, *, local_fraction: float = 0.5, n_global: int = 32,
-                 span: int = 32, top_k: int = 4, chunk: int = 512, **kw) -> "ReAttention":
+                 span: int = 32, top_k: int = 4, chunk: int = 512, **kw):
     """A setting whose scope fills `window`: local = local_fraction of the window (the paper:
     half), the rest after the global part spans (window 8192 gives the paper's defaults).
 
@@ -65,6 +63,15 @@ class ReAttention(Method):
                         f"n_global={n_global}, span={span} and chunk={chunk}")
     return cls(n_global=n_global, n_local=n_local, span=span, top_k=top_k, clip=clip,
                chunk=chunk, **kw)
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class ReAttention(ReAttentionSettings, Method):
+  """One device: the whole pre-RoPE cache here. A step is `write`, `scope` (the selection) and
+  `attend_scope`; the mesh variant (distributed/reattention_mesh.py) replaces each of them."""
+
+  name = "reattention"
 
   def init_state(self, cfg, batch, max_len, dtype, chunk) -> KVCache:
     for field in ("n_local", "span", "top_k", "clip", "chunk"):
@@ -82,23 +89,41 @@ class ReAttention(Method):
     pallas_kernels.resolve(self.backend)  # an unknown backend fails here, not inside a trace
     return KVCache.zeros(cfg, batch, max_len, dtype)
 
+  def write(self, state: KVCache, k, v, ctx: AttnContext) -> KVCache:
+    return state.write(ctx.q_pos, k, v)  # keys before RoPE, slot = position
+
   def scope(self, state: KVCache, q, ctx: AttnContext) -> Scope:
     return select_scope(q, state.k, ctx.q_pos, ctx.valid, n_global=self.n_global,
                         n_local=self.n_local, span=self.span, top_k=self.top_k, clip=self.clip,
                         backend=self.backend)
 
-  def prefill(self, state: KVCache, q, k, v, ctx: AttnContext):
-    state = state.write(ctx.q_pos, k, v)  # keys before RoPE, slot = position
+  def step(self, state: KVCache, q, k, v, ctx: AttnContext):
+    """One step: (out [B, S, H, d], lse [B, S, H] fp32, state, the scope attended)."""
+    state = self.write(state, k, v, ctx)
     sc = self.scope(state, q, ctx)
+    out, lse = self.attend_scope(q, state, sc, ctx)
+    return out, lse, state, sc
+
+  def prefill(self, state: KVCache, q, k, v, ctx: AttnContext):
+    out, _, state, _ = self.step(state, q, k, v, ctx)
+    return out, state
+
+  def cache(self, state: KVCache) -> KVCache:
+    """The pre-RoPE keys and values (RESA's prior reads them)."""
+    return state
+
+  def attend_scope(self, q, state: KVCache, sc: Scope, ctx: AttnContext):
+    """The step's queries (ranks q_offset + i) over the scope's keys (ranks 0..length-1) of the
+    cache: (out, lse). The mesh variant calls it with one device's part of the scope."""
     if q.shape[1] == 1 and pallas_kernels.resolve(self.backend).kind != "reference":
-      return self._attend_one(q, state, sc, ctx), state
+      return self._attend_one(q, state, sc, ctx)
     take = sc.idx[:, None, :, None]  # one scope per sequence, shared by its kv heads
     k_scope = jnp.take_along_axis(state.k, take, axis=2)  # [B, KV, N, d]
     v_scope = jnp.take_along_axis(state.v, take, axis=2)
     n = sc.idx.shape[1]
     k_scope = rotate(k_scope, jnp.arange(n, dtype=jnp.int32), ctx.freqs)
     q_rank = sc.q_offset[:, None] + jnp.arange(q.shape[1], dtype=jnp.int32)[None, :]
-    return self._attend(apply_rope(q, q_rank, ctx.freqs), k_scope, v_scope, q_rank, sc), state
+    return self._attend(apply_rope(q, q_rank, ctx.freqs), k_scope, v_scope, q_rank, sc)
 
   def _attend_one(self, q, state: KVCache, sc: Scope, ctx: AttnContext):
     """One query (decode), the last of its scope: the kernel reads the scope's rows straight
@@ -107,10 +132,9 @@ class ReAttention(Method):
     kvh = state.k.shape[1]
     idx = jnp.broadcast_to(sc.idx[:, None, :], (b, kvh, n))
     valid = jnp.broadcast_to((jnp.arange(n) < sc.length[:, None])[:, None, :], (b, kvh, n))
-    out, _ = pallas_kernels.gathered_attention(
+    return pallas_kernels.gathered_attention(
         apply_rope(q, sc.q_offset[:, None], ctx.freqs), state.k, state.v, idx, valid,
         kv_layout="BHTD", key_rope_freqs=ctx.freqs, backend=self.backend)
-    return out
 
   def _attend(self, q, k, v, q_rank, sc: Scope):
     """Causal attention over the compacted scope: slot j sits at position j, j < sc.length."""
@@ -118,9 +142,7 @@ class ReAttention(Method):
       # CPU: the jnp path stops at the longest scope instead of scoring all N padded slots.
       slots = jnp.arange(k.shape[2], dtype=jnp.int32)[None, :]
       k_pos = jnp.where(slots < sc.length[:, None], slots, -1)
-      out, _ = attention(q, k, v, q_rank, k_pos, kv_extent=jnp.max(sc.length))
-      return out
-    out, _ = pallas_kernels.flash_attention(q, k, v, causal=True, q_offset=sc.q_offset,
-                                            kv_len=sc.length, kv_layout="BHTD",
-                                            backend=self.backend)
-    return out
+      return attention(q, k, v, q_rank, k_pos, kv_extent=jnp.max(sc.length))
+    return pallas_kernels.flash_attention(q, k, v, causal=True, q_offset=sc.q_offset,
+                                          kv_len=sc.length, kv_layout="BHTD",
+                                          backend=self.backend)

@@ -29,34 +29,47 @@ class Scope:
   q_offset: jnp.ndarray  # [B] int32 scope position of the step's first query
 
 
-def vote(q, k_cache, lo, hi, q_valid, top_k: int, backend: str = "auto"):
-  """Per query and query head, the top-k candidates lo <= t < hi[b] by raw q.k.
+def candidates(q, k_cache, lo, hi, top_k: int, backend: str = "auto", offset=0):
+  """Per query and query head, the top-k candidates lo <= t < hi[b] of k_cache by raw q.k.
 
   q [B, S, H, d] before RoPE; k_cache [B, KV, T, d] before RoPE (GQA: query head h reads kv head
-  h // (H // KV)). Returns votes [B, S * H * top_k] int32 (-1: no vote; padding queries and
-  candidate sets smaller than top_k leave holes).
+  h // (H // KV)); lo scalar or [B]. Returns (scores fp32, idx int32) [B, S, H, min(top_k, T)],
+  best first, ties to the lower index, holes (-inf, -1) where fewer candidates exist. `offset`
+  ([B] or scalar) is added to the indices found: the position of the cache's first slot, when
+  k_cache is one device's shard of a longer context.
   """
-  b = q.shape[0]
   top_k = min(top_k, k_cache.shape[2])
   hi = jnp.maximum(hi, lo)  # an empty candidate range, not a negative one
 
   def score():
-    _, idx = pallas_kernels.topk_scores(q, k_cache, top_k, scale=1.0, valid_len=hi,
-                                        exclude_prefix=lo, kv_layout="BHTD", backend=backend)
-    return idx
+    return pallas_kernels.topk_scores(q, k_cache, top_k, scale=1.0, valid_len=hi,
+                                      exclude_prefix=lo, kv_layout="BHTD", backend=backend)
 
   def nothing():
-    return jnp.full(q.shape[:3] + (top_k,), -1, jnp.int32)
+    shape = q.shape[:3] + (top_k,)
+    return jnp.full(shape, -jnp.inf, jnp.float32), jnp.full(shape, -1, jnp.int32)
 
   if pallas_kernels.resolve(backend).kind == "reference":
     # The jnp reference scores every key, so short contexts (every sequence within global +
     # local) skip it. The kernels only visit candidate tiles already, and a conditional would
     # cost a device-to-host sync per layer on GPU.
-    idx = jax.lax.cond(jnp.any(hi > lo), score, nothing)
+    scores, idx = jax.lax.cond(jnp.any(hi > lo), score, nothing)
   else:
-    idx = score()
-  idx = jnp.where(q_valid[:, :, None, None], idx, -1)
-  return idx.reshape(b, -1)
+    scores, idx = score()
+  offset = jnp.reshape(jnp.asarray(offset, jnp.int32), (-1, 1, 1, 1))
+  return scores, jnp.where(idx >= 0, idx + offset, -1)
+
+
+def ballots(idx, q_valid):
+  """Candidates idx [B, S, H, k] -> votes [B, S * H * k] int32 (-1: no vote; padding queries
+  and candidate sets smaller than k leave holes)."""
+  return jnp.where(q_valid[:, :, None, None], idx, -1).reshape(idx.shape[0], -1)
+
+
+def vote(q, k_cache, lo, hi, q_valid, top_k: int, backend: str = "auto"):
+  """Per query and query head, the top-k candidates lo <= t < hi[b] by raw q.k, as votes
+  [B, S * H * top_k] int32 (`candidates`, `ballots`)."""
+  return ballots(candidates(q, k_cache, lo, hi, top_k, backend)[1], q_valid)
 
 
 def most_voted(votes, clip: int):
@@ -133,6 +146,22 @@ def assemble(first, count, n_global: int, n_local: int, size: int, seq_end, firs
   return Scope(idx, length.astype(jnp.int32), q_offset.astype(jnp.int32))
 
 
+def step_bounds(q_pos, q_valid, n_local: int):
+  """(seq_end, hi) [B]: tokens in the cache after this step, and the end of the candidates (the
+  local part, the last n_local tokens, is never voted for)."""
+  seq_end = jnp.max(jnp.where(q_valid, q_pos + 1, 0), axis=1)
+  return seq_end, seq_end - n_local
+
+
+def scope_from_votes(votes, q_pos, seq_end, hi, *, n_global: int, n_local: int, span: int,
+                     clip: int) -> Scope:
+  """The `clip` most voted tokens as spans, between the global and the local part (votes
+  [B, V], from `vote` or from the devices' candidates merged)."""
+  first, count = span_runs(most_voted(votes, clip), jnp.int32(n_global), hi, span)
+  return assemble(first, count, n_global, n_local, n_global + clip * span + n_local, seq_end,
+                  q_pos[:, 0])
+
+
 def select_scope(q, k_cache, q_pos, q_valid, *, n_global: int, n_local: int, span: int,
                  top_k: int, clip: int, backend: str = "auto") -> Scope:
   """The whole selection for one layer and step (Algorithm 1 for a chunk, 2 for one token).
@@ -140,9 +169,7 @@ def select_scope(q, k_cache, q_pos, q_valid, *, n_global: int, n_local: int, spa
   q [B, S, H, d] before RoPE, k_cache [B, KV, T, d] before RoPE already holding this step's
   keys; q_pos / q_valid [B, S]. Candidates of sequence b: n_global <= t < seq_end - n_local.
   """
-  seq_end = jnp.max(jnp.where(q_valid, q_pos + 1, 0), axis=1)
-  hi = seq_end - n_local
+  seq_end, hi = step_bounds(q_pos, q_valid, n_local)
   votes = vote(q, k_cache, n_global, hi, q_valid, top_k, backend)
-  first, count = span_runs(most_voted(votes, clip), jnp.int32(n_global), hi, span)
-  return assemble(first, count, n_global, n_local, n_global + clip * span + n_local, seq_end,
-                  q_pos[:, 0])
+  return scope_from_votes(votes, q_pos, seq_end, hi, n_global=n_global, n_local=n_local,
+                          span=span, clip=clip)

@@ -15,6 +15,18 @@ logits, the rest keep the prior, and the merge is done in log-sum-exp form:
 where Z_b = exp(lse_P + b), (O_I, Z_I) is mu_Q's attention restricted to I (times exp(b)) and
 (O_SA, Z_SA) the wrapped method's own attention over I. lam = 1 is Eq. 3 exactly; lam = 0 is the
 wrapped method exactly.
+
+Over ReAttention (`base="reattention"`; the scope is its budget, set through `base_args`): I is
+the step's scope, (O_SA, Z_SA) ReAttention's attention over it (keys at scope ranks 0..n-1, the
+query at its rank), and the prior is taken on PRE-RoPE queries and keys: P_j = mu_Q.k_j / sqrt(d)
+with mu_Q the prompt's mean pre-RoPE query, i.e. every key scored as if at the query's own rank
+(relative distance 0). Why: an unselected key has no position in ReAttention's attention (ranks
+are reassigned each step, original positions are never used), and ReAttention itself ranks
+tokens by these same pre-RoPE logits; a fixed far rank would instead tie each key's estimate to
+the query's rank, which moves with the scope's length, so the prior could not be computed once
+at the end of prefill. Z_b and Z_I are both pre-RoPE, so their difference is exactly the prior
+mass of the keys outside the scope; only that difference meets RoPE-scored mass (Z_SA) in the
+merge, which `lam` weighs.
 """
 
 from __future__ import annotations
@@ -28,8 +40,10 @@ from flax import struct
 
 import pallas_kernels
 from jax_longctx.attention import attention
+from jax_longctx.cache import KVCache
 from jax_longctx.methods.base import (AttnContext, Budget, Method, MethodError, PrefillEnd,
                                       get, register)
+from jax_longctx.methods.reattention import ReAttention
 from jax_longctx.methods.selection import SelectingMethod, gather_slots, gathered_attention
 from jax_longctx.rope import apply_rope
 
@@ -52,7 +66,9 @@ class Resa(Method):
   """`lam` = 1 by default: Eq. 3 as written, which the paper finds best for retrieval tasks
   (§5.4; summarization prefers smaller values). `prior`: "head" gives each query head its own
   mu_Q; "group" shares one mu_Q (the mean of the group's heads) per kv head. `base_args` pass
-  further hyper-parameters to the wrapped method, e.g. (("page_size", 16),)."""
+  further hyper-parameters to the wrapped method, e.g. (("page_size", 16),). `budget` is the
+  selecting method's; ReAttention's budget is its scope (n_global, clip, span, n_local in
+  `base_args`), and `budget` does not apply to it."""
 
   name = "resa"
   ends_prefill = True  # end_of_prefill below
@@ -68,13 +84,26 @@ class Resa(Method):
     self.inner  # noqa: B018  (a wrong base or base_args fails at construction)
 
   @property
-  def inner(self) -> SelectingMethod:
+  def inner(self) -> SelectingMethod | ReAttention:
     if self.base == self.name:
       raise MethodError("resa cannot wrap itself")
-    inner = get(self.base, budget=self.budget, **dict(self.base_args))
-    if not isinstance(inner, SelectingMethod):
-      raise MethodError(f"resa wraps a selecting method (quest, topk), not {self.base!r}")
+    inner = get(self.base, **dict(self.base_args))
+    if isinstance(inner, SelectingMethod):
+      return dataclasses.replace(inner, budget=self.budget)
+    if not isinstance(inner, ReAttention):
+      raise MethodError(f"resa wraps a selecting method (quest, topk) or reattention, not "
+                        f"{self.base!r}")
     return inner
+
+  @property
+  def prefill_chunk(self) -> int | None:  # type: ignore[override]
+    """The wrapped method's (ReAttention's `chunk`; None for the selecting methods)."""
+    return self.inner.prefill_chunk
+
+  @property
+  def pre_rope(self) -> bool:
+    """The prior on keys and queries before RoPE (under ReAttention: see the module's doc)."""
+    return isinstance(self.inner, ReAttention)
 
   def init_state(self, cfg, batch, max_len, dtype, chunk) -> ResaState:
     if not 0 <= self.lam <= 1:
@@ -87,8 +116,8 @@ class Resa(Method):
 
   def prefill(self, state: ResaState, q, k, v, ctx: AttnContext):
     out, inner = self.inner.prefill(state.inner, q, k, v, ctx)
-    q_rot = apply_rope(q, ctx.q_pos, ctx.freqs).astype(jnp.float32)
-    q_sum = state.q_sum + jnp.einsum("bshd,bs->bhd", q_rot, ctx.valid.astype(jnp.float32))
+    q_prior = (q if self.pre_rope else apply_rope(q, ctx.q_pos, ctx.freqs)).astype(jnp.float32)
+    q_sum = state.q_sum + jnp.einsum("bshd,bs->bhd", q_prior, ctx.valid.astype(jnp.float32))
     return out, state.replace(inner=inner, q_sum=q_sum)
 
   def end_of_prefill(self, state: ResaState, info: PrefillEnd) -> ResaState:
@@ -101,17 +130,35 @@ class Resa(Method):
       kvh = cache.k.shape[1]
       grouped = jnp.mean(mu_q.reshape(b, kvh, h // kvh, d), axis=2, keepdims=True)
       mu_q = jnp.broadcast_to(grouped, (b, kvh, h // kvh, d)).reshape(b, h, d)
-    in_prompt = jnp.arange(cache.max_len)[None, :] < info.prompt_lengths[:, None]  # [B, T]
-    mu_k = jnp.einsum("bktd,bt->bkd", cache.k.astype(jnp.float32),
-                      in_prompt.astype(jnp.float32)) / n[:, None, None]
+    k_sum, o_est, lse_p = self.prior_over_cache(mu_q, cache, info.prompt_lengths)
+    return state.replace(inner=inner, mu_q=mu_q, mu_k=k_sum / n[:, None, None], o_est=o_est,
+                         lse_p=lse_p)
+
+  def prior_over_cache(self, mu_q, cache: KVCache, lengths):
+    """Over the prompt's keys (slots < lengths [B]): (their sum [B, KV, d] fp32, softmax(P) V
+    [B, H, d] fp32, lse [B, H]) with P = mu_Q.k / sqrt(d). The mesh variant merges its shards'."""
+    in_prompt = jnp.arange(cache.max_len)[None, :] < lengths[:, None]  # [B, T]
+    k_sum = jnp.einsum("bktd,bt->bkd", cache.k.astype(jnp.float32), in_prompt.astype(jnp.float32))
     o_est, lse_p = pallas_kernels.flash_attention(
-        mu_q[:, None].astype(cache.k.dtype), cache.k, cache.v, causal=False,
-        kv_len=info.prompt_lengths, kv_layout="BHTD")
-    return state.replace(inner=inner, mu_q=mu_q, mu_k=mu_k, o_est=o_est[:, 0].astype(jnp.float32),
-                         lse_p=lse_p[:, 0])
+        mu_q[:, None].astype(cache.k.dtype), cache.k, cache.v, causal=False, kv_len=lengths,
+        kv_layout="BHTD")
+    return k_sum, o_est[:, 0].astype(jnp.float32), lse_p[:, 0]
+
+  def prior_over_scope(self, mu_q, cache: KVCache, sc):
+    """mu_Q's attention over the scope's keys (pre-RoPE; no mask but the scope's length):
+    (out [B, H, d] fp32, lse [B, H]). The mesh variant merges its devices' parts."""
+    take = sc.idx[:, None, :, None]
+    in_scope = jnp.arange(sc.idx.shape[1])[None, :] < sc.length[:, None]  # [B, N]
+    out, lse = attention(mu_q[:, None].astype(cache.k.dtype),
+                         jnp.take_along_axis(cache.k, take, axis=2),
+                         jnp.take_along_axis(cache.v, take, axis=2),
+                         jnp.zeros((mu_q.shape[0], 1), jnp.int32), jnp.where(in_scope, 0, -1))
+    return out[:, 0].astype(jnp.float32), lse[:, 0]
 
   def decode(self, state: ResaState, q, k, v, ctx: AttnContext):
     inner = self.inner
+    if self.pre_rope:
+      return self._decode_scope(state, q, k, v, ctx)
     if inner.dense_at(ctx):
       out, inner_state = inner.decode(state.inner, q, k, v, ctx)
       return out, state.replace(inner=inner_state)
@@ -125,10 +172,28 @@ class Resa(Method):
     out = residual_attention(q_rot, state, inner.cache(inner_state), slots, ctx.q_pos, self.lam)
     return out.astype(q.dtype), state
 
+  def _decode_scope(self, state: ResaState, q, k, v, ctx: AttnContext):
+    """Over ReAttention: its own step (the scope and its attention with LSE), then the prior's
+    estimate of the keys outside the scope merged in; all of the prior pre-RoPE."""
+    if q.shape[1] != 1:
+      raise MethodError("resa decodes one token per step")
+    out, lse, inner_state, sc = self.inner.step(state.inner, q, k, v, ctx)
+    state = fold_into_prior(state.replace(inner=inner_state), k, v, ctx.valid)
+    if self.lam == 0:  # ReAttention's own output, bit for bit
+      return out, state
+    o_sel, lse_sel = self.prior_over_scope(state.mu_q, self.inner.cache(inner_state), sc)
+    h, d = q.shape[2:]
+    mu_k = jnp.repeat(state.mu_k, h // state.mu_k.shape[1], axis=1)  # [B, H, d]
+    bias = jnp.sum((q[:, 0].astype(jnp.float32) - state.mu_q) * mu_k, axis=-1) / math.sqrt(d)
+    merged = merge_residual(out[:, 0].astype(jnp.float32), lse[:, 0], state.o_est,
+                            state.lse_p + bias, o_sel, lse_sel + bias, self.lam)
+    return merged[:, None].astype(q.dtype), state
+
 
 def fold_into_prior(state: ResaState, k_rot, v, valid) -> ResaState:
-  """Adds generated tokens (k_rot, v [B, S, KV, d]) to the prior, so it keeps covering every
-  cached token: O(S) per step. mu_Q and mu_K stay the prompt's."""
+  """Adds generated tokens (k_rot, v [B, S, KV, d]: keys as the prior takes them, after RoPE or,
+  over ReAttention, before) to the prior, so it keeps covering every cached token: O(S) per
+  step. mu_Q and mu_K stay the prompt's."""
   b, s, kvh, d = k_rot.shape
   h = state.mu_q.shape[1]
   kh = jnp.repeat(k_rot.astype(jnp.float32), h // kvh, axis=2)  # [B, S, H, d]

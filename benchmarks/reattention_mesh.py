@@ -1,0 +1,188 @@
+"""Mesh ReAttention at multi-million-token contexts: prefill tok/s, decode ms/token, peak memory
+per device, with the pre-RoPE cache split along the tokens over N devices (issue 26).
+
+    python benchmarks/reattention_mesh.py --out $OUT/reattention_mesh.json          # 2^21, all GPUs
+    python benchmarks/reattention_mesh.py --contexts 1048576 --devices 1 --out ...  # one GPU
+    python benchmarks/reattention_mesh.py --smoke --out /tmp/smoke.json             # CPU, tiny
+
+Random bf16 weights at the Llama-3.2-3B shape (speed does not depend on the values), replicated
+on the first N local devices; ReAttention at the paper's settings (scope 32 + 127 x 32 + 4096 =
+8192 tokens, top-4; `--method resa_mesh` adds RESA's prior). One random prompt of C tokens per context, prefilled in `--chunk`-token
+chunks (the first chunk compiles: prefill tok/s counts the chunks after it; `prefill_s` is the
+whole prefill), then `--decode-reps` timed runs of `--decode-tokens` greedy tokens after one
+warm-up run (the on-device decode loop; ms/token = run time / tokens, the median reported).
+Each context runs in its own process, so `peak_bytes` (per device, from its memory stats) is
+that context's. Progress lines go to stderr; the JSON file `--out` is rewritten after every
+context ({facts, records}), so a run cut off keeps what it measured.
+--smoke: a tiny model of the same layout on 8 fake CPU devices (checks the script, not speed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.common import device_facts  # noqa: E402
+
+SMOKE_DEVICES = 8
+# A tiny model of the 3B layout (GQA, llama3 RoPE) and a ReAttention scope to match: selection
+# happens from 48 tokens on.
+SMOKE_MODEL = dict(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                   head_dim=16, intermediate_size=128)
+SMOKE_METHOD = dict(n_global=4, n_local=32, span=4, top_k=2, clip=3, chunk=16)
+
+
+def _stage(msg: str) -> None:
+  print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def _peaks(devices) -> list:
+  """Peak bytes in use on each device (None where the platform keeps no statistics)."""
+  return [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in devices]
+
+
+def child(args) -> dict:
+  import jax
+  import numpy as np
+  from jax.sharding import Mesh
+
+  from jax_longctx import preset
+  from jax_longctx.distributed import decode_sharded, prefill_sharded, replicate
+  from jax_longctx.methods import get
+  from jax_longctx.model import random_params
+
+  cfg = preset(args.model, dtype="bfloat16")
+  settings = dict(SMOKE_METHOD) if args.smoke else {}
+  if args.smoke:
+    cfg = cfg.replace(**SMOKE_MODEL)
+  if args.chunk:
+    settings["chunk"] = args.chunk
+  method = (get(args.method, base_args=tuple(settings.items())) if args.method == "resa_mesh"
+            else get(args.method, **settings))
+  chunk = method.layer_method().prefill_chunk
+  devices = jax.local_devices()[:args.devices or None]
+  if args.devices and len(devices) < args.devices:
+    raise SystemExit(f"{args.devices} devices asked for, {len(devices)} visible")
+  n_dev, c = len(devices), args.context
+  mesh = Mesh(np.array(devices), ("ctx",))
+  room = args.decode_tokens * (args.decode_reps + 1)
+  unit = 128 * n_dev
+  cache_len = -(-(c + room) // unit) * unit
+  _stage(f"context {c} over {n_dev} devices: cache {cache_len} slots "
+         f"({cache_len // n_dev} a device), {args.method}, chunk {chunk}")
+  params = replicate(random_params(cfg), mesh)
+  prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, c).tolist()
+  marks = {}
+
+  def on_chunk(i, n, last):
+    if i == 0 or i == n - 1 or (i + 1) % max(1, n // 20) == 0:
+      jax.block_until_ready(last)
+      now = time.perf_counter()
+      marks.setdefault("first", now)
+      done = (i + 1) * chunk
+      rate = (i * chunk / (now - marks["first"])) if i else 0.0
+      _stage(f"prefill {min(done, c)}/{c} tokens, {now - marks['t0']:.1f} s, "
+             f"{rate:.0f} tok/s after the first chunk")
+
+  marks["t0"] = time.perf_counter()
+  cache, last = prefill_sharded(params, cfg, [prompt], method, mesh, cache_len=cache_len,
+                                on_chunk=on_chunk)
+  jax.block_until_ready((cache, last))  # RESA's end of prefill included
+  t_end = time.perf_counter()
+  n_chunks = -(-c // chunk)
+  rec = {"model": args.model, "method": args.method, "smoke": args.smoke, "devices": n_dev,
+         "context": c, "cache_len": cache_len, "chunk": chunk, "hparams": method.hparams(),
+         "prefill_s": t_end - marks["t0"], "first_chunk_s": marks["first"] - marks["t0"],
+         "prefill_tok_s": ((n_chunks - 1) * chunk / (t_end - marks["first"])
+                           if n_chunks > 1 else None)}
+  _stage(f"prefill done: {rec['prefill_s']:.1f} s; decoding")
+
+  def decode_run():
+    nonlocal cache
+    t = time.perf_counter()
+    rows, cache = decode_sharded(params, cfg, cache, last, method, mesh,
+                                 max_new_tokens=args.decode_tokens)
+    return time.perf_counter() - t, rows  # rows are host lists: the run has finished
+
+  warm_s, _ = decode_run()  # compiles
+  runs = [decode_run()[0] for _ in range(args.decode_reps)]
+  ms = sorted(1e3 * t / args.decode_tokens for t in runs)
+  rec.update({"decode_warmup_s": warm_s, "decode_ms_per_token": statistics.median(ms),
+              "decode_ms_per_token_runs": ms, "decode_tokens": args.decode_tokens,
+              "peak_bytes": _peaks(devices), **device_facts()})
+  _stage(f"decode {rec['decode_ms_per_token']:.2f} ms/token (median of {len(ms)} runs)")
+  return rec
+
+
+def _run_child(args, context: int) -> dict:
+  """One context in its own process (its peak memory alone); its record, or its error."""
+  cmd = [sys.executable, os.path.abspath(__file__), "--child", "--context", str(context),
+         "--method", args.method, "--model", args.model, "--devices", str(args.devices), "--chunk", str(args.chunk),
+         "--decode-tokens", str(args.decode_tokens), "--decode-reps", str(args.decode_reps)]
+  env = dict(os.environ)
+  if args.smoke:
+    cmd.append("--smoke")
+    env.update(JAX_PLATFORMS="cpu",
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={SMOKE_DEVICES}")
+  with tempfile.TemporaryFile("w+") as err:
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)
+    for line in proc.stderr:  # progress passes through; the tail is kept for an error
+      sys.stderr.write(line)
+      err.write(line)
+    out = proc.stdout.read()
+    proc.wait()
+    for line in out.splitlines():
+      if line.startswith("RESULT "):
+        return json.loads(line[len("RESULT "):])
+    err.seek(0)
+    return {"context": context, "error": f"exit {proc.returncode}: {err.read()[-2000:]}"}
+
+
+def main() -> None:
+  p = argparse.ArgumentParser(description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--model", default="llama-3.2-3b", help="model shape (random weights)")
+  p.add_argument("--method", default="reattention_mesh", choices=["reattention_mesh", "resa_mesh"],
+                 help="resa_mesh: RESA's prior over it (lam 1)")
+  p.add_argument("--contexts", default=str(2 ** 21), help="comma list of prompt lengths")
+  p.add_argument("--devices", type=int, default=0, help="mesh size (0: every local device)")
+  p.add_argument("--chunk", type=int, default=2048, help="prefill chunk (<= n_local)")
+  p.add_argument("--decode-tokens", type=int, default=32, help="tokens per timed decode run")
+  p.add_argument("--decode-reps", type=int, default=5, help="timed decode runs after one warm-up")
+  p.add_argument("--out", help="JSON file, rewritten after every context (required)")
+  p.add_argument("--smoke", action="store_true", help="tiny model on 8 fake CPU devices")
+  p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+  p.add_argument("--context", type=int, default=0, help=argparse.SUPPRESS)
+  args = p.parse_args()
+  if args.child:
+    print("RESULT " + json.dumps(child(args)), flush=True)
+    return
+  if not args.out:
+    p.error("--out is required")
+  if args.smoke:
+    args.chunk = SMOKE_METHOD["chunk"]
+    args.decode_tokens, args.decode_reps = 4, 2
+    if args.contexts == str(2 ** 21):
+      args.contexts = "200,520"
+  records = []
+  for context in [int(c) for c in args.contexts.split(",")]:
+    records.append(_run_child(args, context))
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+      json.dump({"argv": sys.argv[1:], "records": records}, f, indent=1)
+    print(json.dumps(records[-1]), flush=True)
+  if any("error" in r for r in records):
+    sys.exit(1)
+
+
+if __name__ == "__main__":
+  main()

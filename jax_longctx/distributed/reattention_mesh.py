@@ -1,0 +1,271 @@
+"""ReAttention over a mesh axis: the pre-RoPE cache split along the tokens, one shard per device.
+
+Every layer's step runs inside `jax.shard_map` with the activations replicated and the cache of
+sequence b, tokens 0..T-1, split into N contiguous shards of T/N tokens (device p: tokens
+p*T/N .. (p+1)*T/N - 1). A step (a prefill chunk or one decode token) is the one-device step
+(`methods.reattention.ReAttention.step`) with each of its three parts made distributed:
+
+- write: the device owning a new token's position stores its pre-RoPE K/V; the others drop it.
+- scope: each device takes its shard's top-k candidates per query and head (the candidate range
+  n_global..seq_end-n_local cut to its shard); the candidates of every device are all-gathered
+  (k scores and global indices each, small) and the global top-k taken from them, ties to the
+  lowest global index as one device's `topk_scores` breaks them. The votes, clip, spans and the
+  compacted scope then run replicated: every device holds the scope one device would select.
+- attend_scope: the scope's indices ascend, so the entries inside device p's shard are the
+  contiguous slots [a_p, b_p) of the scope, at ranks a_p..b_p-1. Each device attends the step's
+  queries (ranks q_offset + i) to its part causally by rank, counted from a_p (RoPE is
+  relative), giving (out, lse); a device whose part is empty, or whose keys all follow a query,
+  gives lse = -inf there. The parts merge exactly by their log-sum-exp (`merge_across`).
+
+So mesh ReAttention computes what one device does (the same scope; outputs equal up to float
+rounding) with 1/N of the cache per device. RESA over it (`ShardedResa`) keeps its prior's
+vectors replicated and merges the shards' parts of the prior's sums and attentions.
+
+The driver below (`generate_sharded`) is the one-device chunked prefill (`chunked_prefill.
+prefill_step`), end-of-prefill hook and decode loop (`generation.decode_loop`), each run per
+device under `shard_map`; with several processes (`jax.distributed`, one per GPU) the mesh
+spans them all as Star's does (`driver`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jax_longctx.cache import Cache, KVCache
+from jax_longctx.chunked_prefill import check_prompts, end_prefill, padded, prefill_step
+from jax_longctx.distributed.attention import merge_across
+from jax_longctx.generation import (GenerationError, GenerationResult, Sampling, decode_loop,
+                                    trim_at_stops)
+from jax_longctx.methods.base import AttnContext
+from jax_longctx.methods.reattention import ReAttention, ReAttentionSettings
+from jax_longctx.methods.reattention_mesh import MeshResa
+from jax_longctx.methods.reattention_scope import (Scope, ballots, candidates, scope_from_votes,
+                                                   step_bounds)
+from jax_longctx.methods.resa import Resa, ResaState
+from jax_longctx.model import new_cache
+from jax_longctx.progress import progress
+
+
+def global_top_k(scores, idx, top_k: int, axis: str):
+  """Every device's candidates (scores, global idx) [B, S, H, k], best first and ties to the
+  lower index -> the top_k of their union [B, S, H, top_k] idx, identical on every device.
+
+  Gathered device-major, equal scores sit in ascending global index (devices hold ascending
+  token ranges), and `lax.top_k` keeps the earlier of equal values: ties go to the lowest index,
+  as one device's top-k over the whole cache. Holes (-inf, -1) sort last and stay -1."""
+  s = jax.lax.all_gather(scores, axis, axis=3, tiled=True)  # [B, S, H, N * k]
+  i = jax.lax.all_gather(idx, axis, axis=3, tiled=True)
+  _, at = jax.lax.top_k(s, top_k)
+  return jnp.take_along_axis(i, at, axis=3)
+
+
+def shard_part(sc: Scope, base, size: int) -> Scope:
+  """The part of scope `sc` in tokens base..base+size-1, as a Scope over that shard's slots.
+
+  sc.idx ascends over its valid slots, so the part is the slots [first, first + count). Its
+  ranks count from `first`: a query at rank q_offset + i and a key at first + j score as at
+  q_offset - first + i and j (RoPE is relative). Padded to min(N, size) slots."""
+  n = sc.idx.shape[1]
+  live = jnp.arange(n)[None, :] < sc.length[:, None]  # [B, N]
+  first = jnp.sum(live & (sc.idx < base), axis=1, dtype=jnp.int32)  # [B]
+  count = jnp.sum(live & (sc.idx < base + size), axis=1, dtype=jnp.int32) - first
+  j = jnp.arange(min(n, size), dtype=jnp.int32)[None, :]
+  idx = jnp.take_along_axis(sc.idx, jnp.minimum(first[:, None] + j, n - 1), axis=1) - base
+  return Scope(jnp.where(j < count[:, None], idx, 0).astype(jnp.int32), count,
+               sc.q_offset - first)
+
+
+def shard_start(axis: str, cache: KVCache):
+  """The position of this device's first cache slot (inside shard_map over `axis`)."""
+  return jax.lax.axis_index(axis) * cache.max_len
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedReAttention(ReAttention):
+  """ReAttention inside `shard_map` over `axis`: one layer's state is this device's shard of the
+  cache, KVCache [B, KV, T/N, d]. Not a registry entry (the entry is `reattention_mesh`)."""
+
+  axis: str = "ctx"
+
+  def write(self, state: KVCache, k, v, ctx: AttnContext) -> KVCache:
+    t = state.max_len
+    local = ctx.q_pos - shard_start(self.axis, state)
+    # Another shard's tokens go to slot t, which the write drops (a negative index would wrap).
+    return state.write(jnp.where((local >= 0) & (local < t), local, t), k, v)
+
+  def scope(self, state: KVCache, q, ctx: AttnContext) -> Scope:
+    t, base = state.max_len, shard_start(self.axis, state)
+    seq_end, hi = step_bounds(ctx.q_pos, ctx.valid, self.n_local)
+    scores, idx = candidates(q, state.k, jnp.clip(self.n_global - base, 0, t),
+                             jnp.clip(hi - base, 0, t), self.top_k, self.backend, offset=base)
+    n_dev = jax.lax.axis_size(self.axis)
+    idx = global_top_k(scores, idx, min(self.top_k, t * n_dev), self.axis)
+    return scope_from_votes(ballots(idx, ctx.valid), ctx.q_pos, seq_end, hi,
+                            n_global=self.n_global, n_local=self.n_local, span=self.span,
+                            clip=self.clip)
+
+  def attend_scope(self, q, state: KVCache, sc: Scope, ctx: AttnContext):
+    part = shard_part(sc, shard_start(self.axis, state), state.max_len)
+    out, lse = super().attend_scope(q, state, part, ctx)
+    out, lse = merge_across(out, lse, self.axis)
+    return out.astype(q.dtype), lse
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedResa(Resa):
+  """RESA over ShardedReAttention inside `shard_map`: the wrapped cache is this device's shard,
+  the prior's vectors are replicated; its attention over the prompt and over the scope merge
+  the devices' parts (the key sum by psum, the rest by LSE)."""
+
+  axis: str = "ctx"
+
+  @property
+  def inner(self) -> ShardedReAttention:
+    return sharded(super().inner, self.axis)
+
+  def prior_over_cache(self, mu_q, cache: KVCache, lengths):
+    here = jnp.clip(lengths - shard_start(self.axis, cache), 0, cache.max_len)  # this shard's prompt slots
+    k_sum, o_est, lse_p = super().prior_over_cache(mu_q, cache, here)
+    o_est, lse_p = merge_across(o_est, lse_p, self.axis)
+    return jax.lax.psum(k_sum, self.axis), o_est, lse_p
+
+  def prior_over_scope(self, mu_q, cache: KVCache, sc: Scope):
+    part = shard_part(sc, shard_start(self.axis, cache), cache.max_len)
+    return merge_across(*super().prior_over_scope(mu_q, cache, part), self.axis)
+
+
+Sharded = ShardedReAttention | ShardedResa
+
+
+def sharded(method, axis: str = "ctx") -> Sharded:
+  """The per-device method of a setting: `reattention_mesh` (or a one-device `reattention`) ->
+  ShardedReAttention; `resa_mesh` (or `resa` over reattention) -> ShardedResa."""
+  if isinstance(method, MeshResa):
+    method = method.layer_method()
+  if isinstance(method, Resa):
+    if not method.pre_rope:
+      raise GenerationError(f"resa over a mesh wraps reattention, not {method.base!r}")
+    return ShardedResa(**method.hparams(), axis=axis)
+  fields = {f.name: getattr(method, f.name) for f in dataclasses.fields(ReAttentionSettings)}
+  return ShardedReAttention(**fields, axis=axis)
+
+
+def cache_specs(cfg, method: Sharded, cache_len: int) -> Cache:
+  """How the cache lies on the mesh: lengths replicated, every layer's K/V split along T (and
+  RESA's prior vectors replicated)."""
+  kv = P(None, None, method.axis)
+  layer = KVCache(kv, kv)
+  if isinstance(method, ShardedResa):
+    layer = ResaState(layer, P(), P(), P(), P(), P())
+  return Cache(P(), (layer,) * cfg.num_layers, cache_len)
+
+
+def check_cache_len(cache_len: int, n_dev: int):
+  if cache_len % n_dev:
+    raise GenerationError(f"cache_len={cache_len} is not divisible by the {n_dev} devices of the "
+                          "mesh axis (each holds an equal contiguous shard)")
+
+
+@functools.lru_cache(maxsize=16)
+def _empty_cache(cfg, method: Sharded, mesh, batch: int, cache_len: int):
+  """A zero cache made sharded (each device allocates only its shard), compiled once."""
+  shardings = jax.tree.map(lambda p: NamedSharding(mesh, p),
+                           cache_specs(cfg, method, cache_len),
+                           is_leaf=lambda x: isinstance(x, P))
+  return jax.jit(lambda: new_cache(cfg, method, batch, cache_len, chunk=method.prefill_chunk),
+                 out_shardings=shardings)
+
+
+@functools.lru_cache(maxsize=16)
+def _prefill_step(cfg, method: Sharded, mesh, cache_len: int):
+  """The one-device chunk step per device; the cache and last logits donated."""
+  specs = cache_specs(cfg, method, cache_len)
+  body = functools.partial(prefill_step, cfg=cfg, method=method)
+  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(),) * 4 + (specs, P()),
+                               out_specs=(specs, P()), check_vma=False), donate_argnums=(4, 5))
+
+
+@functools.lru_cache(maxsize=16)
+def _end_prefill(cfg, method: Sharded, mesh, cache_len: int):
+  """The method's end-of-prefill hook per device (RESA's prior over every shard), donated."""
+  specs = cache_specs(cfg, method, cache_len)
+  body = functools.partial(end_prefill, cfg=cfg, method=method, decode_room=0)  # unread by RESA
+  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs,), out_specs=specs,
+                               check_vma=False), donate_argnums=(0,))
+
+
+@functools.lru_cache(maxsize=16)
+def _decode_loop(cfg, method: Sharded, mesh, cache_len: int, max_new_tokens: int,
+                 sampling: Sampling):
+  """The one-device decode loop per device (every device samples the same tokens)."""
+  specs = cache_specs(cfg, method, cache_len)
+  body = functools.partial(decode_loop, cfg=cfg, method=method, max_new_tokens=max_new_tokens,
+                           sampling=sampling)
+  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), specs, P(), P(), P()),
+                               out_specs=(P(), P(), specs), check_vma=False), donate_argnums=(1,))
+
+
+def prefill_sharded(params, cfg, prompts: Sequence[Sequence[int]], method,
+                    mesh, axis: str = "ctx", *, cache_len: int,
+                    on_chunk: Callable[[int, int, jax.Array], None] | None = None):
+  """The prompts read whole in the method's chunks into a cache sharded over `axis` (method: a
+  mesh entry, `reattention_mesh` or `resa_mesh`, or its one-device setting). Returns
+  (cache, last-token logits [B, V]); progress on stderr (one tick per chunk). on_chunk(i, n,
+  last) after chunk i of n is dispatched (benchmarks time the chunks through it)."""
+  method = sharded(method, axis)
+  check_cache_len(cache_len, mesh.shape[axis])
+  lengths = check_prompts(prompts, cache_len=cache_len)
+  chunk = method.prefill_chunk
+  n_chunks = -(-max(lengths) // chunk)
+  tokens = padded(prompts, n_chunks * chunk)
+  cache = _empty_cache(cfg, method, mesh, len(prompts), cache_len)()
+  last = jnp.zeros((len(prompts), cfg.vocab_size), jnp.float32)
+  plen = jnp.asarray(lengths, jnp.int32)
+  step = _prefill_step(cfg, method, mesh, cache_len)
+  for c in progress(range(n_chunks), desc="mesh prefill"):
+    cache, last = step(params, tokens[:, c * chunk:(c + 1) * chunk], jnp.int32(c * chunk), plen,
+                       cache, last)
+    if on_chunk is not None:
+      on_chunk(c, n_chunks, last)
+  if method.ends_prefill:
+    cache = _end_prefill(cfg, method, mesh, cache_len)(cache)
+  return cache, last
+
+
+def decode_sharded(params, cfg, cache: Cache, last_logits, method, mesh,
+                   axis: str = "ctx", *, max_new_tokens: int, sampling: Sampling = Sampling(),
+                   stop_tokens=()):
+  """The decode loop over a sharded cache. Returns (new tokens per row, stop excluded; cache)."""
+  run = _decode_loop(cfg, sharded(method, axis), mesh, cache.max_len, max_new_tokens, sampling)
+  stops = jnp.asarray(list(stop_tokens) or [-1], jnp.int32)
+  out, steps, cache = run(params, cache, last_logits, stops, jax.random.key(sampling.seed))
+  return trim_at_stops(np.asarray(out)[:, :int(steps)], stop_tokens), cache
+
+
+def generate_sharded(params, cfg, prompts: Sequence[Sequence[int]], method,
+                     mesh, axis: str = "ctx", *, max_new_tokens: int,
+                     sampling: Sampling = Sampling(), stop_tokens=(),
+                     cache_len: int | None = None) -> GenerationResult:
+  """Mesh ReAttention (or RESA over it) end to end: prefill, then up to max_new_tokens per
+  prompt. cache_len None: the longest prompt plus max_new_tokens, rounded up to a multiple of
+  128 x the axis' devices."""
+  lengths = check_prompts(prompts, cache_len=cache_len, new_tokens=max_new_tokens)
+  if cache_len is None:
+    unit = 128 * mesh.shape[axis]
+    cache_len = -(-(max(lengths) + max_new_tokens) // unit) * unit
+  t0 = time.perf_counter()
+  cache, last = prefill_sharded(params, cfg, prompts, method, mesh, axis, cache_len=cache_len)
+  jax.block_until_ready(last)
+  t1 = time.perf_counter()
+  rows, cache = decode_sharded(params, cfg, cache, last, method, mesh, axis,
+                               max_new_tokens=max_new_tokens, sampling=sampling,
+                               stop_tokens=stop_tokens)
+  return GenerationResult(rows, cache, lengths, t1 - t0, time.perf_counter() - t1)

@@ -1,0 +1,152 @@
+"""Mesh ReAttention against one-device ReAttention, run in a subprocess with 8 fake CPU devices
+(tests/test_reattention_mesh.py):
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m tests.reattention_mesh_checks NAME
+"""
+
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, PartitionSpec as P
+
+from jax_longctx.cache import KVCache
+from jax_longctx.distributed.reattention_mesh import cache_specs, sharded
+from jax_longctx.methods import AttnContext, get
+from jax_longctx.methods.reattention_scope import Scope
+from jax_longctx.rope import inv_freq
+from tests.conftest import TINY_LLAMA3, tiny_config
+
+N = 8
+MESH = Mesh(np.array(jax.devices()[:N]), ("ctx",))
+# Scope 4 + 3 * 4 + 16 = 32 (the tiny model's window is 64): selection starts past 20 tokens.
+HP = dict(n_global=4, n_local=16, span=4, top_k=2, clip=3, chunk=8)
+
+
+def _steps(ends, chunk, n_decode):
+  """(q_pos, valid) [B, S] of every step: prefill chunks up to the longest prompt, then decode
+  steps at each sequence's own next position."""
+  ends = np.asarray(ends)
+  for s in range(0, int(ends.max()), chunk):
+    pos = np.broadcast_to(np.arange(s, s + chunk), (len(ends), chunk))
+    yield pos.astype(np.int32), pos < ends[:, None]
+  for i in range(n_decode):
+    yield (ends + i)[:, None].astype(np.int32), np.ones((len(ends), 1), bool)
+
+
+def layer(tied: bool, backend: str = "reference"):
+  """One layer's steps on random pre-RoPE q/k/v, batch 2 of lengths 117 and 45 over a 128-token
+  cache (16 tokens a device: devices 3-7 hold none of the second sequence, and most devices none
+  of a step's scope): the same scope exactly (indices, length, query rank) and the same (out,
+  lse) as one device, for 8-token prefill chunks and 4 decode steps. `tied`: every key is one of
+  three vectors, so most scores tie (the top-k must break ties to the lowest index across
+  devices exactly as one device's top-k does)."""
+  cfg = tiny_config(**TINY_LLAMA3)
+  one = get("reattention", backend=backend, **HP)
+  mesh_method = sharded(get("reattention_mesh", backend=backend, **HP))
+  b, t, h, kvh, d = 2, 128, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+  rng = np.random.default_rng(5)
+  keys = rng.normal(size=(3 if tied else b * t, kvh, d)).astype(np.float32)
+  k_all = keys[rng.integers(0, 3, (b, t))] if tied else keys.reshape(b, t, kvh, d)
+  v_all = rng.normal(size=(b, t, kvh, d)).astype(np.float32)
+  freqs = inv_freq(cfg)
+  kv = P(None, None, "ctx")
+
+  def mesh_step(state, q, k, v, q_pos, valid):
+    ctx = AttnContext(layer=0, q_pos=q_pos, valid=valid, freqs=freqs, cfg=cfg)
+    return mesh_method.step(state, q, k, v, ctx)
+
+  run_mesh = jax.jit(jax.shard_map(
+      mesh_step, mesh=MESH, in_specs=(KVCache(kv, kv),) + (P(),) * 5,
+      out_specs=(P(), P(), KVCache(kv, kv), Scope(P(), P(), P())), check_vma=False))
+  run_one = jax.jit(lambda state, q, k, v, q_pos, valid: one.step(
+      state, q, k, v, AttnContext(layer=0, q_pos=q_pos, valid=valid, freqs=freqs, cfg=cfg)))
+  one_state = KVCache.zeros(cfg, b, t, jnp.float32)
+  mesh_state = one_state
+  selected = 0
+  for q_pos, valid in _steps((117, 45), HP["chunk"], 4):
+    q = jnp.asarray(rng.normal(size=q_pos.shape + (h, d)), jnp.float32)
+    k = jnp.asarray(np.take_along_axis(k_all, q_pos[:, :, None, None], axis=1))
+    v = jnp.asarray(np.take_along_axis(v_all, q_pos[:, :, None, None], axis=1))
+    args = (q, k, v, jnp.asarray(q_pos), jnp.asarray(valid))
+    out, lse, one_state, sc = run_one(one_state, *args)
+    m_out, m_lse, mesh_state, m_sc = run_mesh(mesh_state, *args)
+    for name in ("idx", "length", "q_offset"):
+      np.testing.assert_array_equal(np.asarray(getattr(m_sc, name)), np.asarray(getattr(sc, name)),
+                                    err_msg=f"scope {name} at positions {q_pos[:, 0]}")
+    ok = valid[:, :, None]
+    np.testing.assert_allclose(np.where(ok[..., None], m_out, 0), np.where(ok[..., None], out, 0),
+                               atol=2e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.where(ok, m_lse, 0), np.where(ok, lse, 0), atol=2e-5, rtol=1e-5)
+    selected += int(np.sum(np.asarray(sc.length) > HP["n_global"] + HP["n_local"]))
+  np.testing.assert_array_equal(np.asarray(mesh_state.k), np.asarray(one_state.k))  # each token
+  np.testing.assert_array_equal(np.asarray(mesh_state.v), np.asarray(one_state.v))  # its owner's
+  assert selected > 10, "contexts too short: no step selected spans"
+
+
+def model(one_name="reattention", mesh_name="reattention_mesh", **kw):
+  """The tiny model (GQA 6/2) end to end, prompts of 93 and 52 tokens over a 128-token cache:
+  the last-token logits after the chunked prefill, the per-token NLL of 6 teacher-forced decode
+  steps, and greedy tokens through the driver (the mesh entry routes to the sharded cache)
+  equal the one-device method's: ReAttention, or RESA over it (`kw`: its settings; its prior
+  then sums and attends over every shard)."""
+  from jax_longctx import driver
+  from jax_longctx.distributed.reattention_mesh import decode_sharded, prefill_sharded
+  from jax_longctx.generation import prefill, teacher_forced_nll
+  from jax_longctx.model import random_params
+  cfg = tiny_config(**TINY_LLAMA3)
+  params = random_params(cfg, seed=1)
+  rng = np.random.default_rng(0)
+  prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (93, 52)]
+  targets = rng.integers(0, cfg.vocab_size, (2, 6)).astype(np.int32)
+  if one_name == "resa":
+    one = get("resa", base="reattention", base_args=tuple(HP.items()), **kw)
+    mesh_entry = get("resa_mesh", base_args=tuple(HP.items()), **kw)
+  else:
+    one, mesh_entry = get(one_name, **HP), get(mesh_name, **HP)
+  cache, last = prefill(params, cfg, prompts, one, cache_len=128)
+  nll, _ = teacher_forced_nll(params, cache, last, targets, cfg=cfg, method=one)
+  m_cache, m_last = prefill_sharded(params, cfg, prompts, mesh_entry, MESH, cache_len=128)
+  np.testing.assert_allclose(np.asarray(m_last), np.asarray(last), atol=1e-4, rtol=0)
+  specs = cache_specs(cfg, sharded(mesh_entry), 128)
+  nll_on_mesh = jax.jit(jax.shard_map(
+      lambda p, c, l, t: teacher_forced_nll(p, c, l, t, cfg=cfg, method=sharded(mesh_entry))[0],
+      mesh=MESH, in_specs=(P(), specs, P(), P()), out_specs=P(), check_vma=False))
+  np.testing.assert_allclose(np.asarray(nll_on_mesh(params, m_cache, m_last, targets)),
+                             np.asarray(nll), atol=1e-4, rtol=0)
+  if one_name == "resa":  # the prior did change the decode steps
+    plain = get("reattention", **HP)
+    c, l = prefill(params, cfg, prompts, plain, cache_len=128)
+    assert np.max(np.abs(np.asarray(teacher_forced_nll(params, c, l, targets, cfg=cfg,
+                                                       method=plain)[0]) - nll)) > 1e-3
+  rows, _ = decode_sharded(params, cfg, *prefill_sharded(params, cfg, prompts, mesh_entry, MESH,
+                                                         cache_len=128),
+                           mesh_entry, MESH, max_new_tokens=5)
+  want = driver.generate_tokens(params, cfg, one, prompts, max_new_tokens=5, cache_len=128)
+  got = driver.generate_tokens(params, cfg, mesh_entry, prompts, max_new_tokens=5, cache_len=128)
+  assert rows == want.tokens and got.tokens == want.tokens and got.report == {"devices": N}
+
+
+def errors():
+  """A cache that does not split into equal shards is refused in one line."""
+  from jax_longctx.distributed.reattention_mesh import prefill_sharded
+  from jax_longctx.generation import GenerationError
+  cfg = tiny_config(**TINY_LLAMA3)
+  try:
+    prefill_sharded({}, cfg, [[1, 2, 3]], get("reattention_mesh", **HP), MESH, cache_len=100)
+  except GenerationError as e:
+    assert "cache_len=100 is not divisible by the 8 devices" in str(e), e
+  else:
+    raise AssertionError("no error")
+
+
+CHECKS = {"layer": lambda: layer(False), "layer_tied": lambda: layer(True),
+          # The GPU kernels interpreted: decode's gathered kernel and the flash kernel, given
+          # parts whose query ranks are negative or that are empty.
+          "layer_gpu_kernels": lambda: layer(False, "gpu"), "model": model, "errors": errors,
+          "resa_model": lambda: model("resa", "resa_mesh", lam=0.7)}
+
+if __name__ == "__main__":
+  assert len(jax.devices()) >= N, f"needs {N} devices, got {len(jax.devices())}"
+  CHECKS[sys.argv[1]]()
+  print("OK")

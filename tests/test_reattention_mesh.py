@@ -1,0 +1,42 @@
+"""Mesh ReAttention (jax_longctx/distributed/reattention_mesh.py) equals one-device ReAttention
+on 8 fake CPU devices; each check runs in its own process (the device count is fixed when JAX
+starts): tests/reattention_mesh_checks.py says what each one checks."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("name", ["layer", "layer_tied", "layer_gpu_kernels", "model",
+                                  "resa_model", "errors"])
+def test_on_eight_devices(name):
+  env = dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+             JAX_PLATFORMS="cpu")
+  out = subprocess.run([sys.executable, "-m", "tests.reattention_mesh_checks", name], cwd=ROOT,
+                       capture_output=True, text=True, env=env, timeout=600)
+  assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-3000:]
+
+
+@pytest.mark.parametrize("name", ["reattention_mesh", "resa_mesh"])
+def test_on_one_device_the_driver_matches_the_one_device_method(tiny, name):
+  """The driver's route for a mesh entry with a `layer_method` (this process: a mesh of one
+  device, the shard the whole cache): the same greedy tokens as the one-device method."""
+  from jax_longctx.driver import generate_tokens
+  from jax_longctx.methods import get
+  from tests.reattention_mesh_checks import HP
+  cfg, params = tiny
+  rng = np.random.default_rng(4)
+  prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (41, 26)]
+  if name == "resa_mesh":
+    entry = get(name, base_args=tuple(HP.items()))
+    one = get("resa", base="reattention", base_args=tuple(HP.items()))
+  else:
+    entry, one = get(name, **HP), get("reattention", **HP)
+  want = generate_tokens(params, cfg, one, prompts, max_new_tokens=4, cache_len=64)
+  got = generate_tokens(params, cfg, entry, prompts, max_new_tokens=4, cache_len=64)
+  assert got.tokens == want.tokens and got.report == {"devices": 1}
