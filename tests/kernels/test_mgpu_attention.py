@@ -80,6 +80,10 @@ CASES = {
     # non-causal with per-sequence lengths, the cache layout, a 3-slot ring
     "noncausal_kvlen_g4_bhtd": (2, 128, 4, 1, 296, 64, False, (0, 0), (296, 77), "BHTD",
                                 Config(64, 64, 3)),
+    # negative query offsets (mesh ReAttention: a device's part of the scope starts after some
+    # of the chunk's queries): rows before the part see nothing; the third sequence no key
+    "negative_offset_bhtd": (3, 128, 4, 2, 192, 64, True, (-40, -200, 5), (150, 192, 0), "BHTD",
+                             Config(64, 64, 2)),
     # the second sequence has no key at all: its rows are (0, -inf)
     "no_visible_key": (2, 128, 2, 1, 128, 64, True, (0, 0), (128, 0), "BTHD",
                        Config(64, 64, 2)),
