@@ -78,3 +78,17 @@ def chunked_then_decoded_logits(cfg, params, ids, n_prompt: int, chunk: int, cac
                             full, cfg, decode=True)
     outs.append(np.asarray(logits))
   return np.concatenate(outs, axis=1), cache
+
+
+def run_on_eight_devices(module: str, name: str) -> None:
+  """Runs check `name` of `module` (python -m module name) in its own process on 8 fake CPU
+  devices (the device count is fixed when JAX starts); it must print OK."""
+  import os
+  import subprocess
+  import sys
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, PYTHONPATH=root, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+             JAX_PLATFORMS="cpu")
+  out = subprocess.run([sys.executable, "-m", module, name], cwd=root, capture_output=True,
+                       text=True, env=env, timeout=600)
+  assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-3000:]

@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from tests.conftest import run_on_eight_devices
+
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -15,11 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
                                   "star_two_blocks", "ring_end_to_end", "star_blocks",
                                   "star_vs_transformers", "star_two_blocks_in_rows"])
 def test_on_eight_devices(name):
-  env = dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-             JAX_PLATFORMS="cpu")
-  out = subprocess.run([sys.executable, "-m", "tests.distributed_checks", name], cwd=ROOT,
-                       capture_output=True, text=True, env=env, timeout=600)
-  assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-3000:]
+  run_on_eight_devices("tests.distributed_checks", name)
 
 
 def _free_port() -> str:
