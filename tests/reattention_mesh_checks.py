@@ -91,7 +91,8 @@ def model(one_name="reattention", mesh_name="reattention_mesh", **kw):
   equal the one-device method's: ReAttention, or RESA over it (`kw`: its settings; its prior
   then sums and attends over every shard)."""
   from jax_longctx import driver
-  from jax_longctx.distributed.reattention_mesh import decode_sharded, prefill_sharded
+  from jax_longctx.distributed.reattention_mesh import (_prefill_step, decode_sharded,
+                                                        prefill_sharded)
   from jax_longctx.generation import prefill, teacher_forced_nll
   from jax_longctx.model import random_params
   cfg = tiny_config(**TINY_LLAMA3)
@@ -108,6 +109,9 @@ def model(one_name="reattention", mesh_name="reattention_mesh", **kw):
   nll, _ = teacher_forced_nll(params, cache, last, targets, cfg=cfg, method=one)
   m_cache, m_last = prefill_sharded(params, cfg, prompts, mesh_entry, MESH, cache_len=128)
   np.testing.assert_allclose(np.asarray(m_last), np.asarray(last), atol=1e-4, rtol=0)
+  # Every chunk ran one compiled step (a single-device `last` at chunk 1 once compiled a second)
+  step = _prefill_step(cfg, sharded(mesh_entry), MESH, 128)
+  assert step._cache_size() == 1, step._cache_size()
   specs = cache_specs(cfg, sharded(mesh_entry), 128)
   nll_on_mesh = jax.jit(jax.shard_map(
       lambda p, c, l, t: teacher_forced_nll(p, c, l, t, cfg=cfg, method=sharded(mesh_entry))[0],

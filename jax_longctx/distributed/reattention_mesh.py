@@ -227,7 +227,10 @@ def prefill_sharded(params, cfg, prompts: Sequence[Sequence[int]], method,
   n_chunks = -(-max(lengths) // chunk)
   tokens = padded(prompts, n_chunks * chunk)
   cache = _empty_cache(cfg, method, mesh, len(prompts), cache_len)()
-  last = jnp.zeros((len(prompts), cfg.vocab_size), jnp.float32)
+  # Replicated as the step returns it: a single-device array here would make chunk 2 compile
+  # the step again (its input sharding differs).
+  last = jax.device_put(jnp.zeros((len(prompts), cfg.vocab_size), jnp.float32),
+                        NamedSharding(mesh, P()))
   plen = jnp.asarray(lengths, jnp.int32)
   step = _prefill_step(cfg, method, mesh, cache_len)
   for c in progress(range(n_chunks), desc="mesh prefill"):
