@@ -17,3 +17,21 @@ cache_len() {
   done
   echo $(( longest + 2048 ))
 }
+# on_processes N CMD...: CMD once (N = 1: one process over every visible device), or N
+# processes, one per GPU (CUDA_VISIBLE_DEVICES=i, jax.distributed on localhost as a multi-host
+# user runs it; the eval's process 0 writes), waiting for all.
+on_processes() {
+  local n=$1 port i pids=()
+  shift
+  if (( n == 1 )); then
+    "$@"
+    return
+  fi
+  port=$(python -c "import socket; s = socket.socket(); s.bind(('localhost', 0)); print(s.getsockname()[1])")
+  for (( i = 0; i < n; i++ )); do
+    CUDA_VISIBLE_DEVICES=$i "$@" --coordinator "localhost:$port" --num-processes "$n" \
+      --process-id "$i" &
+    pids+=($!)
+  done
+  for i in "${pids[@]}"; do wait "$i"; done
+}

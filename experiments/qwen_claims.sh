@@ -2,8 +2,8 @@
 # The papers' experiments on a bundled 32K-window Qwen2.5-Coder model (issue 24), as run on one
 # GPU after `benchmarks/carry_model.py join` put the model in $JAX_LONGCTX_CACHE (docs/MODELS.md):
 #   experiments/qwen_claims.sh MODEL OUT PART...
-# PART: reattention | resa_error | resa | citrus768 | citrus2048 | refreshkv | star (on a 4-GPU
-# machine, one process per GPU). Each runs the
+# PART: reattention | resa_error | resa | citrus768 | citrus2048 | refreshkv | star and mesh (on
+# a 4-GPU machine, one process per GPU; mesh: issue 26's mesh ReAttention at 256K-1M). Each runs the
 # method's own script with the settings for a 32K window; results go to OUT/<method>/MODEL/
 # (OUT=docs/results: where they are recorded) and resume,
 # so a PART cut off by a time limit continues where it stopped when run again.
@@ -37,6 +37,9 @@ for part in "$@"; do
     star)  # 4 blocks (a quarter of the context each) on 4 GPUs, one process per GPU
       LENGTHS=16k,32k PROCESSES=${PROCESSES:-4} "$here/star_quality.sh" "$model" \
         "$out/star/$model" ;;
+    mesh)  # mesh ReAttention at 8x-32x the window, RESA over it at 8x; one process per GPU
+      PROCESSES=${PROCESSES:-4} "$here/reattention_mesh_quality.sh" "$model" \
+        "$out/reattention_mesh/$model" ;;
     *) echo "unknown part $part" >&2; exit 2 ;;
   esac
 done

@@ -9,6 +9,7 @@
 # process over every visible GPU. For the 32K-window Qwen model on 4 GPUs (issue 24):
 #   LENGTHS=16k,32k PROCESSES=4 experiments/star_quality.sh qwen2.5-coder-1.5b docs/results/star/qwen2.5-coder-1.5b
 set -euo pipefail
+source "$(dirname "$0")/common.sh"
 model=${1:-default}
 out=${2:-docs/results/star}
 processes=${PROCESSES:-1}
@@ -16,19 +17,7 @@ if ! python -c "import jax, sys; sys.exit(jax.default_backend() == 'cpu')"; then
   export XLA_FLAGS="${XLA_FLAGS:-} --xla_force_host_platform_device_count=4"
 fi
 for task in passkey niah_multikey; do
-  cli=(python -m jax_longctx.cli eval --model "$model" --chat --task "$task" --methods star,full
-       --lengths "${LENGTHS:-8k}" --samples "${SAMPLES:-20}" ${DTYPE:+--dtype "$DTYPE"}
-       --out "$out/$task")
-  if (( processes == 1 )); then
-    "${cli[@]}"
-    continue
-  fi
-  port=$(python -c "import socket; s = socket.socket(); s.bind(('localhost', 0)); print(s.getsockname()[1])")
-  pids=()
-  for (( i = 0; i < processes; i++ )); do
-    CUDA_VISIBLE_DEVICES=$i "${cli[@]}" --coordinator "localhost:$port" \
-      --num-processes "$processes" --process-id "$i" &
-    pids+=($!)
-  done
-  for pid in "${pids[@]}"; do wait "$pid"; done
+  on_processes "$processes" python -m jax_longctx.cli eval --model "$model" --chat --task "$task" \
+    --methods star,full --lengths "${LENGTHS:-8k}" --samples "${SAMPLES:-20}" \
+    ${DTYPE:+--dtype "$DTYPE"} --out "$out/$task"
 done
