@@ -10,7 +10,7 @@ import pytest
 from jax_longctx.cache import KVCache
 from jax_longctx.methods import AttnContext, MethodError, PrefillEnd, get
 from jax_longctx.methods.resa import ResaState, fold_into_prior, residual_attention
-from jax_longctx.rope import inv_freq
+from jax_longctx.rope import inv_freq, rotate
 from tests.conftest import tiny_config
 
 gen = importlib.import_module("jax_longctx.generation")
@@ -185,7 +185,8 @@ def test_over_reattention_the_prior_covers_the_keys_outside_the_scope(lam):
   """One decode step of RESA over ReAttention (random pre-RoPE cache; token 33 / 20 written by
   the step) equals Eq. 3 written out: ReAttention's own attention over its scope (Z_SA, O_SA,
   RoPE at scope ranks) plus lam * exp(P_j + b) for every cached key outside the scope, the prior
-  logits P_j = mu_Q.k_j / sqrt(d) and the bias on PRE-RoPE vectors, all in one softmax."""
+  logits P_j = mu_Q.k_j / sqrt(d) on the pre-RoPE keys and the bias with the step's query
+  rotated by the prior's distance (mu_Q, the state's, already is), all in one softmax."""
   k, v, q, mu_q, mu_k, q_pos, _ = _random_case(11)
   cfg = tiny_config()
   method = get("resa", base="reattention", lam=lam, base_args=_REATTENTION)
@@ -202,7 +203,10 @@ def test_over_reattention_the_prior_covers_the_keys_outside_the_scope(lam):
   group = H // KV
   kh, vh = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)  # [B, H, T, d]
   prior = np.einsum("bhd,bhtd->bht", mu_q, kh) / np.sqrt(D)
-  bias = np.einsum("bhd,bhd->bh", q[:, 0] - mu_q, np.repeat(mu_k, group, axis=1)) / np.sqrt(D)
+  q_far = np.asarray(rotate(f32(q[:, 0]), jnp.int32(method.distance), ctx.freqs))
+  assert method.distance == dict(_REATTENTION)["n_local"] + (
+      dict(_REATTENTION)["clip"] * dict(_REATTENTION)["span"] // 2)
+  bias = np.einsum("bhd,bhd->bh", q_far - mu_q, np.repeat(mu_k, group, axis=1)) / np.sqrt(D)
   outside = np.arange(T)[None, :] <= q_pos  # [B, T]: cached after the step's write ...
   for b in range(B):
     outside[b, np.asarray(sc.idx[b, :int(sc.length[b])])] = False  # ... and not in the scope
@@ -212,3 +216,14 @@ def test_over_reattention_the_prior_covers_the_keys_outside_the_scope(lam):
   want = ((z_sa[..., None] * np.asarray(out_sa[:, 0], np.float64)
            + np.einsum("bht,bhtd->bhd", w, vh)) / (z_sa + w.sum(-1))[..., None])
   np.testing.assert_allclose(np.asarray(got[:, 0]), want, atol=1e-5, rtol=1e-4)
+
+
+def test_prior_distance_applies_over_reattention_only():
+  cfg = tiny_config()
+  with pytest.raises(MethodError, match="prior_distance=-1"):
+    get("resa", base="reattention", base_args=_REATTENTION,
+        prior_distance=-1).init_state(cfg, 1, T, jnp.float32, 8)
+  with pytest.raises(MethodError, match="over reattention only"):
+    get("resa", budget=8, prior_distance=4).init_state(cfg, 1, T, jnp.float32, 8)
+  assert get("resa", base="reattention", base_args=_REATTENTION, prior_distance=5).distance == 5
+

@@ -42,10 +42,12 @@ class MeshResa(MeshMethod):
   lam: float = Resa.lam
   prior: Prior = Resa.prior
   base_args: tuple = Resa.base_args
+  prior_distance: int | None = Resa.prior_distance
 
   def __post_init__(self):
     super().__post_init__()
     self.layer_method()  # a wrong base_args fails at construction
 
   def layer_method(self) -> Resa:
-    return Resa(base=ReAttention.name, lam=self.lam, prior=self.prior, base_args=self.base_args)
+    return Resa(base=ReAttention.name, lam=self.lam, prior=self.prior, base_args=self.base_args,
+                prior_distance=self.prior_distance)

@@ -18,15 +18,18 @@ wrapped method exactly.
 
 Over ReAttention (`base="reattention"`; the scope is its budget, set through `base_args`): I is
 the step's scope, (O_SA, Z_SA) ReAttention's attention over it (keys at scope ranks 0..n-1, the
-query at its rank), and the prior is taken on PRE-RoPE queries and keys: P_j = mu_Q.k_j / sqrt(d)
-with mu_Q the prompt's mean pre-RoPE query, i.e. every key scored as if at the query's own rank
-(relative distance 0). Why: an unselected key has no position in ReAttention's attention (ranks
-are reassigned each step, original positions are never used), and ReAttention itself ranks
-tokens by these same pre-RoPE logits; a fixed far rank would instead tie each key's estimate to
-the query's rank, which moves with the scope's length, so the prior could not be computed once
-at the end of prefill. Z_b and Z_I are both pre-RoPE, so their difference is exactly the prior
-mass of the keys outside the scope; only that difference meets RoPE-scored mass (Z_SA) in the
-merge, which `lam` weighs.
+query at its rank), and the prior places every key at one relative distance D from the query
+(`prior_distance`; default the middle of the scope's span part, n_local + clip * span / 2: where
+a key outside the scope would sit had it been selected). RoPE makes a logit depend on the
+distance only, (R_m q).(R_n k) = (R_D q).k for D = m - n, so with the cache's pre-RoPE keys the
+prior query is mu_Q rotated by D, computed once at the end of prefill like the paper's, and the
+bias takes the step's query rotated by D too. Why not the original positions: ReAttention never
+uses them (ranks are reassigned each step). Why not distance 0 (the pre-RoPE logits, which
+ReAttention's selection ranks by): measured on the default model it overweights the prior (a
+key at distance 0 scores far above RoPE-scored keys at the scope's distances) and RESA then
+lost passkeys that ReAttention alone found, 0 of 6 against 4 of 6 at D = n_local or the scope's
+end (docs/METHODS.md). Z_b and Z_I are scored the same way, so their difference is the prior
+mass of the keys outside the scope; that difference meets Z_SA in the merge, weighed by `lam`.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ from jax_longctx.methods.base import (AttnContext, Budget, Method, MethodError, 
                                       get, register)
 from jax_longctx.methods.reattention import ReAttention
 from jax_longctx.methods.selection import SelectingMethod, gather_slots, gathered_attention
-from jax_longctx.rope import apply_rope
+from jax_longctx.rope import apply_rope, rotate
 
 Prior = Literal["head", "group"]
 
@@ -53,7 +56,7 @@ Prior = Literal["head", "group"]
 @struct.dataclass
 class ResaState:
   inner: object  # the wrapped method's state
-  q_sum: jnp.ndarray  # [B, H, d] fp32: sum of the prompt's post-RoPE queries
+  q_sum: jnp.ndarray  # [B, H, d] fp32: sum of the prompt's queries as the prior takes them
   mu_q: jnp.ndarray  # [B, H, d] fp32
   mu_k: jnp.ndarray  # [B, KV, d] fp32
   o_est: jnp.ndarray  # [B, H, d] fp32: softmax(P) V over every cached token
@@ -78,6 +81,7 @@ class Resa(Method):
   lam: float = 1.0
   prior: Prior = "head"
   base_args: tuple = ()
+  prior_distance: int | None = None  # over ReAttention (module doc); None: mid span part
 
   def __post_init__(self):
     super().__post_init__()
@@ -102,12 +106,30 @@ class Resa(Method):
 
   @property
   def pre_rope(self) -> bool:
-    """The prior on keys and queries before RoPE (under ReAttention: see the module's doc)."""
+    """The prior on the cache's pre-RoPE keys (under ReAttention: see the module's doc)."""
     return isinstance(self.inner, ReAttention)
+
+  @property
+  def distance(self) -> int:
+    """Over ReAttention: the relative distance at which the prior places every key."""
+    if self.prior_distance is not None:
+      return self.prior_distance
+    inner = self.inner
+    return inner.n_local + inner.clip * inner.span // 2
+
+  def prior_query(self, q, ctx: AttnContext):
+    """q [B, S, H, d] as the prior scores it against its keys, fp32: after RoPE at the query's
+    position, or over ReAttention rotated by the fixed distance (keys pre-RoPE)."""
+    if self.pre_rope:
+      return rotate(q, jnp.int32(self.distance), ctx.freqs).astype(jnp.float32)
+    return apply_rope(q, ctx.q_pos, ctx.freqs).astype(jnp.float32)
 
   def init_state(self, cfg, batch, max_len, dtype, chunk) -> ResaState:
     if not 0 <= self.lam <= 1:
       raise MethodError(f"lam={self.lam} must lie in [0, 1]")
+    if self.prior_distance is not None and (self.prior_distance < 0 or not self.pre_rope):
+      raise MethodError(f"prior_distance={self.prior_distance}: a distance >= 0, over "
+                        "reattention only")
     h, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     zeros = lambda *s: jnp.zeros(s, jnp.float32)  # noqa: E731
     return ResaState(self.inner.init_state(cfg, batch, max_len, dtype, chunk),
@@ -116,8 +138,8 @@ class Resa(Method):
 
   def prefill(self, state: ResaState, q, k, v, ctx: AttnContext):
     out, inner = self.inner.prefill(state.inner, q, k, v, ctx)
-    q_prior = (q if self.pre_rope else apply_rope(q, ctx.q_pos, ctx.freqs)).astype(jnp.float32)
-    q_sum = state.q_sum + jnp.einsum("bshd,bs->bhd", q_prior, ctx.valid.astype(jnp.float32))
+    q_sum = state.q_sum + jnp.einsum("bshd,bs->bhd", self.prior_query(q, ctx),
+                                     ctx.valid.astype(jnp.float32))
     return out, state.replace(inner=inner, q_sum=q_sum)
 
   def end_of_prefill(self, state: ResaState, info: PrefillEnd) -> ResaState:
@@ -184,7 +206,7 @@ class Resa(Method):
     o_sel, lse_sel = self.prior_over_scope(state.mu_q, self.inner.cache(inner_state), sc)
     h, d = q.shape[2:]
     mu_k = jnp.repeat(state.mu_k, h // state.mu_k.shape[1], axis=1)  # [B, H, d]
-    bias = jnp.sum((q[:, 0].astype(jnp.float32) - state.mu_q) * mu_k, axis=-1) / math.sqrt(d)
+    bias = jnp.sum((self.prior_query(q, ctx)[:, 0] - state.mu_q) * mu_k, axis=-1) / math.sqrt(d)
     merged = merge_residual(out[:, 0].astype(jnp.float32), lse[:, 0], state.o_est,
                             state.lse_p + bias, o_sel, lse_sel + bias, self.lam)
     return merged[:, None].astype(q.dtype), state
