@@ -15,6 +15,9 @@ _WRONG = {"budget": "abc", int: "2.5", float: "abc", bool: "maybe", str: "3", tu
 
 
 def _wrong_value(tp) -> str:
+  args = typing.get_args(tp)
+  if type(None) in args:  # X | None: a wrong X
+    return _wrong_value(next(a for a in args if a is not type(None)))
   if typing.get_origin(tp) is typing.Annotated:
     return _WRONG["budget"]
   if typing.get_origin(tp) is typing.Literal:
@@ -49,6 +52,9 @@ def test_the_reported_bad_inputs():
                   ({"windw": 3}, "has no hyper-parameter 'windw'; it takes: budget, keep_size")]:
     with pytest.raises(MethodError, match=msg):
       get("snapkv", **kw)
+  with pytest.raises(MethodError, match=r"prior_distance=2.5 .*takes an int or None"):
+    get("resa", base="reattention", prior_distance=2.5)
+  assert get("resa", base="reattention", prior_distance=None).prior_distance is None
   with pytest.raises(MethodError, match="resa wraps a selecting method"):
     get("resa", base="snapkv")  # a wrong value, not only a wrong type, fails at construction
   with pytest.raises(MethodError, match="selection takes one of 'radix', 'sort'"):

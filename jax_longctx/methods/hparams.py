@@ -12,6 +12,7 @@ import ast
 import dataclasses
 import functools
 import numbers
+import types
 import typing
 from typing import Annotated, Any, Literal
 
@@ -74,9 +75,24 @@ def _takes(tp) -> str:
                      str: "a string", tuple: "a tuple, e.g. (('page_size', 16),)"}[tp]
 
 
+def _optional(tp):
+  """X for an annotation `X | None` (a field whose None means "derive it"), else None."""
+  args = typing.get_args(tp)
+  if typing.get_origin(tp) in (typing.Union, types.UnionType) and len(args) == 2 \
+     and type(None) in args:
+    return next(a for a in args if a is not type(None))
+  return None
+
+
 def check_value(tp, value) -> tuple[str | None, Any]:
   """(why `value` does not fit annotation `tp` or None, the value converted: an int given for
   a float field becomes a float)."""
+  inner = _optional(tp)
+  if inner is not None:
+    if value is None:
+      return None, value
+    why, value = check_value(inner, value)
+    return (why and why + " or None"), value
   if _is_budget(tp):
     return budget_error(value), value
   if typing.get_origin(tp) is Literal:
