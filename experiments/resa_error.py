@@ -56,6 +56,7 @@ class Probe(Method):
   """Full attention that also measures every variant's output error at each decode step."""
 
   name = "resa_probe"
+  ends_prefill = True  # end_of_prefill below: the priors are built there
   budgets: tuple = ()  # tokens per fraction: fixed tokens + a multiple of Quest's page size
   fixed: tuple = (0, 0)  # (n_sink, n_recent) every selector reads besides its choice
 
@@ -103,18 +104,22 @@ class Probe(Method):
                                             state.err + jnp.stack(rows), state.steps + 1)
 
 
-def run(lm, prompts, steps: int, fixed=(0, 0)) -> np.ndarray:
-  """Summed errors [layers, fractions, variants] and the number of decode steps."""
+def run(lm, prompts, steps: int, length: int, fixed=(0, 0)) -> np.ndarray:
+  """Summed errors [layers, fractions, variants] and the number of decode steps.
+
+  One probe and one cache length for every prompt (budgets from the nominal `length`, the cache
+  sized for the longest prompt), so the decode step, which unrolls every variant at every budget
+  in every layer, compiles once rather than once per prompt."""
   cfg = lm.config
+  n_fixed = sum(fixed)
+  budgets = tuple(n_fixed + max(16, int(round((f * length - n_fixed) / 16)) * 16)
+                  for f in FRACTIONS)
+  probe = Probe(budgets=budgets, fixed=tuple(fixed))
+  cache_len = -(-(max(len(ids) for ids in prompts) + steps + 1) // 16) * 16
+  step = jax.jit(lambda p, t, c: lm_forward(p, t, c, probe, cfg), donate_argnums=2)
   total, count = 0.0, 0
   for ids in progress(prompts, desc="resa error"):
-    cache_len = -(-(len(ids) + steps + 1) // 16) * 16
-    n_fixed = sum(fixed)
-    budgets = tuple(n_fixed + max(16, int(round((f * len(ids) - n_fixed) / 16)) * 16)
-                    for f in FRACTIONS)
-    probe = Probe(budgets=budgets, fixed=tuple(fixed))
     cache, last = prefill(lm.params, cfg, [ids], probe, cache_len=cache_len)
-    step = jax.jit(lambda p, t, c: lm_forward(p, t, c, probe, cfg))
     tok = jnp.argmax(last, axis=-1)[:, None].astype(jnp.int32)
     for _ in range(steps):
       logits, cache = step(lm.params, tok, cache)
@@ -188,7 +193,7 @@ def main() -> None:
       depth = 0.5 if task.needle_task else None
       prompts.append(lm.tokenizer.encode(task.make(lm.tokenizer, length, depth, seed,
                                                    chat=True).prompt))
-  errors = run(lm, prompts, args.steps, fixed)
+  errors = run(lm, prompts, args.steps, length, fixed)
   write(errors, args.out, {"model": args.model, "tasks": args.tasks, "length": length,
                            "prompts": len(prompts), "steps": args.steps, "fixed": fixed})
 

@@ -208,3 +208,21 @@ def test_mesh_methods_say_how_to_run(tiny, name):
   cfg, params = tiny
   with pytest.raises(MethodError, match=f"'{name}' runs over a device mesh"):
     gen.generate(params, cfg, [[1, 2, 3]], get(name), max_new_tokens=2)
+
+
+def test_an_end_of_prefill_hook_must_be_declared():
+  # The drivers run end_of_prefill only for methods with ends_prefill; an undeclared hook would
+  # be skipped silently (the RESA error study's probe lost its priors that way).
+  from jax_longctx.methods.base import Method
+
+  with pytest.raises(TypeError, match="ends_prefill"):
+    class Undeclared(Method):  # noqa: F841
+      def end_of_prefill(self, state, info):
+        return state
+
+  class Declared(Method):
+    ends_prefill = True
+
+    def end_of_prefill(self, state, info):
+      return state
+  assert Declared.ends_prefill

@@ -85,6 +85,13 @@ class Method(RegisteredMethod):
   # layer) before each document chunk, False only once after the document.
   scores_with_instruction: ClassVar[bool] = False
 
+  def __init_subclass__(cls, **kwargs):
+    super().__init_subclass__(**kwargs)
+    # A hook the drivers never call would silently leave the state as prefill left it.
+    if cls.end_of_prefill is not Method.end_of_prefill and not cls.ends_prefill:
+      raise TypeError(f"{cls.__name__} overrides end_of_prefill but does not set "
+                      "ends_prefill = True, so the drivers would never call it")
+
   def init_state(self, cfg: LlamaConfig, batch: int, max_len: int, dtype, chunk: int) -> Any:
     """One layer's state for `batch` sequences of up to `max_len` tokens, fed `chunk` at a time."""
     raise NotImplementedError
