@@ -104,12 +104,13 @@ class Probe(Method):
                                             state.err + jnp.stack(rows), state.steps + 1)
 
 
-def run(lm, prompts, steps: int, length: int, fixed=(0, 0)) -> np.ndarray:
+def run(lm, prompts, steps: int, length: int, fixed=(0, 0), on_prompt=None) -> np.ndarray:
   """Summed errors [layers, fractions, variants] and the number of decode steps.
 
   One probe and one cache length for every prompt (budgets from the nominal `length`, the cache
   sized for the longest prompt), so the decode step, which unrolls every variant at every budget
-  in every layer, compiles once rather than once per prompt."""
+  in every layer, compiles once rather than once per prompt. `on_prompt(errors, done)` gets the
+  running mean after each prompt (the caller writes it, so a run cut off keeps what it measured)."""
   cfg = lm.config
   n_fixed = sum(fixed)
   budgets = tuple(n_fixed + max(16, int(round((f * length - n_fixed) / 16)) * 16)
@@ -127,6 +128,8 @@ def run(lm, prompts, steps: int, length: int, fixed=(0, 0)) -> np.ndarray:
     errs = np.stack([np.asarray(s.err) for s in cache.state])  # [layers, fractions, variants]
     total = total + errs
     count += steps
+    if on_prompt is not None:
+      on_prompt(total / count, count // steps)
   return total / count
 
 
@@ -169,6 +172,7 @@ def write(errors: np.ndarray, out_dir: str, meta: dict) -> None:
   axes[-1].legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(os.path.join(out_dir, "per_layer.png"), dpi=120)
+  plt.close(fig)
   print(table)
 
 
@@ -193,9 +197,10 @@ def main() -> None:
       depth = 0.5 if task.needle_task else None
       prompts.append(lm.tokenizer.encode(task.make(lm.tokenizer, length, depth, seed,
                                                    chat=True).prompt))
-  errors = run(lm, prompts, args.steps, length, fixed)
-  write(errors, args.out, {"model": args.model, "tasks": args.tasks, "length": length,
-                           "prompts": len(prompts), "steps": args.steps, "fixed": fixed})
+  meta = {"model": args.model, "tasks": args.tasks, "length": length, "steps": args.steps,
+          "fixed": fixed}
+  run(lm, prompts, args.steps, length, fixed,
+      on_prompt=lambda errors, done: write(errors, args.out, {**meta, "prompts": done}))
 
 
 if __name__ == "__main__":
