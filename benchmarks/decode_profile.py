@@ -43,6 +43,12 @@ Candidate fixes (--variants, in the order run; each is a flag set of this script
 - `all_op_by_op`: `all` without command buffers (CUDA graphs): what they save per step.
 - `all_exhaustive`: `all` with --xla_gpu_exhaustive_tiling_search=true (the GEMM autotuner tries
   every Triton tiling, so the M=1 projections may find a faster one).
+- Decode attention's split plan, each `all` with methods.full.DECODE_TILING set (gpu.Tiling;
+  today gpu.split_plan gives ~32 splits of 1024 keys at 32K, batch 1, 8 kv heads: 256 programs
+  of bk=128, 2 stages, 4 warps, ~135 KiB of shared memory each, so one per SM; the kernel reads
+  its 4.3 GB at ~82% of copy rate): `split16` / `split64` / `split128` (key_splits), `bk64`,
+  `bk64_split64`, `bk64_s3_split64` (64-key tiles: 2-3 programs per SM, more loads in flight),
+  `bk128_s3` (3 pipeline stages), `bk32_s4_split128`, `bk128_w8` (8 warps).
 Not tried: --xla_gpu_dot_merger_threshold_mb (merging dots that share x would concatenate the
 weights inside every step: the bytes moved twice); command buffers incl. WHILE (measured: 5.84-5.87
 vs 5.88 ms, BENCHMARKS.md).
@@ -71,27 +77,50 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import NamedTuple
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import xplane_summary  # noqa: E402
 
-# name -> (XLA flags, fused projections, flash decode attention)
+class Variant(NamedTuple):
+  flags: list  # XLA flags
+  fused: bool  # params in fuse_projections' serving layout
+  flash: bool  # decode attention through pallas_kernels.flash_attention
+  decode_tiling: dict | None = None  # methods.full.DECODE_TILING, as gpu.Tiling's fields
+
+
+PDL = ["--xla_gpu_enable_pdl=true"]
+
+
+def _on_all(**tiling) -> Variant:
+  """`all` with decode attention's split plan / tiles set (methods.full.DECODE_TILING)."""
+  return Variant(PDL, True, True, tiling)
+
+
 VARIANTS = {
-    "base": ([], False, False),
-    "fused": ([], True, False),
-    "pdl": (["--xla_gpu_enable_pdl=true"], False, False),
-    "nopdl": (["--xla_gpu_enable_pdl=false"], False, False),
-    "cublas": (["--xla_gpu_enable_triton_gemm=false"], False, False),
-    "cublaslt": (["--xla_gpu_enable_cublaslt=true"], False, False),
-    "flash_decode": ([], False, True),
-    "fused_pdl": (["--xla_gpu_enable_pdl=true"], True, False),
-    "fused_cublas": (["--xla_gpu_enable_triton_gemm=false"], True, False),
-    "fused_flash": ([], True, True),
-    "all": (["--xla_gpu_enable_pdl=true"], True, True),
-    "all_op_by_op": (["--xla_gpu_enable_pdl=true", "--xla_gpu_enable_command_buffer="], True, True),
-    "all_exhaustive": (["--xla_gpu_enable_pdl=true", "--xla_gpu_exhaustive_tiling_search=true"],
-                       True, True),
+    "base": Variant([], False, False),
+    "fused": Variant([], True, False),
+    "pdl": Variant(PDL, False, False),
+    "nopdl": Variant(["--xla_gpu_enable_pdl=false"], False, False),
+    "cublas": Variant(["--xla_gpu_enable_triton_gemm=false"], False, False),
+    "cublaslt": Variant(["--xla_gpu_enable_cublaslt=true"], False, False),
+    "flash_decode": Variant([], False, True),
+    "fused_pdl": Variant(PDL, True, False),
+    "fused_cublas": Variant(["--xla_gpu_enable_triton_gemm=false"], True, False),
+    "fused_flash": Variant([], True, True),
+    "all": Variant(PDL, True, True),
+    "all_op_by_op": Variant(PDL + ["--xla_gpu_enable_command_buffer="], True, True),
+    "all_exhaustive": Variant(PDL + ["--xla_gpu_exhaustive_tiling_search=true"], True, True),
+    "split16": _on_all(key_splits=16),
+    "split64": _on_all(key_splits=64),
+    "split128": _on_all(key_splits=128),
+    "bk64": _on_all(block_keys=64),
+    "bk64_split64": _on_all(block_keys=64, key_splits=64),
+    "bk64_s3_split64": _on_all(block_keys=64, num_stages=3, key_splits=64),
+    "bk128_s3": _on_all(num_stages=3),
+    "bk32_s4_split128": _on_all(block_keys=32, num_stages=4, key_splits=128),
+    "bk128_w8": _on_all(num_warps=8),
 }
 
 
@@ -106,18 +135,27 @@ def smoke_config():
 
 
 def use_flash_decode() -> None:
-  """Routes `full`'s one-token decode attention through pallas_kernels.flash_attention."""
+  """Routes `full`'s one-token decode attention through pallas_kernels.flash_attention (what
+  `full` does by itself on GPU: `decode_uses_kernel`), with full.DECODE_TILING."""
   import pallas_kernels
-  from jax_longctx.methods.full import Full
-  jnp_path = Full.attend_cache
+  from jax_longctx.methods import full
+  jnp_path = full.Full.attend_cache
 
   def attend_cache(self, state, q, ctx, chunk_kv=None):
     if q.shape[1] != 1:
       return jnp_path(self, state, q, ctx, chunk_kv)
     return pallas_kernels.flash_attention(q, state.k, state.v, causal=True,
                                           q_offset=ctx.q_pos[:, 0], kv_len=ctx.q_pos[:, 0] + 1,
-                                          kv_layout="BHTD")
-  Full.attend_cache = attend_cache
+                                          kv_layout="BHTD", tiling=full.DECODE_TILING)
+  full.Full.attend_cache = attend_cache
+
+
+def apply_knobs(variant: Variant) -> None:
+  """Sets the process-wide switches a variant names (this process runs only that variant)."""
+  if variant.decode_tiling:
+    import pallas_kernels
+    from jax_longctx.methods import full
+    full.DECODE_TILING = pallas_kernels.Tiling(**variant.decode_tiling)
 
 
 def run_child(args, rec: dict) -> None:
@@ -133,8 +171,10 @@ def run_child(args, rec: dict) -> None:
   from jax_longctx.methods import get
   from jax_longctx.model import fuse_projections, new_cache, random_params
 
-  flags, fused, flash = VARIANTS[args.variant]
-  if flash:
+  variant = VARIANTS[args.variant]
+  fused = variant.fused
+  apply_knobs(variant)
+  if variant.flash:
     use_flash_decode()
   cfg = smoke_config() if args.smoke else preset(args.model, dtype="bfloat16")
   method = get("full")
@@ -206,8 +246,9 @@ def profile(args, rec: dict, cfg, fused: bool, decode, hlo_text) -> None:
 
 
 def child(args) -> None:
-  flags, fused, flash = VARIANTS[args.variant]
-  rec = {"variant": args.variant, "xla_flags": flags, "fused": fused, "flash_decode": flash,
+  variant = VARIANTS[args.variant]
+  rec = {"variant": args.variant, "xla_flags": variant.flags, "fused": variant.fused,
+         "flash_decode": variant.flash, "decode_tiling": variant.decode_tiling,
          "model": "smoke" if args.smoke else args.model, "context": args.context,
          "batch": args.batch, "new_tokens": args.new_tokens}
   try:
@@ -286,7 +327,7 @@ def main() -> None:
     # shared by the children: what a variant compiled with the same flags is not compiled again
     env.setdefault("JAX_COMPILATION_CACHE_DIR", cache_dir)
     env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-    env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", "")] + VARIANTS[name][0]).strip()
+    env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", "")] + VARIANTS[name].flags).strip()
     cmd = [sys.executable, __file__, "--child", "--variant", name, "--model", args.model,
            "--context", str(args.context), "--batch", str(args.batch), "--new-tokens",
            str(args.new_tokens), "--reps", str(args.reps), "--chunk", str(args.chunk),
