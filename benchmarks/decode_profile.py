@@ -49,6 +49,10 @@ Candidate fixes (--variants, in the order run; each is a flag set of this script
   its 4.3 GB at ~82% of copy rate): `split16` / `split64` / `split128` (key_splits), `bk64`,
   `bk64_split64`, `bk64_s3_split64` (64-key tiles: 2-3 programs per SM, more loads in flight),
   `bk128_s3` (3 pipeline stages), `bk32_s4_split128`, `bk128_w8` (8 warps).
+- `fold`: `all` with params through model.fold_norm_scales: each layer's two RMSNorm scales
+  multiplied into qkv_proj / gate_up_proj, the norm's 1/rms applied to the GEMM's fp32 output,
+  where XLA can fuse it into the consumer (RoPE, cache write, silu*mul): the norms' multiply
+  kernels (64/step, ~1.45 us each) should disappear. Equality: tests/test_fused_projections.py.
 Not tried: --xla_gpu_dot_merger_threshold_mb (merging dots that share x would concatenate the
 weights inside every step: the bytes moved twice); command buffers incl. WHILE (measured: 5.84-5.87
 vs 5.88 ms, BENCHMARKS.md).
@@ -88,14 +92,16 @@ class Variant(NamedTuple):
   fused: bool  # params in fuse_projections' serving layout
   flash: bool  # decode attention through pallas_kernels.flash_attention
   decode_tiling: dict | None = None  # methods.full.DECODE_TILING, as gpu.Tiling's fields
+  fold_norms: bool = False  # params through model.fold_norm_scales (implies fused)
 
 
 PDL = ["--xla_gpu_enable_pdl=true"]
 
 
-def _on_all(**tiling) -> Variant:
-  """`all` with decode attention's split plan / tiles set (methods.full.DECODE_TILING)."""
-  return Variant(PDL, True, True, tiling)
+def _on_all(fold_norms: bool = False, **tiling) -> Variant:
+  """`all` with decode attention's split plan / tiles set (methods.full.DECODE_TILING), and/or
+  the layers' norm scales folded into the projections."""
+  return Variant(PDL, True, True, tiling or None, fold_norms)
 
 
 VARIANTS = {
@@ -121,6 +127,7 @@ VARIANTS = {
     "bk128_s3": _on_all(num_stages=3),
     "bk32_s4_split128": _on_all(block_keys=32, num_stages=4, key_splits=128),
     "bk128_w8": _on_all(num_warps=8),
+    "fold": _on_all(fold_norms=True),
 }
 
 
@@ -169,7 +176,7 @@ def run_child(args, rec: dict) -> None:
   from jax_longctx import preset
   from jax_longctx.generation import Sampling, decode_loop, end_prefill
   from jax_longctx.methods import get
-  from jax_longctx.model import fuse_projections, new_cache, random_params
+  from jax_longctx.model import fold_norm_scales, fuse_projections, new_cache, random_params
 
   variant = VARIANTS[args.variant]
   fused = variant.fused
@@ -179,7 +186,9 @@ def run_child(args, rec: dict) -> None:
   cfg = smoke_config() if args.smoke else preset(args.model, dtype="bfloat16")
   method = get("full")
   params = random_params(cfg)
-  if fused:
+  if variant.fold_norms:
+    params = fold_norm_scales(params)  # fused as well; the plain tree is dropped here
+  elif fused:
     params = fuse_projections(params)  # the unfused tree is dropped here
   jax.block_until_ready(params)
   _stage("params ready")
@@ -249,6 +258,7 @@ def child(args) -> None:
   variant = VARIANTS[args.variant]
   rec = {"variant": args.variant, "xla_flags": variant.flags, "fused": variant.fused,
          "flash_decode": variant.flash, "decode_tiling": variant.decode_tiling,
+         "fold_norms": variant.fold_norms,
          "model": "smoke" if args.smoke else args.model, "context": args.context,
          "batch": args.batch, "new_tokens": args.new_tokens}
   try:
