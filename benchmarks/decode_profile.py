@@ -53,6 +53,11 @@ Candidate fixes (--variants, in the order run; each is a flag set of this script
   multiplied into qkv_proj / gate_up_proj, the norm's 1/rms applied to the GEMM's fp32 output,
   where XLA can fuse it into the consumer (RoPE, cache write, silu*mul): the norms' multiply
   kernels (64/step, ~1.45 us each) should disappear. Equality: tests/test_fused_projections.py.
+- `merge_kernel`: `all` with flash_attention.DECODE_MERGE_KERNEL: the key splits merged by one
+  Pallas kernel (pallas_kernels/split_merge.py) writing only the real rows in bf16, instead of
+  jnp's merge (2 XLA kernels) and the padding-row slice (layout.from_rows): 3 -> 1 kernel per
+  layer. Tests: tests/kernels/test_split_merge.py.
+- `fold_merge`, `fold_merge_split64`: combinations.
 Not tried: --xla_gpu_dot_merger_threshold_mb (merging dots that share x would concatenate the
 weights inside every step: the bytes moved twice); command buffers incl. WHILE (measured: 5.84-5.87
 vs 5.88 ms, BENCHMARKS.md).
@@ -93,15 +98,16 @@ class Variant(NamedTuple):
   flash: bool  # decode attention through pallas_kernels.flash_attention
   decode_tiling: dict | None = None  # methods.full.DECODE_TILING, as gpu.Tiling's fields
   fold_norms: bool = False  # params through model.fold_norm_scales (implies fused)
+  merge_kernel: bool = False  # pallas_kernels.flash_attention.DECODE_MERGE_KERNEL
 
 
 PDL = ["--xla_gpu_enable_pdl=true"]
 
 
-def _on_all(fold_norms: bool = False, **tiling) -> Variant:
+def _on_all(fold_norms: bool = False, merge_kernel: bool = False, **tiling) -> Variant:
   """`all` with decode attention's split plan / tiles set (methods.full.DECODE_TILING), and/or
-  the layers' norm scales folded into the projections."""
-  return Variant(PDL, True, True, tiling or None, fold_norms)
+  the layers' norm scales folded into the projections, and/or the split merge kernel."""
+  return Variant(PDL, True, True, tiling or None, fold_norms, merge_kernel)
 
 
 VARIANTS = {
@@ -128,6 +134,9 @@ VARIANTS = {
     "bk32_s4_split128": _on_all(block_keys=32, num_stages=4, key_splits=128),
     "bk128_w8": _on_all(num_warps=8),
     "fold": _on_all(fold_norms=True),
+    "merge_kernel": _on_all(merge_kernel=True),
+    "fold_merge": _on_all(fold_norms=True, merge_kernel=True),
+    "fold_merge_split64": _on_all(fold_norms=True, merge_kernel=True, key_splits=64),
 }
 
 
@@ -141,9 +150,10 @@ def smoke_config():
                      head_dim=16, intermediate_size=96, max_position_embeddings=4096)
 
 
-def use_flash_decode() -> None:
+def use_flash_decode(backend: str = "auto") -> None:
   """Routes `full`'s one-token decode attention through pallas_kernels.flash_attention (what
-  `full` does by itself on GPU: `decode_uses_kernel`), with full.DECODE_TILING."""
+  `full` does by itself on GPU: `decode_uses_kernel`), with full.DECODE_TILING. --smoke passes
+  backend="gpu": the GPU kernel interpreted on CPU, so the variants' kernel switches run there."""
   import pallas_kernels
   from jax_longctx.methods import full
   jnp_path = full.Full.attend_cache
@@ -153,12 +163,16 @@ def use_flash_decode() -> None:
       return jnp_path(self, state, q, ctx, chunk_kv)
     return pallas_kernels.flash_attention(q, state.k, state.v, causal=True,
                                           q_offset=ctx.q_pos[:, 0], kv_len=ctx.q_pos[:, 0] + 1,
-                                          kv_layout="BHTD", tiling=full.DECODE_TILING)
+                                          kv_layout="BHTD", tiling=full.DECODE_TILING,
+                                          backend=backend)
   full.Full.attend_cache = attend_cache
 
 
 def apply_knobs(variant: Variant) -> None:
   """Sets the process-wide switches a variant names (this process runs only that variant)."""
+  if variant.merge_kernel:
+    import importlib
+    importlib.import_module("pallas_kernels.flash_attention").DECODE_MERGE_KERNEL = True
   if variant.decode_tiling:
     import pallas_kernels
     from jax_longctx.methods import full
@@ -182,7 +196,7 @@ def run_child(args, rec: dict) -> None:
   fused = variant.fused
   apply_knobs(variant)
   if variant.flash:
-    use_flash_decode()
+    use_flash_decode("gpu" if args.smoke else "auto")
   cfg = smoke_config() if args.smoke else preset(args.model, dtype="bfloat16")
   method = get("full")
   params = random_params(cfg)
@@ -258,7 +272,7 @@ def child(args) -> None:
   variant = VARIANTS[args.variant]
   rec = {"variant": args.variant, "xla_flags": variant.flags, "fused": variant.fused,
          "flash_decode": variant.flash, "decode_tiling": variant.decode_tiling,
-         "fold_norms": variant.fold_norms,
+         "fold_norms": variant.fold_norms, "merge_kernel": variant.merge_kernel,
          "model": "smoke" if args.smoke else args.model, "context": args.context,
          "batch": args.batch, "new_tokens": args.new_tokens}
   try:
