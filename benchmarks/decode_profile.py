@@ -57,7 +57,13 @@ Candidate fixes (--variants, in the order run; each is a flag set of this script
   Pallas kernel (pallas_kernels/split_merge.py) writing only the real rows in bf16, instead of
   jnp's merge (2 XLA kernels) and the padding-row slice (layout.from_rows): 3 -> 1 kernel per
   layer. Tests: tests/kernels/test_split_merge.py.
-- `fold_merge`, `fold_merge_split64`: combinations.
+- `cache_kernel`: `all` with jax_longctx.cache.ONE_TOKEN_WRITE_BACKEND="auto": a decode step's
+  K/V write as one in-place Pallas kernel per layer (pallas_kernels/cache_write.py: one program
+  per sequence x kv head, out-of-range positions dropped) instead of the scatter's ~4 XLA
+  kernels (select / concatenate + dynamic-update-slice, for K and for V). Tests:
+  tests/kernels/test_cache_write.py, tests/test_decode_knobs.py.
+- `fold_merge`, `fold_merge_split64`, `small_kernels` (fold + merge_kernel + cache_kernel),
+  `small_kernels_split64`: combinations.
 Not tried: --xla_gpu_dot_merger_threshold_mb (merging dots that share x would concatenate the
 weights inside every step: the bytes moved twice); command buffers incl. WHILE (measured: 5.84-5.87
 vs 5.88 ms, BENCHMARKS.md).
@@ -99,15 +105,18 @@ class Variant(NamedTuple):
   decode_tiling: dict | None = None  # methods.full.DECODE_TILING, as gpu.Tiling's fields
   fold_norms: bool = False  # params through model.fold_norm_scales (implies fused)
   merge_kernel: bool = False  # pallas_kernels.flash_attention.DECODE_MERGE_KERNEL
+  cache_kernel: bool = False  # jax_longctx.cache.ONE_TOKEN_WRITE_BACKEND set
 
 
 PDL = ["--xla_gpu_enable_pdl=true"]
 
 
-def _on_all(fold_norms: bool = False, merge_kernel: bool = False, **tiling) -> Variant:
+def _on_all(fold_norms: bool = False, merge_kernel: bool = False, cache_kernel: bool = False,
+            **tiling) -> Variant:
   """`all` with decode attention's split plan / tiles set (methods.full.DECODE_TILING), and/or
-  the layers' norm scales folded into the projections, and/or the split merge kernel."""
-  return Variant(PDL, True, True, tiling or None, fold_norms, merge_kernel)
+  the layers' norm scales folded into the projections, the split merge kernel, the one-token
+  cache write kernel."""
+  return Variant(PDL, True, True, tiling or None, fold_norms, merge_kernel, cache_kernel)
 
 
 VARIANTS = {
@@ -137,6 +146,10 @@ VARIANTS = {
     "merge_kernel": _on_all(merge_kernel=True),
     "fold_merge": _on_all(fold_norms=True, merge_kernel=True),
     "fold_merge_split64": _on_all(fold_norms=True, merge_kernel=True, key_splits=64),
+    "cache_kernel": _on_all(cache_kernel=True),
+    "small_kernels": _on_all(fold_norms=True, merge_kernel=True, cache_kernel=True),
+    "small_kernels_split64": _on_all(fold_norms=True, merge_kernel=True, cache_kernel=True,
+                                     key_splits=64),
 }
 
 
@@ -168,8 +181,11 @@ def use_flash_decode(backend: str = "auto") -> None:
   full.Full.attend_cache = attend_cache
 
 
-def apply_knobs(variant: Variant) -> None:
+def apply_knobs(variant: Variant, smoke: bool) -> None:
   """Sets the process-wide switches a variant names (this process runs only that variant)."""
+  if variant.cache_kernel:
+    from jax_longctx import cache
+    cache.ONE_TOKEN_WRITE_BACKEND = "gpu" if smoke else "auto"  # smoke: interpreted on CPU
   if variant.merge_kernel:
     import importlib
     importlib.import_module("pallas_kernels.flash_attention").DECODE_MERGE_KERNEL = True
@@ -194,7 +210,7 @@ def run_child(args, rec: dict) -> None:
 
   variant = VARIANTS[args.variant]
   fused = variant.fused
-  apply_knobs(variant)
+  apply_knobs(variant, args.smoke)
   if variant.flash:
     use_flash_decode("gpu" if args.smoke else "auto")
   cfg = smoke_config() if args.smoke else preset(args.model, dtype="bfloat16")
@@ -273,6 +289,7 @@ def child(args) -> None:
   rec = {"variant": args.variant, "xla_flags": variant.flags, "fused": variant.fused,
          "flash_decode": variant.flash, "decode_tiling": variant.decode_tiling,
          "fold_norms": variant.fold_norms, "merge_kernel": variant.merge_kernel,
+         "cache_kernel": variant.cache_kernel,
          "model": "smoke" if args.smoke else args.model, "context": args.context,
          "batch": args.batch, "new_tokens": args.new_tokens}
   try:
