@@ -62,8 +62,13 @@ Candidate fixes (--variants, in the order run; each is a flag set of this script
   per sequence x kv head, out-of-range positions dropped) instead of the scatter's ~4 XLA
   kernels (select / concatenate + dynamic-update-slice, for K and for V). Tests:
   tests/kernels/test_cache_write.py, tests/test_decode_knobs.py.
-- `fold_merge`, `fold_merge_split64`, `small_kernels` (fold + merge_kernel + cache_kernel),
-  `small_kernels_split64`: combinations.
+- `add_norm`: `all` with jax_longctx.model.ADD_NORM_BACKEND="auto": each residual add and the
+  RMSNorm after it as one Pallas kernel (pallas_kernels/add_rmsnorm.py; writes x + h and the
+  normed row, or with `fold` only 1/rms), instead of add + reduce + multiply (add + reduce with
+  `fold`): 64-128 fewer kernels per step. Tests: tests/kernels/test_add_rmsnorm.py,
+  tests/test_decode_knobs.py.
+- `fold_merge`, `fold_merge_split64`, `fold_add_norm`, `small_kernels` (fold + merge_kernel +
+  cache_kernel), `small_kernels_split64`, `small_kernels_add_norm` (all four): combinations.
 Not tried: --xla_gpu_dot_merger_threshold_mb (merging dots that share x would concatenate the
 weights inside every step: the bytes moved twice); command buffers incl. WHILE (measured: 5.84-5.87
 vs 5.88 ms, BENCHMARKS.md).
@@ -106,17 +111,19 @@ class Variant(NamedTuple):
   fold_norms: bool = False  # params through model.fold_norm_scales (implies fused)
   merge_kernel: bool = False  # pallas_kernels.flash_attention.DECODE_MERGE_KERNEL
   cache_kernel: bool = False  # jax_longctx.cache.ONE_TOKEN_WRITE_BACKEND set
+  add_norm: bool = False  # jax_longctx.model.ADD_NORM_BACKEND set
 
 
 PDL = ["--xla_gpu_enable_pdl=true"]
 
 
 def _on_all(fold_norms: bool = False, merge_kernel: bool = False, cache_kernel: bool = False,
-            **tiling) -> Variant:
+            add_norm: bool = False, **tiling) -> Variant:
   """`all` with decode attention's split plan / tiles set (methods.full.DECODE_TILING), and/or
   the layers' norm scales folded into the projections, the split merge kernel, the one-token
-  cache write kernel."""
-  return Variant(PDL, True, True, tiling or None, fold_norms, merge_kernel, cache_kernel)
+  cache write kernel, the residual add + norm kernel."""
+  return Variant(PDL, True, True, tiling or None, fold_norms, merge_kernel, cache_kernel,
+                 add_norm)
 
 
 VARIANTS = {
@@ -147,9 +154,13 @@ VARIANTS = {
     "fold_merge": _on_all(fold_norms=True, merge_kernel=True),
     "fold_merge_split64": _on_all(fold_norms=True, merge_kernel=True, key_splits=64),
     "cache_kernel": _on_all(cache_kernel=True),
+    "add_norm": _on_all(add_norm=True),
+    "fold_add_norm": _on_all(fold_norms=True, add_norm=True),
     "small_kernels": _on_all(fold_norms=True, merge_kernel=True, cache_kernel=True),
     "small_kernels_split64": _on_all(fold_norms=True, merge_kernel=True, cache_kernel=True,
                                      key_splits=64),
+    "small_kernels_add_norm": _on_all(fold_norms=True, merge_kernel=True, cache_kernel=True,
+                                      add_norm=True),
 }
 
 
@@ -183,9 +194,13 @@ def use_flash_decode(backend: str = "auto") -> None:
 
 def apply_knobs(variant: Variant, smoke: bool) -> None:
   """Sets the process-wide switches a variant names (this process runs only that variant)."""
+  kernel_backend = "gpu" if smoke else "auto"  # smoke: the GPU kernels interpreted on CPU
   if variant.cache_kernel:
     from jax_longctx import cache
-    cache.ONE_TOKEN_WRITE_BACKEND = "gpu" if smoke else "auto"  # smoke: interpreted on CPU
+    cache.ONE_TOKEN_WRITE_BACKEND = kernel_backend
+  if variant.add_norm:
+    from jax_longctx import model
+    model.ADD_NORM_BACKEND = kernel_backend
   if variant.merge_kernel:
     import importlib
     importlib.import_module("pallas_kernels.flash_attention").DECODE_MERGE_KERNEL = True
@@ -289,7 +304,7 @@ def child(args) -> None:
   rec = {"variant": args.variant, "xla_flags": variant.flags, "fused": variant.fused,
          "flash_decode": variant.flash, "decode_tiling": variant.decode_tiling,
          "fold_norms": variant.fold_norms, "merge_kernel": variant.merge_kernel,
-         "cache_kernel": variant.cache_kernel,
+         "cache_kernel": variant.cache_kernel, "add_norm": variant.add_norm,
          "model": "smoke" if args.smoke else args.model, "context": args.context,
          "batch": args.batch, "new_tokens": args.new_tokens}
   try:

@@ -27,8 +27,14 @@ from jax_longctx.cache import Cache
 from jax_longctx.config import LlamaConfig
 from jax_longctx.methods.base import AttnContext, Method
 from jax_longctx.rope import inv_freq, query_scale
+from pallas_kernels import add_rmsnorm
 
 _INIT_STD = 0.02
+# One-token steps run each residual add and the norm after it as one kernel
+# (pallas_kernels.add_rmsnorm) on this kernel backend ("auto": the kernel on GPU, jnp elsewhere;
+# "gpu": also interpreted on CPU), or None: jnp's add and norm. None until measured on an H200
+# (benchmarks/decode_profile.py, variant `add_norm`).
+ADD_NORM_BACKEND: str | None = None
 
 
 def _param(rngs: nnx.Rngs, shape, dtype):
@@ -59,6 +65,23 @@ class RMSNorm(nnx.Module):
     if hasattr(self, "scale"):
       return self(x), None
     return x, self.inv_rms(x)
+
+  def add_project_input(self, x, h):
+    """(x + h, then `project_input` of it); h None: nothing to add. With ADD_NORM_BACKEND set,
+    a one-token step's add and norm are one kernel."""
+    if h is None:
+      return (x, *self.project_input(x))
+    b, s, d = x.shape
+    if ADD_NORM_BACKEND is None or s != 1:
+      x = x + h
+      return (x, *self.project_input(x))
+    scale = self.scale[...] if hasattr(self, "scale") else None
+    total, y = add_rmsnorm.add_rms_norm(x.reshape(b, d), h.reshape(b, d), scale, eps=self.eps,
+                                        backend=ADD_NORM_BACKEND)
+    total = total.reshape(x.shape)
+    if scale is None:
+      return total, total, y.reshape(b, 1, 1)
+    return total, y.reshape(x.shape), None
 
 
 def _project(spec: str, x, w, row_scale=None):
@@ -152,11 +175,14 @@ class DecoderLayer(nnx.Module):
     self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.jnp_dtype, folded)
     self.mlp = MLP(cfg, rngs, fused)
 
-  def __call__(self, x, state, ctx, method, decode):
-    normed, row_scale = self.attn_norm.project_input(x)
+  def __call__(self, x, pending, state, ctx, method, decode):
+    """x: the residual stream without `pending`, the previous layer's MLP output (None in the
+    first layer), which is added here together with this layer's first norm (so that the two
+    can be one kernel). Returns (x, this layer's MLP output, not yet added, state)."""
+    x, normed, row_scale = self.attn_norm.add_project_input(x, pending)
     h, state = self.attn(normed, state, ctx, method, decode, row_scale)
-    x = x + h
-    return x + self.mlp(*self.mlp_norm.project_input(x)), state
+    x, normed, row_scale = self.mlp_norm.add_project_input(x, h)
+    return x, self.mlp(normed, row_scale), state
 
 
 class Llama(nnx.Module):
@@ -189,11 +215,12 @@ class Llama(nnx.Module):
     ctx = AttnContext(layer=-1, q_pos=positions.astype(jnp.int32), valid=valid,
                       freqs=inv_freq(cfg, jnp.max(positions) + 1), cfg=cfg,
                       gate_open=gate_open)
-    state = list(cache.state)
+    state, pending = list(cache.state), None
     for i, layer in enumerate(self.layers):
-      x, state[i] = layer(x, state[i], ctx.replace(layer=i), method, decode)
+      x, pending, state[i] = layer(x, pending, state[i], ctx.replace(layer=i), method, decode)
     lengths = cache.lengths + jnp.sum(valid, axis=1, dtype=jnp.int32)
-    return self.final_norm(x), cache.replace(lengths=lengths, state=tuple(state))
+    normed = self.final_norm.add_project_input(x, pending)[1]
+    return normed, cache.replace(lengths=lengths, state=tuple(state))
 
 
 def abstract_model(cfg: LlamaConfig, fused: bool = False, folded: bool = False):

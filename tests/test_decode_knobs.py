@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels
-from jax_longctx import cache
+from jax_longctx import cache, model
 from jax_longctx.cache import KVCache
 from jax_longctx.methods import full
 from jax_longctx.model import fold_norm_scales, random_params
@@ -45,11 +45,11 @@ def test_one_token_write_kernel_equals_scatter(monkeypatch):
 
 
 def test_all_decode_switches_keep_the_logits(monkeypatch):
-  """Every switch of decode_profile's `small_kernels_split64` variant at once, with the GPU
-  kernels interpreted on CPU (flash decode with 3 splits and the merge kernel, the write
-  kernel, norm scales folded): fp32 logits of a prefill and 5 decode steps as the plain model's,
+  """Every switch of decode_profile's variants at once, with the GPU kernels interpreted on CPU
+  (flash decode with 3 splits and the merge kernel, the write kernel, the add + norm kernel,
+  norm scales folded or not): fp32 logits of a prefill and 5 decode steps as the plain model's,
   within 1e-4 of the largest (the kernel's fp32 softmax sums in another order)."""
-  cfg = tiny_config(**TINY_LLAMA3)
+  cfg = tiny_config(**TINY_LLAMA3, hidden_size=64)  # a power of two: add_rmsnorm's kernel runs
   params = random_params(cfg, seed=11)
   params = jax.tree_util.tree_map_with_path(
       lambda p, x: x * 1.3 if str(p[-1]).endswith("'scale']") else x, params)
@@ -63,5 +63,7 @@ def test_all_decode_switches_keep_the_logits(monkeypatch):
   monkeypatch.setattr(importlib.import_module("pallas_kernels.flash_attention"),
                       "DECODE_MERGE_KERNEL", True)
   monkeypatch.setattr(cache, "ONE_TOKEN_WRITE_BACKEND", "gpu")
-  got = chunked_then_decoded_logits(cfg, fold_norm_scales(params), ids, 8, 4, 32)[0]
-  np.testing.assert_allclose(got, ref, atol=1e-4 * np.abs(ref).max(), rtol=0)
+  monkeypatch.setattr(model, "ADD_NORM_BACKEND", "gpu")
+  for p in (params, fold_norm_scales(params)):
+    got = chunked_then_decoded_logits(cfg, p, ids, 8, 4, 32)[0]
+    np.testing.assert_allclose(got, ref, atol=1e-4 * np.abs(ref).max(), rtol=0)
