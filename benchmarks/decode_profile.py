@@ -67,8 +67,13 @@ Candidate fixes (--variants, in the order run; each is a flag set of this script
   normed row, or with `fold` only 1/rms), instead of add + reduce + multiply (add + reduce with
   `fold`): 64-128 fewer kernels per step. Tests: tests/kernels/test_add_rmsnorm.py,
   tests/test_decode_knobs.py.
+- `q_in_kernel`: `all` with flash_attention.DECODE_Q_IN_KERNEL: the decode kernel reads the 4
+  real query rows of each kv group and repeats them to fill its 16-row tile (a gather load),
+  so the XLA pad kernel before it (layout.q_rows, 32/step) goes away. Tests:
+  tests/kernels/test_split_merge.py.
 - `fold_merge`, `fold_merge_split64`, `fold_add_norm`, `small_kernels` (fold + merge_kernel +
-  cache_kernel), `small_kernels_split64`, `small_kernels_add_norm` (all four): combinations.
+  cache_kernel), `small_kernels_split64`, `small_kernels_add_norm` (those + add_norm),
+  `merge_q` (merge_kernel + q_in_kernel), `small_kernels_all` (all five): combinations.
 Not tried: --xla_gpu_dot_merger_threshold_mb (merging dots that share x would concatenate the
 weights inside every step: the bytes moved twice); command buffers incl. WHILE (measured: 5.84-5.87
 vs 5.88 ms, BENCHMARKS.md).
@@ -112,18 +117,19 @@ class Variant(NamedTuple):
   merge_kernel: bool = False  # pallas_kernels.flash_attention.DECODE_MERGE_KERNEL
   cache_kernel: bool = False  # jax_longctx.cache.ONE_TOKEN_WRITE_BACKEND set
   add_norm: bool = False  # jax_longctx.model.ADD_NORM_BACKEND set
+  q_in_kernel: bool = False  # pallas_kernels.flash_attention.DECODE_Q_IN_KERNEL
 
 
 PDL = ["--xla_gpu_enable_pdl=true"]
 
 
 def _on_all(fold_norms: bool = False, merge_kernel: bool = False, cache_kernel: bool = False,
-            add_norm: bool = False, **tiling) -> Variant:
+            add_norm: bool = False, q_in_kernel: bool = False, **tiling) -> Variant:
   """`all` with decode attention's split plan / tiles set (methods.full.DECODE_TILING), and/or
   the layers' norm scales folded into the projections, the split merge kernel, the one-token
-  cache write kernel, the residual add + norm kernel."""
+  cache write kernel, the residual add + norm kernel, the unpadded query rows."""
   return Variant(PDL, True, True, tiling or None, fold_norms, merge_kernel, cache_kernel,
-                 add_norm)
+                 add_norm, q_in_kernel)
 
 
 VARIANTS = {
@@ -161,6 +167,10 @@ VARIANTS = {
                                      key_splits=64),
     "small_kernels_add_norm": _on_all(fold_norms=True, merge_kernel=True, cache_kernel=True,
                                       add_norm=True),
+    "q_in_kernel": _on_all(q_in_kernel=True),
+    "merge_q": _on_all(merge_kernel=True, q_in_kernel=True),
+    "small_kernels_all": _on_all(fold_norms=True, merge_kernel=True, cache_kernel=True,
+                                 add_norm=True, q_in_kernel=True),
 }
 
 
@@ -201,9 +211,11 @@ def apply_knobs(variant: Variant, smoke: bool) -> None:
   if variant.add_norm:
     from jax_longctx import model
     model.ADD_NORM_BACKEND = kernel_backend
-  if variant.merge_kernel:
+  if variant.merge_kernel or variant.q_in_kernel:
     import importlib
-    importlib.import_module("pallas_kernels.flash_attention").DECODE_MERGE_KERNEL = True
+    fa_module = importlib.import_module("pallas_kernels.flash_attention")
+    fa_module.DECODE_MERGE_KERNEL = variant.merge_kernel
+    fa_module.DECODE_Q_IN_KERNEL = variant.q_in_kernel
   if variant.decode_tiling:
     import pallas_kernels
     from jax_longctx.methods import full
@@ -305,6 +317,7 @@ def child(args) -> None:
          "flash_decode": variant.flash, "decode_tiling": variant.decode_tiling,
          "fold_norms": variant.fold_norms, "merge_kernel": variant.merge_kernel,
          "cache_kernel": variant.cache_kernel, "add_norm": variant.add_norm,
+         "q_in_kernel": variant.q_in_kernel,
          "model": "smoke" if args.smoke else args.model, "context": args.context,
          "batch": args.batch, "new_tokens": args.new_tokens}
   try:

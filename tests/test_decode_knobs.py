@@ -46,7 +46,8 @@ def test_one_token_write_kernel_equals_scatter(monkeypatch):
 
 def test_all_decode_switches_keep_the_logits(monkeypatch):
   """Every switch of decode_profile's variants at once, with the GPU kernels interpreted on CPU
-  (flash decode with 3 splits and the merge kernel, the write kernel, the add + norm kernel,
+  (flash decode with 3 splits, unpadded query rows and the merge kernel, the write kernel, the
+  add + norm kernel,
   norm scales folded or not): fp32 logits of a prefill and 5 decode steps as the plain model's,
   within 1e-4 of the largest (the kernel's fp32 softmax sums in another order)."""
   cfg = tiny_config(**TINY_LLAMA3, hidden_size=64)  # a power of two: add_rmsnorm's kernel runs
@@ -60,8 +61,9 @@ def test_all_decode_switches_keep_the_logits(monkeypatch):
   monkeypatch.setattr(full.pallas_kernels, "flash_attention",
                       lambda *a, **kw: flash(*a, **kw, backend="gpu"))
   monkeypatch.setattr(full, "DECODE_TILING", Tiling(key_splits=3, block_keys=16))
-  monkeypatch.setattr(importlib.import_module("pallas_kernels.flash_attention"),
-                      "DECODE_MERGE_KERNEL", True)
+  fa_module = importlib.import_module("pallas_kernels.flash_attention")
+  monkeypatch.setattr(fa_module, "DECODE_MERGE_KERNEL", True)
+  monkeypatch.setattr(fa_module, "DECODE_Q_IN_KERNEL", True)
   monkeypatch.setattr(cache, "ONE_TOKEN_WRITE_BACKEND", "gpu")
   monkeypatch.setattr(model, "ADD_NORM_BACKEND", "gpu")
   for p in (params, fold_norm_scales(params)):

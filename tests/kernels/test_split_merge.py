@@ -1,5 +1,6 @@
 """split_merge (split-K decode's merge in one kernel) and flash_attention's decode through it
-(DECODE_MERGE_KERNEL): interpret mode against the jnp references, and lowered to Triton for CUDA.
+(DECODE_MERGE_KERNEL) and/or with the query rows read unpadded (DECODE_Q_IN_KERNEL): interpret
+mode against the jnp references, and lowered to Triton for CUDA.
 
 Tolerances: fp32 2e-5 (another summation order), bf16 outputs 2e-2 (one rounding), LSE 1e-4.
 """
@@ -55,10 +56,13 @@ DECODE = {
 }
 
 
+@pytest.mark.parametrize("switches", [("DECODE_MERGE_KERNEL",), ("DECODE_Q_IN_KERNEL",),
+                                      ("DECODE_MERGE_KERNEL", "DECODE_Q_IN_KERNEL")])
 @pytest.mark.parametrize("case", list(DECODE))
-def test_decode_through_merge_kernel_matches_reference(case, monkeypatch):
+def test_decode_switches_match_reference(case, switches, monkeypatch):
   b, h, kvh, t, d, pos, dtype, tiling = DECODE[case]
-  monkeypatch.setattr(fa_module, "DECODE_MERGE_KERNEL", True)
+  for name in switches:
+    monkeypatch.setattr(fa_module, name, True)
   rng = np.random.default_rng(len(case))
   q = normal(rng, (b, 1, h, d), dtype)
   k, v = (normal(rng, (b, kvh, t, d), dtype) for _ in range(2))
@@ -68,9 +72,10 @@ def test_decode_through_merge_kernel_matches_reference(case, monkeypatch):
   assert_close(got, flash_attention(q, k, v, backend="reference", **kw), dtype)
 
 
-def test_decode_merge_kernel_sees_rows_with_no_key(monkeypatch):
+def test_decode_switches_see_rows_with_no_key(monkeypatch):
   """kv_len 0 (an empty sequence in a batch): (0, -inf) as the reference."""
   monkeypatch.setattr(fa_module, "DECODE_MERGE_KERNEL", True)
+  monkeypatch.setattr(fa_module, "DECODE_Q_IN_KERNEL", True)
   rng = np.random.default_rng(0)
   q, k, v = (normal(rng, s, jnp.float32) for s in ((2, 1, 4, 64), (2, 2, 256, 64), (2, 2, 256, 64)))
   kw = dict(causal=False, kv_len=jnp.asarray([0, 200]), kv_layout="BHTD")
@@ -88,3 +93,27 @@ def test_merge_kernel_lowers_to_triton(splits, parts):
     return split_merge._merge(o, s, splits=splits, rows=4, dtype=jnp.dtype(jnp.bfloat16),
                               interpret=False)
   assert "triton" in cuda_text(call, outs, lses)
+
+
+def test_unpadded_q_reaches_the_kernel(monkeypatch):
+  """With DECODE_Q_IN_KERNEL the kernel gets the group's 4 real rows, not a 16-row padded tile."""
+  seen = []
+  gpu_kernel = fa_module._gpu
+  monkeypatch.setattr(fa_module, "_gpu", lambda qr, *a, **kw: seen.append(qr.shape) or
+                      gpu_kernel(qr, *a, **kw))
+  rng = np.random.default_rng(1)
+  q, k = normal(rng, (1, 1, 8, 64), jnp.float32), normal(rng, (1, 2, 100, 64), jnp.float32)
+  flash_attention(q, k, k, kv_layout="BHTD", backend="gpu")
+  monkeypatch.setattr(fa_module, "DECODE_Q_IN_KERNEL", True)
+  flash_attention(q, k, k, kv_layout="BHTD", backend="gpu")
+  assert seen == [(1, 2, 16, 64), (1, 2, 4, 64)]
+
+
+def test_unpadded_q_kernel_lowers_to_triton():
+  qr, k = jnp.ones((1, 8, 4, 128), jnp.bfloat16), jnp.ones((1, 8, 2048, 128), jnp.bfloat16)
+  tl = Tiling(block_rows=16, block_keys=128, num_warps=4, num_stages=2, prefetch=False)
+
+  def call(qr, k, meta):
+    return fa_module._gpu(qr, k, k, meta, group=4, span=512, splits=4, parts=4, causal=True,
+                          scale=0.088, kv_layout="BHTD", tiling=tl, interpret=False)
+  assert "triton" in cuda_text(call, qr, k, jnp.zeros((1, 2), jnp.int32))
