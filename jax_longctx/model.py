@@ -91,8 +91,7 @@ def _project(spec: str, x, w, row_scale=None):
   if row_scale is None:
     return jnp.einsum(spec, x, w)
   y = jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)
-  r = row_scale.reshape(row_scale.shape[:2] + (1,) * (y.ndim - 2))
-  return (y * r).astype(x.dtype)
+  return (y * row_scale.reshape(row_scale.shape[:2] + (1,) * (y.ndim - 2))).astype(x.dtype)
 
 
 class Attention(nnx.Module):
