@@ -90,6 +90,13 @@ finished one is already in $OUT):
       --reps 3 --budget-s 420 \
       --variants base,fused,flash_decode,pdl,cublas,fused_flash,all,nopdl \
       --out $OUT/decode_profile 2>&1 | tail -30
+
+The small-kernel and split-plan candidates (issue 21, point 3), most telling first:
+
+    python benchmarks/decode_profile.py --model llama-3.1-8b --context 32768 --new-tokens 32 \
+      --reps 3 --budget-s 480 --variants all,small_kernels_all,fold,merge_q,cache_kernel,\
+add_norm,split64,bk64_split64,bk128_s3,split16,split128,bk64,bk32_s4_split128,bk128_w8 \
+      --out $OUT/decode_small 2>&1 | tail -30
 """
 
 from __future__ import annotations

@@ -12,7 +12,9 @@ Serving params may be fused (`fuse_projections`): q/k/v as one [D, H + 2 KV, hd]
 gate/up as one [D, 2F], so a decode step runs one matrix-vector product where it ran three (two),
 each reading one contiguous weight. The fused form is built from the ordinary params and only
 ever lives in memory: checkpoints, training and export keep the unfused tree. `forward` tells the
-two apart by the params' structure.
+two apart by the params' structure. `fold_norm_scales` goes one step further for serving: the
+layers' norm scales multiplied into those fused weights (a candidate, measured by
+benchmarks/decode_profile.py before it becomes `serving_params`' default).
 """
 
 from __future__ import annotations
