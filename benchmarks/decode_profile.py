@@ -43,6 +43,37 @@ Candidate fixes (--variants, in the order run; each is a flag set of this script
 - `all_op_by_op`: `all` without command buffers (CUDA graphs): what they save per step.
 - `all_exhaustive`: `all` with --xla_gpu_exhaustive_tiling_search=true (the GEMM autotuner tries
   every Triton tiling, so the M=1 projections may find a faster one).
+- Decode attention's split plan, each `all` with methods.full.DECODE_TILING set (gpu.Tiling;
+  today gpu.split_plan gives ~32 splits of 1024 keys at 32K, batch 1, 8 kv heads: 256 programs
+  of bk=128, 2 stages, 4 warps, ~135 KiB of shared memory each, so one per SM; the kernel reads
+  its 4.3 GB at ~82% of copy rate): `split16` / `split64` / `split128` (key_splits), `bk64`,
+  `bk64_split64`, `bk64_s3_split64` (64-key tiles: 2-3 programs per SM, more loads in flight),
+  `bk128_s3` (3 pipeline stages), `bk32_s4_split128`, `bk128_w8` (8 warps).
+- `fold`: `all` with params through model.fold_norm_scales: each layer's two RMSNorm scales
+  multiplied into qkv_proj / gate_up_proj, the norm's 1/rms applied to the GEMM's fp32 output,
+  where XLA can fuse it into the consumer (RoPE, cache write, silu*mul): the norms' multiply
+  kernels (64/step, ~1.45 us each) should disappear. Equality: tests/test_fused_projections.py.
+- `merge_kernel`: `all` with flash_attention.DECODE_MERGE_KERNEL: the key splits merged by one
+  Pallas kernel (pallas_kernels/split_merge.py) writing only the real rows in bf16, instead of
+  jnp's merge (2 XLA kernels) and the padding-row slice (layout.from_rows): 3 -> 1 kernel per
+  layer. Tests: tests/kernels/test_split_merge.py.
+- `cache_kernel`: `all` with jax_longctx.cache.ONE_TOKEN_WRITE_BACKEND="auto": a decode step's
+  K/V write as one in-place Pallas kernel per layer (pallas_kernels/cache_write.py: one program
+  per sequence x kv head, out-of-range positions dropped) instead of the scatter's ~4 XLA
+  kernels (select / concatenate + dynamic-update-slice, for K and for V). Tests:
+  tests/kernels/test_cache_write.py, tests/test_decode_knobs.py.
+- `add_norm`: `all` with jax_longctx.model.ADD_NORM_BACKEND="auto": each residual add and the
+  RMSNorm after it as one Pallas kernel (pallas_kernels/add_rmsnorm.py; writes x + h and the
+  normed row, or with `fold` only 1/rms), instead of add + reduce + multiply (add + reduce with
+  `fold`): 64-128 fewer kernels per step. Tests: tests/kernels/test_add_rmsnorm.py,
+  tests/test_decode_knobs.py.
+- `q_in_kernel`: `all` with flash_attention.DECODE_Q_IN_KERNEL: the decode kernel reads the 4
+  real query rows of each kv group and repeats them to fill its 16-row tile (a gather load),
+  so the XLA pad kernel before it (layout.q_rows, 32/step) goes away. Tests:
+  tests/kernels/test_split_merge.py.
+- `fold_merge`, `fold_merge_split64`, `fold_add_norm`, `small_kernels` (fold + merge_kernel +
+  cache_kernel), `small_kernels_split64`, `small_kernels_add_norm` (those + add_norm),
+  `merge_q` (merge_kernel + q_in_kernel), `small_kernels_all` (all five): combinations.
 Not tried: --xla_gpu_dot_merger_threshold_mb (merging dots that share x would concatenate the
 weights inside every step: the bytes moved twice); command buffers incl. WHILE (measured: 5.84-5.87
 vs 5.88 ms, BENCHMARKS.md).
@@ -59,6 +90,13 @@ finished one is already in $OUT):
       --reps 3 --budget-s 420 \
       --variants base,fused,flash_decode,pdl,cublas,fused_flash,all,nopdl \
       --out $OUT/decode_profile 2>&1 | tail -30
+
+The small-kernel and split-plan candidates (issue 21, point 3), most telling first:
+
+    python benchmarks/decode_profile.py --model llama-3.1-8b --context 32768 --new-tokens 32 \
+      --reps 3 --budget-s 480 --variants all,small_kernels_all,fold,merge_q,cache_kernel,\
+add_norm,split64,bk64_split64,bk128_s3,split16,split128,bk64,bk32_s4_split128,bk128_w8 \
+      --out $OUT/decode_small 2>&1 | tail -30
 """
 
 from __future__ import annotations
@@ -71,27 +109,75 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import NamedTuple
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import xplane_summary  # noqa: E402
 
-# name -> (XLA flags, fused projections, flash decode attention)
+class Variant(NamedTuple):
+  flags: list  # XLA flags
+  fused: bool  # params in fuse_projections' serving layout
+  flash: bool  # decode attention through pallas_kernels.flash_attention
+  decode_tiling: dict | None = None  # methods.full.DECODE_TILING, as gpu.Tiling's fields
+  fold_norms: bool = False  # params through model.fold_norm_scales (implies fused)
+  merge_kernel: bool = False  # pallas_kernels.flash_attention.DECODE_MERGE_KERNEL
+  cache_kernel: bool = False  # jax_longctx.cache.ONE_TOKEN_WRITE_BACKEND set
+  add_norm: bool = False  # jax_longctx.model.ADD_NORM_BACKEND set
+  q_in_kernel: bool = False  # pallas_kernels.flash_attention.DECODE_Q_IN_KERNEL
+
+
+PDL = ["--xla_gpu_enable_pdl=true"]
+
+
+def _on_all(fold_norms: bool = False, merge_kernel: bool = False, cache_kernel: bool = False,
+            add_norm: bool = False, q_in_kernel: bool = False, **tiling) -> Variant:
+  """`all` with decode attention's split plan / tiles set (methods.full.DECODE_TILING), and/or
+  the layers' norm scales folded into the projections, the split merge kernel, the one-token
+  cache write kernel, the residual add + norm kernel, the unpadded query rows."""
+  return Variant(PDL, True, True, tiling or None, fold_norms, merge_kernel, cache_kernel,
+                 add_norm, q_in_kernel)
+
+
 VARIANTS = {
-    "base": ([], False, False),
-    "fused": ([], True, False),
-    "pdl": (["--xla_gpu_enable_pdl=true"], False, False),
-    "nopdl": (["--xla_gpu_enable_pdl=false"], False, False),
-    "cublas": (["--xla_gpu_enable_triton_gemm=false"], False, False),
-    "cublaslt": (["--xla_gpu_enable_cublaslt=true"], False, False),
-    "flash_decode": ([], False, True),
-    "fused_pdl": (["--xla_gpu_enable_pdl=true"], True, False),
-    "fused_cublas": (["--xla_gpu_enable_triton_gemm=false"], True, False),
-    "fused_flash": ([], True, True),
-    "all": (["--xla_gpu_enable_pdl=true"], True, True),
-    "all_op_by_op": (["--xla_gpu_enable_pdl=true", "--xla_gpu_enable_command_buffer="], True, True),
-    "all_exhaustive": (["--xla_gpu_enable_pdl=true", "--xla_gpu_exhaustive_tiling_search=true"],
-                       True, True),
+    "base": Variant([], False, False),
+    "fused": Variant([], True, False),
+    "pdl": Variant(PDL, False, False),
+    "nopdl": Variant(["--xla_gpu_enable_pdl=false"], False, False),
+    "cublas": Variant(["--xla_gpu_enable_triton_gemm=false"], False, False),
+    "cublaslt": Variant(["--xla_gpu_enable_cublaslt=true"], False, False),
+    "flash_decode": Variant([], False, True),
+    "fused_pdl": Variant(PDL, True, False),
+    "fused_cublas": Variant(["--xla_gpu_enable_triton_gemm=false"], True, False),
+    "fused_flash": Variant([], True, True),
+    "all": Variant(PDL, True, True),
+    "all_op_by_op": Variant(PDL + ["--xla_gpu_enable_command_buffer="], True, True),
+    "all_exhaustive": Variant(PDL + ["--xla_gpu_exhaustive_tiling_search=true"], True, True),
+    "split16": _on_all(key_splits=16),
+    "split64": _on_all(key_splits=64),
+    "split128": _on_all(key_splits=128),
+    "bk64": _on_all(block_keys=64),
+    "bk64_split64": _on_all(block_keys=64, key_splits=64),
+    "bk64_s3_split64": _on_all(block_keys=64, num_stages=3, key_splits=64),
+    "bk128_s3": _on_all(num_stages=3),
+    "bk32_s4_split128": _on_all(block_keys=32, num_stages=4, key_splits=128),
+    "bk128_w8": _on_all(num_warps=8),
+    "fold": _on_all(fold_norms=True),
+    "merge_kernel": _on_all(merge_kernel=True),
+    "fold_merge": _on_all(fold_norms=True, merge_kernel=True),
+    "fold_merge_split64": _on_all(fold_norms=True, merge_kernel=True, key_splits=64),
+    "cache_kernel": _on_all(cache_kernel=True),
+    "add_norm": _on_all(add_norm=True),
+    "fold_add_norm": _on_all(fold_norms=True, add_norm=True),
+    "small_kernels": _on_all(fold_norms=True, merge_kernel=True, cache_kernel=True),
+    "small_kernels_split64": _on_all(fold_norms=True, merge_kernel=True, cache_kernel=True,
+                                     key_splits=64),
+    "small_kernels_add_norm": _on_all(fold_norms=True, merge_kernel=True, cache_kernel=True,
+                                      add_norm=True),
+    "q_in_kernel": _on_all(q_in_kernel=True),
+    "merge_q": _on_all(merge_kernel=True, q_in_kernel=True),
+    "small_kernels_all": _on_all(fold_norms=True, merge_kernel=True, cache_kernel=True,
+                                 add_norm=True, q_in_kernel=True),
 }
 
 
@@ -105,19 +191,42 @@ def smoke_config():
                      head_dim=16, intermediate_size=96, max_position_embeddings=4096)
 
 
-def use_flash_decode() -> None:
-  """Routes `full`'s one-token decode attention through pallas_kernels.flash_attention."""
+def use_flash_decode(backend: str = "auto") -> None:
+  """Routes `full`'s one-token decode attention through pallas_kernels.flash_attention (what
+  `full` does by itself on GPU: `decode_uses_kernel`), with full.DECODE_TILING. --smoke passes
+  backend="gpu": the GPU kernel interpreted on CPU, so the variants' kernel switches run there."""
   import pallas_kernels
-  from jax_longctx.methods.full import Full
-  jnp_path = Full.attend_cache
+  from jax_longctx.methods import full
+  jnp_path = full.Full.attend_cache
 
   def attend_cache(self, state, q, ctx, chunk_kv=None):
     if q.shape[1] != 1:
       return jnp_path(self, state, q, ctx, chunk_kv)
     return pallas_kernels.flash_attention(q, state.k, state.v, causal=True,
                                           q_offset=ctx.q_pos[:, 0], kv_len=ctx.q_pos[:, 0] + 1,
-                                          kv_layout="BHTD")
-  Full.attend_cache = attend_cache
+                                          kv_layout="BHTD", tiling=full.DECODE_TILING,
+                                          backend=backend)
+  full.Full.attend_cache = attend_cache
+
+
+def apply_knobs(variant: Variant, smoke: bool) -> None:
+  """Sets the process-wide switches a variant names (this process runs only that variant)."""
+  kernel_backend = "gpu" if smoke else "auto"  # smoke: the GPU kernels interpreted on CPU
+  if variant.cache_kernel:
+    from jax_longctx import cache
+    cache.ONE_TOKEN_WRITE_BACKEND = kernel_backend
+  if variant.add_norm:
+    from jax_longctx import model
+    model.ADD_NORM_BACKEND = kernel_backend
+  if variant.merge_kernel or variant.q_in_kernel:
+    import importlib
+    fa_module = importlib.import_module("pallas_kernels.flash_attention")
+    fa_module.DECODE_MERGE_KERNEL = variant.merge_kernel
+    fa_module.DECODE_Q_IN_KERNEL = variant.q_in_kernel
+  if variant.decode_tiling:
+    import pallas_kernels
+    from jax_longctx.methods import full
+    full.DECODE_TILING = pallas_kernels.Tiling(**variant.decode_tiling)
 
 
 def run_child(args, rec: dict) -> None:
@@ -131,15 +240,19 @@ def run_child(args, rec: dict) -> None:
   from jax_longctx import preset
   from jax_longctx.generation import Sampling, decode_loop, end_prefill
   from jax_longctx.methods import get
-  from jax_longctx.model import fuse_projections, new_cache, random_params
+  from jax_longctx.model import fold_norm_scales, fuse_projections, new_cache, random_params
 
-  flags, fused, flash = VARIANTS[args.variant]
-  if flash:
-    use_flash_decode()
+  variant = VARIANTS[args.variant]
+  fused = variant.fused
+  apply_knobs(variant, args.smoke)
+  if variant.flash:
+    use_flash_decode("gpu" if args.smoke else "auto")
   cfg = smoke_config() if args.smoke else preset(args.model, dtype="bfloat16")
   method = get("full")
   params = random_params(cfg)
-  if fused:
+  if variant.fold_norms:
+    params = fold_norm_scales(params)  # fused as well; the plain tree is dropped here
+  elif fused:
     params = fuse_projections(params)  # the unfused tree is dropped here
   jax.block_until_ready(params)
   _stage("params ready")
@@ -206,8 +319,12 @@ def profile(args, rec: dict, cfg, fused: bool, decode, hlo_text) -> None:
 
 
 def child(args) -> None:
-  flags, fused, flash = VARIANTS[args.variant]
-  rec = {"variant": args.variant, "xla_flags": flags, "fused": fused, "flash_decode": flash,
+  variant = VARIANTS[args.variant]
+  rec = {"variant": args.variant, "xla_flags": variant.flags, "fused": variant.fused,
+         "flash_decode": variant.flash, "decode_tiling": variant.decode_tiling,
+         "fold_norms": variant.fold_norms, "merge_kernel": variant.merge_kernel,
+         "cache_kernel": variant.cache_kernel, "add_norm": variant.add_norm,
+         "q_in_kernel": variant.q_in_kernel,
          "model": "smoke" if args.smoke else args.model, "context": args.context,
          "batch": args.batch, "new_tokens": args.new_tokens}
   try:
@@ -286,7 +403,7 @@ def main() -> None:
     # shared by the children: what a variant compiled with the same flags is not compiled again
     env.setdefault("JAX_COMPILATION_CACHE_DIR", cache_dir)
     env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-    env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", "")] + VARIANTS[name][0]).strip()
+    env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", "")] + VARIANTS[name].flags).strip()
     cmd = [sys.executable, __file__, "--child", "--variant", name, "--model", args.model,
            "--context", str(args.context), "--batch", str(args.batch), "--new-tokens",
            str(args.new_tokens), "--reps", str(args.reps), "--chunk", str(args.chunk),

@@ -13,6 +13,13 @@ import jax.numpy as jnp
 from flax import struct
 
 from jax_longctx.config import LlamaConfig
+from pallas_kernels import cache_write
+
+# One-token writes (decode steps) through pallas_kernels.cache_write's in-place kernel, on this
+# kernel backend ("auto": the kernel on GPU, the scatter elsewhere; "gpu": also interpreted on
+# CPU), or None: the scatter below for every write. None until measured on an H200
+# (benchmarks/decode_profile.py, variant `cache_kernel`).
+ONE_TOKEN_WRITE_BACKEND: str | None = None
 
 
 @struct.dataclass
@@ -44,6 +51,9 @@ class KVCache:
 
   def write(self, positions: jnp.ndarray, k_new: jnp.ndarray, v_new: jnp.ndarray) -> "KVCache":
     """Stores k/v_new [B, S, KV, d] at slots `positions` [B, S] (out of range: dropped)."""
+    if positions.shape[1] == 1 and ONE_TOKEN_WRITE_BACKEND is not None:
+      return KVCache(*cache_write.write_one_token(self.k, self.v, positions[:, 0], k_new[:, 0],
+                                                  v_new[:, 0], backend=ONE_TOKEN_WRITE_BACKEND))
     b_idx = jnp.arange(positions.shape[0])[:, None]
     k = self.k.at[b_idx, :, positions].set(k_new.astype(self.k.dtype), mode="drop")
     v = self.v.at[b_idx, :, positions].set(v_new.astype(self.v.dtype), mode="drop")

@@ -20,8 +20,9 @@ from pallas_kernels.backend import BACKENDS, lowering_for, platform, resolve
 from pallas_kernels.chunk_prefill import chunk_attention
 from pallas_kernels.flash_attention import flash_attention
 from pallas_kernels.gathered_attention import gathered_attention
+from pallas_kernels.gpu import Tiling
 from pallas_kernels.merge_attention import merge_attention
 from pallas_kernels.topk_scores import topk_scores
 
 __all__ = ["BACKENDS", "lowering_for", "platform", "resolve", "chunk_attention", "flash_attention",
-           "gathered_attention", "merge_attention", "topk_scores"]
+           "gathered_attention", "merge_attention", "topk_scores", "Tiling"]

@@ -23,7 +23,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels import backend as backend_lib
 from pallas_kernels import gpu, layout, mgpu_attention, tpu
 from pallas_kernels import online_softmax as osm
-from pallas_kernels import reference
+from pallas_kernels import reference, split_merge
 
 SQ = gpu.SQ
 
@@ -35,6 +35,15 @@ SQ = gpu.SQ
 GPU_PREFILL_IMPL = "mosaic"
 # Whether "auto" gives cuDNN-expressible calls to the Mosaic kernel rather than to cuDNN.
 MOSAIC_BEFORE_CUDNN = True
+# Decode (one query per sequence) on the GPU kernel: merge its key splits in one Pallas kernel
+# (split_merge: one launch, real rows only, q's dtype) instead of jnp's merge and the padding
+# rows' slice (three small XLA kernels per call). Off until measured on an H200
+# (benchmarks/decode_profile.py, variant `merge_kernel`).
+DECODE_MERGE_KERNEL = False
+# Decode on the GPU kernel with fewer query rows per kv group than a row block (Llama-8B: 4 of
+# 16): the kernel reads the real rows and repeats them to fill the block (a gather load), instead
+# of an XLA pad kernel per call before it. Off until measured (decode_profile `q_in_kernel`).
+DECODE_Q_IN_KERNEL = False
 
 
 def flash_attention(q, k, v, *, causal: bool = True, q_offset=0, kv_len=None,
@@ -80,17 +89,26 @@ def flash_attention(q, k, v, *, causal: bool = True, q_offset=0, kv_len=None,
                                      num_stages=stages, prefetch=False)
   bm, bk = tl.block_rows, tl.block_keys
   rows_padded = layout.round_up(rows, bm)
-  qr = layout.q_rows(q, kvh, rows_padded)
+  q_in_kernel = DECODE_Q_IN_KERNEL and variant.kind == "gpu" and lq == 1 and rows < bm
+  qr = layout.q_rows(q, kvh, rows if q_in_kernel else rows_padded)
   meta = jnp.stack([q_off, kv_len], axis=1)  # [B, 2]
   if variant.kind == "gpu":
     kk, vv = (layout.pad_keys(x, kv_layout, bk) for x in (k, v))
     tk = kk.shape[1 if kv_layout == "BTHD" else 2]
     span, splits = gpu.split_plan(b * kvh * (rows_padded // bm), tk, bk,
                                   tl.key_splits or (1 if causal and lq > 1 else None))
-    outs, lses = _gpu(qr, kk, vv, meta, group=h // kvh, span=span, splits=splits, causal=causal,
+    merge_kernel = DECODE_MERGE_KERNEL and lq == 1
+    outs, lses = _gpu(qr, kk, vv, meta, group=h // kvh, span=span, splits=splits,
+                      parts=layout.next_pow2(splits) if merge_kernel else splits, causal=causal,
                       scale=scale, kv_layout=kv_layout, tiling=tl,
                       interpret=variant.interpret_arg())
-    out, lse = reference.merge_attention(jnp.moveaxis(outs, 2, 0), jnp.moveaxis(lses[..., 0], 2, 0))
+    if merge_kernel:
+      out, lse = split_merge.merge_splits(outs, lses, splits=splits, rows=rows, dtype=q.dtype,
+                                          interpret=variant.interpret_arg())
+      lse = lse[..., 0]
+    else:
+      out, lse = reference.merge_attention(jnp.moveaxis(outs, 2, 0),
+                                           jnp.moveaxis(lses[..., 0], 2, 0))
   else:
     out, lse = _tpu(qr, layout.heads_first(k, kv_layout), layout.heads_first(v, kv_layout), meta,
                     group=h // kvh, bm=bm, bk=bk, causal=causal, scale=scale,
@@ -128,12 +146,24 @@ def _row_positions(first_row, bm: int, group: int, q_off):
   return q_off + tpu.div(first_row + lax.broadcasted_iota(jnp.int32, (bm, 1), 0), group)
 
 
-@functools.partial(jax.jit, static_argnames=("group", "span", "splits", "causal", "scale",
-                                             "kv_layout", "tiling", "interpret"))
-def _gpu(qr, k, v, meta, *, group, span, splits, causal, scale, kv_layout, tiling, interpret):
-  b, kvh, rp, d = qr.shape
+@functools.partial(jax.jit, static_argnames=("group", "span", "splits", "parts", "causal",
+                                             "scale", "kv_layout", "tiling", "interpret"))
+def _gpu(qr, k, v, meta, *, group, span, splits, causal, scale, kv_layout, tiling, interpret,
+         parts=None):
+  """Per-split (out, lse) [B, KV, parts, R_padded, d | 1] fp32; parts (default splits) may
+  exceed splits (split_merge's power of two), entries past splits left unwritten. qr may hold
+  fewer rows than a block (DECODE_Q_IN_KERNEL): they are repeated to fill it, and the output
+  rows past them (padding) hold copies of theirs."""
+  b, kvh, rq, d = qr.shape
+  parts = parts or splits
   bm, bk = tiling.block_rows, tiling.block_keys
+  rp = layout.round_up(rq, bm)
   t = k.shape[1 if kv_layout == "BTHD" else 2]
+
+  def load_q(q_ref):
+    if rq >= bm:
+      return q_ref[...]
+    return q_ref[lax.broadcasted_iota(jnp.int32, (bm,), 0) % rq, :]  # the real rows, repeated
 
   def kernel(meta_ref, q_ref, k_ref, v_ref, o_ref, lse_ref):
     q_off, kv_len = meta_ref[0], meta_ref[1]
@@ -143,7 +173,7 @@ def _gpu(qr, k, v, meta, *, group, span, splits, causal, scale, kv_layout, tilin
     end = jnp.minimum(start0 + span, kv_len)
     if causal:
       end = jnp.minimum(end, q_off + (first_row + bm - 1) // group + 1)
-    q = q_ref[...]
+    q = load_q(q_ref)
 
     def load(j):
       tile = gpu.key_tile(start0 + j * bk, bk, t)[0]
@@ -168,11 +198,11 @@ def _gpu(qr, k, v, meta, *, group, span, splits, causal, scale, kv_layout, tilin
   return gpu.pallas_call(
       kernel, interpret, num_warps=tiling.num_warps, num_stages=tiling.num_stages,
       grid=(b * kvh, rp // bm, splits),
-      in_specs=[gpu.per_batch_spec(kvh, 2), gpu.row_spec(kvh, bm, d), keys, keys],
+      in_specs=[gpu.per_batch_spec(kvh, 2), gpu.row_spec(kvh, min(bm, rq), d), keys, keys],
       out_specs=[pl.BlockSpec((SQ, SQ, SQ, bm, d), index),
                  pl.BlockSpec((SQ, SQ, SQ, bm, 1), index)],
-      out_shape=[jax.ShapeDtypeStruct((b, kvh, splits, rp, d), jnp.float32),
-                 jax.ShapeDtypeStruct((b, kvh, splits, rp, 1), jnp.float32)],
+      out_shape=[jax.ShapeDtypeStruct((b, kvh, parts, rp, d), jnp.float32),
+                 jax.ShapeDtypeStruct((b, kvh, parts, rp, 1), jnp.float32)],
   )(meta, qr, k, v)
 
 

@@ -95,3 +95,23 @@ def test_smoke_run_writes_records_and_summary(tmp_path):
     assert (out / f"{name}.hlo.txt.gz").exists()
   assert recs["fused"]["fused"] and not recs["base"]["fused"]
   assert "| base |" in (out / "summary.md").read_text()
+
+
+def test_smoke_runs_the_decode_switch_variants(tmp_path):
+  """The small-kernel and split-plan variants run (GPU kernels interpreted on CPU) and say in
+  their records which switches they set."""
+  out = tmp_path / "profile"
+  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+  proc = subprocess.run(
+      [sys.executable, os.path.join(ROOT, "benchmarks", "decode_profile.py"), "--smoke",
+       "--new-tokens", "4", "--reps", "1", "--variants", "small_kernels_all,split64",
+       "--out", str(out)], capture_output=True, text=True, env=env, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  recs = {r["variant"]: r for r in map(json.loads, (out / "results.jsonl").read_text().splitlines())}
+  for rec in recs.values():
+    assert "error" not in rec and "profile_error" not in rec, rec
+    assert rec["decode_ms"] > 0
+  small = recs["small_kernels_all"]
+  assert all(small[k] for k in ("fold_norms", "merge_kernel", "cache_kernel", "add_norm",
+                                "q_in_kernel"))
+  assert recs["split64"]["decode_tiling"] == {"key_splits": 64}

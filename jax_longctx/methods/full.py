@@ -12,6 +12,12 @@ from jax_longctx.cache import KVCache
 from jax_longctx.methods.base import AttnContext, Method, register
 from jax_longctx.rope import apply_rope
 
+# Tiling of one-token decode attention on GPU (pallas_kernels.gpu.Tiling; None: the kernel's own
+# split plan, gpu.split_plan: about 2 programs per core, ~32 splits of 1024 keys at 32K, batch 1,
+# 8 kv heads). A process-wide knob read at trace time, so benchmarks/decode_profile.py's split
+# variants can compare key_splits / block_keys / num_warps before one becomes the default.
+DECODE_TILING: pallas_kernels.Tiling | None = None
+
 
 def prefill_uses_kernel() -> bool:
   """Whether prefill chunks go to the flash-attention kernel (on GPU and TPU)."""
@@ -47,7 +53,8 @@ class Full(Method):
     if q.shape[1] == 1 and decode_uses_kernel():
       pos = ctx.q_pos[:, 0]
       return pallas_kernels.flash_attention(q, state.k, state.v, causal=True, q_offset=pos,
-                                            kv_len=pos + 1, kv_layout="BHTD")
+                                            kv_len=pos + 1, kv_layout="BHTD",
+                                            tiling=DECODE_TILING)
     if q.shape[1] > 1 and prefill_uses_kernel():
       # A prefill chunk's positions are contiguous, so the causal rule is the kernel's own; keys
       # past the chunk's end are never read. (The jnp path stays for CPU, where the kernel's

@@ -1,0 +1,65 @@
+"""One kernel that merges the key splits of split-K flash decoding and writes the result in the
+query's dtype, only for real rows (GPU).
+
+flash_attention's GPU kernel leaves per-split (out, lse) of every padded row block: [B, KV, P,
+R_padded, d] fp32. Merging them with jnp (reference.merge_attention) compiles to two XLA kernels
+(the max-then-exp fusion and the weighted-sum reduction), and dropping the padding rows after
+(layout.from_rows) to a third; at batch-1 decode each is a ~1.3-1.9 us launch per layer for a
+few KB (H200 profile, benchmarks/decode_profile.py). Here one program per (batch x kv head, real
+row) reads that row's P partials once and writes its merged row; padding rows are never read.
+
+P is allocated as a power of two (Triton tiles are powers of two); only the first `splits`
+entries were written by the attention kernel, and the rest (uninitialized memory) are masked.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels import gpu
+
+SQ = gpu.SQ
+NEG_INF = float("-inf")
+
+
+def merge_splits(outs, lses, *, splits: int, rows: int, dtype, interpret):
+  """outs [B, KV, P, R_padded, d] fp32, lses [B, KV, P, R_padded, 1] (entries p >= splits are
+  garbage) -> (out [B, KV, rows, d] in dtype, lse [B, KV, rows, 1] fp32; (0, -inf) for a row
+  that saw no key)."""
+  return _merge(outs, lses, splits=splits, rows=rows, dtype=jnp.dtype(dtype), interpret=interpret)
+
+
+def _kernel(o_ref, s_ref, out_ref, lse_ref, *, splits: int):
+  p = s_ref.shape[0]
+  written = lax.broadcasted_iota(jnp.int32, (p, 1), 0) < splits
+  s = jnp.where(written, s_ref[...], NEG_INF)  # [P, 1]
+  m = jnp.max(s, axis=0, keepdims=True)
+  m_safe = jnp.where(m == NEG_INF, 0.0, m)
+  w = jnp.where(written, jnp.exp(s - m_safe), 0.0)
+  total = jnp.sum(w, axis=0, keepdims=True)  # [1, 1]
+  # where, not w * o: a garbage entry may hold NaN, and 0 * NaN is NaN
+  acc = jnp.sum(jnp.where(written, w * o_ref[...], 0.0), axis=0, keepdims=True)  # [1, d]
+  seen = total > 0
+  safe = jnp.where(seen, total, 1.0)
+  out_ref[...] = jnp.where(seen, acc / safe, 0.0).astype(out_ref.dtype)
+  lse_ref[...] = jnp.where(seen, m_safe + jnp.log(safe), NEG_INF)
+
+
+@functools.partial(jax.jit, static_argnames=("splits", "rows", "dtype", "interpret"))
+def _merge(outs, lses, *, splits, rows, dtype, interpret):
+  b, kvh, p, _, d = outs.shape
+  part = lambda bh, r: (bh // kvh, bh % kvh, 0, r, 0)  # noqa: E731
+  row = lambda bh, r: (bh // kvh, bh % kvh, r, 0)  # noqa: E731
+  return gpu.pallas_call(
+      functools.partial(_kernel, splits=splits), interpret, num_warps=4, num_stages=1,
+      grid=(b * kvh, rows),
+      in_specs=[pl.BlockSpec((SQ, SQ, p, SQ, d), part), pl.BlockSpec((SQ, SQ, p, SQ, 1), part)],
+      out_specs=[pl.BlockSpec((SQ, SQ, 1, d), row), pl.BlockSpec((SQ, SQ, 1, 1), row)],
+      out_shape=[jax.ShapeDtypeStruct((b, kvh, rows, d), dtype),
+                 jax.ShapeDtypeStruct((b, kvh, rows, 1), jnp.float32)],
+  )(outs, lses)

@@ -1,0 +1,119 @@
+"""split_merge (split-K decode's merge in one kernel) and flash_attention's decode through it
+(DECODE_MERGE_KERNEL) and/or with the query rows read unpadded (DECODE_Q_IN_KERNEL): interpret
+mode against the jnp references, and lowered to Triton for CUDA.
+
+Tolerances: fp32 2e-5 (another summation order), bf16 outputs 2e-2 (one rounding), LSE 1e-4.
+"""
+
+import importlib
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import Tiling, flash_attention, reference, split_merge
+from tests.kernels.cuda_lowering import cuda_text
+from tests.kernels.inputs import normal
+from tests.kernels.test_attention_kernels import assert_close
+
+fa_module = importlib.import_module("pallas_kernels.flash_attention")
+
+
+def _partials(rng, b, kvh, splits, parts, rp, d):
+  """Random per-split (out, lse) with NaN in the unwritten entries p >= splits, a few splits
+  empty (-inf) and row 1 of sequence 0 empty in every split."""
+  outs = np.full((b, kvh, parts, rp, d), np.nan, np.float32)
+  lses = np.full((b, kvh, parts, rp, 1), np.nan, np.float32)
+  outs[:, :, :splits] = rng.standard_normal((b, kvh, splits, rp, d))
+  lses[:, :, :splits] = rng.standard_normal((b, kvh, splits, rp, 1)) * 3
+  lses[:, :, :splits][rng.random((b, kvh, splits, rp, 1)) < 0.2] = -np.inf
+  lses[0, :, :splits, 1] = -np.inf
+  return outs, lses
+
+
+@pytest.mark.parametrize("splits,parts,dtype", [(5, 8, jnp.float32), (8, 8, jnp.bfloat16),
+                                                (33, 64, jnp.bfloat16), (1, 1, jnp.float32)])
+def test_merge_splits_matches_reference(splits, parts, dtype):
+  b, kvh, rp, rows, d = 2, 3, 16, 4, 64
+  outs, lses = _partials(np.random.default_rng(splits), b, kvh, splits, parts, rp, d)
+  out, lse = split_merge.merge_splits(jnp.asarray(outs), jnp.asarray(lses), splits=splits,
+                                      rows=rows, dtype=dtype, interpret=True)
+  assert out.shape == (b, kvh, rows, d) and out.dtype == dtype and lse.shape == (b, kvh, rows, 1)
+  ro, rlse = reference.merge_attention(
+      jnp.moveaxis(jnp.asarray(outs[:, :, :splits, :rows]), 2, 0),
+      jnp.moveaxis(jnp.asarray(lses[:, :, :splits, :rows, 0]), 2, 0))
+  assert_close((out, lse[..., 0]), (ro.astype(dtype), rlse), dtype)
+  assert np.isneginf(np.asarray(lse[0, :, 1])).all() and not np.asarray(out[0, :, 1]).any()
+
+
+# (batch, q heads, kv heads, keys, d, positions, dtype, tiling)
+DECODE = {
+    "g4_bf16_default_plan": (2, 8, 2, 1100, 128, (1037, 300), jnp.bfloat16, None),
+    "g4_bf16_splits5": (2, 8, 2, 1100, 128, (1099, 64), jnp.bfloat16, Tiling(key_splits=5)),
+    "g3_fp32_splits3_bk64": (1, 6, 2, 700, 64, (650,), jnp.float32,
+                             Tiling(key_splits=3, block_keys=64)),
+    "g1_fp32": (2, 2, 2, 300, 64, (0, 299), jnp.float32, Tiling(key_splits=4)),
+}
+
+
+@pytest.mark.parametrize("switches", [("DECODE_MERGE_KERNEL",), ("DECODE_Q_IN_KERNEL",),
+                                      ("DECODE_MERGE_KERNEL", "DECODE_Q_IN_KERNEL")])
+@pytest.mark.parametrize("case", list(DECODE))
+def test_decode_switches_match_reference(case, switches, monkeypatch):
+  b, h, kvh, t, d, pos, dtype, tiling = DECODE[case]
+  for name in switches:
+    monkeypatch.setattr(fa_module, name, True)
+  rng = np.random.default_rng(len(case))
+  q = normal(rng, (b, 1, h, d), dtype)
+  k, v = (normal(rng, (b, kvh, t, d), dtype) for _ in range(2))
+  pos = jnp.asarray(pos)
+  kw = dict(causal=True, q_offset=pos, kv_len=pos + 1, kv_layout="BHTD")
+  got = flash_attention(q, k, v, backend="gpu", tiling=tiling, **kw)
+  assert_close(got, flash_attention(q, k, v, backend="reference", **kw), dtype)
+
+
+def test_decode_switches_see_rows_with_no_key(monkeypatch):
+  """kv_len 0 (an empty sequence in a batch): (0, -inf) as the reference."""
+  monkeypatch.setattr(fa_module, "DECODE_MERGE_KERNEL", True)
+  monkeypatch.setattr(fa_module, "DECODE_Q_IN_KERNEL", True)
+  rng = np.random.default_rng(0)
+  q, k, v = (normal(rng, s, jnp.float32) for s in ((2, 1, 4, 64), (2, 2, 256, 64), (2, 2, 256, 64)))
+  kw = dict(causal=False, kv_len=jnp.asarray([0, 200]), kv_layout="BHTD")
+  got = flash_attention(q, k, v, backend="gpu", tiling=Tiling(key_splits=2), **kw)
+  assert_close(got, flash_attention(q, k, v, backend="reference", **kw), jnp.float32)
+  assert np.isneginf(np.asarray(got[1][0])).all()
+
+
+@pytest.mark.parametrize("splits,parts", [(33, 64), (1, 1)])
+def test_merge_kernel_lowers_to_triton(splits, parts):
+  outs = jnp.ones((1, 8, parts, 16, 128), jnp.float32)
+  lses = jnp.ones((1, 8, parts, 16, 1), jnp.float32)
+
+  def call(o, s):
+    return split_merge._merge(o, s, splits=splits, rows=4, dtype=jnp.dtype(jnp.bfloat16),
+                              interpret=False)
+  assert "triton" in cuda_text(call, outs, lses)
+
+
+def test_unpadded_q_reaches_the_kernel(monkeypatch):
+  """With DECODE_Q_IN_KERNEL the kernel gets the group's 4 real rows, not a 16-row padded tile."""
+  seen = []
+  gpu_kernel = fa_module._gpu
+  monkeypatch.setattr(fa_module, "_gpu", lambda qr, *a, **kw: seen.append(qr.shape) or
+                      gpu_kernel(qr, *a, **kw))
+  rng = np.random.default_rng(1)
+  q, k = normal(rng, (1, 1, 8, 64), jnp.float32), normal(rng, (1, 2, 100, 64), jnp.float32)
+  flash_attention(q, k, k, kv_layout="BHTD", backend="gpu")
+  monkeypatch.setattr(fa_module, "DECODE_Q_IN_KERNEL", True)
+  flash_attention(q, k, k, kv_layout="BHTD", backend="gpu")
+  assert seen == [(1, 2, 16, 64), (1, 2, 4, 64)]
+
+
+def test_unpadded_q_kernel_lowers_to_triton():
+  qr, k = jnp.ones((1, 8, 4, 128), jnp.bfloat16), jnp.ones((1, 8, 2048, 128), jnp.bfloat16)
+  tl = Tiling(block_rows=16, block_keys=128, num_warps=4, num_stages=2, prefetch=False)
+
+  def call(qr, k, meta):
+    return fa_module._gpu(qr, k, k, meta, group=4, span=512, splits=4, parts=4, causal=True,
+                          scale=0.088, kv_layout="BHTD", tiling=tl, interpret=False)
+  assert "triton" in cuda_text(call, qr, k, jnp.zeros((1, 2), jnp.int32))
