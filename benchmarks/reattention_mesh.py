@@ -2,7 +2,7 @@
 per device, with the pre-RoPE cache split along the tokens over N devices (issue 26).
 
     python benchmarks/reattention_mesh.py --out $OUT/reattention_mesh.json          # 2^21, all GPUs
-    python benchmarks/reattention_mesh.py --contexts 1048576 --devices 1 --out ...  # one GPU
+    python benchmarks/reattention_mesh.py --contexts 1048576 --devices 4,1 --out ...  # 4 GPUs, then 1
     python benchmarks/reattention_mesh.py --smoke --out /tmp/smoke.json             # CPU, tiny
 
 Random bf16 weights at the Llama-3.2-3B shape (speed does not depend on the values), replicated
@@ -11,7 +11,7 @@ on the first N local devices; ReAttention at the paper's settings (scope 32 + 12
 chunks (the first chunk compiles: prefill tok/s counts the chunks after it; `prefill_s` is the
 whole prefill), then `--decode-reps` timed runs of `--decode-tokens` greedy tokens after one
 warm-up run (the on-device decode loop; ms/token = run time / tokens, the median reported).
-Each context runs in its own process, so `peak_bytes` (per device, from its memory stats) is
+Each (context, mesh size) runs in its own process, so `peak_bytes` (per device, from its memory stats) is
 that context's. Progress lines go to stderr; the JSON file `--out` is rewritten after every
 context ({facts, records}), so a run cut off keeps what it measured.
 --smoke: a tiny model of the same layout on 8 fake CPU devices (checks the script, not speed).
@@ -122,10 +122,12 @@ def child(args) -> dict:
   return rec
 
 
-def _run_child(args, context: int) -> dict:
-  """One context in its own process (its peak memory alone); its record, or its error."""
+def _run_child(args, context: int, devices: int) -> dict:
+  """One context on one mesh size in its own process (its peak memory alone); its record, or
+  its error."""
   cmd = [sys.executable, os.path.abspath(__file__), "--child", "--context", str(context),
-         "--method", args.method, "--model", args.model, "--devices", str(args.devices), "--chunk", str(args.chunk),
+         "--method", args.method, "--model", args.model, "--devices", str(devices),
+         "--chunk", str(args.chunk),
          "--decode-tokens", str(args.decode_tokens), "--decode-reps", str(args.decode_reps)]
   env = dict(os.environ)
   if args.smoke:
@@ -144,7 +146,8 @@ def _run_child(args, context: int) -> dict:
       if line.startswith("RESULT "):
         return json.loads(line[len("RESULT "):])
     err.seek(0)
-    return {"context": context, "error": f"exit {proc.returncode}: {err.read()[-2000:]}"}
+    return {"context": context, "devices": devices,
+            "error": f"exit {proc.returncode}: {err.read()[-2000:]}"}
 
 
 def main() -> None:
@@ -154,7 +157,9 @@ def main() -> None:
   p.add_argument("--method", default="reattention_mesh", choices=["reattention_mesh", "resa_mesh"],
                  help="resa_mesh: RESA's prior over it (lam 1)")
   p.add_argument("--contexts", default=str(2 ** 21), help="comma list of prompt lengths")
-  p.add_argument("--devices", type=int, default=0, help="mesh size (0: every local device)")
+  p.add_argument("--devices", default="0",
+                 help="comma list of mesh sizes, each run per context (0: every local device); "
+                      "e.g. 4,1 measures the speed-up over one device in the same run")
   p.add_argument("--chunk", type=int, default=2048, help="prefill chunk (<= n_local)")
   p.add_argument("--decode-tokens", type=int, default=32, help="tokens per timed decode run")
   p.add_argument("--decode-reps", type=int, default=5, help="timed decode runs after one warm-up")
@@ -164,6 +169,7 @@ def main() -> None:
   p.add_argument("--context", type=int, default=0, help=argparse.SUPPRESS)
   args = p.parse_args()
   if args.child:
+    args.devices = int(args.devices)
     print("RESULT " + json.dumps(child(args)), flush=True)
     return
   if not args.out:
@@ -174,8 +180,9 @@ def main() -> None:
     if args.contexts == str(2 ** 21):
       args.contexts = "200,520"
   records = []
-  for context in [int(c) for c in args.contexts.split(",")]:
-    records.append(_run_child(args, context))
+  runs = [(int(c), int(n)) for c in args.contexts.split(",") for n in args.devices.split(",")]
+  for context, devices in runs:
+    records.append(_run_child(args, context, devices))
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
       json.dump({"argv": sys.argv[1:], "records": records}, f, indent=1)
