@@ -7,13 +7,14 @@ per device, with the pre-RoPE cache split along the tokens over N devices (issue
 
 Random bf16 weights at the Llama-3.2-3B shape (speed does not depend on the values), replicated
 on the first N local devices; ReAttention at the paper's settings (scope 32 + 127 x 32 + 4096 =
-8192 tokens, top-4; `--method resa_mesh` adds RESA's prior). One random prompt of C tokens per context, prefilled in `--chunk`-token
-chunks (the first chunk compiles: prefill tok/s counts the chunks after it; `prefill_s` is the
-whole prefill), then `--decode-reps` timed runs of `--decode-tokens` greedy tokens after one
-warm-up run (the on-device decode loop; ms/token = run time / tokens, the median reported).
-Each (context, mesh size) runs in its own process, so `peak_bytes` (per device, from its memory stats) is
-that context's. Progress lines go to stderr; the JSON file `--out` is rewritten after every
-context ({facts, records}), so a run cut off keeps what it measured.
+8192 tokens, top-4; `--method resa_mesh` adds RESA's prior). One random prompt of C tokens per
+context, prefilled in `--chunk`-token chunks (the first chunk compiles: prefill tok/s counts the
+chunks after it; `prefill_s` is the whole prefill), then `--decode-reps` timed runs of
+`--decode-tokens` greedy tokens after one warm-up run (the on-device decode loop; ms/token = run
+time / tokens, the median reported). Each (context, mesh size) runs in its own process, so
+`peak_bytes` (per device, from its memory stats) is that run's. Progress lines go to stderr; the
+JSON file `--out` is rewritten after every run ({facts, records}), so a run cut off keeps what
+it measured.
 --smoke: a tiny model of the same layout on 8 fake CPU devices (checks the script, not speed).
 """
 
