@@ -49,10 +49,6 @@ Candidate fixes (--variants, in the order run; each is a flag set of this script
   its 4.3 GB at ~82% of copy rate): `split16` / `split64` / `split128` (key_splits), `bk64`,
   `bk64_split64`, `bk64_s3_split64` (64-key tiles: 2-3 programs per SM, more loads in flight),
   `bk128_s3` (3 pipeline stages), `bk32_s4_split128`, `bk128_w8` (8 warps).
-- `fold`: `all` with params through model.fold_norm_scales: each layer's two RMSNorm scales
-  multiplied into qkv_proj / gate_up_proj, the norm's 1/rms applied to the GEMM's fp32 output,
-  where XLA can fuse it into the consumer (RoPE, cache write, silu*mul): the norms' multiply
-  kernels (64/step, ~1.45 us each) should disappear. Equality: tests/test_fused_projections.py.
 - `merge_kernel`: `all` with flash_attention.DECODE_MERGE_KERNEL: the key splits merged by one
   Pallas kernel (pallas_kernels/split_merge.py) writing only the real rows in bf16, instead of
   jnp's merge (2 XLA kernels) and the padding-row slice (layout.from_rows): 3 -> 1 kernel per
@@ -64,16 +60,16 @@ Candidate fixes (--variants, in the order run; each is a flag set of this script
   tests/kernels/test_cache_write.py, tests/test_decode_knobs.py.
 - `add_norm`: `all` with jax_longctx.model.ADD_NORM_BACKEND="auto": each residual add and the
   RMSNorm after it as one Pallas kernel (pallas_kernels/add_rmsnorm.py; writes x + h and the
-  normed row, or with `fold` only 1/rms), instead of add + reduce + multiply (add + reduce with
-  `fold`): 64-128 fewer kernels per step. Tests: tests/kernels/test_add_rmsnorm.py,
+  normed row), instead of add + reduce + multiply: 64 fewer kernels per step. Tests: tests/kernels/test_add_rmsnorm.py,
   tests/test_decode_knobs.py.
 - `q_in_kernel`: `all` with flash_attention.DECODE_Q_IN_KERNEL: the decode kernel reads the 4
   real query rows of each kv group and repeats them to fill its 16-row tile (a gather load),
   so the XLA pad kernel before it (layout.q_rows, 32/step) goes away. Tests:
   tests/kernels/test_split_merge.py.
-- `fold_merge`, `fold_merge_split64`, `fold_add_norm`, `small_kernels` (fold + merge_kernel +
-  cache_kernel), `small_kernels_split64`, `small_kernels_add_norm` (those + add_norm),
-  `merge_q` (merge_kernel + q_in_kernel), `small_kernels_all` (all five): combinations.
+- `merge_q` (merge_kernel + q_in_kernel), `small_kernels` (all four): combinations.
+Measured and removed: folding the norm scales into the q/k/v and gate/up weights with 1/rms on
+the GEMMs' fp32 output (79.8% vs 82.7% of the bound: the fp32-output GEMMs ran slower;
+BENCHMARKS.md, commit 0161e5d).
 Not tried: --xla_gpu_dot_merger_threshold_mb (merging dots that share x would concatenate the
 weights inside every step: the bytes moved twice); command buffers incl. WHILE (measured: 5.84-5.87
 vs 5.88 ms, BENCHMARKS.md).
@@ -94,7 +90,7 @@ finished one is already in $OUT):
 The small-kernel and split-plan candidates (issue 21, point 3), most telling first:
 
     python benchmarks/decode_profile.py --model llama-3.1-8b --context 32768 --new-tokens 32 \
-      --reps 3 --budget-s 480 --variants all,small_kernels_all,fold,merge_q,cache_kernel,\
+      --reps 3 --budget-s 480 --variants all,small_kernels,merge_q,cache_kernel,\
 add_norm,split64,bk64_split64,bk128_s3,split16,split128,bk64,bk32_s4_split128,bk128_w8 \
       --out $OUT/decode_small 2>&1 | tail -30
 """
@@ -175,7 +171,7 @@ def run_child(args, rec: dict) -> None:
   from jax_longctx import preset
   from jax_longctx.generation import Sampling, decode_loop, end_prefill
   from jax_longctx.methods import get
-  from jax_longctx.model import fold_norm_scales, fuse_projections, new_cache, random_params
+  from jax_longctx.model import fuse_projections, new_cache, random_params
 
   variant = VARIANTS[args.variant]
   fused = variant.fused
@@ -185,9 +181,7 @@ def run_child(args, rec: dict) -> None:
   cfg = smoke_config() if args.smoke else preset(args.model, dtype="bfloat16")
   method = get("full")
   params = random_params(cfg)
-  if variant.fold_norms:
-    params = fold_norm_scales(params)  # fused as well; the plain tree is dropped here
-  elif fused:
+  if fused:
     params = fuse_projections(params)  # the unfused tree is dropped here
   jax.block_until_ready(params)
   _stage("params ready")
@@ -257,7 +251,7 @@ def child(args) -> None:
   variant = VARIANTS[args.variant]
   rec = {"variant": args.variant, "xla_flags": variant.flags, "fused": variant.fused,
          "flash_decode": variant.flash, "decode_tiling": variant.decode_tiling,
-         "fold_norms": variant.fold_norms, "merge_kernel": variant.merge_kernel,
+         "merge_kernel": variant.merge_kernel,
          "cache_kernel": variant.cache_kernel, "add_norm": variant.add_norm,
          "q_in_kernel": variant.q_in_kernel,
          "model": "smoke" if args.smoke else args.model, "context": args.context,

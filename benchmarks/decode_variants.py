@@ -11,7 +11,6 @@ class Variant(NamedTuple):
   fused: bool  # params in fuse_projections' serving layout
   flash: bool  # decode attention through pallas_kernels.flash_attention
   decode_tiling: dict | None = None  # methods.full.DECODE_TILING, as gpu.Tiling's fields
-  fold_norms: bool = False  # params through model.fold_norm_scales (implies fused)
   merge_kernel: bool = False  # pallas_kernels.flash_attention.DECODE_MERGE_KERNEL
   cache_kernel: bool = False  # jax_longctx.cache.ONE_TOKEN_WRITE_BACKEND set
   add_norm: bool = False  # jax_longctx.model.ADD_NORM_BACKEND set
@@ -21,13 +20,13 @@ class Variant(NamedTuple):
 PDL = ["--xla_gpu_enable_pdl=true"]
 
 
-def _on_all(fold_norms: bool = False, merge_kernel: bool = False, cache_kernel: bool = False,
-            add_norm: bool = False, q_in_kernel: bool = False, **tiling) -> Variant:
+def _on_all(merge_kernel: bool = False, cache_kernel: bool = False, add_norm: bool = False,
+            q_in_kernel: bool = False, **tiling) -> Variant:
   """`all` with decode attention's split plan / tiles set (methods.full.DECODE_TILING), and/or
-  the layers' norm scales folded into the projections, the split merge kernel, the one-token
-  cache write kernel, the residual add + norm kernel, the unpadded query rows."""
-  return Variant(PDL, True, True, tiling or None, fold_norms, merge_kernel, cache_kernel,
-                 add_norm, q_in_kernel)
+  the split merge kernel, the one-token cache write kernel, the residual add + norm kernel, the
+  unpadded query rows."""
+  return Variant(PDL, True, True, tiling or None, merge_kernel, cache_kernel, add_norm,
+                 q_in_kernel)
 
 
 VARIANTS = {
@@ -53,20 +52,11 @@ VARIANTS = {
     "bk128_s3": _on_all(num_stages=3),
     "bk32_s4_split128": _on_all(block_keys=32, num_stages=4, key_splits=128),
     "bk128_w8": _on_all(num_warps=8),
-    "fold": _on_all(fold_norms=True),
     "merge_kernel": _on_all(merge_kernel=True),
-    "fold_merge": _on_all(fold_norms=True, merge_kernel=True),
-    "fold_merge_split64": _on_all(fold_norms=True, merge_kernel=True, key_splits=64),
     "cache_kernel": _on_all(cache_kernel=True),
     "add_norm": _on_all(add_norm=True),
-    "fold_add_norm": _on_all(fold_norms=True, add_norm=True),
-    "small_kernels": _on_all(fold_norms=True, merge_kernel=True, cache_kernel=True),
-    "small_kernels_split64": _on_all(fold_norms=True, merge_kernel=True, cache_kernel=True,
-                                     key_splits=64),
-    "small_kernels_add_norm": _on_all(fold_norms=True, merge_kernel=True, cache_kernel=True,
-                                      add_norm=True),
     "q_in_kernel": _on_all(q_in_kernel=True),
     "merge_q": _on_all(merge_kernel=True, q_in_kernel=True),
-    "small_kernels_all": _on_all(fold_norms=True, merge_kernel=True, cache_kernel=True,
-                                 add_norm=True, q_in_kernel=True),
+    "small_kernels": _on_all(merge_kernel=True, cache_kernel=True, add_norm=True,
+                             q_in_kernel=True),
 }

@@ -31,7 +31,7 @@ _LINE_LABELS = (("qkv_proj", "qkv_proj"), ("q_proj", "qkv_proj"), ("k_proj", "qk
                 ("gate_proj", "gate_up_proj"), ("up_proj", "gate_up_proj"),
                 ("down_proj", "down_proj"), ("lm_head", "lm_head"), ("vd->", "lm_head"),
                 ("self.embed", "embed"),
-                ("rsqrt", "rmsnorm"), ("self.scale", "rmsnorm"), ("row_scale", "rmsnorm"))
+                ("rsqrt", "rmsnorm"), ("self.scale", "rmsnorm"))
 _FILE_LABELS = {"rope.py": "rope", "attention.py": "attention", "full.py": "attention",
                 "cache.py": "cache_write", "generation.py": "sample/loop", "random.py": "rng",
                 "prng.py": "rng", "flash_attention.py": "attention", "gpu.py": "attention",
@@ -70,9 +70,8 @@ def _shape_bytes(text: str, skip_s8: bool = False) -> int:
   return total
 
 
-# model._project: a GEMM of any projection (named by its weight's size, `weight_labels`);
-# RMSNorm.add_project_input holds the residual add.
-_FUNC_LABELS = (("add_project_input", "residual"), ("_project", "projection"),
+# RMSNorm.add_and_norm holds the residual add.
+_FUNC_LABELS = (("add_and_norm", "residual"),
                 ("RMSNorm", "rmsnorm"), ("rope", "rope"), ("rotate", "rope"),
                 ("KVCache.write", "cache_write"), ("unembed", "lm_head"), ("sample", "sample"),
                 ("attention", "attention"), ("attend", "attention"), ("_dense", "attention"),
@@ -234,7 +233,7 @@ def hlo_ops(hlo_text: str, weights: dict | None = None) -> dict[str, OpInfo]:
       # updated in place: the buffer written into is an operand of the result's shape
       out_b, in_b = 0, max(in_b - _shape_bytes(result), 0) * 2
     label = _label(source_file, line, function, op_name)
-    if kind == "gemm" and (not source_file or label == "projection") and weights:
+    if kind == "gemm" and not source_file and weights:
       label = _weight_label(weights, sizes, out_b) or label
     ops[name] = OpInfo(name, opcode, kind, out_b + in_b,
                        f"{os.path.basename(source_file)}:{line}" if source_file else "", label)

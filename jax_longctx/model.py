@@ -12,9 +12,7 @@ Serving params may be fused (`fuse_projections`): q/k/v as one [D, H + 2 KV, hd]
 gate/up as one [D, 2F], so a decode step runs one matrix-vector product where it ran three (two),
 each reading one contiguous weight. The fused form is built from the ordinary params and only
 ever lives in memory: checkpoints, training and export keep the unfused tree. `forward` tells the
-two apart by the params' structure. `fold_norm_scales` goes one step further for serving: the
-layers' norm scales multiplied into those fused weights (a candidate, measured by
-benchmarks/decode_profile.py before it becomes `serving_params`' default).
+two apart by the params' structure.
 """
 
 from __future__ import annotations
@@ -44,56 +42,28 @@ def _param(rngs: nnx.Rngs, shape, dtype):
 
 
 class RMSNorm(nnx.Module):
-  """folded: the scale lives in the following projection's weight (`fold_norm_scales`); the
-  module then only gives each row's 1 / rms (`inv_rms`) for the projection's output."""
 
-  def __init__(self, dim: int, eps: float, dtype, folded: bool = False):
-    if not folded:
-      self.scale = nnx.Param(jnp.ones((dim,), dtype))
+  def __init__(self, dim: int, eps: float, dtype):
+    self.scale = nnx.Param(jnp.ones((dim,), dtype))
     self.eps = eps
 
-  def inv_rms(self, x):
-    """fp32 [..., 1]: 1 / rms of each row of x."""
-    xf = x.astype(jnp.float32)
-    return jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-
   def __call__(self, x):
-    xf = x.astype(jnp.float32) * self.inv_rms(x)
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
     return self.scale[...] * xf.astype(x.dtype)
 
-  def project_input(self, x):
-    """(what the next projection multiplies, per-row scale of its output or None): the normed x,
-    or with the scale folded x itself and 1 / rms, applied by `_project` after the product."""
-    if hasattr(self, "scale"):
-      return self(x), None
-    return x, self.inv_rms(x)
-
-  def add_project_input(self, x, h):
-    """(x + h, then `project_input` of it); h None: nothing to add. With ADD_NORM_BACKEND set,
-    a one-token step's add and norm are one kernel."""
+  def add_and_norm(self, x, h):
+    """(x + h, the norm of it); h None: nothing to add. With ADD_NORM_BACKEND set, a one-token
+    step's add and norm are one kernel."""
     if h is None:
-      return (x, *self.project_input(x))
+      return x, self(x)
     b, s, d = x.shape
     if ADD_NORM_BACKEND is None or s != 1:
       x = x + h
-      return (x, *self.project_input(x))
-    scale = self.scale[...] if hasattr(self, "scale") else None
-    total, y = add_rmsnorm.add_rms_norm(x.reshape(b, d), h.reshape(b, d), scale, eps=self.eps,
-                                        backend=ADD_NORM_BACKEND)
-    total = total.reshape(x.shape)
-    if scale is None:
-      return total, total, y.reshape(b, 1, 1)
-    return total, y.reshape(x.shape), None
-
-
-def _project(spec: str, x, w, row_scale=None):
-  """einsum(spec, x [B, S, ...], w); row_scale [B, S, 1] (a folded RMSNorm's 1 / rms) multiplies
-  the fp32 product before the cast: (x @ (diag(norm) W)) * r = (norm * x * r) @ W, and as a scale
-  of the output XLA can fuse it into the GEMM's consumer instead of running a multiply kernel."""
-  if row_scale is None:
-    return jnp.einsum(spec, x, w)
-  y = jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)
-  return (y * row_scale.reshape(row_scale.shape[:2] + (1,) * (y.ndim - 2))).astype(x.dtype)
+      return x, self(x)
+    total, y = add_rmsnorm.add_rms_norm(x.reshape(b, d), h.reshape(b, d), self.scale[...],
+                                        eps=self.eps, backend=ADD_NORM_BACKEND)
+    return total.reshape(x.shape), y.reshape(x.shape)
 
 
 class Attention(nnx.Module):
@@ -117,20 +87,18 @@ class Attention(nnx.Module):
     self.q_scale = query_scale(cfg)
     self.num_heads, self.num_kv_heads = h, kv
 
-  def _qkv(self, x, row_scale):
-    spec = "bsd,dhk->bshk"
+  def _qkv(self, x):
     if hasattr(self, "qkv_proj"):
       h, kv = self.num_heads, self.num_kv_heads
-      qkv = _project(spec, x, self.qkv_proj[...], row_scale)
+      qkv = jnp.einsum("bsd,dhk->bshk", x, self.qkv_proj[...])
       return qkv[:, :, :h], qkv[:, :, h:h + kv], qkv[:, :, h + kv:]
-    q = _project(spec, x, self.q_proj[...], row_scale)  # [B, S, H, hd]
-    k = _project(spec, x, self.k_proj[...], row_scale)  # [B, S, KV, hd]
-    v = _project(spec, x, self.v_proj[...], row_scale)
+    q = jnp.einsum("bsd,dhk->bshk", x, self.q_proj[...])  # [B, S, H, hd]
+    k = jnp.einsum("bsd,dhk->bshk", x, self.k_proj[...])  # [B, S, KV, hd]
+    v = jnp.einsum("bsd,dhk->bshk", x, self.v_proj[...])
     return q, k, v
 
-  def __call__(self, x, state, ctx: AttnContext, method: Method, decode: bool, row_scale=None):
-    """x [B, S, D] normed, or with row_scale (the norm folded) not yet scaled."""
-    q, k, v = self._qkv(x, row_scale)
+  def __call__(self, x, state, ctx: AttnContext, method: Method, decode: bool):
+    q, k, v = self._qkv(x)
     if hasattr(self, "q_bias"):
       q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
     if hasattr(self, "q_norm"):
@@ -156,46 +124,42 @@ class MLP(nnx.Module):
     self.down_proj = _param(rngs, (f, d), dt)
     self.intermediate_size = f
 
-  def __call__(self, x, row_scale=None):
+  def __call__(self, x):
     if hasattr(self, "gate_up_proj"):
       f = self.intermediate_size
-      gate_up = _project("bsd,df->bsf", x, self.gate_up_proj[...], row_scale)
+      gate_up = jnp.einsum("bsd,df->bsf", x, self.gate_up_proj[...])
       gate, up = gate_up[..., :f], gate_up[..., f:]
     else:
-      gate = _project("bsd,df->bsf", x, self.gate_proj[...], row_scale)
-      up = _project("bsd,df->bsf", x, self.up_proj[...], row_scale)
+      gate = jnp.einsum("bsd,df->bsf", x, self.gate_proj[...])
+      up = jnp.einsum("bsd,df->bsf", x, self.up_proj[...])
     return jnp.einsum("bsf,fd->bsd", jax.nn.silu(gate) * up, self.down_proj[...])
 
 
 class DecoderLayer(nnx.Module):
 
-  def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, fused: bool = False,
-               folded: bool = False):
-    self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.jnp_dtype, folded)
+  def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, fused: bool = False):
+    self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.jnp_dtype)
     self.attn = Attention(cfg, rngs, fused)
-    self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.jnp_dtype, folded)
+    self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.jnp_dtype)
     self.mlp = MLP(cfg, rngs, fused)
 
   def __call__(self, x, pending, state, ctx, method, decode):
     """x: the residual stream without `pending`, the previous layer's MLP output (None in the
     first layer), which is added here together with this layer's first norm (so that the two
     can be one kernel). Returns (x, this layer's MLP output, not yet added, state)."""
-    x, normed, row_scale = self.attn_norm.add_project_input(x, pending)
-    h, state = self.attn(normed, state, ctx, method, decode, row_scale)
-    x, normed, row_scale = self.mlp_norm.add_project_input(x, h)
-    return x, self.mlp(normed, row_scale), state
+    x, normed = self.attn_norm.add_and_norm(x, pending)
+    h, state = self.attn(normed, state, ctx, method, decode)
+    x, normed = self.mlp_norm.add_and_norm(x, h)
+    return x, self.mlp(normed), state
 
 
 class Llama(nnx.Module):
 
-  def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, fused: bool = False,
-               folded: bool = False):
-    """fused: the serving layout of `fuse_projections` (one q/k/v and one gate/up weight);
-    folded: also `fold_norm_scales`' (the layers' norm scales inside those weights)."""
+  def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, fused: bool = False):
+    """fused: the serving layout of `fuse_projections` (one q/k/v and one gate/up weight)."""
     self.cfg = cfg
     self.embed = _param(rngs, (cfg.vocab_size, cfg.hidden_size), cfg.jnp_dtype)
-    self.layers = nnx.List([DecoderLayer(cfg, rngs, fused, folded)
-                            for _ in range(cfg.num_layers)])
+    self.layers = nnx.List([DecoderLayer(cfg, rngs, fused) for _ in range(cfg.num_layers)])
     self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.jnp_dtype)
     if not cfg.tie_word_embeddings:
       self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), cfg.jnp_dtype)
@@ -220,25 +184,19 @@ class Llama(nnx.Module):
     for i, layer in enumerate(self.layers):
       x, pending, state[i] = layer(x, pending, state[i], ctx.replace(layer=i), method, decode)
     lengths = cache.lengths + jnp.sum(valid, axis=1, dtype=jnp.int32)
-    normed = self.final_norm.add_project_input(x, pending)[1]
+    normed = self.final_norm.add_and_norm(x, pending)[1]
     return normed, cache.replace(lengths=lengths, state=tuple(state))
 
 
-def abstract_model(cfg: LlamaConfig, fused: bool = False, folded: bool = False):
-  """(graphdef, params shape tree) without allocating weights (fused: `fuse_projections`' tree;
-  folded: `fold_norm_scales`')."""
-  graphdef, state = nnx.split(nnx.eval_shape(lambda: Llama(cfg, nnx.Rngs(0), fused, folded)))
+def abstract_model(cfg: LlamaConfig, fused: bool = False):
+  """(graphdef, params shape tree) without allocating weights (fused: `fuse_projections`' tree)."""
+  graphdef, state = nnx.split(nnx.eval_shape(lambda: Llama(cfg, nnx.Rngs(0), fused)))
   return graphdef, nnx.to_pure_dict(state)
 
 
 def is_fused(params) -> bool:
   """Whether params are in `fuse_projections`' serving layout (checked on the first layer)."""
   return "qkv_proj" in next(iter(params["layers"].values()))["attn"]
-
-
-def is_folded(params) -> bool:
-  """Whether params are in `fold_norm_scales`' layout (checked on the first layer)."""
-  return "scale" not in next(iter(params["layers"].values())).get("attn_norm", {})
 
 
 def serving_params(params):
@@ -271,32 +229,6 @@ def fuse_projections(params):
   return {**params, "layers": layers}
 
 
-def fold_norm_scales(params):
-  """`fuse_projections`' layout with each layer's attn_norm / mlp_norm scale multiplied into the
-  input rows of qkv_proj / gate_up_proj (W' = diag(scale) W, in fp32, then the weights' dtype),
-  the norms left without parameters. The layer then computes (x @ W') * r, r = 1 / rms(x) per
-  row (`_project`): the norm's separate multiply kernel (one per norm, ~1.5 us at batch-1
-  decode on an H200) goes away, its scale rides on the GEMM's output. Same math; in bf16 the
-  rounding differs (W' rounded once; x enters the product unnormalized). Generation only, like
-  `fuse_projections`; the final norm before the unembedding keeps its scale.
-  """
-  if is_folded(params):
-    return params
-  params = fuse_projections(params)
-
-  def scaled(w, norm):
-    shape = (-1,) + (1,) * (w.ndim - 1)
-    return (w.astype(jnp.float32) * norm["scale"].astype(jnp.float32).reshape(shape)).astype(w.dtype)
-
-  layers = {}
-  for i, layer in params["layers"].items():
-    rest = {k: v for k, v in layer.items() if k not in ("attn_norm", "mlp_norm")}
-    attn = {**layer["attn"], "qkv_proj": scaled(layer["attn"]["qkv_proj"], layer["attn_norm"])}
-    mlp = {**layer["mlp"], "gate_up_proj": scaled(layer["mlp"]["gate_up_proj"], layer["mlp_norm"])}
-    layers[i] = {**rest, "attn": attn, "mlp": mlp}
-  return {**params, "layers": layers}
-
-
 @functools.partial(jax.jit, static_argnames=("shape", "dtype"))
 def _normal(key, shape, dtype):
   return (jax.random.normal(key, shape, jnp.float32) * _INIT_STD).astype(dtype)
@@ -316,8 +248,8 @@ def random_params(cfg: LlamaConfig, seed: int = 0):
 
 
 @functools.lru_cache(maxsize=None)
-def graphdef_for(cfg: LlamaConfig, fused: bool = False, folded: bool = False):
-  return abstract_model(cfg, fused, folded)[0]
+def graphdef_for(cfg: LlamaConfig, fused: bool = False):
+  return abstract_model(cfg, fused)[0]
 
 
 def forward(params, tokens, positions, cache: Cache, method: Method, cfg: LlamaConfig, *,
@@ -328,7 +260,7 @@ def forward(params, tokens, positions, cache: Cache, method: Method, cfg: LlamaC
   logits_index: None -> logits for every token [B, S, V]; an int32 array [B] -> only at that index
   of each row [B, V] (what generation needs, without a [B, S, V] buffer).
   """
-  model = nnx.merge(graphdef_for(cfg, is_fused(params), is_folded(params)), params)
+  model = nnx.merge(graphdef_for(cfg, is_fused(params)), params)
   h, cache = model(tokens, positions, cache, method, valid=valid, decode=decode,
                    gate_open=gate_open)
   if logits_index is not None:

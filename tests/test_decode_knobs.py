@@ -11,7 +11,7 @@ import pallas_kernels
 from jax_longctx import cache, model
 from jax_longctx.cache import KVCache
 from jax_longctx.methods import full
-from jax_longctx.model import fold_norm_scales, random_params
+from jax_longctx.model import random_params
 from pallas_kernels import Tiling
 from tests.conftest import TINY_LLAMA3, chunked_then_decoded_logits, tiny_config
 
@@ -47,8 +47,7 @@ def test_one_token_write_kernel_equals_scatter(monkeypatch):
 def test_all_decode_switches_keep_the_logits(monkeypatch):
   """Every switch of decode_profile's variants at once, with the GPU kernels interpreted on CPU
   (flash decode with 3 splits, unpadded query rows and the merge kernel, the write kernel, the
-  add + norm kernel,
-  norm scales folded or not): fp32 logits of a prefill and 5 decode steps as the plain model's,
+  add + norm kernel): fp32 logits of a prefill and 5 decode steps as the plain model's,
   within 1e-4 of the largest (the kernel's fp32 softmax sums in another order)."""
   cfg = tiny_config(**TINY_LLAMA3, hidden_size=64)  # a power of two: add_rmsnorm's kernel runs
   params = random_params(cfg, seed=11)
@@ -66,6 +65,5 @@ def test_all_decode_switches_keep_the_logits(monkeypatch):
   monkeypatch.setattr(fa_module, "DECODE_Q_IN_KERNEL", True)
   monkeypatch.setattr(cache, "ONE_TOKEN_WRITE_BACKEND", "gpu")
   monkeypatch.setattr(model, "ADD_NORM_BACKEND", "gpu")
-  for p in (params, fold_norm_scales(params)):
-    got = chunked_then_decoded_logits(cfg, p, ids, 8, 4, 32)[0]
-    np.testing.assert_allclose(got, ref, atol=1e-4 * np.abs(ref).max(), rtol=0)
+  got = chunked_then_decoded_logits(cfg, params, ids, 8, 4, 32)[0]
+  np.testing.assert_allclose(got, ref, atol=1e-4 * np.abs(ref).max(), rtol=0)
