@@ -98,6 +98,13 @@ The small-kernel and split-plan candidates (issue 21, point 3), most telling fir
       --reps 3 --budget-s 480 --variants all,small_kernels,merge_q,cache_kernel,\
 add_norm,split64,bk64_split64,bk128_s3,split16,split128,bk64,bk32_s4_split128,bk128_w8 \
       --out $OUT/decode_small 2>&1 | tail -30
+
+The split-K GEMV for the narrow projections (configs first: python benchmarks/gemv.py --out
+$OUT/gemv.json; then set model.GEMV_CONFIG to the best if it is not gemv.DEFAULT):
+
+    python benchmarks/decode_profile.py --model llama-3.1-8b --context 32768 --new-tokens 32 \
+      --reps 3 --budget-s 420 --variants all,gemv,gemv_merge_add,merge_q,add_norm \
+      --out $OUT/decode_gemv 2>&1 | tail -30
 """
 
 from __future__ import annotations
