@@ -67,11 +67,6 @@ Candidate fixes (--variants, in the order run; each is a flag set of this script
   so the XLA pad kernel before it (layout.q_rows, 32/step) goes away. Tests:
   tests/kernels/test_split_merge.py.
 - `merge_q` (merge_kernel + q_in_kernel), `small_kernels` (all four): combinations.
-- `gemv`: `all` with jax_longctx.model.GEMV_BACKEND="auto": the q/k/v and o projections of a
-  one-token step through the split-K Pallas GEMV (pallas_kernels/gemv.py, its DEFAULT config)
-  instead of XLA's Triton GEMMs, which read those two weights at 80% / 75% of the copy rate
-  (gate/up and down: 95-100%). Configs: benchmarks/gemv.py. Tests: tests/kernels/test_gemv.py.
-- `gemv_merge_add`: `gemv` + merge_kernel + q_in_kernel + add_norm.
 Measured and removed: folding the norm scales into the q/k/v and gate/up weights with 1/rms on
 the GEMMs' fp32 output (79.8% vs 82.7% of the bound: the fp32-output GEMMs ran slower;
 BENCHMARKS.md, commit 0161e5d).
@@ -98,13 +93,6 @@ The small-kernel and split-plan candidates (issue 21, point 3), most telling fir
       --reps 3 --budget-s 480 --variants all,small_kernels,merge_q,cache_kernel,\
 add_norm,split64,bk64_split64,bk128_s3,split16,split128,bk64,bk32_s4_split128,bk128_w8 \
       --out $OUT/decode_small 2>&1 | tail -30
-
-The split-K GEMV for the narrow projections (configs first: python benchmarks/gemv.py --out
-$OUT/gemv.json; then set model.GEMV_CONFIG to the best if it is not gemv.DEFAULT):
-
-    python benchmarks/decode_profile.py --model llama-3.1-8b --context 32768 --new-tokens 32 \
-      --reps 3 --budget-s 420 --variants all,gemv,gemv_merge_add,merge_q,add_norm \
-      --out $OUT/decode_gemv 2>&1 | tail -30
 """
 
 from __future__ import annotations
@@ -161,9 +149,6 @@ def apply_knobs(variant: Variant, smoke: bool) -> None:
   if variant.add_norm:
     from jax_longctx import model
     model.ADD_NORM_BACKEND = kernel_backend
-  if variant.gemv:
-    from jax_longctx import model
-    model.GEMV_BACKEND = kernel_backend
   if variant.merge_kernel or variant.q_in_kernel:
     import importlib
     fa_module = importlib.import_module("pallas_kernels.flash_attention")
@@ -268,7 +253,7 @@ def child(args) -> None:
          "flash_decode": variant.flash, "decode_tiling": variant.decode_tiling,
          "merge_kernel": variant.merge_kernel,
          "cache_kernel": variant.cache_kernel, "add_norm": variant.add_norm,
-         "q_in_kernel": variant.q_in_kernel, "gemv": variant.gemv,
+         "q_in_kernel": variant.q_in_kernel,
          "model": "smoke" if args.smoke else args.model, "context": args.context,
          "batch": args.batch, "new_tokens": args.new_tokens}
   try:

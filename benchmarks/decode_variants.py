@@ -15,19 +15,18 @@ class Variant(NamedTuple):
   cache_kernel: bool = False  # jax_longctx.cache.ONE_TOKEN_WRITE_BACKEND set
   add_norm: bool = False  # jax_longctx.model.ADD_NORM_BACKEND set
   q_in_kernel: bool = False  # pallas_kernels.flash_attention.DECODE_Q_IN_KERNEL
-  gemv: bool = False  # jax_longctx.model.GEMV_BACKEND set
 
 
 PDL = ["--xla_gpu_enable_pdl=true"]
 
 
 def _on_all(merge_kernel: bool = False, cache_kernel: bool = False, add_norm: bool = False,
-            q_in_kernel: bool = False, gemv: bool = False, **tiling) -> Variant:
+            q_in_kernel: bool = False, **tiling) -> Variant:
   """`all` with decode attention's split plan / tiles set (methods.full.DECODE_TILING), and/or
   the split merge kernel, the one-token cache write kernel, the residual add + norm kernel, the
-  unpadded query rows, the split-K GEMV for the q/k/v and o projections."""
+  unpadded query rows."""
   return Variant(PDL, True, True, tiling or None, merge_kernel, cache_kernel, add_norm,
-                 q_in_kernel, gemv)
+                 q_in_kernel)
 
 
 VARIANTS = {
@@ -60,6 +59,4 @@ VARIANTS = {
     "merge_q": _on_all(merge_kernel=True, q_in_kernel=True),
     "small_kernels": _on_all(merge_kernel=True, cache_kernel=True, add_norm=True,
                              q_in_kernel=True),
-    "gemv": _on_all(gemv=True),
-    "gemv_merge_add": _on_all(gemv=True, merge_kernel=True, q_in_kernel=True, add_norm=True),
 }

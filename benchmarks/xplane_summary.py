@@ -36,7 +36,7 @@ _FILE_LABELS = {"rope.py": "rope", "attention.py": "attention", "full.py": "atte
                 "cache.py": "cache_write", "generation.py": "sample/loop", "random.py": "rng",
                 "prng.py": "rng", "flash_attention.py": "attention", "gpu.py": "attention",
                 "split_merge.py": "attention", "cache_write.py": "cache_write",
-                "add_rmsnorm.py": "residual+rmsnorm", "gemv.py": "qkv/o_gemv"}
+                "add_rmsnorm.py": "residual+rmsnorm"}
 
 
 @dataclasses.dataclass

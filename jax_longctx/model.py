@@ -18,7 +18,6 @@ two apart by the params' structure.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +27,7 @@ from jax_longctx.cache import Cache
 from jax_longctx.config import LlamaConfig
 from jax_longctx.methods.base import AttnContext, Method
 from jax_longctx.rope import inv_freq, query_scale
-from pallas_kernels import add_rmsnorm, gemv
+from pallas_kernels import add_rmsnorm
 
 _INIT_STD = 0.02
 # One-token steps run each residual add and the norm after it as one kernel
@@ -36,24 +35,10 @@ _INIT_STD = 0.02
 # "gpu": also interpreted on CPU), or None: jnp's add and norm. None until measured on an H200
 # (benchmarks/decode_profile.py, variant `add_norm`).
 ADD_NORM_BACKEND: str | None = None
-# One-token steps of the fused serving layout run the q/k/v and o projections through
-# pallas_kernels.gemv (split-K, GEMV_CONFIG or its default) on this kernel backend, or None:
-# XLA's GEMMs. None until measured on an H200 (decode_profile.py, variant `gemv`).
-GEMV_BACKEND: str | None = None
-GEMV_CONFIG = None  # a pallas_kernels.gemv.GemvConfig, or None: its DEFAULT
 
 
 def _param(rngs: nnx.Rngs, shape, dtype):
   return nnx.Param(jax.random.normal(rngs.params(), shape, jnp.float32).astype(dtype) * _INIT_STD)
-
-
-def _one_token_gemv(x, w):
-  """x [B, 1, ...] @ w [..., ...] as one [B, X] @ [X, Y] product through pallas_kernels.gemv,
-  the weight's leading axes those of x's trailing ones -> [B, 1, trailing axes of w]."""
-  b, lead = x.shape[0], x.ndim - 2
-  k = math.prod(w.shape[:lead])
-  y = gemv.gemv(x.reshape(b, k), w.reshape(k, -1), backend=GEMV_BACKEND, config=GEMV_CONFIG)
-  return y.reshape(b, 1, *w.shape[lead:])
 
 
 class RMSNorm(nnx.Module):
@@ -105,10 +90,7 @@ class Attention(nnx.Module):
   def _qkv(self, x):
     if hasattr(self, "qkv_proj"):
       h, kv = self.num_heads, self.num_kv_heads
-      if GEMV_BACKEND is not None and x.shape[1] == 1:
-        qkv = _one_token_gemv(x, self.qkv_proj[...])
-      else:
-        qkv = jnp.einsum("bsd,dhk->bshk", x, self.qkv_proj[...])
+      qkv = jnp.einsum("bsd,dhk->bshk", x, self.qkv_proj[...])
       return qkv[:, :, :h], qkv[:, :, h:h + kv], qkv[:, :, h + kv:]
     q = jnp.einsum("bsd,dhk->bshk", x, self.q_proj[...])  # [B, S, H, hd]
     k = jnp.einsum("bsd,dhk->bshk", x, self.k_proj[...])  # [B, S, KV, hd]
@@ -127,8 +109,6 @@ class Attention(nnx.Module):
       q = q * jnp.asarray(self.q_scale, q.dtype)
     step = method.decode if decode else method.prefill
     out, state = step(state, q, k, v, ctx)  # [B, S, H, hd]
-    if GEMV_BACKEND is not None and x.shape[1] == 1 and hasattr(self, "qkv_proj"):
-      return _one_token_gemv(out.astype(x.dtype), self.o_proj[...]), state
     return jnp.einsum("bshk,hkd->bsd", out.astype(x.dtype), self.o_proj[...]), state
 
 
