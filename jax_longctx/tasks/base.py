@@ -77,6 +77,19 @@ def fit_length(tok: Tokenizer, length: int, build: Callable[[int], str], n0: int
   return best
 
 
+def token_counter(tok: Tokenizer) -> Callable[[str], int]:
+  """len(tok.encode(text)), remembered per text: `insert_at_depths` measures every filler
+  piece, the pieces repeat (cycled sentences) and `fit_length` rebuilds the prompt ~8 times,
+  which made a 1M-token sample's build mostly repeated tokenizer calls."""
+  counts: dict[str, int] = {}
+
+  def count(text: str) -> int:
+    if text not in counts:
+      counts[text] = len(tok.encode(text))
+    return counts[text]
+  return count
+
+
 def take_words(sentences: Sequence[str], n_words: int) -> list[str]:
   """Sentences cycled until exactly n_words words (the last one cut), each ending in a space."""
   out, count, i = [], 0, 0

@@ -13,7 +13,7 @@ import random
 
 from jax_longctx.tasks import text_sources
 from jax_longctx.tasks.base import (Sample, TaskError, fit_length, from_question,
-                                    insert_at_depths, render, take_words)
+                                    insert_at_depths, render, take_words, token_counter)
 
 VARIANTS = ("single", "multikey", "multivalue", "multiquery")
 
@@ -75,10 +75,11 @@ class Niah:
                 f"text?")
     answer = f" The special magic {kind} for {query} mentioned in the provided text are"
 
+    measure = token_counter(tok)
+
     def build(n_words):
       pieces = take_words(unit, n_words)
-      body = head + insert_at_depths(pieces, list(zip(spots, needles)),
-                                     lambda t: len(tok.encode(t))) + question
+      body = head + insert_at_depths(pieces, list(zip(spots, needles)), measure) + question
       return render(tok, body, answer, chat)
 
     prompt, n_tok = fit_length(tok, length, build, length // 2)

@@ -12,7 +12,8 @@ import dataclasses
 import random
 import re
 
-from jax_longctx.tasks.base import Sample, fit_length, from_question, insert_at_depths, render, take_words
+from jax_longctx.tasks.base import (Sample, fit_length, from_question, insert_at_depths, render,
+                                    take_words, token_counter)
 from jax_longctx.tasks.text_sources import FILLER_SENTENCES
 
 HEADER = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize "
@@ -31,9 +32,10 @@ class Passkey:
     key = f"{random.Random(seed).randint(10000, 99999)}"
     needle = f"\nThe pass key is {key}. Remember it. {key} is the pass key.\n"
 
+    measure = token_counter(tok)
+
     def context(n_words):
-      return insert_at_depths(take_words(FILLER_SENTENCES, n_words), [(depth, needle)],
-                              lambda t: len(tok.encode(t)))
+      return insert_at_depths(take_words(FILLER_SENTENCES, n_words), [(depth, needle)], measure)
 
     def build(n):
       if chat:
