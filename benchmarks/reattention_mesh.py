@@ -3,6 +3,7 @@ per device, with the pre-RoPE cache split along the tokens over N devices (issue
 
     python benchmarks/reattention_mesh.py --out $OUT/reattention_mesh.json          # 2^21, all GPUs
     python benchmarks/reattention_mesh.py --contexts 1048576 --devices 4,1 --out ...  # 4 GPUs, then 1
+    python benchmarks/reattention_mesh.py --contexts 1048576 --shard-blocks 0,2048 --out ...  # layouts
     python benchmarks/reattention_mesh.py --smoke --out /tmp/smoke.json             # CPU, tiny
 
 Random bf16 weights at the Llama-3.2-3B shape (speed does not depend on the values), replicated
@@ -11,7 +12,9 @@ on the first N local devices; ReAttention at the paper's settings (scope 32 + 12
 context, prefilled in `--chunk`-token chunks (the first chunk compiles: prefill tok/s counts the
 chunks after it; `prefill_s` is the whole prefill), then `--decode-reps` timed runs of
 `--decode-tokens` greedy tokens after one warm-up run (the on-device decode loop; ms/token = run
-time / tokens, the median reported). Each (context, mesh size) runs in its own process, so
+time / tokens, the median reported). `--shard-blocks`: the cache's layouts over the devices
+(`reattention_mesh.shard_block`; 0 contiguous shards, else blocks of that many tokens dealt in
+turn). Each (context, mesh size, layout) runs in its own process, so
 `peak_bytes` (per device, from its memory stats) is that run's. Progress lines go to stderr; the
 JSON file `--out` is rewritten after every run ({facts, records}), so a run cut off keeps what
 it measured.
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -56,7 +60,8 @@ def child(args) -> dict:
   from jax.sharding import Mesh
 
   from jax_longctx import preset
-  from jax_longctx.distributed import decode_sharded, prefill_sharded, replicate
+  from jax_longctx.distributed import (cache_unit, decode_sharded, prefill_sharded, replicate,
+                                       sharded)
   from jax_longctx.methods import get
   from jax_longctx.model import random_params
 
@@ -66,8 +71,9 @@ def child(args) -> dict:
     cfg = cfg.replace(**SMOKE_MODEL)
   if args.chunk:
     settings["chunk"] = args.chunk
-  method = (get(args.method, base_args=tuple(settings.items())) if args.method == "resa_mesh"
-            else get(args.method, **settings))
+  method = (get(args.method, base_args=tuple(settings.items()), shard_block=args.shard_blocks)
+            if args.method == "resa_mesh" else
+            get(args.method, shard_block=args.shard_blocks, **settings))
   chunk = method.layer_method().prefill_chunk
   devices = jax.local_devices()[:args.devices or None]
   if args.devices and len(devices) < args.devices:
@@ -75,10 +81,11 @@ def child(args) -> dict:
   n_dev, c = len(devices), args.context
   mesh = Mesh(np.array(devices), ("ctx",))
   room = args.decode_tokens * (args.decode_reps + 1)
-  unit = 128 * n_dev
+  unit = math.lcm(128, cache_unit(sharded(method), n_dev))
   cache_len = -(-(c + room) // unit) * unit
   _stage(f"context {c} over {n_dev} devices: cache {cache_len} slots "
-         f"({cache_len // n_dev} a device), {args.method}, chunk {chunk}")
+         f"({cache_len // n_dev} a device), {args.method}, chunk {chunk}, "
+         f"shard_block {args.shard_blocks}")
   params = replicate(random_params(cfg), mesh)
   prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, c).tolist()
   marks = {}
@@ -123,11 +130,12 @@ def child(args) -> dict:
   return rec
 
 
-def _run_child(args, context: int, devices: int) -> dict:
-  """One context on one mesh size in its own process (its peak memory alone); its record, or
-  its error."""
+def _run_child(args, context: int, devices: int, block: int) -> dict:
+  """One context on one mesh size and layout in its own process (its peak memory alone); its
+  record, or its error."""
   cmd = [sys.executable, os.path.abspath(__file__), "--child", "--context", str(context),
          "--method", args.method, "--model", args.model, "--devices", str(devices),
+         "--shard-blocks", str(block),
          "--chunk", str(args.chunk),
          "--decode-tokens", str(args.decode_tokens), "--decode-reps", str(args.decode_reps)]
   env = dict(os.environ)
@@ -147,7 +155,7 @@ def _run_child(args, context: int, devices: int) -> dict:
       if line.startswith("RESULT "):
         return json.loads(line[len("RESULT "):])
     err.seek(0)
-    return {"context": context, "devices": devices,
+    return {"context": context, "devices": devices, "shard_block": block,
             "error": f"exit {proc.returncode}: {err.read()[-2000:]}"}
 
 
@@ -162,6 +170,9 @@ def main() -> None:
                  help="comma list of mesh sizes, each run per context (0: every local device); "
                       "e.g. 4,1 measures the speed-up over one device in the same run")
   p.add_argument("--chunk", type=int, default=2048, help="prefill chunk (<= n_local)")
+  p.add_argument("--shard-blocks", default="0",
+                 help="comma list of layouts, each run per context and mesh size: 0 contiguous "
+                      "shards, else a block size (a multiple of --chunk) dealt to the devices")
   p.add_argument("--decode-tokens", type=int, default=32, help="tokens per timed decode run")
   p.add_argument("--decode-reps", type=int, default=5, help="timed decode runs after one warm-up")
   p.add_argument("--out", help="JSON file, rewritten after every context (required)")
@@ -170,7 +181,7 @@ def main() -> None:
   p.add_argument("--context", type=int, default=0, help=argparse.SUPPRESS)
   args = p.parse_args()
   if args.child:
-    args.devices = int(args.devices)
+    args.devices, args.shard_blocks = int(args.devices), int(args.shard_blocks)
     print("RESULT " + json.dumps(child(args)), flush=True)
     return
   if not args.out:
@@ -181,9 +192,10 @@ def main() -> None:
     if args.contexts == str(2 ** 21):
       args.contexts = "200,520"
   records = []
-  runs = [(int(c), int(n)) for c in args.contexts.split(",") for n in args.devices.split(",")]
-  for context, devices in runs:
-    records.append(_run_child(args, context, devices))
+  runs = [(int(c), int(n), int(b)) for c in args.contexts.split(",")
+          for n in args.devices.split(",") for b in args.shard_blocks.split(",")]
+  for context, devices, block in runs:
+    records.append(_run_child(args, context, devices, block))
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
       json.dump({"argv": sys.argv[1:], "records": records}, f, indent=1)

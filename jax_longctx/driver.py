@@ -19,7 +19,8 @@ from jax.sharding import Mesh
 
 from jax_longctx.cache import Cache
 from jax_longctx.config import LlamaConfig
-from jax_longctx.distributed import generate_distributed, generate_sharded, replicate
+from jax_longctx.distributed import (cache_unit, generate_distributed, generate_sharded,
+                                     replicate, sharded)
 from jax_longctx.generation import (GenerationError, Sampling, generate, prefill,
                                     teacher_forced_nll)
 from jax_longctx.methods.base import MeshMethod, Method, RegisteredMethod
@@ -65,8 +66,9 @@ def _on_mesh(params, cfg, method: MeshMethod, contexts, queries, *, cache_len: i
     prompts = contexts if queries is None else [list(c) + list(q)
                                                 for c, q in zip(contexts, queries)]
     if cache_len is not None:  # the driver sizes caches itself: round up to equal shards
-      cache_len = -(-cache_len // n_dev) * n_dev
-    result = generate_sharded(_replicated(params, mesh), cfg, prompts, layer, mesh,
+      unit = cache_unit(sharded(method), n_dev)
+      cache_len = -(-cache_len // unit) * unit
+    result = generate_sharded(_replicated(params, mesh), cfg, prompts, method, mesh,
                               cache_len=cache_len, **kw)
     return Generated(result.tokens, result.prefill_s, result.decode_s, {"devices": n_dev})
   if queries is None:

@@ -12,6 +12,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from jax_longctx.cache import KVCache
 from jax_longctx.distributed.reattention_mesh import cache_specs, sharded
+from jax_longctx.distributed.shard_layout import TokenLayout
 from jax_longctx.methods import AttnContext, get
 from jax_longctx.methods.reattention_scope import Scope
 from jax_longctx.rope import inv_freq
@@ -34,16 +35,17 @@ def _steps(ends, chunk, n_decode):
     yield (ends + i)[:, None].astype(np.int32), np.ones((len(ends), 1), bool)
 
 
-def layer(tied: bool, backend: str = "reference"):
+def layer(tied: bool, backend: str = "reference", block: int = 0):
   """One layer's steps on random pre-RoPE q/k/v, batch 2 of lengths 117 and 45 over a 128-token
   cache (16 tokens a device: devices 3-7 hold none of the second sequence, and most devices none
   of a step's scope): the same scope exactly (indices, length, query rank) and the same (out,
   lse) as one device, for 8-token prefill chunks and 4 decode steps. `tied`: every key is one of
   three vectors, so most scores tie (the top-k must break ties to the lowest index across
-  devices exactly as one device's top-k does)."""
+  devices exactly as one device's top-k does). `block` 8: the block-cyclic layout (each device
+  holds tokens 8p..8p+7 and 64+8p..64+8p+7), whose parts of a scope are not contiguous."""
   cfg = tiny_config(**TINY_LLAMA3)
   one = get("reattention", backend=backend, **HP)
-  mesh_method = sharded(get("reattention_mesh", backend=backend, **HP))
+  mesh_method = sharded(get("reattention_mesh", backend=backend, shard_block=block, **HP))
   b, t, h, kvh, d = 2, 128, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
   rng = np.random.default_rng(5)
   keys = rng.normal(size=(3 if tied else b * t, kvh, d)).astype(np.float32)
@@ -79,8 +81,11 @@ def layer(tied: bool, backend: str = "reference"):
                                atol=2e-5, rtol=1e-5)
     np.testing.assert_allclose(np.where(ok, m_lse, 0), np.where(ok, lse, 0), atol=2e-5, rtol=1e-5)
     selected += int(np.sum(np.asarray(sc.length) > HP["n_global"] + HP["n_local"]))
-  np.testing.assert_array_equal(np.asarray(mesh_state.k), np.asarray(one_state.k))  # each token
-  np.testing.assert_array_equal(np.asarray(mesh_state.v), np.asarray(one_state.v))  # its owner's
+  t_local = t // N  # device p's slot s holds token position(s, p): each token in its owner's slot
+  layout = TokenLayout(N, t_local, block)
+  where = np.concatenate([np.asarray(layout.position(np.arange(t_local), p)) for p in range(N)])
+  np.testing.assert_array_equal(np.asarray(mesh_state.k), np.asarray(one_state.k)[:, :, where])
+  np.testing.assert_array_equal(np.asarray(mesh_state.v), np.asarray(one_state.v)[:, :, where])
   assert selected > 10, "contexts too short: no step selected spans"
 
 
@@ -100,11 +105,12 @@ def model(one_name="reattention", mesh_name="reattention_mesh", **kw):
   rng = np.random.default_rng(0)
   prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (93, 52)]
   targets = rng.integers(0, cfg.vocab_size, (2, 6)).astype(np.int32)
+  block = kw.pop("shard_block", 0)
   if one_name == "resa":
     one = get("resa", base="reattention", base_args=tuple(HP.items()), **kw)
-    mesh_entry = get("resa_mesh", base_args=tuple(HP.items()), **kw)
+    mesh_entry = get("resa_mesh", base_args=tuple(HP.items()), shard_block=block, **kw)
   else:
-    one, mesh_entry = get(one_name, **HP), get(mesh_name, **HP)
+    one, mesh_entry = get(one_name, **HP), get(mesh_name, shard_block=block, **HP)
   cache, last = prefill(params, cfg, prompts, one, cache_len=128)
   nll, _ = teacher_forced_nll(params, cache, last, targets, cfg=cfg, method=one)
   m_cache, m_last = prefill_sharded(params, cfg, prompts, mesh_entry, MESH, cache_len=128)
@@ -132,23 +138,35 @@ def model(one_name="reattention", mesh_name="reattention_mesh", **kw):
 
 
 def errors():
-  """A cache that does not split into equal shards is refused in one line."""
+  """A cache that does not split into equal shards or whole blocks, and blocks that would split
+  a prefill chunk, are refused in one line."""
   from jax_longctx.distributed.reattention_mesh import prefill_sharded
   from jax_longctx.generation import GenerationError
   cfg = tiny_config(**TINY_LLAMA3)
-  try:
-    prefill_sharded({}, cfg, [[1, 2, 3]], get("reattention_mesh", **HP), MESH, cache_len=100)
-  except GenerationError as e:
-    assert "cache_len=100 is not divisible by the 8 devices" in str(e), e
-  else:
-    raise AssertionError("no error")
+  for block, cache_len, message in [
+      (0, 100, "cache_len=100 is not divisible by the 8 devices"),
+      (8, 96, "cache_len=96 is not divisible by 8 devices x shard_block=8"),
+      (12, 192, "shard_block=12 must be 0 (contiguous shards) or a multiple of the chunk (8)")]:
+    entry = get("reattention_mesh", shard_block=block, **HP)
+    try:
+      prefill_sharded({}, cfg, [[1, 2, 3]], entry, MESH, cache_len=cache_len)
+    except GenerationError as e:
+      assert message in str(e) and "\n" not in str(e), e
+    else:
+      raise AssertionError(f"no error for {block}, {cache_len}")
 
 
 CHECKS = {"layer": lambda: layer(False), "layer_tied": lambda: layer(True),
           # The GPU kernels interpreted: decode's gathered kernel and the flash kernel, given
           # parts whose query ranks are negative or that are empty.
           "layer_gpu_kernels": lambda: layer(False, "gpu"), "model": model, "errors": errors,
-          "resa_model": lambda: model("resa", "resa_mesh", lam=0.7)}
+          "resa_model": lambda: model("resa", "resa_mesh", lam=0.7),
+          # Block-cyclic: the tied case (ties across devices no longer in index order), the GPU
+          # kernels (ranked parts through the flash kernel), the model and RESA end to end.
+          "cyclic_layer_tied": lambda: layer(True, block=8),
+          "cyclic_layer_gpu_kernels": lambda: layer(False, "gpu", block=8),
+          "cyclic_model": lambda: model(shard_block=8),
+          "cyclic_resa_model": lambda: model("resa", "resa_mesh", lam=0.7, shard_block=8)}
 
 if __name__ == "__main__":
   assert len(jax.devices()) >= N, f"needs {N} devices, got {len(jax.devices())}"

@@ -3,9 +3,9 @@ two phases as a model driver (`generate_distributed` = `encode_context` then `an
 "star" or "ring")."""
 
 from jax_longctx.distributed.attention import merge_across, ring_attention
-from jax_longctx.distributed.reattention_mesh import (decode_sharded, generate_sharded,
-                                                      prefill_sharded)
+from jax_longctx.distributed.reattention_mesh import (cache_unit, decode_sharded,
+                                                      generate_sharded, prefill_sharded, sharded)
 from jax_longctx.distributed.star import answer, encode_context, generate_distributed, replicate
 
-__all__ = ["answer", "decode_sharded", "encode_context", "generate_distributed",
-           "generate_sharded", "merge_across", "prefill_sharded", "replicate", "ring_attention"]
+__all__ = ["answer", "cache_unit", "decode_sharded", "encode_context", "generate_distributed",
+           "generate_sharded", "merge_across", "prefill_sharded", "replicate", "ring_attention", "sharded"]

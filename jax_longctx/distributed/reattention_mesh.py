@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import time
 from typing import Callable, Sequence
 
@@ -42,6 +43,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jax_longctx.cache import Cache, KVCache
 from jax_longctx.chunked_prefill import check_prompts, end_prefill, padded, prefill_step
 from jax_longctx.distributed.attention import merge_across
+from jax_longctx.distributed.shard_layout import TokenLayout
 from jax_longctx.generation import (GenerationError, GenerationResult, Sampling, decode_loop,
                                     trim_at_stops)
 from jax_longctx.methods.base import AttnContext
@@ -54,15 +56,19 @@ from jax_longctx.model import new_cache
 from jax_longctx.progress import progress
 
 
-def global_top_k(scores, idx, top_k: int, axis: str):
+def global_top_k(scores, idx, top_k: int, axis: str, contiguous: bool = True):
   """Every device's candidates (scores, global idx) [B, S, H, k], best first and ties to the
   lower index -> the top_k of their union [B, S, H, top_k] idx, identical on every device.
 
-  Gathered device-major, equal scores sit in ascending global index (devices hold ascending
-  token ranges), and `lax.top_k` keeps the earlier of equal values: ties go to the lowest index,
-  as one device's top-k over the whole cache. Holes (-inf, -1) sort last and stay -1."""
+  `lax.top_k` keeps the earlier of equal values, so equal scores must sit in ascending global
+  index: gathered device-major they do when the devices hold ascending token ranges
+  (`contiguous`); a block-cyclic layout sorts them by index first. Ties then go to the lowest
+  index, as one device's top-k over the whole cache. Holes (-inf, -1) sort last and stay -1."""
   s = jax.lax.all_gather(scores, axis, axis=3, tiled=True)  # [B, S, H, N * k]
   i = jax.lax.all_gather(idx, axis, axis=3, tiled=True)
+  if not contiguous:
+    order = jnp.argsort(i, axis=3, stable=True)
+    s, i = jnp.take_along_axis(s, order, axis=3), jnp.take_along_axis(i, order, axis=3)
   _, at = jax.lax.top_k(s, top_k)
   return jnp.take_along_axis(i, at, axis=3)
 
@@ -83,9 +89,32 @@ def shard_part(sc: Scope, base, size: int) -> Scope:
                sc.q_offset - first)
 
 
-def shard_start(axis: str, cache: KVCache):
-  """The position of this device's first cache slot (inside shard_map over `axis`)."""
-  return jax.lax.axis_index(axis) * cache.max_len
+def cyclic_part(sc: Scope, layout: TokenLayout, p) -> Scope:
+  """The part of scope `sc` that device p holds in a block-cyclic layout, compacted into
+  min(N, t_local) slots: its entries (ascending, as the scope's) with their scope ranks; the
+  causal mask counts the part's entries before the step's first query. The step's own tokens
+  (one prefill chunk inside one block, or one decode token) are all this part's last entries
+  on the device that holds them and none on the others, so the mask by slot is the mask by
+  rank."""
+  b, n = sc.idx.shape
+  m = min(n, layout.t_local)
+  rank = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32)[None, :], (b, n))
+  held = (rank < sc.length[:, None]) & (layout.owner(sc.idx) == p)
+  dest = jnp.where(held, jnp.cumsum(held, axis=1) - 1, m)  # m: dropped
+  rows = jnp.arange(b)[:, None]
+  empty = jnp.zeros((b, m), jnp.int32)
+  idx = empty.at[rows, dest].set(layout.slot(sc.idx, p).astype(jnp.int32), mode="drop")
+  k_rank = empty.at[rows, dest].set(rank, mode="drop")
+  count = jnp.sum(held, axis=1, dtype=jnp.int32)
+  before = jnp.sum(held & (rank < sc.q_offset[:, None]), axis=1, dtype=jnp.int32)
+  return Scope(idx, count, before, k_rank, sc.q_offset)
+
+
+def device_part(sc: Scope, layout: TokenLayout, p) -> Scope:
+  """The part of scope `sc` in device p's shard, over its slots."""
+  if layout.block:
+    return cyclic_part(sc, layout, p)
+  return shard_part(sc, layout.position(0, p), layout.t_local)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,26 +123,27 @@ class ShardedReAttention(ReAttention):
   cache, KVCache [B, KV, T/N, d]. Not a registry entry (the entry is `reattention_mesh`)."""
 
   axis: str = "ctx"
+  block: int = 0  # TokenLayout.block: 0 contiguous shards, else blocks dealt to the devices
 
   def write(self, state: KVCache, k, v, ctx: AttnContext) -> KVCache:
-    t = state.max_len
-    local = ctx.q_pos - shard_start(self.axis, state)
+    layout, p = here(self.axis, state, self.block)
     # Another shard's tokens go to slot t, which the write drops (a negative index would wrap).
-    return state.write(jnp.where((local >= 0) & (local < t), local, t), k, v)
+    return state.write(layout.slot(ctx.q_pos, p), k, v)
 
   def scope(self, state: KVCache, q, ctx: AttnContext) -> Scope:
-    t, base = state.max_len, shard_start(self.axis, state)
+    layout, p = here(self.axis, state, self.block)
     seq_end, hi = step_bounds(ctx.q_pos, ctx.valid, self.n_local)
-    scores, idx = candidates(q, state.k, jnp.clip(self.n_global - base, 0, t),
-                             jnp.clip(hi - base, 0, t), self.top_k, self.backend, offset=base)
-    n_dev = jax.lax.axis_size(self.axis)
-    idx = global_top_k(scores, idx, min(self.top_k, t * n_dev), self.axis)
+    scores, idx = candidates(q, state.k, layout.held_below(self.n_global, p),
+                             layout.held_below(hi, p), self.top_k, self.backend)
+    idx = jnp.where(idx >= 0, layout.position(idx, p), -1)
+    idx = global_top_k(scores, idx, min(self.top_k, state.max_len * layout.n_dev), self.axis,
+                       contiguous=not self.block)
     return scope_from_votes(ballots(idx, ctx.valid), ctx.q_pos, seq_end, hi,
                             n_global=self.n_global, n_local=self.n_local, span=self.span,
                             clip=self.clip)
 
   def attend_scope(self, q, state: KVCache, sc: Scope, ctx: AttnContext):
-    part = shard_part(sc, shard_start(self.axis, state), state.max_len)
+    part = device_part(sc, *here(self.axis, state, self.block))
     out, lse = super().attend_scope(q, state, part, ctx)
     out, lse = merge_across(out, lse, self.axis)
     return out.astype(q.dtype), lse
@@ -126,36 +156,57 @@ class ShardedResa(Resa):
   the devices' parts (the key sum by psum, the rest by LSE)."""
 
   axis: str = "ctx"
+  block: int = 0  # as ShardedReAttention's
 
   @property
   def inner(self) -> ShardedReAttention:
-    return sharded(super().inner, self.axis)
+    return sharded(super().inner, self.axis, self.block)
 
   def prior_over_cache(self, mu_q, cache: KVCache, lengths):
-    here = jnp.clip(lengths - shard_start(self.axis, cache), 0, cache.max_len)  # this shard's prompt slots
-    k_sum, o_est, lse_p = super().prior_over_cache(mu_q, cache, here)
+    layout, p = here(self.axis, cache, self.block)
+    held = layout.held_below(lengths, p)  # this shard's prompt slots: its first ones
+    k_sum, o_est, lse_p = super().prior_over_cache(mu_q, cache, held)
     o_est, lse_p = merge_across(o_est, lse_p, self.axis)
     return jax.lax.psum(k_sum, self.axis), o_est, lse_p
 
   def prior_over_scope(self, mu_q, cache: KVCache, sc: Scope):
-    part = shard_part(sc, shard_start(self.axis, cache), cache.max_len)
+    part = device_part(sc, *here(self.axis, cache, self.block))
     return merge_across(*super().prior_over_scope(mu_q, cache, part), self.axis)
 
 
 Sharded = ShardedReAttention | ShardedResa
 
 
-def sharded(method, axis: str = "ctx") -> Sharded:
+def here(axis: str, cache: KVCache, block: int) -> tuple[TokenLayout, jax.Array]:
+  """(the cache's layout over `axis`, this device's index), inside shard_map."""
+  return TokenLayout(jax.lax.axis_size(axis), cache.max_len, block), jax.lax.axis_index(axis)
+
+
+def sharded(method, axis: str = "ctx", block: int | None = None) -> Sharded:
   """The per-device method of a setting: `reattention_mesh` (or a one-device `reattention`) ->
-  ShardedReAttention; `resa_mesh` (or `resa` over reattention) -> ShardedResa."""
+  ShardedReAttention; `resa_mesh` (or `resa` over reattention) -> ShardedResa. block: the
+  layout (TokenLayout.block); None takes the entry's `shard_block` (0 for a one-device method)."""
+  if block is None:
+    block = getattr(method, "shard_block", 0)
   if isinstance(method, MeshResa):
     method = method.layer_method()
   if isinstance(method, Resa):
     if not method.pre_rope:
       raise GenerationError(f"resa over a mesh wraps reattention, not {method.base!r}")
-    return ShardedResa(**method.hparams(), axis=axis)
-  fields = {f.name: getattr(method, f.name) for f in dataclasses.fields(ReAttentionSettings)}
-  return ShardedReAttention(**fields, axis=axis)
+    out = ShardedResa(**method.hparams(), axis=axis, block=block)
+  else:
+    fields = {f.name: getattr(method, f.name) for f in dataclasses.fields(ReAttentionSettings)}
+    out = ShardedReAttention(**fields, axis=axis, block=block)
+  chunk = out.prefill_chunk
+  if block < 0 or block % chunk:
+    raise GenerationError(f"shard_block={block} must be 0 (contiguous shards) or a multiple of "
+                          f"the chunk ({chunk}): a step's tokens must lie in one device's block")
+  return out
+
+
+def cache_unit(method: Sharded, n_dev: int) -> int:
+  """cache_len over n_dev devices must be a multiple of this (whole blocks on every device)."""
+  return n_dev * max(method.block, 1)
 
 
 def cache_specs(cfg, method: Sharded, cache_len: int) -> Cache:
@@ -168,10 +219,12 @@ def cache_specs(cfg, method: Sharded, cache_len: int) -> Cache:
   return Cache(P(), (layer,) * cfg.num_layers, cache_len)
 
 
-def check_cache_len(cache_len: int, n_dev: int):
-  if cache_len % n_dev:
-    raise GenerationError(f"cache_len={cache_len} is not divisible by the {n_dev} devices of the "
-                          "mesh axis (each holds an equal contiguous shard)")
+def check_cache_len(cache_len: int, method: Sharded, n_dev: int):
+  if cache_len % cache_unit(method, n_dev):
+    what = (f"the {n_dev} devices of the mesh axis (each holds an equal contiguous shard)"
+            if not method.block else
+            f"{n_dev} devices x shard_block={method.block} (each holds whole blocks)")
+    raise GenerationError(f"cache_len={cache_len} is not divisible by {what}")
 
 
 @functools.lru_cache(maxsize=16)
@@ -221,7 +274,7 @@ def prefill_sharded(params, cfg, prompts: Sequence[Sequence[int]], method,
   (cache, last-token logits [B, V]); progress on stderr (one tick per chunk). on_chunk(i, n,
   last) after chunk i of n is dispatched (benchmarks time the chunks through it)."""
   method = sharded(method, axis)
-  check_cache_len(cache_len, mesh.shape[axis])
+  check_cache_len(cache_len, method, mesh.shape[axis])
   lengths = check_prompts(prompts, cache_len=cache_len)
   chunk = method.prefill_chunk
   n_chunks = -(-max(lengths) // chunk)
@@ -258,11 +311,11 @@ def generate_sharded(params, cfg, prompts: Sequence[Sequence[int]], method,
                      sampling: Sampling = Sampling(), stop_tokens=(),
                      cache_len: int | None = None) -> GenerationResult:
   """Mesh ReAttention (or RESA over it) end to end: prefill, then up to max_new_tokens per
-  prompt. cache_len None: the longest prompt plus max_new_tokens, rounded up to a multiple of
-  128 x the axis' devices."""
+  prompt. cache_len None: the longest prompt plus max_new_tokens, rounded up to whole shards
+  (a multiple of 128 and of `cache_unit`)."""
   lengths = check_prompts(prompts, cache_len=cache_len, new_tokens=max_new_tokens)
   if cache_len is None:
-    unit = 128 * mesh.shape[axis]
+    unit = math.lcm(128, cache_unit(sharded(method, axis), mesh.shape[axis]))
     cache_len = -(-(max(lengths) + max_new_tokens) // unit) * unit
   t0 = time.perf_counter()
   cache, last = prefill_sharded(params, cfg, prompts, method, mesh, axis, cache_len=cache_len)

@@ -115,15 +115,18 @@ class ReAttention(ReAttentionSettings, Method):
   def attend_scope(self, q, state: KVCache, sc: Scope, ctx: AttnContext):
     """The step's queries (ranks q_offset + i) over the scope's keys (ranks 0..length-1) of the
     cache: (out, lse). The mesh variant calls it with one device's part of the scope."""
-    if q.shape[1] == 1 and pallas_kernels.resolve(self.backend).kind != "reference":
+    ranked = sc.k_rank is not None  # a block-cyclic mesh part: ranks apart from slots
+    if q.shape[1] == 1 and not ranked and pallas_kernels.resolve(self.backend).kind != "reference":
       return self._attend_one(q, state, sc, ctx)
     take = sc.idx[:, None, :, None]  # one scope per sequence, shared by its kv heads
     k_scope = jnp.take_along_axis(state.k, take, axis=2)  # [B, KV, N, d]
     v_scope = jnp.take_along_axis(state.v, take, axis=2)
     n = sc.idx.shape[1]
-    k_scope = rotate(k_scope, jnp.arange(n, dtype=jnp.int32), ctx.freqs)
-    q_rank = sc.q_offset[:, None] + jnp.arange(q.shape[1], dtype=jnp.int32)[None, :]
-    return self._attend(apply_rope(q, q_rank, ctx.freqs), k_scope, v_scope, q_rank, sc)
+    k_rank = sc.k_rank if ranked else jnp.arange(n, dtype=jnp.int32)[None, :]  # [B or 1, N]
+    k_scope = rotate(k_scope, k_rank[:, None, :], ctx.freqs)
+    q_rank = ((sc.q_rank if ranked else sc.q_offset)[:, None]
+              + jnp.arange(q.shape[1], dtype=jnp.int32)[None, :])
+    return self._attend(apply_rope(q, q_rank, ctx.freqs), k_scope, v_scope, q_rank, k_rank, sc)
 
   def _attend_one(self, q, state: KVCache, sc: Scope, ctx: AttnContext):
     """One query (decode), the last of its scope: the kernel reads the scope's rows straight
@@ -136,12 +139,14 @@ class ReAttention(ReAttentionSettings, Method):
         apply_rope(q, sc.q_offset[:, None], ctx.freqs), state.k, state.v, idx, valid,
         kv_layout="BHTD", key_rope_freqs=ctx.freqs, backend=self.backend)
 
-  def _attend(self, q, k, v, q_rank, sc: Scope):
-    """Causal attention over the compacted scope: slot j sits at position j, j < sc.length."""
+  def _attend(self, q, k, v, q_rank, k_rank, sc: Scope):
+    """Causal attention over the compacted scope: slot j < sc.length sits at rank k_rank[j]
+    (ascending; j itself but in a block-cyclic mesh part), the kernel's causal mask counting
+    slots from sc.q_offset."""
     if pallas_kernels.resolve(self.backend).kind == "reference":
       # CPU: the jnp path stops at the longest scope instead of scoring all N padded slots.
       slots = jnp.arange(k.shape[2], dtype=jnp.int32)[None, :]
-      k_pos = jnp.where(slots < sc.length[:, None], slots, -1)
+      k_pos = jnp.where(slots < sc.length[:, None], k_rank, -1)
       return attention(q, k, v, q_rank, k_pos, kv_extent=jnp.max(sc.length))
     return pallas_kernels.flash_attention(q, k, v, causal=True, q_offset=sc.q_offset,
                                           kv_len=sc.length, kv_layout="BHTD",

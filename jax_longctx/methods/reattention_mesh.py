@@ -21,13 +21,19 @@ from jax_longctx.methods.resa import Prior, Resa
 @register
 @dataclasses.dataclass(frozen=True)
 class MeshReAttention(ReAttentionSettings, MeshMethod):
-  """ReAttention's hyper-parameters (the paper's defaults); the prompt is read whole."""
+  """ReAttention's hyper-parameters (the paper's defaults); the prompt is read whole.
+  shard_block: how the tokens lie on the devices (no paper has it): 0, contiguous shards; > 0
+  (a multiple of `chunk`), blocks of that many tokens dealt to the devices in turn, which
+  balances the causal prefill's scoring (distributed/shard_layout.py)."""
 
   name = "reattention_mesh"
   needs_instruction = False
 
+  shard_block: int = 0
+
   def layer_method(self) -> ReAttention:
-    return ReAttention(**self.hparams())
+    fields = dataclasses.fields(ReAttentionSettings)
+    return ReAttention(**{f.name: getattr(self, f.name) for f in fields})
 
 
 @register
@@ -43,6 +49,7 @@ class MeshResa(MeshMethod):
   prior: Prior = Resa.prior
   base_args: tuple = Resa.base_args
   prior_distance: int | None = Resa.prior_distance
+  shard_block: int = 0  # as MeshReAttention's
 
   def __post_init__(self):
     super().__post_init__()

@@ -27,16 +27,20 @@ class Scope:
   idx: jnp.ndarray  # [B, N] int32 cache slots (= original token positions), valid entries first
   length: jnp.ndarray  # [B] int32 valid entries; the rest of `idx` is padding
   q_offset: jnp.ndarray  # [B] int32 scope position of the step's first query
+  # One device's part of a scope over a block-cyclic mesh (distributed/reattention_mesh.py):
+  # its entries are not contiguous in the scope, so each carries its rank there (where RoPE
+  # puts it), q_rank is the first query's rank, and q_offset counts only the part's entries
+  # before that query (the causal mask over the part's slots). None: ranks are the slots.
+  k_rank: jnp.ndarray | None = None  # [B, N] int32
+  q_rank: jnp.ndarray | None = None  # [B] int32
 
 
-def candidates(q, k_cache, lo, hi, top_k: int, backend: str = "auto", offset=0):
+def candidates(q, k_cache, lo, hi, top_k: int, backend: str = "auto"):
   """Per query and query head, the top-k candidates lo <= t < hi[b] of k_cache by raw q.k.
 
   q [B, S, H, d] before RoPE; k_cache [B, KV, T, d] before RoPE (GQA: query head h reads kv head
   h // (H // KV)); lo scalar or [B]. Returns (scores fp32, idx int32) [B, S, H, min(top_k, T)],
-  best first, ties to the lower index, holes (-inf, -1) where fewer candidates exist. `offset`
-  ([B] or scalar) is added to the indices found: the position of the cache's first slot, when
-  k_cache is one device's shard of a longer context.
+  best first, ties to the lower index, holes (-inf, -1) where fewer candidates exist.
   """
   top_k = min(top_k, k_cache.shape[2])
   hi = jnp.maximum(hi, lo)  # an empty candidate range, not a negative one
@@ -53,11 +57,8 @@ def candidates(q, k_cache, lo, hi, top_k: int, backend: str = "auto", offset=0):
     # The jnp reference scores every key, so short contexts (every sequence within global +
     # local) skip it. The kernels only visit candidate tiles already, and a conditional would
     # cost a device-to-host sync per layer on GPU.
-    scores, idx = jax.lax.cond(jnp.any(hi > lo), score, nothing)
-  else:
-    scores, idx = score()
-  offset = jnp.reshape(jnp.asarray(offset, jnp.int32), (-1, 1, 1, 1))
-  return scores, jnp.where(idx >= 0, idx + offset, -1)
+    return jax.lax.cond(jnp.any(hi > lo), score, nothing)
+  return score()
 
 
 def ballots(idx, q_valid):
