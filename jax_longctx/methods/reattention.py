@@ -114,7 +114,8 @@ class ReAttention(ReAttentionSettings, Method):
 
   def attend_scope(self, q, state: KVCache, sc: Scope, ctx: AttnContext):
     """The step's queries (ranks q_offset + i) over the scope's keys (ranks 0..length-1) of the
-    cache: (out, lse). The mesh variant calls it with one device's part of the scope."""
+    cache: (out, lse). The mesh variant calls it with one device's part of the scope (with a
+    block-cyclic layout, a part whose ranks are sc.k_rank and sc.q_rank)."""
     ranked = sc.k_rank is not None  # a block-cyclic mesh part: ranks apart from slots
     if q.shape[1] == 1 and not ranked and pallas_kernels.resolve(self.backend).kind != "reference":
       return self._attend_one(q, state, sc, ctx)
