@@ -13,7 +13,8 @@ import dataclasses
 import json
 import math
 import os
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Iterator
 
 import jax
 
@@ -134,6 +135,21 @@ def plan(task, specs, lengths, depths, samples) -> list[tuple]:
           for spec in specs for length in lengths for i in range(samples)]
 
 
+def made_ahead(task, tokenizer, todo: list[tuple], chat: bool) -> Iterator[tuple]:
+  """(plan entry, its sample) for each entry of `todo` in order, each sample built on a thread
+  while the one before runs: a 1M-token prompt takes 15-20 s on the host that the devices would
+  otherwise wait for (the tokenizer releases the GIL). A failed build raises at its turn."""
+  with ThreadPoolExecutor(max_workers=1) as pool:
+    def build(entry):
+      _, length, depth, seed = entry
+      return pool.submit(task.make, tokenizer, length, depth, seed, chat=chat)
+    pending = build(todo[0]) if todo else None
+    for i, entry in enumerate(todo):
+      sample = pending.result()
+      pending = build(todo[i + 1]) if i + 1 < len(todo) else None
+      yield entry, sample
+
+
 def run_sweep(lm, task_name: str, specs: list[MethodSpec], lengths: list[int],
               depths: list[float], samples: int, out_dir: str, *, chat: bool = False,
               chunk: int | None = None, task_options: dict | None = None,
@@ -147,8 +163,8 @@ def run_sweep(lm, task_name: str, specs: list[MethodSpec], lengths: list[int],
   # Several processes (a multi-host mesh) run the same sweep; the first one writes the records.
   writer = jax.process_index() == 0
   with open(os.path.join(out_dir, RESULTS) if writer else os.devnull, "a") as f:
-    for spec, length, depth, seed in progress(todo, desc=f"{task.name} sweep"):
-      sample = task.make(lm.tokenizer, length, depth, seed, chat=chat)
+    for (spec, length, depth, seed), sample in progress(
+        made_ahead(task, lm.tokenizer, todo, chat), total=len(todo), desc=f"{task.name} sweep"):
       rec = {"task": task.name, "method": spec.label, "hparams": spec.method.hparams(),
              "length": length, "depth": depth, "seed": seed, "n_tokens": sample.n_tokens,
              "chat": chat}

@@ -47,7 +47,9 @@ class Tokenizer:
   def encode(self, text: str) -> list[int]:
     """Token ids; BOS first when the tokenizer adds one and the text does not already begin with
     it (a chat template that writes `{{- bos_token }}` itself, as Llama 3's does, gets one BOS)."""
-    ids = self._tk.encode(text, add_special_tokens=False).ids
+    # encode_batch releases the GIL (encode holds it for ~2 s on a 1M-token prompt), so a sweep
+    # can build its next sample on a thread while the device runs this one (eval.py).
+    ids = self._tk.encode_batch([text], add_special_tokens=False)[0].ids
     bos = self.token_id(self.bos_token)
     if self.add_bos and bos is not None and ids[:1] != [bos]:
       return [bos] + ids

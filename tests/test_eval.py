@@ -66,3 +66,41 @@ def test_ppl_sweep_records_per_token_nll_and_ratio_plot(default_lm, tmp_path):
 def test_method_args_for_unlisted_methods_are_rejected():
   with pytest.raises(MethodError, match="not in --methods"):
     MethodSpec.parse("full", ["snapkv.budget=3"])
+
+
+class _SlowTask:
+  """A task whose builds are recorded: each is the entry's seed, and seed 9 fails."""
+
+  def __init__(self):
+    import threading
+    self.second_started = threading.Event()
+    self.calls = []
+
+  def make(self, tok, length, depth, seed, *, chat):
+    self.calls.append(seed)
+    if seed == 1:
+      self.second_started.set()
+    if seed == 9:
+      raise ValueError("bad sample 9")
+    return (tok, length, depth, seed, chat)
+
+
+def test_samples_are_built_ahead_in_order_on_a_thread():
+  task = _SlowTask()
+  todo = [(None, 64, 0.5, seed) for seed in (0, 1, 2)]
+  got = []
+  for entry, sample in eval_lib.made_ahead(task, "tok", todo, chat=True):
+    if not got:  # the next sample is built while this one "runs"
+      assert task.second_started.wait(timeout=10)
+    got.append((entry, sample))
+  assert got == [(e, ("tok", 64, 0.5, e[3], True)) for e in todo]
+  assert task.calls == [0, 1, 2]
+
+
+def test_a_failed_sample_build_raises_at_its_turn():
+  todo = [(None, 64, 0.5, seed) for seed in (0, 9, 2)]
+  it = eval_lib.made_ahead(_SlowTask(), "tok", todo, chat=False)
+  assert next(it)[1][3] == 0
+  with pytest.raises(ValueError, match="bad sample 9"):
+    next(it)
+  assert list(eval_lib.made_ahead(_SlowTask(), "tok", [], chat=False)) == []
