@@ -8,8 +8,10 @@ softmax; splits merge exactly through their LSE. TPU: indices are scalar-prefetc
 each selected row is DMA'd from HBM into a VMEM tile (the paged-attention pattern).
 
 With `key_rope_freqs` the keys are taken as cached before RoPE and each is rotated inside the
-kernel at its place in the index list (entry j at position j): a list of keys attended at
-contiguous positions (ReAttention's scope) without a rotated copy of them in HBM.
+kernel at its place in the index list (entry j at position j), or at the position given for it
+(`key_positions`: one device's part of a scope split over a mesh, whose entries are not
+contiguous in it): a list of keys attended at their scope positions (ReAttention) without a
+rotated copy of them in HBM.
 """
 
 from __future__ import annotations
@@ -30,14 +32,15 @@ SQ = gpu.SQ
 
 
 def gathered_attention(q, k, v, indices, valid=None, *, scale: float | None = None,
-                       kv_layout: str = "BTHD", key_rope_freqs=None, backend: str = "auto",
-                       tiling: gpu.Tiling | None = None):
+                       kv_layout: str = "BTHD", key_rope_freqs=None, key_positions=None,
+                       backend: str = "auto", tiling: gpu.Tiling | None = None):
   """q [B, Lq, H, d] over k, v (BTHD or BHTD) at indices [B, KV, n] (int, into the key axis).
 
   valid: bool [B, KV, n] (default: all); indices outside [0, T) count as invalid. Every query row
   sees the same selected keys (no causal mask: select accordingly). key_rope_freqs: None, or the
   RoPE inverse frequencies [d / 2] with which the key of entry j is rotated at position j (q comes
-  rotated already). Returns (out [B, Lq, H, d], lse [B, Lq, H] fp32); a row with no valid key
+  rotated already), or at key_positions[b, j] (int [B, n], shared by a sequence's kv heads) when
+  given. Returns (out [B, Lq, H, d], lse [B, Lq, H] fp32); a row with no valid key
   gives (0, -inf).
   """
   b, lq, h, kvh, t, d = layout.check_qk(q, k, kv_layout)
@@ -54,12 +57,21 @@ def gathered_attention(q, k, v, indices, valid=None, *, scale: float | None = No
       raise ValueError(f"key_rope_freqs must be [head_dim / 2 = {d // 2}] for an even head_dim "
                        f"{d}, got {key_rope_freqs.shape}")
     key_rope_freqs = key_rope_freqs.astype(jnp.float32)
+  if key_positions is not None:
+    if key_rope_freqs is None:
+      raise ValueError("key_positions places keys for RoPE: give key_rope_freqs too")
+    if key_positions.shape != (b, n):
+      raise ValueError(f"key_positions must be [batch={b}, n={n}], got {key_positions.shape}")
+    key_positions = key_positions.astype(jnp.int32)
+  else:
+    key_positions = jnp.arange(n, dtype=jnp.int32)[None, :]
   scale = float(scale) if scale is not None else 1.0 / math.sqrt(d)
   indices = indices.astype(jnp.int32)
   variant = backend_lib.resolve(backend)
   if variant.kind == "reference":
     return reference.gathered_attention(q, k, v, indices, valid, scale=scale, kv_layout=kv_layout,
-                                        key_rope_freqs=key_rope_freqs)
+                                        key_rope_freqs=key_rope_freqs,
+                                        key_positions=key_positions)
 
   rows = lq * (h // kvh)
   bm = min(max(16, layout.next_pow2(rows)), 128)
@@ -75,7 +87,7 @@ def gathered_attention(q, k, v, indices, valid=None, *, scale: float | None = No
     span, splits = gpu.split_plan(b * kvh * (rows_padded // bm), max(n, bn), bn, tl.key_splits)
     pad = ((0, 0), (0, 0), (0, span * splits - n))
     outs, lses = _gpu(qr, k, v, jnp.pad(safe, pad), jnp.pad(ok, pad).astype(jnp.int32),
-                      _rope_table(key_rope_freqs, span * splits), span=span, splits=splits,
+                      _rope_table(key_rope_freqs, jnp.pad(key_positions, pad[1:])), span=span, splits=splits,
                       scale=scale, kv_layout=kv_layout, tiling=tl,
                       interpret=variant.interpret_arg())
     out, lse = reference.merge_attention(jnp.moveaxis(outs, 2, 0), jnp.moveaxis(lses[..., 0], 2, 0))
@@ -83,20 +95,26 @@ def gathered_attention(q, k, v, indices, valid=None, *, scale: float | None = No
     pad = ((0, 0), (0, 0), (0, layout.round_up(n, bn) - n))
     out, lse = _tpu(qr, layout.heads_first(k, kv_layout), layout.heads_first(v, kv_layout),
                     jnp.pad(safe, pad), jnp.pad(ok, pad).astype(jnp.int32),
-                    _rope_table(key_rope_freqs, pad[2][1] + n), bm=bm, bn=bn, scale=scale,
+                    _rope_table(key_rope_freqs, jnp.pad(key_positions, pad[1:])), bm=bm, bn=bn, scale=scale,
                     interpret=variant.interpret_arg())
     lse = lse[..., 0]
   out = layout.from_rows(out, lq, h).astype(q.dtype)
   return out, layout.from_rows(lse, lq, h)
 
 
-def _rope_table(freqs, n: int):
-  """None, or [2, n, d / 2] fp32: cos and sin of entry j's angles (computed once per call here;
-  each kernel program would otherwise repeat them for its kv head)."""
+def _rope_table(freqs, positions):
+  """None, or [B or 1, 2, n, d / 2] fp32: cos and sin of entry j's angles at positions [B or 1,
+  n] (computed once per call here; each kernel program would otherwise repeat them for its kv
+  head)."""
   if freqs is None:
     return None
-  angles = jnp.arange(n, dtype=jnp.float32)[:, None] * freqs[None, :]
-  return jnp.stack([jnp.cos(angles), jnp.sin(angles)])
+  angles = positions.astype(jnp.float32)[..., None] * freqs
+  return jnp.stack([jnp.cos(angles), jnp.sin(angles)], axis=1)
+
+
+def _table_row(rope_table, bh, kvh: int):
+  """The rope table's row for program row bh (batch x kv head): its sequence's, or the one."""
+  return bh // kvh if rope_table.shape[0] > 1 else 0
 
 
 @functools.partial(jax.jit, static_argnames=("span", "splits", "scale", "kv_layout", "tiling",
@@ -136,7 +154,9 @@ def _gpu(qr, k, v, indices, ok, rope_table, *, span, splits, scale, kv_layout, t
       kernel, interpret, num_warps=tiling.num_warps, num_stages=tiling.num_stages,
       grid=(b * kvh, rp // bm, splits),
       in_specs=[index_spec, index_spec, gpu.row_spec(kvh, bm, d), keys, keys] + (
-          [pl.BlockSpec((2, span * splits, half), lambda *_: (0, 0, 0))] if rope else []),
+          [pl.BlockSpec((SQ, 2, span * splits, half),
+                        lambda bh, r, s: (_table_row(rope_table, bh, kvh), 0, 0, 0))]
+          if rope else []),
       out_specs=[pl.BlockSpec((SQ, SQ, SQ, bm, d), index), pl.BlockSpec((SQ, SQ, SQ, bm, 1), index)],
       out_shape=[jax.ShapeDtypeStruct((b, kvh, splits, rp, d), jnp.float32),
                  jax.ShapeDtypeStruct((b, kvh, splits, rp, 1), jnp.float32)],
@@ -196,7 +216,8 @@ def _tpu(qr, k, v, indices, ok, rope_table, *, bm, bn, scale, interpret):
       in_specs=[pl.BlockSpec((SQ, SQ, 1, bn),
                              lambda bh, r, j, idx: (*tpu.batch_head(bh, kvh), 0, j)),
                 pl.BlockSpec((SQ, SQ, bm, d), row), any_spec, any_spec] + (
-                    [pl.BlockSpec((2, bn, half), lambda bh, r, j, idx: (0, j, 0))]
+                    [pl.BlockSpec((SQ, 2, bn, half),
+                                  lambda bh, r, j, idx: (_table_row(rope_table, bh, kvh), 0, j, 0))]
                     if rope else []),
       out_specs=[pl.BlockSpec((SQ, SQ, bm, d), row), pl.BlockSpec((SQ, SQ, bm, 1), row)],
       scratch_shapes=[pltpu.VMEM((bn, d), k.dtype), pltpu.VMEM((bn, d), v.dtype),

@@ -62,9 +62,11 @@ def flash_attention(q, k, v, *, causal, q_offset, kv_len, scale, kv_layout="BTHD
   return _softmax_out(s, heads_first(v, kv_layout), q.dtype)
 
 
-def gathered_attention(q, k, v, indices, valid, *, scale, kv_layout="BTHD", key_rope_freqs=None):
+def gathered_attention(q, k, v, indices, valid, *, scale, kv_layout="BTHD", key_rope_freqs=None,
+                       key_positions=None):
   """Attention of each query head over keys indices[b, kv_head, :] of its group, where valid;
-  with key_rope_freqs [d / 2], the key of entry j rotated (rotate-half RoPE) at position j."""
+  with key_rope_freqs [d / 2], the key of entry j rotated (rotate-half RoPE) at position j, or
+  at key_positions[b, j] ([B or 1, n]) when given."""
   kh, vh = heads_first(k, kv_layout), heads_first(v, kv_layout)
   t = kh.shape[2]
   ok = valid & (indices >= 0) & (indices < t)
@@ -72,7 +74,8 @@ def gathered_attention(q, k, v, indices, valid, *, scale, kv_layout="BTHD", key_
   take = lambda x: jnp.take_along_axis(x, safe[..., None], axis=2, mode="clip")  # noqa: E731
   kg, vg = take(kh), take(vh)  # [B, KV, n, d]
   if key_rope_freqs is not None:
-    angles = jnp.arange(kg.shape[2], dtype=jnp.float32)[:, None] * key_rope_freqs[None, :]
+    pos = (jnp.arange(kg.shape[2])[None, :] if key_positions is None else key_positions)
+    angles = pos.astype(jnp.float32)[:, None, :, None] * key_rope_freqs  # [B or 1, 1, n, d/2]
     k1, k2 = jnp.split(kg.astype(jnp.float32), 2, axis=-1)
     cos, sin = jnp.cos(angles), jnp.sin(angles)
     kg = jnp.concatenate([k1 * cos - k2 * sin, k2 * cos + k1 * sin], axis=-1).astype(kg.dtype)

@@ -116,9 +116,9 @@ class ReAttention(ReAttentionSettings, Method):
     """The step's queries (ranks q_offset + i) over the scope's keys (ranks 0..length-1) of the
     cache: (out, lse). The mesh variant calls it with one device's part of the scope (with a
     block-cyclic layout, a part whose ranks are sc.k_rank and sc.q_rank)."""
-    ranked = sc.k_rank is not None  # a block-cyclic mesh part: ranks apart from slots
-    if q.shape[1] == 1 and not ranked and pallas_kernels.resolve(self.backend).kind != "reference":
+    if q.shape[1] == 1 and pallas_kernels.resolve(self.backend).kind != "reference":
       return self._attend_one(q, state, sc, ctx)
+    ranked = sc.k_rank is not None  # a block-cyclic mesh part: ranks apart from slots
     take = sc.idx[:, None, :, None]  # one scope per sequence, shared by its kv heads
     k_scope = jnp.take_along_axis(state.k, take, axis=2)  # [B, KV, N, d]
     v_scope = jnp.take_along_axis(state.v, take, axis=2)
@@ -130,15 +130,18 @@ class ReAttention(ReAttentionSettings, Method):
     return self._attend(apply_rope(q, q_rank, ctx.freqs), k_scope, v_scope, q_rank, k_rank, sc)
 
   def _attend_one(self, q, state: KVCache, sc: Scope, ctx: AttnContext):
-    """One query (decode), the last of its scope: the kernel reads the scope's rows straight
-    from the cache and rotates each key at its rank, so no rotated copy of the scope is made."""
+    """One query (decode), the last of its scope, so after every key of it (or of a mesh part of
+    it): the kernel reads the scope's rows straight from the cache and rotates each key at its
+    rank, so no rotated copy of the scope is made."""
     b, n = sc.idx.shape
     kvh = state.k.shape[1]
     idx = jnp.broadcast_to(sc.idx[:, None, :], (b, kvh, n))
     valid = jnp.broadcast_to((jnp.arange(n) < sc.length[:, None])[:, None, :], (b, kvh, n))
+    q_rank = sc.q_offset if sc.k_rank is None else sc.q_rank
     return pallas_kernels.gathered_attention(
-        apply_rope(q, sc.q_offset[:, None], ctx.freqs), state.k, state.v, idx, valid,
-        kv_layout="BHTD", key_rope_freqs=ctx.freqs, backend=self.backend)
+        apply_rope(q, q_rank[:, None], ctx.freqs), state.k, state.v, idx, valid,
+        kv_layout="BHTD", key_rope_freqs=ctx.freqs, key_positions=sc.k_rank,
+        backend=self.backend)
 
   def _attend(self, q, k, v, q_rank, k_rank, sc: Scope):
     """Causal attention over the compacted scope: slot j < sc.length sits at rank k_rank[j]

@@ -92,6 +92,35 @@ def test_gathered_attention_rotates_keys_at_their_entry(variant, dtype):
   assert_close(got, ref, dtype)
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_gathered_attention_rotates_keys_at_given_positions(variant):
+  """key_positions (a mesh part of a scope: ascending, with gaps, per sequence) equal the keys
+  gathered at those positions and rotated there, in the reference and the kernels alike."""
+  rng = np.random.default_rng(11)
+  b, t, h, kvh, d, n = 2, 300, 8, 2, 128, 150
+  q = normal(rng, (b, 1, h, d), jnp.float32)
+  k, v = (normal(rng, (b, kvh, t, d), jnp.float32) for _ in range(2))
+  idx = jnp.asarray(rng.integers(0, t, (b, kvh, n)))
+  valid = jnp.asarray(rng.random((b, kvh, n)) > 0.2)
+  pos = jnp.asarray(np.stack([np.sort(rng.choice(4 * n, n, replace=False)) for _ in range(b)]),
+                    jnp.int32)
+  freqs = jnp.asarray(ROPE_FREQS, jnp.float32)
+  tiling = Tiling(key_splits=2, block_keys=64) if variant == "gpu" else None
+  got = gathered_attention(q, k, v, idx, valid, kv_layout="BHTD", key_rope_freqs=freqs,
+                           key_positions=pos, backend=variant, tiling=tiling)
+  # Each sequence alone, its keys spread to their positions (entry j of a wider list at
+  # pos[j]) and rotated at their entry: the same scores.
+  for s in range(b):
+    wide_idx = jnp.zeros((1, kvh, 4 * n), jnp.int32).at[:, :, pos[s]].set(idx[s][None])
+    wide_ok = jnp.zeros((1, kvh, 4 * n), bool).at[:, :, pos[s]].set(valid[s][None])
+    ref = gathered_attention(q[s:s + 1], k[s:s + 1], v[s:s + 1], wide_idx, wide_ok,
+                             kv_layout="BHTD", key_rope_freqs=freqs, backend="reference")
+    assert_close((got[0][s:s + 1], got[1][s:s + 1]), ref, jnp.float32)
+  with pytest.raises(ValueError, match="key_positions must be"):
+    gathered_attention(q, k, v, idx, valid, kv_layout="BHTD", key_rope_freqs=freqs,
+                       key_positions=pos[:, :5], backend=variant)
+
+
 def test_gathered_reference_rotates_entry_j_at_position_j():
   """The reference itself, against numpy: RoPE (rotate-half) of each gathered key at its entry."""
   rng = np.random.default_rng(10)
