@@ -114,7 +114,7 @@ def _rope_table(freqs, positions):
 
 def _table_row(rope_table, bh, kvh: int):
   """The rope table's row for program row bh (batch x kv head): its sequence's, or the one."""
-  return bh // kvh if rope_table.shape[0] > 1 else 0
+  return tpu.batch_head(bh, kvh)[0] if rope_table.shape[0] > 1 else 0
 
 
 @functools.partial(jax.jit, static_argnames=("span", "splits", "scale", "kv_layout", "tiling",

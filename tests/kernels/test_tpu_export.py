@@ -80,7 +80,7 @@ def test_topk_scores_lowers_for_tpu(case, top_k):
   _assert_lowered(export_for_tpu(fn, q, k, S((q.shape[0],), jnp.int32)))
 
 
-@pytest.mark.parametrize("rope", [False, True], ids=["plain", "rope"])
+@pytest.mark.parametrize("rope", ["plain", "rope", "ranked"])
 @pytest.mark.parametrize("n", [40, 300])
 @pytest.mark.parametrize("case", list(SHAPES))
 def test_gathered_attention_lowers_for_tpu(case, n, rope):
@@ -89,11 +89,14 @@ def test_gathered_attention_lowers_for_tpu(case, n, rope):
   d = q.shape[-1]
   picked = S((b, kvh, n), jnp.int32)
 
-  def fn(q, k, v, indices, valid):
-    freqs = jnp.linspace(1.0, 1e-3, d // 2) if rope else None  # ReAttention: keys rotated inside
-    return gathered_attention(q, k, v, indices, valid, kv_layout=kv_layout, key_rope_freqs=freqs)
+  def fn(q, k, v, indices, valid, ranks):
+    # ReAttention: keys rotated inside, at their entry or (a mesh part of a scope) their rank.
+    freqs = jnp.linspace(1.0, 1e-3, d // 2) if rope != "plain" else None
+    return gathered_attention(q, k, v, indices, valid, kv_layout=kv_layout, key_rope_freqs=freqs,
+                              key_positions=ranks if rope == "ranked" else None)
 
-  _assert_lowered(export_for_tpu(fn, q, k, v, picked, S((b, kvh, n), jnp.bool_)))
+  _assert_lowered(export_for_tpu(fn, q, k, v, picked, S((b, kvh, n), jnp.bool_),
+                                 S((b, n), jnp.int32)))
 
 
 @pytest.mark.parametrize("parts,lead,dtype", [(2, (2, 1, 8), jnp.bfloat16),
