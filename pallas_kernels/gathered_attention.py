@@ -86,17 +86,17 @@ def gathered_attention(q, k, v, indices, valid=None, *, scale: float | None = No
   if variant.kind == "gpu":
     span, splits = gpu.split_plan(b * kvh * (rows_padded // bm), max(n, bn), bn, tl.key_splits)
     pad = ((0, 0), (0, 0), (0, span * splits - n))
-    outs, lses = _gpu(qr, k, v, jnp.pad(safe, pad), jnp.pad(ok, pad).astype(jnp.int32),
-                      _rope_table(key_rope_freqs, jnp.pad(key_positions, pad[1:])), span=span, splits=splits,
-                      scale=scale, kv_layout=kv_layout, tiling=tl,
+    table = _rope_table(key_rope_freqs, jnp.pad(key_positions, pad[1:]))
+    outs, lses = _gpu(qr, k, v, jnp.pad(safe, pad), jnp.pad(ok, pad).astype(jnp.int32), table,
+                      span=span, splits=splits, scale=scale, kv_layout=kv_layout, tiling=tl,
                       interpret=variant.interpret_arg())
     out, lse = reference.merge_attention(jnp.moveaxis(outs, 2, 0), jnp.moveaxis(lses[..., 0], 2, 0))
   else:
     pad = ((0, 0), (0, 0), (0, layout.round_up(n, bn) - n))
+    table = _rope_table(key_rope_freqs, jnp.pad(key_positions, pad[1:]))
     out, lse = _tpu(qr, layout.heads_first(k, kv_layout), layout.heads_first(v, kv_layout),
-                    jnp.pad(safe, pad), jnp.pad(ok, pad).astype(jnp.int32),
-                    _rope_table(key_rope_freqs, jnp.pad(key_positions, pad[1:])), bm=bm, bn=bn, scale=scale,
-                    interpret=variant.interpret_arg())
+                    jnp.pad(safe, pad), jnp.pad(ok, pad).astype(jnp.int32), table, bm=bm, bn=bn,
+                    scale=scale, interpret=variant.interpret_arg())
     lse = lse[..., 0]
   out = layout.from_rows(out, lq, h).astype(q.dtype)
   return out, layout.from_rows(lse, lq, h)
@@ -113,8 +113,9 @@ def _rope_table(freqs, positions):
 
 
 def _table_row(rope_table, bh, kvh: int):
-  """The rope table's row for program row bh (batch x kv head): its sequence's, or the one."""
-  return tpu.batch_head(bh, kvh)[0] if rope_table.shape[0] > 1 else 0
+  """The rope table's row for program row bh (batch x kv head): its sequence's, or the one.
+  (lax.div: bh >= 0, and `//` of a grid index does not lower for TPU.)"""
+  return jax.lax.div(bh, kvh) if rope_table.shape[0] > 1 else 0
 
 
 @functools.partial(jax.jit, static_argnames=("span", "splits", "scale", "kv_layout", "tiling",
