@@ -160,7 +160,10 @@ class Resa(Method):
     """Over the prompt's keys (slots < lengths [B]): (their sum [B, KV, d] fp32, softmax(P) V
     [B, H, d] fp32, lse [B, H]) with P = mu_Q.k / sqrt(d). The mesh variant merges its shards'."""
     in_prompt = jnp.arange(cache.max_len)[None, :] < lengths[:, None]  # [B, T]
-    k_sum = jnp.einsum("bktd,bt->bkd", cache.k.astype(jnp.float32), in_prompt.astype(jnp.float32))
+    # Accumulated in fp32 from the stored keys: an fp32 copy of every layer's keys is what the
+    # dot would otherwise take, and the hook runs all layers in one program.
+    k_sum = jnp.einsum("bktd,bt->bkd", cache.k, in_prompt.astype(cache.k.dtype),
+                       preferred_element_type=jnp.float32)
     o_est, lse_p = pallas_kernels.flash_attention(
         mu_q[:, None].astype(cache.k.dtype), cache.k, cache.v, causal=False, kv_len=lengths,
         kv_layout="BHTD")
