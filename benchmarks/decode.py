@@ -57,7 +57,8 @@ def run_jax(args) -> dict:
   import numpy as np
 
   from jax_longctx import preset
-  from jax_longctx.generation import Sampling, decode_loop, end_prefill, prefill_step
+  from jax_longctx.run.chunked_prefill import end_prefill, prefill_step
+  from jax_longctx.run.generation import Sampling, decode_loop
   from jax_longctx.methods import get, parse_method_args
   from jax_longctx.model import new_cache, random_params, serving_params
 
@@ -68,7 +69,7 @@ def run_jax(args) -> dict:
   jax.block_until_ready(params)
   _stage("params ready")
   b, ctx = args.batch, args.context
-  chunk = method.prefill_chunk or args.chunk  # as generate.prefill: the method's own, if any
+  chunk = method.prefill_chunk or args.chunk  # as generation.prefill: the method's own, if any
   cache_len = -(-(ctx + args.new_tokens * (args.reps + 2)) // 128) * 128
   tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (b, ctx)).astype(np.int32)
   plen = jnp.full((b,), ctx, jnp.int32)

@@ -43,26 +43,26 @@ Candidate fixes (--variants, in the order run; each is a flag set of this script
 - `all_op_by_op`: `all` without command buffers (CUDA graphs): what they save per step.
 - `all_exhaustive`: `all` with --xla_gpu_exhaustive_tiling_search=true (the GEMM autotuner tries
   every Triton tiling, so the M=1 projections may find a faster one).
-- Decode attention's split plan, each `all` with methods.full.DECODE_TILING set (gpu.Tiling;
+- Decode attention's split plan, each `all` with RunOptions.decode_tiling set (gpu.Tiling;
   today gpu.split_plan gives ~32 splits of 1024 keys at 32K, batch 1, 8 kv heads: 256 programs
   of bk=128, 2 stages, 4 warps, ~135 KiB of shared memory each, so one per SM; the kernel reads
   its 4.3 GB at ~82% of copy rate): `split16` / `split64` / `split128` (key_splits), `bk64`,
   `bk64_split64`, `bk64_s3_split64` (64-key tiles: 2-3 programs per SM, more loads in flight),
   `bk128_s3` (3 pipeline stages), `bk32_s4_split128`, `bk128_w8` (8 warps).
-- `merge_kernel`: `all` with flash_attention.DECODE_MERGE_KERNEL: the key splits merged by one
+- `merge_kernel`: `all` with KernelOptions.decode_merge_kernel: the key splits merged by one
   Pallas kernel (pallas_kernels/split_merge.py) writing only the real rows in bf16, instead of
   jnp's merge (2 XLA kernels) and the padding-row slice (layout.from_rows): 3 -> 1 kernel per
   layer. Tests: tests/kernels/test_split_merge.py.
-- `cache_kernel`: `all` with jax_longctx.cache.ONE_TOKEN_WRITE_BACKEND="auto": a decode step's
+- `cache_kernel`: `all` with RunOptions.cache_write_backend="auto": a decode step's
   K/V write as one in-place Pallas kernel per layer (pallas_kernels/cache_write.py: one program
   per sequence x kv head, out-of-range positions dropped) instead of the scatter's ~4 XLA
   kernels (select / concatenate + dynamic-update-slice, for K and for V). Tests:
   tests/kernels/test_cache_write.py, tests/test_decode_knobs.py.
-- `add_norm`: `all` with jax_longctx.model.ADD_NORM_BACKEND="auto": each residual add and the
+- `add_norm`: `all` with RunOptions.add_norm_backend="auto": each residual add and the
   RMSNorm after it as one Pallas kernel (pallas_kernels/add_rmsnorm.py; writes x + h and the
   normed row), instead of add + reduce + multiply: 64 fewer kernels per step. Tests: tests/kernels/test_add_rmsnorm.py,
   tests/test_decode_knobs.py.
-- `q_in_kernel`: `all` with flash_attention.DECODE_Q_IN_KERNEL: the decode kernel reads the 4
+- `q_in_kernel`: `all` with KernelOptions.decode_q_in_kernel: the decode kernel reads the 4
   real query rows of each kv group and repeats them to fill its 16-row tile (a gather load),
   so the XLA pad kernel before it (layout.q_rows, 32/step) goes away. Tests:
   tests/kernels/test_split_merge.py.
@@ -117,47 +117,27 @@ def _stage(msg: str) -> None:
 
 
 def smoke_config():
-  from jax_longctx.config import LlamaConfig
+  from jax_longctx.core.config import LlamaConfig
   return LlamaConfig(vocab_size=320, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                      head_dim=16, intermediate_size=96, max_position_embeddings=4096)
 
 
-def use_flash_decode(backend: str = "auto") -> None:
-  """Routes `full`'s one-token decode attention through pallas_kernels.flash_attention (what
-  `full` does by itself on GPU: `decode_uses_kernel`), with full.DECODE_TILING. --smoke passes
-  backend="gpu": the GPU kernel interpreted on CPU, so the variants' kernel switches run there."""
+def run_options(variant: Variant, smoke: bool):
+  """The RunOptions a variant names (its decode loop compiles with them)."""
   import pallas_kernels
-  from jax_longctx.methods import full
-  jnp_path = full.Full.attend_cache
-
-  def attend_cache(self, state, q, ctx, chunk_kv=None):
-    if q.shape[1] != 1:
-      return jnp_path(self, state, q, ctx, chunk_kv)
-    return pallas_kernels.flash_attention(q, state.k, state.v, causal=True,
-                                          q_offset=ctx.q_pos[:, 0], kv_len=ctx.q_pos[:, 0] + 1,
-                                          kv_layout="BHTD", tiling=full.DECODE_TILING,
-                                          backend=backend)
-  full.Full.attend_cache = attend_cache
-
-
-def apply_knobs(variant: Variant, smoke: bool) -> None:
-  """Sets the process-wide switches a variant names (this process runs only that variant)."""
+  from jax_longctx.core.options import RunOptions
   kernel_backend = "gpu" if smoke else "auto"  # smoke: the GPU kernels interpreted on CPU
-  if variant.cache_kernel:
-    from jax_longctx import cache
-    cache.ONE_TOKEN_WRITE_BACKEND = kernel_backend
-  if variant.add_norm:
-    from jax_longctx import model
-    model.ADD_NORM_BACKEND = kernel_backend
-  if variant.merge_kernel or variant.q_in_kernel:
-    import importlib
-    fa_module = importlib.import_module("pallas_kernels.flash_attention")
-    fa_module.DECODE_MERGE_KERNEL = variant.merge_kernel
-    fa_module.DECODE_Q_IN_KERNEL = variant.q_in_kernel
-  if variant.decode_tiling:
-    import pallas_kernels
-    from jax_longctx.methods import full
-    full.DECODE_TILING = pallas_kernels.Tiling(**variant.decode_tiling)
+  return RunOptions(
+      kernels=pallas_kernels.KernelOptions(decode_merge_kernel=variant.merge_kernel,
+                                           decode_q_in_kernel=variant.q_in_kernel),
+      decode_tiling=(pallas_kernels.Tiling(**variant.decode_tiling)
+                     if variant.decode_tiling else None),
+      cache_write_backend=kernel_backend if variant.cache_kernel else None,
+      add_norm_backend=kernel_backend if variant.add_norm else None,
+      # `flash`: one-token attention through the flash kernel (what `full` does by itself on
+      # GPU); --smoke runs the GPU kernels interpreted on CPU, prefill left on the jnp path.
+      kernel_backend=kernel_backend, prefill_kernel=False if smoke else None,
+      decode_kernel=True if variant.flash else (False if smoke else None))
 
 
 def run_child(args, rec: dict) -> None:
@@ -169,15 +149,14 @@ def run_child(args, rec: dict) -> None:
   from benchmarks.common import jax_peak_bytes, median_time
   from benchmarks.decode import _bytes_per_token
   from jax_longctx import preset
-  from jax_longctx.generation import Sampling, decode_loop, end_prefill
+  from jax_longctx.run.chunked_prefill import end_prefill
+  from jax_longctx.run.generation import Sampling, decode_loop
   from jax_longctx.methods import get
   from jax_longctx.model import fuse_projections, new_cache, random_params
 
   variant = VARIANTS[args.variant]
   fused = variant.fused
-  apply_knobs(variant, args.smoke)
-  if variant.flash:
-    use_flash_decode("gpu" if args.smoke else "auto")
+  options = run_options(variant, args.smoke)
   cfg = smoke_config() if args.smoke else preset(args.model, dtype="bfloat16")
   method = get("full")
   params = random_params(cfg)
@@ -188,12 +167,12 @@ def run_child(args, rec: dict) -> None:
   b, ctx, n = args.batch, args.context, args.new_tokens
   cache_len = -(-(ctx + n * (args.reps + 2)) // 128) * 128  # as decode.py
   cache = new_cache(cfg, method, b, cache_len, chunk=args.chunk)
-  cache = end_prefill(cache, cfg, method, decode_room=cache_len - ctx)
+  cache = end_prefill(cache, cfg, method, decode_room=cache_len - ctx, options=options)
   cache = cache.replace(lengths=jnp.full((b,), ctx, jnp.int32))
   last = jax.random.normal(jax.random.key(1), (b, cfg.vocab_size), jnp.float32)
   stops = jnp.asarray([-1], jnp.int32)
   state = {"cache": cache}
-  kw = dict(cfg=cfg, method=method, max_new_tokens=n, sampling=Sampling())
+  kw = dict(cfg=cfg, method=method, max_new_tokens=n, sampling=Sampling(), options=options)
 
   def decode():
     out, _, state["cache"] = decode_loop(params, state["cache"], last, stops, jax.random.key(0),

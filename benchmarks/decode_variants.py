@@ -1,5 +1,6 @@
 """The decode step variants `benchmarks/decode_profile.py` measures (its docstring says what each
-one changes): XLA flags, the serving layout and the one-token decode switches, each a field."""
+one changes): XLA flags, the serving layout and the one-token decode options, each a field
+(`decode_profile.run_options` turns them into the loop's RunOptions)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,11 @@ class Variant(NamedTuple):
   flags: list  # XLA flags
   fused: bool  # params in fuse_projections' serving layout
   flash: bool  # decode attention through pallas_kernels.flash_attention
-  decode_tiling: dict | None = None  # methods.full.DECODE_TILING, as gpu.Tiling's fields
-  merge_kernel: bool = False  # pallas_kernels.flash_attention.DECODE_MERGE_KERNEL
-  cache_kernel: bool = False  # jax_longctx.cache.ONE_TOKEN_WRITE_BACKEND set
-  add_norm: bool = False  # jax_longctx.model.ADD_NORM_BACKEND set
-  q_in_kernel: bool = False  # pallas_kernels.flash_attention.DECODE_Q_IN_KERNEL
+  decode_tiling: dict | None = None  # RunOptions.decode_tiling, as gpu.Tiling's fields
+  merge_kernel: bool = False  # KernelOptions.decode_merge_kernel
+  cache_kernel: bool = False  # RunOptions.cache_write_backend set
+  add_norm: bool = False  # RunOptions.add_norm_backend set
+  q_in_kernel: bool = False  # KernelOptions.decode_q_in_kernel
 
 
 PDL = ["--xla_gpu_enable_pdl=true"]
@@ -22,7 +23,7 @@ PDL = ["--xla_gpu_enable_pdl=true"]
 
 def _on_all(merge_kernel: bool = False, cache_kernel: bool = False, add_norm: bool = False,
             q_in_kernel: bool = False, **tiling) -> Variant:
-  """`all` with decode attention's split plan / tiles set (methods.full.DECODE_TILING), and/or
+  """`all` with decode attention's split plan / tiles set (RunOptions.decode_tiling), and/or
   the split merge kernel, the one-token cache write kernel, the residual add + norm kernel, the
   unpadded query rows."""
   return Variant(PDL, True, True, tiling or None, merge_kernel, cache_kernel, add_norm,

@@ -33,7 +33,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from benchmarks import common  # noqa: E402
 from benchmarks.kernels import normal, timed  # noqa: E402
-from pallas_kernels import chunk_attention, flash_attention, mgpu_attention  # noqa: E402
+from pallas_kernels import chunk_attention, flash_attention, mgpu_flash  # noqa: E402
 from pallas_kernels.gpu import Tiling  # noqa: E402
 
 H, KV, D = 32, 8, 128
@@ -51,8 +51,8 @@ class Mismatch(AssertionError):
     self.record = record or {}
 
 
-def mosaic_tiling(config: mgpu_attention.Config | None = None) -> Tiling:
-  c = config or mgpu_attention.DEFAULT_CONFIG
+def mosaic_tiling(config: mgpu_flash.Config | None = None) -> Tiling:
+  c = config or mgpu_flash.DEFAULT_CONFIG
   return Tiling(impl="mosaic", block_rows=c.block_q, block_keys=c.block_kv, num_stages=c.stages)
 
 
@@ -193,11 +193,11 @@ def bench_kv_len_skip(key, args, *, t=32768, visible=8192, lq=4096):
 
 def sweep(key, args):
   """Causal 16K over the tilings that fit, each checked against cuDNN's output."""
-  configs = [mgpu_attention.Config(bq, bk, st) for bq in (64, 128) for bk in (64, 128)
+  configs = [mgpu_flash.Config(bq, bk, st) for bq in (64, 128) for bk in (64, 128)
              for st in (2, 3, 4)]
-  configs = [c for c in configs if mgpu_attention.smem_bytes(c, D) <= mgpu_attention.SMEM_LIMIT]
-  base = mgpu_attention.DEFAULT_CONFIG
-  configs += [mgpu_attention.Config(base.block_q, base.block_kv, base.stages, semantics=s)
+  configs = [c for c in configs if mgpu_flash.smem_bytes(c, D) <= mgpu_flash.SMEM_LIMIT]
+  base = mgpu_flash.DEFAULT_CONFIG
+  configs += [mgpu_flash.Config(base.block_q, base.block_kv, base.stages, semantics=s)
               for s in ("lane", "warpgroup")]
   cases = {}
   for c in configs:
@@ -251,7 +251,7 @@ def _smoke():
 
 
 def main():
-  common.kernel_benchmark_main(__doc__, cases, mgpu_attention.DEFAULT_CONFIG, inner=5,
+  common.kernel_benchmark_main(__doc__, cases, mgpu_flash.DEFAULT_CONFIG, inner=5,
                                sweep_help="block sizes / stages / semantics sweep", smoke=_smoke)
 
 

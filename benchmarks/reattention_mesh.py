@@ -60,7 +60,7 @@ def child(args) -> dict:
   from jax.sharding import Mesh
 
   from jax_longctx import preset
-  from jax_longctx.distributed import (cache_unit, decode_sharded, prefill_sharded, replicate,
+  from jax_longctx.run.distributed import (cache_unit, decode_sharded, prefill_sharded, replicate,
                                        sharded)
   from jax_longctx.methods import get
   from jax_longctx.model import random_params

@@ -29,10 +29,10 @@ def measure(cfg, method, context: int, n_q: int) -> dict:
   import jax
   import jax.numpy as jnp
 
-  from jax_longctx.cache import KVCache
+  from jax_longctx.ops.cache import KVCache
   from jax_longctx.methods import AttnContext
   from jax_longctx.methods.reattention_scope import most_voted, select_scope, span_runs, vote
-  from jax_longctx.rope import inv_freq
+  from jax_longctx.core.rope import inv_freq
 
   keys = jax.random.split(jax.random.key(0), 5)
   shape = (1, cfg.num_kv_heads, context, cfg.head_dim)

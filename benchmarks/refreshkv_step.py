@@ -27,13 +27,13 @@ def measure(cfg, context: int) -> dict:
   import jax
   import jax.numpy as jnp
 
-  from jax_longctx.cache import KVCache
+  from jax_longctx.ops.cache import KVCache
   from jax_longctx.methods import AttnContext
   from jax_longctx.methods.full import Full
   from jax_longctx.methods.refreshkv import PartialCache
   from jax_longctx.methods.snapkv import pooled_scores
-  from jax_longctx.rope import inv_freq
-  from jax_longctx.top_n import _nth_largest_key, _ordered_keys, top_n
+  from jax_longctx.core.rope import inv_freq
+  from jax_longctx.ops.top_n import _nth_largest_key, _ordered_keys, top_n
 
   keys = jax.random.split(jax.random.key(0), 4)
   shape = (1, cfg.num_kv_heads, context, cfg.head_dim)

@@ -43,8 +43,9 @@ def child(args) -> None:
   from jax.sharding import Mesh
 
   from jax_longctx import preset
-  from jax_longctx.distributed import answer, encode_context, replicate
-  from jax_longctx.generation import Sampling, decode_loop, prefill
+  from jax_longctx.run.distributed import answer, encode_context, replicate
+  from jax_longctx.run.generation import Sampling, decode_loop, prefill
+  from jax_longctx.core.options import RunOptions
   from jax_longctx.methods import get
   from jax_longctx.model import random_params
 
@@ -68,7 +69,8 @@ def child(args) -> None:
       room = args.query + args.new_tokens
       cache_len = -(-(n + room) // 128) * 128
       t1 = _timed(lambda: box.update(zip(("cache", "last"), jax.block_until_ready(prefill(
-          params, cfg, [context + query], full, cache_len=cache_len, chunk_size=args.chunk,
+          params, cfg, [context + query], full, cache_len=cache_len,
+          options=RunOptions(prefill_chunk=args.chunk),
           decode_room=room)))))
       t2 = _timed(lambda: np.asarray(decode_loop(
           params, box["cache"], box["last"], jax.numpy.asarray([-1]), jax.random.key(0), cfg=cfg,

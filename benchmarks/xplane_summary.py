@@ -34,7 +34,7 @@ _LINE_LABELS = (("qkv_proj", "qkv_proj"), ("q_proj", "qkv_proj"), ("k_proj", "qk
                 ("rsqrt", "rmsnorm"), ("self.scale", "rmsnorm"))
 _FILE_LABELS = {"rope.py": "rope", "attention.py": "attention", "full.py": "attention",
                 "cache.py": "cache_write", "generation.py": "sample/loop", "random.py": "rng",
-                "prng.py": "rng", "flash_attention.py": "attention", "gpu.py": "attention",
+                "prng.py": "rng", "flash.py": "attention", "gpu.py": "attention",
                 "split_merge.py": "attention", "cache_write.py": "cache_write",
                 "add_rmsnorm.py": "residual+rmsnorm"}
 

@@ -1,20 +1,12 @@
-"""Checkpoint conversion: Hugging Face safetensors directories and GGUF files to Flax params
-stored with orbax, and back to Hugging Face safetensors.
+"""The conversion tool: `python -m checkpoints_convert SRC DST` (as `jax-longctx convert`), and
+its names for scripts (`from checkpoints_convert import convert`).
 
-The exports load on first use (PEP 562): the readers and name rules (`sources`, `layout`) stand
-on the config alone, so importing them does not load the model that `pipeline` builds on.
+The formats themselves live in `jax_longctx.checkpoints`, below the library's `load()`, which
+reads them: a package above jax_longctx keeps the imports between the two one way.
 """
 
-import importlib
+from jax_longctx.checkpoints import (FORMAT, CheckpointError, atomic_dir, convert, convert_once,
+                                     export_hf, load_source, restore)
 
-_EXPORTS = {"FORMAT": "pipeline", "atomic_dir": "pipeline", "convert": "pipeline", "convert_once": "pipeline",
-            "export_hf": "pipeline", "load_source": "pipeline", "restore": "pipeline",
-            "CheckpointError": "sources"}
-
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name):
-  if name not in _EXPORTS:
-    raise AttributeError(f"module 'checkpoints_convert' has no attribute {name!r}")
-  return getattr(importlib.import_module(f"checkpoints_convert.{_EXPORTS[name]}"), name)
+__all__ = ["FORMAT", "CheckpointError", "atomic_dir", "convert", "convert_once", "export_hf",
+           "load_source", "restore"]

@@ -16,8 +16,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_longctx import load, tasks
-from jax_longctx.generation import Sampling, decode_loop, prefill
+from jax_longctx import load
+
+from jax_longctx.app import tasks
+from jax_longctx.run.generation import Sampling, decode_loop, prefill
 from jax_longctx.methods import get, parse_method_args
 
 NEEDLE_TOKENS = 16

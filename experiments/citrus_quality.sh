@@ -22,7 +22,7 @@ full_passkey_lengths=${FULL_PASSKEY_LENGTHS:-4k,8k}
 full_niah_lengths=${FULL_NIAH_LENGTHS:-8k}
 citrus=(citrus_shared citrus_individual citrus_standard h2o_shared)
 evicting=$(IFS=,; echo "${citrus[*]},streaming_llm")
-cli=(python -m jax_longctx.cli eval --model "$model" --samples "${SAMPLES:-20}")
+cli=(python -m jax_longctx eval --model "$model" --samples "${SAMPLES:-20}")
 [ -n "${DTYPE:-}" ] && cli+=(--dtype "$DTYPE")
 same_memory=(--method-arg "streaming_llm.budget=$(( k + 256 ))")
 for m in "${citrus[@]}"; do same_memory+=(--method-arg "$m.budget=$k"); done

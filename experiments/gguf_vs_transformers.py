@@ -61,7 +61,7 @@ def main():
   args = p.parse_args()
 
   import jax_longctx
-  from jax_longctx import bundled
+  from jax_longctx.app import bundled
 
   path = bundled.gguf_file(args.model) if args.model in bundled.BUNDLED else args.model
   t0 = time.time()

@@ -31,8 +31,10 @@ for part in "$@"; do
       K=${part#citrus} PASSKEY_LENGTHS=8k,16k,32k NIAH_LENGTHS=16k,32k \
         FULL_PASSKEY_LENGTHS=8k,16k,32k FULL_NIAH_LENGTHS=16k,32k TASKS="passkey niah_multikey" \
         "$here/citrus_quality.sh" "$model" "$out/citrus/$model/k${part#citrus}" ;;
-    refreshkv)  # K = L/8; perplexity at 16K and 32K, tasks at 16K
-      PPL_LENGTHS=16k,32k TASK_LENGTHS=16k "$here/refreshkv_quality.sh" "$model" \
+    refreshkv)  # K = L/8, threshold 0.85; ppl at 16K and 32K, tasks at 16K (calibrated:
+                # experiments/refreshkv_calibrated.sh)
+      PPL_LENGTHS=16k,32k TASK_LENGTHS=16k PPL_NAME=ppl_threshold0.85 \
+        "$here/refreshkv_quality.sh" "$model" \
         "$out/refreshkv/$model" ;;
     star)  # 4 blocks (a quarter of the context each) on 4 GPUs, one process per GPU
       LENGTHS=16k,32k PROCESSES=${PROCESSES:-4} "$here/star_quality.sh" "$model" \

@@ -9,5 +9,5 @@ set -euo pipefail
 model=${1:-qwen2.5-coder-0.5b}
 lengths=${2:-8k,16k,32k}
 out=${3:-docs/results/qwen/passkey_${model}}
-python -m jax_longctx.cli eval --model "$model" --task passkey --chat --methods full \
+python -m jax_longctx eval --model "$model" --task passkey --chat --methods full \
   --lengths "$lengths" --samples "${SAMPLES:-20}" --dtype "${DTYPE:-bfloat16}" --out "$out"

@@ -18,7 +18,7 @@ n_local=$(( window / 2 ))
 clip=$(( (window - 32 - n_local) / 32 ))
 block=${SHARD_BLOCK:-0}
 for task in ${TASKS:-passkey niah_single}; do
-  eval_cli=(python -m jax_longctx.cli eval --model "$model" --chat --task "$task"
+  eval_cli=(python -m jax_longctx eval --model "$model" --chat --task "$task"
             --samples "${SAMPLES:-20}" ${DTYPE:+--dtype "$DTYPE"} --out "$out/$task")
   on_processes "${PROCESSES:-1}" "${eval_cli[@]}" --methods reattention_mesh \
     --method-arg "reattention_mesh.n_local=$n_local" --method-arg "reattention_mesh.clip=$clip" \

@@ -20,8 +20,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_longctx import load, tasks
-from jax_longctx.generation import Sampling, decode_loop, prefill
+from jax_longctx import load
+
+from jax_longctx.app import tasks
+from jax_longctx.run.generation import Sampling, decode_loop, prefill
 from jax_longctx.methods import get, register
 from jax_longctx.methods.reattention import ReAttention
 

@@ -23,7 +23,7 @@ n_global=32 span=32
 split() {  # split LOCAL: method args of for_window(window, local_fraction = LOCAL / window)
   echo "--method-arg reattention.n_local=$1 --method-arg reattention.clip=$(( (window - n_global - $1) / span ))"
 }
-cli=(python -m jax_longctx.cli eval --model "$model" --chat --samples "${SAMPLES:-20}")
+cli=(python -m jax_longctx eval --model "$model" --chat --samples "${SAMPLES:-20}")
 [ -n "${DTYPE:-}" ] && cli+=(--dtype "$DTYPE")
 paper=(--methods reattention,full,streaming_llm --method-arg "streaming_llm.budget=$window"
        $(split $(( window / 2 ))))

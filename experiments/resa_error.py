@@ -26,13 +26,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jax_longctx import load, tasks
-from jax_longctx.generation import prefill
+from jax_longctx import load
+
+from jax_longctx.app import tasks
+from jax_longctx.run.generation import prefill
 from jax_longctx.methods import Method, get
 from jax_longctx.methods.full import Full
-from jax_longctx.methods.resa import Resa, ResaState, fold_into_prior, residual_attention
-from jax_longctx.progress import progress
-from jax_longctx.rope import apply_rope
+from jax_longctx.methods.resa import RESA, RESAState, fold_into_prior, residual_attention
+from jax_longctx.core.progress import progress
+from jax_longctx.core.rope import apply_rope
 
 FRACTIONS = (0.025, 0.05, 0.10)
 # (label, base, lam, prior): lam 0 is the base method alone.
@@ -45,8 +47,8 @@ VARIANTS = tuple(
 
 @struct.dataclass
 class ProbeState:
-  resa: ResaState  # inner = Quest's state: the full post-RoPE cache plus page bounds
-  group_prior: ResaState  # the per-kv-group prior (inner unused)
+  resa: RESAState  # inner = Quest's state: the full post-RoPE cache plus page bounds
+  group_prior: RESAState  # the per-kv-group prior (inner unused)
   err: jnp.ndarray  # [fractions, variants] summed relative errors
   steps: jnp.ndarray  # [] decode steps seen
 
@@ -60,7 +62,7 @@ class Probe(Method):
   budgets: tuple = ()  # tokens per fraction: fixed tokens + a multiple of Quest's page size
   fixed: tuple = (0, 0)  # (n_sink, n_recent) every selector reads besides its choice
 
-  def _resa(self, prior="head") -> Resa:
+  def _resa(self, prior="head") -> RESA:
     return get("resa", base="quest", budget=max(self.budgets), prior=prior,
                base_args=(("dense_layers", 0), ("n_sink", self.fixed[0]),
                           ("n_recent", self.fixed[1])))

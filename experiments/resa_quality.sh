@@ -14,7 +14,7 @@ model=${1:-default}
 out=${2:-docs/results/resa}
 tasks=${TASKS:-niah_multikey niah_multivalue passkey}
 lengths=${LENGTHS:-8k}
-cli=(python -m jax_longctx.cli eval --model "$model" --chat --samples "${SAMPLES:-20}")
+cli=(python -m jax_longctx eval --model "$model" --chat --samples "${SAMPLES:-20}")
 [ -n "${DTYPE:-}" ] && cli+=(--dtype "$DTYPE")
 for length in ${lengths//,/ }; do
   n=$(tokens "$length")

@@ -32,9 +32,9 @@ def main() -> None:
   from transformers import LlamaForCausalLM
 
   from checkpoints_convert import export_hf
-  from jax_longctx import api
-  from jax_longctx.distributed import generate_distributed
-  from jax_longctx.tasks import get as get_task
+  from jax_longctx.app import api
+  from jax_longctx.run.distributed import generate_distributed
+  from jax_longctx.app.tasks import get as get_task
   from tests.hf_reference import hf_star
 
   lm = api.load("default", dtype="float32")

@@ -17,7 +17,7 @@ if ! python -c "import jax, sys; sys.exit(jax.default_backend() == 'cpu')"; then
   export XLA_FLAGS="${XLA_FLAGS:-} --xla_force_host_platform_device_count=4"
 fi
 for task in passkey niah_multikey; do
-  on_processes "$processes" python -m jax_longctx.cli eval --model "$model" --chat --task "$task" \
+  on_processes "$processes" python -m jax_longctx eval --model "$model" --chat --task "$task" \
     --methods star,full --lengths "${LENGTHS:-8k}" --samples "${SAMPLES:-20}" \
     ${DTYPE:+--dtype "$DTYPE"} --out "$out/$task"
 done

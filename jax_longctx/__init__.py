@@ -1,19 +1,19 @@
 """jax-longctx: long-context attention methods for Flax Llama models, in JAX and Pallas.
 
 The names below load on first use (PEP 562), so importing a config-level module such as
-`jax_longctx.config` (checkpoint conversion does) does not load the model, the methods or jax's
+`jax_longctx.core.config` (checkpoint conversion does) does not load the model, the methods or jax's
 compiled steps. `jax_longctx.generate` is the function; the module that defines it is
-`jax_longctx.generation` (it was `jax_longctx.generate` before issue 25).
+`jax_longctx.run.generation`. Every error the library raises derives from `LongctxError`.
 """
 
 import importlib
 
 _EXPORTS = {
-    "LM": "jax_longctx.api", "load": "jax_longctx.api",
-    "LlamaConfig": "jax_longctx.config", "ModelConfig": "jax_longctx.config",
-    "preset": "jax_longctx.config",
-    "GenerationError": "jax_longctx.generation", "Sampling": "jax_longctx.generation",
-    "generate": "jax_longctx.generation",
+    "LM": "jax_longctx.app.api", "load": "jax_longctx.app.api",
+    "LlamaConfig": "jax_longctx.core.config", "preset": "jax_longctx.core.config",
+    "LongctxError": "jax_longctx.core.errors",
+    "GenerationError": "jax_longctx.run.generation", "Sampling": "jax_longctx.run.generation",
+    "generate": "jax_longctx.run.driver", "RunOptions": "jax_longctx.core.options",
 }
 __all__ = sorted([*_EXPORTS, "methods"])
 __version__ = "0.1.0"

@@ -35,7 +35,7 @@ class Tiling:
   block_rows: query rows (query x head of a group) per program; block_keys: keys per tile;
   key_splits: programs along the key axis (GPU); num_warps, num_stages: Triton launch options;
   prefetch: load the next key tile before working on the current one (GPU).
-  impl: which GPU kernel for flash attention / topk_scores, "mosaic" (Hopper: mgpu_attention /
+  impl: which GPU kernel for flash attention / topk_scores, "mosaic" (Hopper: mgpu_flash /
   mgpu_topk) or "triton"; with "mosaic", block_rows / block_keys / num_stages are its block_q /
   block_kv / stages (key_splits stays the key splits for topk_scores).
   """

@@ -1,4 +1,4 @@
-"""What the Mosaic GPU kernels (mgpu_attention.py, mgpu_topk.py) share besides their bodies: the
+"""What the Mosaic GPU kernels (mgpu_flash.py, mgpu_topk.py) share besides their bodies: the
 Config and the checks of what they can run, the compiler / interpreter parameters across JAX
 versions, the key tiles and the ring that streams them, and Ops, the few operations that differ
 between the GPU and jax's Mosaic GPU interpreter on CPU.
@@ -98,21 +98,31 @@ def compiler_params(config: Config, reduction_scratch_bytes: int = 0):
   return plgpu.CompilerParams(**kw)
 
 
+def _interpreter_params_class():
+  """(InterpretGPUParams, None) from jax's private Mosaic GPU interpreter, or (None, why not).
+  Guarded like the kernels' other private entries: a jax that moved or dropped it only loses
+  interpreting these kernels off a GPU (tests skip, an explicit request fails clearly)."""
+  try:
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+  except ImportError as e:
+    return None, f"no Mosaic GPU interpreter in jax {jax.__version__}: {e}"
+  return InterpretGPUParams, None
+
+
 def interpreter_available() -> str | None:
   """None if jax's Mosaic GPU interpreter (private in JAX 0.10/0.11) imports, else why not."""
-  try:
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # noqa: F401
-  except ImportError as e:
-    return f"no Mosaic GPU interpreter in jax {jax.__version__}: {e}"
-  return None
+  return _interpreter_params_class()[1]
 
 
 def interpret_params(interpret):
   if interpret is False:
     return None
   if interpret is True:
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-    return InterpretGPUParams()
+    params, why = _interpreter_params_class()
+    if params is None:
+      raise NotImplementedError(f"cannot interpret the Mosaic GPU kernels off a GPU: {why}; "
+                                "run them on a Hopper GPU, or use tiling.impl='triton'")
+    return params()
   return interpret  # the caller's InterpretGPUParams (e.g. detect_races=True)
 
 

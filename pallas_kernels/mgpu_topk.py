@@ -1,6 +1,6 @@
 """Exact top-k of q.k over a long key axis for prefill chunks on Hopper GPUs (Mosaic GPU).
 
-The FA3 pipeline of mgpu_attention.py with the softmax replaced by selection. One CTA per
+The FA3 pipeline of mgpu_flash.py with the softmax replaced by selection. One CTA per
 (sequence x kv head, block of 2 * block_q rows, key split); rows are query positions x the query
 heads of the kv group (layout.q_rows), so one K tile serves the whole group.
 - A memory warpgroup streams the split's K tiles by TMA into a ring of `stages` SMEM slots.
@@ -20,7 +20,7 @@ Exactness (ties to the lowest key, as the reference's lax.top_k): a CTA visits i
 increasing order (tiles in order, and within a tile equal maxima leave by increasing key), and a
 newcomer must beat the worst kept score strictly, so of equal scores the earlier key stays; the
 pair evicted is the worst score with the highest key. Hence each split's set is exactly its
-top kp by (score desc, key asc), and topk_tile.finish merges the splits (topk_scores.py).
+top kp by (score desc, key asc), and topk_tile.finish merges the splits (topk.py).
 Candidates are keys lo[b] <= t < hi[b]; tiles crossing lo or hi, or the clamped last tile of T
 (keys before its nominal start were seen), are masked; the tiles between are not.
 
@@ -44,7 +44,7 @@ from pallas_kernels.mgpu_common import (COMPUTE_WGS, DTYPES, HEAD_DIMS, NEG_INF,
                                         interpret_params, interpreter_available, keyrows, plgpu,
                                         rendezvous, rows, tile_start)
 
-__all__ = ["Config", "DEFAULT_CONFIG", "MAX_TOP_K", "interpreter_available", "mgpu_topk",
+__all__ = ["Config", "DEFAULT_CONFIG", "MAX_TOP_K", "interpreter_available", "mgpu_topk_scores",
            "smem_bytes", "unsupported"]
 
 DEFAULT_CONFIG = Config(block_q=64, block_kv=128, stages=4)  # not yet tuned on a GPU
@@ -90,20 +90,20 @@ class _Dims:
 
 @functools.partial(jax.jit, static_argnames=("kp", "span", "splits", "scale", "kv_layout",
                                              "config", "interpret", "native"))
-def mgpu_topk(qr, k, bounds, *, kp: int, span: int, splits: int, scale: float | None,
-              kv_layout: str = "BTHD", config: Config = DEFAULT_CONFIG, interpret=False,
-              native: bool | None = None):
+def mgpu_topk_scores(qr, k, bounds, *, kp: int, span: int, splits: int, scale: float | None,
+                     kv_layout: str = "BTHD", config: Config = DEFAULT_CONFIG, interpret=False,
+                     native: bool | None = None):
   """qr [B, KV, R, d] (R a multiple of 2 * block_q); k [B, T, KV, d] or [B, KV, T, d] with
   T >= block_kv; bounds int32 [B, 2]: candidates lo <= t < hi (hi <= T). span * splits >= T.
   Returns (scores fp32, keys int32) [B, KV, splits, R, kp]: each split's best kp per row,
   unordered; (-inf, a negative key) where a split has fewer candidates. scale multiplies q.k
-  (None: not at all). interpret / native as in mgpu_attention."""
+  (None: not at all). interpret / native as in mgpu_flash."""
   native = (interpret is False) if native is None else native
   b, kvh, rp, d = qr.shape
   t = k.shape[1 if kv_layout == "BTHD" else 2]
   cta_rows = COMPUTE_WGS * config.block_q
   if rp % cta_rows or t < config.block_kv or span % config.block_kv or span * splits < t:
-    raise ValueError(f"mgpu_topk: rows {rp} / keys {t} / span {span} x {splits} do not fit "
+    raise ValueError(f"mgpu_topk_scores: rows {rp} / keys {t} / span {span} x {splits} do not fit "
                      f"{config}")
   dims = _Dims(t=t, d=d, kvh=kvh, span=span, kp=kp)
   body = functools.partial(_entry, dims=dims, cfg=config, scale=scale, kv_layout=kv_layout,
@@ -199,7 +199,7 @@ def _consumer(refs, smem, barriers, *, wg, row0, b, h, lo, hi, tiles, dims, cfg,
                            t=dims.t, cfg=cfg)
   for a, z, masked in ((first, plain_lo, True), (plain_lo, plain_hi, False),
                        (plain_hi, last, True)):
-    # The cond only skips an empty loop (as mgpu_attention's masked loop; see there).
+    # The cond only skips an empty loop (as mgpu_flash's masked loop; see there).
     state = lax.cond(a < z, functools.partial(lax.fori_loop, a, z,
                                               functools.partial(step, masked=masked)),
                      lambda s: s, state)

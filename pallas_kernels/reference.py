@@ -1,6 +1,8 @@
 """Pure-jnp references for every kernel: the definition the Pallas variants are tested against.
 
-They materialize full score matrices, so they are for checking and for short inputs on CPU.
+They materialize full score matrices, so they are for checking and for short inputs on CPU. The
+exception is `merge_attention`, the library's one merge of partial attentions (the kernels' key
+splits, Star and ring attention, RESA): an elementwise pass over the parts, with no kernel.
 """
 
 from __future__ import annotations
@@ -85,7 +87,15 @@ def gathered_attention(q, k, v, indices, valid, *, scale, kv_layout="BTHD", key_
 
 
 def merge_attention(outs, lses):
-  """Exact merge of partial attentions over disjoint key sets: outs [P, ..., d], lses [P, ...]."""
+  """Exact merge of partial attentions over disjoint key sets, in fp32: outs [P, ..., d], lses
+  [P, ...] (natural log, -inf for an empty part) -> (out in outs' dtype, lse fp32); a row empty
+  in every part gives (0, -inf).
+
+  No Pallas kernel: a kernel for it existed, but no library call ran it and nothing measured it
+  faster than what XLA fuses these few elementwise ops into (the split-K decode merge that was
+  worth a kernel is split_merge.py)."""
+  if outs.shape[:-1] != lses.shape:
+    raise ValueError(f"outs {outs.shape} must be lses {lses.shape} plus a head dim")
   lses = lses.astype(jnp.float32)
   m = jnp.max(lses, axis=0)
   m_safe = jnp.where(jnp.isfinite(m), m, 0.0)

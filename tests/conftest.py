@@ -8,7 +8,7 @@ import pytest
 jax.config.update("jax_enable_x64", False)
 os.environ.setdefault("JAX_LONGCTX_QUIET", "1")
 
-from jax_longctx.config import LlamaConfig, RopeScaling  # noqa: E402
+from jax_longctx.core.config import LlamaConfig, RopeScaling  # noqa: E402
 from jax_longctx.model import random_params  # noqa: E402
 
 
@@ -57,25 +57,30 @@ def default_hf_dir(default_lm, tmp_path_factory):
   return str(dst)
 
 
-def chunked_then_decoded_logits(cfg, params, ids, n_prompt: int, chunk: int, cache_len: int):
+def chunked_then_decoded_logits(cfg, params, ids, n_prompt: int, chunk: int, cache_len: int,
+                                options=None):
   """Full attention's logits of ids[:, :n_prompt] prefilled in `chunk`-token pieces, then one
-  decode step per later token: (logits [B, T, V] numpy, the final cache)."""
+  decode step per later token: (logits [B, T, V] numpy, the final cache). options: the
+  RunOptions of every step (None: the defaults)."""
   import jax.numpy as jnp
   import numpy as np
 
   from jax_longctx.methods import get
   from jax_longctx.model import forward, new_cache
+  from jax_longctx.core.options import RunOptions
+  options = options or RunOptions()
   full = get("full")
   cache = new_cache(cfg, full, ids.shape[0], cache_len)
   outs = []
   for s in range(0, n_prompt, chunk):
     e = min(s + chunk, n_prompt)
     pos = jnp.broadcast_to(jnp.arange(s, e), (ids.shape[0], e - s))
-    logits, cache = forward(params, jnp.asarray(ids[:, s:e]), pos, cache, full, cfg)
+    logits, cache = forward(params, jnp.asarray(ids[:, s:e]), pos, cache, full, cfg,
+                            options=options)
     outs.append(np.asarray(logits))
   for t in range(n_prompt, ids.shape[1]):
     logits, cache = forward(params, jnp.asarray(ids[:, t:t + 1]), cache.lengths[:, None], cache,
-                            full, cfg, decode=True)
+                            full, cfg, decode=True, options=options)
     outs.append(np.asarray(logits))
   return np.concatenate(outs, axis=1), cache
 

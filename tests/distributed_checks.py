@@ -11,7 +11,8 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 import pallas_kernels
-from jax_longctx.distributed import merge_across, ring_attention
+from jax_longctx.run.distributed import merge_across, ring_attention
+from jax_longctx.core.options import RunOptions
 
 N = 8
 MESH = Mesh(np.array(jax.devices()[:N]), ("sp",))
@@ -76,12 +77,13 @@ def _tiny():
 
 def _full_reference(cfg, params, contexts, queries, new):
   """Last query-token logits and greedy tokens of plain full attention on one device."""
-  import importlib
-  gen = importlib.import_module("jax_longctx.generation")
+  from jax_longctx.run import generation as gen
   from jax_longctx.methods import get
   prompts = [c + q for c, q in zip(contexts, queries)]
-  cache, last = gen.prefill(params, cfg, prompts, get("full"), cache_len=128, chunk_size=16)
-  tokens = gen.generate(params, cfg, prompts, get("full"), max_new_tokens=new, cache_len=128)
+  from jax_longctx.run.driver import generate
+  cache, last = gen.prefill(params, cfg, prompts, get("full"), cache_len=128,
+                            options=RunOptions(prefill_chunk=16))
+  tokens = generate(params, cfg, prompts, get("full"), max_new_tokens=new, cache_len=128)
   return np.asarray(last), tokens.tokens
 
 
@@ -89,7 +91,7 @@ def end_to_end(method, block_size=None, shared_anchor=True):
   """Equal to full attention (logits, greedy tokens) for a batch of contexts of different
   lengths on 8 devices: ring prefill; Star with one block; Star with two blocks, the second
   anchored by the first, which is then exactly causal attention (6 of the 8 blocks are empty)."""
-  from jax_longctx.distributed.star import generate_distributed
+  from jax_longctx.run.distributed.star import generate_distributed
   cfg, params = _tiny()
   rng = np.random.default_rng(0)
   contexts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (37, 50)]
@@ -106,7 +108,7 @@ def end_to_end(method, block_size=None, shared_anchor=True):
 def star_blocks():
   """Several blocks per device (block 4 -> 13 blocks padded to 16 on 8 devices): runs, differs
   from full attention (the blocks do not see each other), and a batch equals each alone."""
-  from jax_longctx.distributed.star import generate_distributed
+  from jax_longctx.run.distributed.star import generate_distributed
   cfg, params = _tiny()
   rng = np.random.default_rng(1)
   contexts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (50, 29)]
@@ -132,7 +134,7 @@ def star_vs_transformers():
   from transformers import LlamaForCausalLM
 
   from checkpoints_convert import export_hf
-  from jax_longctx.distributed.star import generate_distributed
+  from jax_longctx.run.distributed.star import generate_distributed
   from tests.hf_reference import hf_star
   cfg, params = _tiny()
   rng = np.random.default_rng(2)

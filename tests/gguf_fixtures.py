@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from checkpoints_convert import layout
+from jax_longctx.checkpoints import layout
 
 _TO_GGUF = {
     "model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
@@ -29,7 +29,7 @@ def llama_cpp_permute(w, n_head):
 
 def byte_tokens(n: int) -> list[str]:
   """n distinct tokens spelled in the GPT-2 byte alphabet."""
-  from checkpoints_convert.gguf_tokenizer import _byte_alphabet
+  from jax_longctx.checkpoints.gguf_tokenizer import _byte_alphabet
   chars = list(_byte_alphabet().values())
   return (chars + [a + b for a in chars for b in chars])[:n]
 

@@ -3,7 +3,7 @@
 import jax.numpy as jnp
 import numpy as np
 
-from jax_longctx.attention import attention, attention_probs_sum, merge_attention
+from jax_longctx.ops.attention import attention, attention_probs_sum, merge_attention
 
 B, S, H, KV, T, D = 2, 3, 6, 2, 40, 8
 

@@ -3,10 +3,13 @@ corrupt part is a one-line error naming the package, and nothing half-written st
 The parts here are a tiny Qwen2 GGUF cut into fake installed packages; the tests on the real
 Qwen2.5-Coder parts run only where they are installed."""
 
+import errno
 import hashlib
 import importlib
 import importlib.util
+import io
 import os
+import socket
 import sys
 
 import jax
@@ -14,12 +17,12 @@ import numpy as np
 import pytest
 
 import jax_longctx
-from jax_longctx import bundled
+from checkpoints_convert import CheckpointError
+from jax_longctx.app import bundled
 from jax_longctx.model import random_params
 from tests.conftest import tiny_config
 from tests.gguf_fixtures import write_gguf
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NAME = "tiny-qwen"
 PACKAGE = "fake-tiny-qwen-part"
 
@@ -98,6 +101,37 @@ def test_corrupt_part_fails_the_checksum(tiny_bundle):
   assert os.listdir(cache) == []  # the temporary join was removed
 
 
+def test_join_and_conversion_remove_stale_scratch_of_a_killed_run(tiny_bundle, capfd):
+  """Scratch a killed join and conversion left in the cache (their writers are gone: the next
+  one gets the lock) is removed, each in one line."""
+  _, _, cache = tiny_bundle
+  cache.mkdir()
+  (cache / f".{NAME}.gguf.tmp-abcdefgh").write_bytes(b"\0" * 1000)  # a join's, before hosts
+  (cache / f".{NAME}.tmp-abcdefgh@{socket.gethostname()}").mkdir()  # a conversion's
+  jax_longctx.load(NAME)
+  err = capfd.readouterr().err
+  assert f"removed stale scratch of {cache / NAME}.gguf from an interrupted run: " \
+         f".{NAME}.gguf.tmp-abcdefgh (0.0 MB)" in err
+  assert f"removed stale scratch of {cache / NAME} from an interrupted run: .{NAME}.tmp-" in err
+  assert sorted(os.listdir(cache)) == [NAME, f"{NAME}.gguf"]
+
+
+def test_disk_full_while_joining_is_one_line_and_leaves_nothing(tiny_bundle, monkeypatch):
+  _, _, cache = tiny_bundle
+
+  class Full(io.BytesIO):
+    def write(self, chunk):
+      raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+  real_open = open
+  monkeypatch.setattr(bundled, "open", lambda path, mode="r": Full() if "w" in mode else
+                      real_open(path, mode), raising=False)
+  with pytest.raises(CheckpointError, match=rf"^no space left on device writing {cache}/{NAME}"
+                                            rf"\.gguf: needs about [0-9.]+ MB, [0-9.]+ [MG]B free$"):
+    jax_longctx.load(NAME)
+  assert os.listdir(cache) == []
+
+
 def test_device_carry_join(tiny_bundle, tmp_path):
   """benchmarks/carry_model.py join: pieces in order -> the cache's GGUF, checked; a lost piece
   is a one-line exit."""
@@ -134,12 +168,9 @@ def test_real_05b_config_and_tokenizer_match_transformers(tmp_path_factory):
   pytest.importorskip("transformers")
   from transformers import AutoTokenizer
 
-  from checkpoints_convert.sources import open_source
-  spec = importlib.util.spec_from_file_location(
-      "gguf_vs_transformers", os.path.join(ROOT, "experiments", "gguf_vs_transformers.py"))
-  experiment = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(experiment)
-  from jax_longctx.tokenizer import Tokenizer
+  from jax_longctx.checkpoints.sources import open_source
+  from experiments import gguf_vs_transformers as experiment
+  from jax_longctx.app.tokenizer import Tokenizer
   path = bundled.gguf_file("qwen2.5-coder-0.5b")
   source = open_source(path)
   cfg = source.cfg
@@ -155,4 +186,4 @@ def test_real_05b_config_and_tokenizer_match_transformers(tmp_path_factory):
   msgs = [{"role": "user", "content": "Write a function."}]
   assert ours.apply_chat_template(msgs) == ref.apply_chat_template(
       msgs, tokenize=False, add_generation_prompt=True)
-  assert ours.token_id("<|im_end|>") in jax_longctx.api.LM(cfg, None, ours).stop_tokens()
+  assert ours.token_id("<|im_end|>") in jax_longctx.app.api.LM(cfg, None, ours).stop_tokens()

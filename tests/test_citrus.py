@@ -1,17 +1,15 @@
 """CItruS against a slow reference of the paper's Eqs. 1-5 (the authors' loop); its outer loop."""
 
-import importlib
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_longctx.instructed import split_prompt
+from jax_longctx.run import generation as gen
+from jax_longctx.run.instructed import split_prompt
 from jax_longctx.methods import AttnContext, MethodError, get
-from jax_longctx.rope import apply_rope, inv_freq
+from jax_longctx.core.rope import apply_rope, inv_freq
+from jax_longctx.run.driver import generate
 from tests.conftest import tiny_config
-
-gen = importlib.import_module("jax_longctx.generation")
 
 CFG = tiny_config(num_heads=6, num_kv_heads=2, head_dim=8)
 B, H, KV, D = 2, 6, 2, 8
@@ -146,12 +144,12 @@ def test_small_budget_changes_what_is_kept_per_variant():
 def test_guided_methods_need_the_instruction(tiny):
   cfg, params = tiny
   with pytest.raises(gen.GenerationError, match="needs the instruction apart from the document"):
-    gen.generate(params, cfg, [[1, 2, 3]], get("citrus_shared"), max_new_tokens=2)
+    generate(params, cfg, [[1, 2, 3]], get("citrus_shared"), max_new_tokens=2)
   with pytest.raises(gen.GenerationError, match="2 prompts but 1 instructions"):
-    gen.generate(params, cfg, [[1, 2], [3]], get("citrus_shared"), max_new_tokens=2,
+    generate(params, cfg, [[1, 2], [3]], get("citrus_shared"), max_new_tokens=2,
                  instructions=[[4]])
   with pytest.raises(gen.GenerationError, match="empty instruction at batch index 0"):
-    gen.generate(params, cfg, [[1, 2]], get("citrus_shared"), max_new_tokens=2,
+    generate(params, cfg, [[1, 2]], get("citrus_shared"), max_new_tokens=2,
                  instructions=[[]])
   with pytest.raises(MethodError, match="chunk=0 must be >= 1"):
     get("citrus_standard", budget=8, chunk=0).init_state(cfg, 1, 64, jnp.float32, 8)
@@ -167,14 +165,14 @@ def test_split_prompt_takes_the_last_paragraph():
 
 @pytest.mark.parametrize("task", ["passkey", "niah_multikey", "chain_of_key"])
 def test_tasks_say_where_their_instruction_starts(default_lm, task):
-  from jax_longctx import tasks
+  from jax_longctx.app import tasks
   s = tasks.get(task).make(default_lm.tokenizer, 600, 0.5, seed=0, chat=True)
   assert s.document + s.instruction == s.prompt
   assert 0 < len(s.instruction) < 400 and "?" in s.instruction or "chain" in s.instruction
 
 
 def test_api_and_eval_run_citrus_on_the_default_model(default_lm, tmp_path):
-  from jax_longctx.eval import MethodSpec, run_sweep
+  from jax_longctx.app.eval import MethodSpec, run_sweep
   lm = default_lm
   doc = "The secret word is pumpkin. " + "The grass is green. The sky is blue. " * 40
   question = "\n\nWhat is the secret word?"

@@ -4,6 +4,9 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+from jax_longctx.app import cli
 from jax_longctx.methods import names
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -11,7 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _cli(*args):
   env = dict(os.environ, PYTHONPATH=ROOT, JAX_LONGCTX_QUIET="1")
-  return subprocess.run([sys.executable, "-m", "jax_longctx.cli", *args], capture_output=True,
+  return subprocess.run([sys.executable, "-m", "jax_longctx", *args], capture_output=True,
                         text=True, env=env, timeout=600)
 
 
@@ -91,3 +94,57 @@ def test_wrong_typed_method_arg_is_one_line():
   assert out.stderr.strip() == (
       "jax-longctx: error: method 'snapkv': budget='abc' is not valid; budget takes a number of "
       "tokens (int >= 1) or a fraction of the cache (float in (0, 1])")
+
+
+def _one_line_error(argv, capsys) -> str:
+  """Runs the command in this process; it must fail with one line on stderr (no traceback)."""
+  assert cli.main(argv) == 2
+  err = capsys.readouterr().err.strip()
+  assert err.count("\n") == 0 and err.startswith("jax-longctx: error: "), err
+  return err
+
+
+@pytest.mark.parametrize("length", ["0", "-5", "0.0001k"])
+def test_a_length_below_one_token_is_a_one_line_error(length, capsys, tmp_path):
+  """--lengths 0 ran the task's shortest prompt (68 tokens) and reported it as "0K"; -5 said
+  "results in DIR" and wrote nothing. Both fail before the model loads, naming the length."""
+  err = _one_line_error(["eval", "--task", "passkey", "--lengths", f"4k,{length}",
+                         "--out", str(tmp_path / "out")], capsys)
+  assert f"bad length {length!r}" in err
+  assert not (tmp_path / "out").exists()
+
+
+def test_a_prompt_file_that_is_a_directory_is_a_one_line_error(capsys, tmp_path):
+  err = _one_line_error(["generate", "--prompt-file", str(tmp_path)], capsys)
+  assert err == f"jax-longctx: error: --prompt-file {tmp_path}: Is a directory"
+
+
+def test_bad_models_and_settings_stay_one_line_errors(capsys, tmp_path):
+  """What was already clear stays so: a truncated GGUF, a directory that is no model, a depth
+  outside [0, 1], an unknown dtype (argparse's own error)."""
+  import jax
+  import numpy as np
+
+  from jax_longctx.model import random_params
+  from tests.conftest import tiny_config
+  from tests.gguf_fixtures import write_gguf
+  cfg = tiny_config(vocab_size=97, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
+                    intermediate_size=96, architecture="qwen2", attention_bias=True)
+  gguf = tmp_path / "m.gguf"
+  write_gguf(gguf, cfg, jax.tree.map(np.asarray, random_params(cfg, seed=2)), "qwen2")
+  with open(gguf, "r+b") as f:
+    f.truncate(os.path.getsize(gguf) // 2)
+  assert "not a readable GGUF file" in _one_line_error(
+      ["generate", "--model", str(gguf), "--prompt", "hi"], capsys)
+  (tmp_path / "empty").mkdir()
+  assert "no config.json" in _one_line_error(
+      ["generate", "--model", str(tmp_path / "empty"), "--prompt", "hi"], capsys)
+  assert "--depths must lie in [0, 1], got [1.5]" in _one_line_error(
+      ["eval", "--task", "passkey", "--depths", "1.5", "--out", str(tmp_path / "o")], capsys)
+  with pytest.raises(SystemExit) as exit_:
+    cli.main(["generate", "--prompt", "hi", "--dtype", "float8"])
+  assert exit_.value.code == 2 and "invalid choice: 'float8'" in capsys.readouterr().err
+
+
+def test_an_empty_prompt_is_a_one_line_error(default_lm, capsys):
+  assert "empty prompt" in _one_line_error(["generate", "--prompt", ""], capsys)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from jax_longctx.config import ConfigError, LlamaConfig, preset
+from jax_longctx.core.config import ConfigError, LlamaConfig, preset
 
 HF_V4 = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
          "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
@@ -35,8 +35,8 @@ def test_presets_param_counts():
 
 
 def test_gguf_metadata(default_lm):
-  from checkpoints_convert.sources import _gguf_reader, gguf_metadata
-  from jax_longctx.default_model import gguf_path
+  from jax_longctx.checkpoints.sources import _gguf_reader, gguf_metadata
+  from jax_longctx.app.default_model import gguf_path
   _, reader = _gguf_reader(gguf_path())
   meta = gguf_metadata(reader)
   cfg = LlamaConfig.from_gguf_fields(meta)

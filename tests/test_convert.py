@@ -2,9 +2,10 @@
 
 import json
 import os
-import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 
 import ml_dtypes
@@ -12,12 +13,11 @@ import numpy as np
 import pytest
 
 from checkpoints_convert import CheckpointError, convert, export_hf, load_source, restore
-import importlib
-from checkpoints_convert import safetensors_io
+from jax_longctx.checkpoints import pipeline as convert_mod
+from jax_longctx.checkpoints import safetensors_io
 from jax_longctx.model import random_params
 from tests.conftest import TINY_LLAMA3, tiny_config
 
-convert_mod = importlib.import_module("checkpoints_convert.pipeline")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -91,41 +91,10 @@ def test_failed_conversion_leaves_nothing(tmp_path):
   assert os.listdir(tmp_path) == ["src"]
 
 
-_SLOW_CONVERT = """
-import sys, time
-from checkpoints_convert import safetensors_io
-real = safetensors_io.iter_tensors
-def slow(path):
-    for i, item in enumerate(real(path)):
-        if i == 3:
-            open(sys.argv[3], "w").close()  # tell the test we are mid-way
-            time.sleep(60)
-        yield item
-safetensors_io.iter_tensors = slow
-from checkpoints_convert import convert
-convert(sys.argv[1], sys.argv[2])
-"""
-
-
-def test_killed_conversion_leaves_no_destination(tmp_path):
-  _make_hf_dir(tmp_path / "src", np.float32)
-  marker = tmp_path / "midway"
-  env = dict(os.environ, PYTHONPATH=ROOT, JAX_LONGCTX_QUIET="1")
-  proc = subprocess.Popen([sys.executable, "-c", _SLOW_CONVERT, str(tmp_path / "src"),
-                           str(tmp_path / "dst"), str(marker)], env=env)
-  deadline = time.time() + 120
-  while not marker.exists() and time.time() < deadline and proc.poll() is None:
-    time.sleep(0.2)
-  assert marker.exists(), "conversion never reached the middle"
-  proc.send_signal(signal.SIGKILL)
-  proc.wait()
-  assert not (tmp_path / "dst").exists()
-
-
 def test_gguf_file_loads_directly_with_the_same_weights(default_lm):
   import jax
   import jax_longctx
-  from jax_longctx.default_model import gguf_path
+  from jax_longctx.app.default_model import gguf_path
   direct = jax_longctx.load(gguf_path())
   assert direct.config == default_lm.config
   same = jax.tree.map(lambda a, b: bool(np.array_equal(np.asarray(a), np.asarray(b))),
@@ -135,29 +104,69 @@ def test_gguf_file_loads_directly_with_the_same_weights(default_lm):
 
 
 _CONVERT_ONCE = """
-import os, sys
-from checkpoints_convert import pipeline
+import os, sys, time
+from jax_longctx.checkpoints import pipeline, safetensors_io
+src, dst, log, go = sys.argv[1:5]
 real = pipeline.convert
 def logged(src, dst, overwrite=False):
-  with open(sys.argv[3], "a") as f:
+  with open(log, "a") as f:
     f.write(f"{os.getpid()}\\n")
   return real(src, dst, overwrite)
 pipeline.convert = logged
-pipeline.convert_once(sys.argv[1], sys.argv[2])
-pipeline.restore(sys.argv[2])
+if go != "-":  # stop mid-way until the test says go
+  real_iter = safetensors_io.iter_tensors
+  def paused(path):
+    for i, item in enumerate(real_iter(path)):
+      if i == 3 and not os.path.exists(go):
+        open(go + ".midway", "w").close()
+        while not os.path.exists(go):
+          time.sleep(0.05)
+      yield item
+  safetensors_io.iter_tensors = paused
+pipeline.convert_once(src, dst)
+pipeline.restore(dst)
 """
 
 
-def test_processes_started_together_convert_once(tmp_path):
-  """Several jobs on a fresh cache (eval processes sharing one GPU): one converts, the others wait
-  on the lock and read the finished checkpoint."""
+def _waiting_line(proc):
+  """Reads proc's stderr up to its line saying that it waits; that line."""
+  for line in proc.stderr:
+    if "waiting for another process" in line:
+      return line.strip()
+  return None
+
+
+def test_concurrent_conversions_one_converts_the_other_waits_and_uses_it(tmp_path):
+  """Two jobs converting one model into one cache (issue 43): the second waits for the first and
+  loads its result; both exit 0. A plain `convert` into the same place also waits, then refuses
+  to replace it, as for any existing destination."""
   _make_hf_dir(tmp_path / "src", np.float32)
-  log = tmp_path / "conversions.txt"
-  env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"}
-  jobs = [subprocess.Popen([sys.executable, "-c", _CONVERT_ONCE, str(tmp_path / "src"),
-                            str(tmp_path / "ckpt"), str(log)], env=env, stderr=subprocess.PIPE)
-          for _ in range(3)]
-  for job in jobs:
-    assert job.wait(timeout=300) == 0, job.stderr.read().decode()[-2000:]
-  assert len(log.read_text().split()) == 1
-  assert os.path.exists(tmp_path / "ckpt" / "config.json")
+  src, dst, log, go = (str(tmp_path / "src"), str(tmp_path / "out" / "ckpt"),
+                       str(tmp_path / "conversions.txt"), str(tmp_path / "go"))
+  env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu", "JAX_LONGCTX_QUIET": "1"}
+
+  def start(*args):
+    return subprocess.Popen([sys.executable, *args], env=env, stderr=subprocess.PIPE, text=True)
+  first = start("-c", _CONVERT_ONCE, src, dst, log, go)
+  rescue = threading.Timer(120, lambda: open(go, "w").close())  # no hang if nobody waits
+  rescue.start()
+  try:
+    deadline = time.time() + 120
+    while not os.path.exists(go + ".midway") and time.time() < deadline and first.poll() is None:
+      time.sleep(0.1)
+    assert os.path.exists(go + ".midway"), first.stderr.read()[-2000:]
+    second = start("-c", _CONVERT_ONCE, src, dst, log, "-")
+    plain = start("-m", "jax_longctx", "convert", src, dst)
+    waiting = f"waiting for another process writing {dst} (pid {first.pid} on {socket.gethostname()})"
+    assert _waiting_line(second) == waiting
+    assert _waiting_line(plain) == waiting
+    open(go, "w").close()
+    for job in (first, second):
+      assert job.wait(timeout=300) == 0, job.stderr.read()[-2000:]
+    assert plain.wait(timeout=300) == 2
+    assert "exists (written by the process this one waited for)" in plain.stderr.read()
+  finally:
+    rescue.cancel()
+  assert open(log).read().split() == [str(first.pid)]  # one conversion
+  assert os.listdir(tmp_path / "out") == ["ckpt"]  # no lock file, no scratch
+  restore(dst)

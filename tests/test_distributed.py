@@ -61,7 +61,7 @@ def test_eval_as_two_processes(tmp_path, default_lm):
   port, out = _free_port(), tmp_path / "eval"
   env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu",
              XLA_FLAGS="--xla_force_host_platform_device_count=2")
-  cmd = [sys.executable, "-m", "jax_longctx.cli", "eval", "--model", "default", "--task",
+  cmd = [sys.executable, "-m", "jax_longctx", "eval", "--model", "default", "--task",
          "passkey", "--chat", "--methods", "star", "--lengths", "1k", "--samples", "1",
          "--out", str(out), "--coordinator", f"localhost:{port}", "--num-processes", "2"]
   procs = [subprocess.Popen(cmd + ["--process-id", str(i)], cwd=ROOT, env=env, text=True,
@@ -85,7 +85,7 @@ def test_star_on_one_device_matches_transformers(tmp_path, shared_anchor):
   from transformers import LlamaForCausalLM
 
   from checkpoints_convert import export_hf
-  from jax_longctx.distributed import generate_distributed
+  from jax_longctx.run.distributed import generate_distributed
   from jax_longctx.model import random_params
   from tests.conftest import TINY_LLAMA3, tiny_config
   from tests.hf_reference import hf_star
@@ -113,9 +113,9 @@ def test_star_layout_and_errors():
   import numpy as np
   from jax.sharding import Mesh
 
-  from jax_longctx.distributed import encode_context, generate_distributed
-  from jax_longctx.distributed.star import Layout
-  from jax_longctx.generation import GenerationError
+  from jax_longctx.run.distributed import encode_context, generate_distributed
+  from jax_longctx.run.distributed.star import Layout
+  from jax_longctx.run.generation import GenerationError
   assert Layout.star(8177, 4, None, None) == Layout.star(8100, 4, None, None)
   assert Layout.star(8177, 4, None, None).block == 2048
   assert Layout.star(8177, 4, None, None).n_blocks == 4

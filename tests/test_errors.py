@@ -1,5 +1,7 @@
-"""Bad input gets a clear error naming the problem."""
+"""Bad input gets a clear error naming the problem; every error derives from one base."""
 
+import ast
+import builtins
 import json
 import os
 
@@ -7,9 +9,10 @@ import pytest
 
 import jax_longctx
 from checkpoints_convert import CheckpointError, convert, export_hf
-from jax_longctx import default_model
-from jax_longctx.config import ConfigError
-from jax_longctx.generation import GenerationError, generate
+from jax_longctx.app import default_model
+from jax_longctx.core.config import ConfigError
+from jax_longctx.run.driver import generate
+from jax_longctx.run.generation import GenerationError
 from jax_longctx.methods import MethodError, get
 from jax_longctx.model import random_params
 from tests.conftest import tiny_config
@@ -65,7 +68,7 @@ def test_generation_input_errors(tiny):
   cfg, params = tiny
   full = get("full")
   with pytest.raises(GenerationError, match="longer than the cache"):
-    from jax_longctx.generation import prefill
+    from jax_longctx.run.generation import prefill
     prefill(params, cfg, [[1] * 20], full, cache_len=16)
   with pytest.raises(GenerationError, match="does not fit the cache"):
     generate(params, cfg, [[1] * 10], full, max_new_tokens=10, cache_len=16)
@@ -96,8 +99,51 @@ def test_missing_default_model_package_says_how_to_install(monkeypatch, tmp_path
 
 
 def test_sampling_parameter_errors():
-  from jax_longctx.generation import Sampling
+  from jax_longctx.run.generation import Sampling
   with pytest.raises(GenerationError, match="top_p"):
     Sampling(top_p=0.0)
   with pytest.raises(GenerationError, match="temperature"):
     Sampling(temperature=-1.0)
+
+
+_BUILTIN_ERRORS = {n for n, v in vars(builtins).items()
+                   if isinstance(v, type) and issubclass(v, BaseException)}
+
+
+def _error_classes():
+  """{class name: its base names} for every exception class in the library's sources (a class
+  with a builtin exception or another such class among its bases): a static scan, so a module
+  no test imports is seen too."""
+  from tests.test_import_layers import PACKAGES, ROOT
+  classes = {}
+  for pkg in PACKAGES:
+    for path in sorted((ROOT / pkg).rglob("*.py")):
+      for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ClassDef):
+          classes[node.name] = [ast.unparse(b).rpartition(".")[2] for b in node.bases]
+  errors = {}
+  while True:
+    more = {n: b for n, b in classes.items()
+            if n not in errors and any(x in _BUILTIN_ERRORS or x in errors for x in b)}
+    if not more:
+      return errors
+    errors.update(more)
+
+
+def test_every_error_of_the_library_derives_from_one_base():
+  errors = _error_classes()
+
+  def based(name):
+    return name == "LongctxError" or any(based(b) for b in errors.get(name, ()))
+  assert {"ConfigError", "GenerationError", "TaskError", "MethodError", "BundledModelError",
+          "DefaultModelMissing", "EvalError", "CheckpointError", "SafetensorsError",
+          "TrainConfigError", "DataError"} <= set(errors)
+  assert [n for n in errors if not based(n)] == []
+  # Each keeps the builtin it had, so `except ValueError` catches what it caught.
+  from jax_longctx.checkpoints.safetensors_io import SafetensorsError
+  from jax_longctx.app.bundled import BundledModelError
+  from train_cpt.config import TrainConfigError
+  assert issubclass(SafetensorsError, jax_longctx.LongctxError)
+  assert issubclass(ConfigError, ValueError) and issubclass(TrainConfigError, ValueError)
+  assert issubclass(BundledModelError, FileNotFoundError) and issubclass(
+      default_model.DefaultModelMissing, jax_longctx.LongctxError)

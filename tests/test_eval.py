@@ -7,8 +7,8 @@ import jax
 import numpy as np
 import pytest
 
-from jax_longctx import eval as eval_lib
-from jax_longctx.eval import EvalError, MethodSpec, run_sweep
+from jax_longctx.app import eval as eval_lib
+from jax_longctx.app.eval import EvalError, MethodSpec, run_sweep
 from jax_longctx.methods import MethodError
 
 
@@ -47,6 +47,30 @@ def test_corrupt_results_file_is_reported_not_overwritten(default_lm, tmp_path):
   assert (out / "results.jsonl").read_text() == '{"task": "passkey"\n'
 
 
+_REC = '{"task": "passkey", "method": "full", "length": 300, "depth": 0.5, "seed": %d}\n'
+
+
+@pytest.mark.parametrize("tail", ['{"task": "passk', (_REC % 2).rstrip("\n")])
+def test_a_record_cut_short_is_dropped_and_cut_from_the_file(tmp_path, capsys, tail):
+  """A last line without its newline is a write a kill interrupted (even one that parses: its
+  newline never came): dropped with one line; the file ends at the line before."""
+  good = _REC % 0 + _REC % 1
+  (tmp_path / "results.jsonl").write_text(good + tail)
+  assert [r["seed"] for r in eval_lib.load_results(str(tmp_path), repair=False)] == [0, 1]
+  assert (tmp_path / "results.jsonl").read_text() == good + tail  # not the writer: left alone
+  assert [r["seed"] for r in eval_lib.load_results(str(tmp_path))] == [0, 1]
+  assert (tmp_path / "results.jsonl").read_text() == good
+  err = capsys.readouterr().err.splitlines()
+  assert err[-1] == (f"{tmp_path / 'results.jsonl'}: dropped its last line, a record cut short by "
+                     f"an interrupted write ({len(tail)} bytes); its sample runs again")
+
+
+def test_a_corrupt_line_before_the_last_stays_an_error(tmp_path):
+  (tmp_path / "results.jsonl").write_text(_REC % 0 + '{"task": "pa\n' + _REC % 1 + '{"ta')
+  with pytest.raises(EvalError, match="line 2 is corrupt"):
+    eval_lib.load_results(str(tmp_path))
+
+
 def test_ppl_sweep_records_per_token_nll_and_ratio_plot(default_lm, tmp_path):
   out = str(tmp_path / "ppl")
   specs = MethodSpec.parse("full,streaming_llm", ["streaming_llm.budget=64"])
@@ -54,7 +78,7 @@ def test_ppl_sweep_records_per_token_nll_and_ratio_plot(default_lm, tmp_path):
   full = next(r for r in recs if r["method"] == "full")
   assert len(full["nll"]) == 32 and full["score"] > 1
   # Teacher-forced decoding with full attention equals one uncached forward over the text.
-  from jax_longctx import tasks
+  from jax_longctx.app import tasks
   task = tasks.get("ppl", n_scored=32)
   prefix, targets = task.split(task.make(default_lm.tokenizer, 400, None, 0))
   logp = jax.nn.log_softmax(default_lm.logits([prefix + targets])[0], axis=-1)

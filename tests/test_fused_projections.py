@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_longctx.generation import Sampling, decode_loop
+from jax_longctx.run.generation import Sampling, decode_loop
 from jax_longctx.methods import get
 from jax_longctx.model import abstract_model, forward, fuse_projections, is_fused, new_cache, \
     random_params

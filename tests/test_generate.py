@@ -4,12 +4,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import importlib
-from jax_longctx.api import LM
+from jax_longctx.run import generation as gen
+from jax_longctx.app.api import LM
 from jax_longctx.methods import get
+from jax_longctx.run.driver import generate
+from jax_longctx.core.options import RunOptions
 from tests.conftest import chunked_then_decoded_logits
 
-gen = importlib.import_module("jax_longctx.generation")
 FULL = get("full")
 
 
@@ -31,7 +32,7 @@ def test_chunked_prefill_and_decode_match_uncached(tiny, chunk):
 
 def test_blocked_attention_matches_dense(tiny, monkeypatch):
   """The key-blocked online-softmax path (long contexts) equals the dense one."""
-  from jax_longctx import attention
+  from jax_longctx.ops import attention
   cfg, params = tiny
   ids = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 45))
   ref = _uncached(cfg, params, ids)
@@ -43,7 +44,8 @@ def test_blocked_attention_matches_dense(tiny, monkeypatch):
 def test_prefill_logits_are_last_prompt_token(tiny):
   cfg, params = tiny
   prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]]
-  cache, last = gen.prefill(params, cfg, prompts, FULL, cache_len=16, chunk_size=4)
+  cache, last = gen.prefill(params, cfg, prompts, FULL, cache_len=16,
+                            options=RunOptions(prefill_chunk=4))
   for i, p in enumerate(prompts):
     ref = _uncached(cfg, params, [p])[0, -1]
     np.testing.assert_allclose(np.asarray(last[i]), ref, atol=1e-4, rtol=0)
@@ -54,9 +56,10 @@ def test_batched_generation_equals_each_alone(tiny):
   cfg, params = tiny
   rng = np.random.default_rng(7)
   prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (3, 11, 6)]
-  batched = gen.generate(params, cfg, prompts, FULL, max_new_tokens=10, chunk_size=4).tokens
+  chunk4 = RunOptions(prefill_chunk=4)
+  batched = generate(params, cfg, prompts, FULL, max_new_tokens=10, options=chunk4).tokens
   for p, row in zip(prompts, batched):
-    alone = gen.generate(params, cfg, [p], FULL, max_new_tokens=10, chunk_size=4).tokens[0]
+    alone = generate(params, cfg, [p], FULL, max_new_tokens=10, options=chunk4).tokens[0]
     assert row == alone
 
 
@@ -74,7 +77,7 @@ def test_default_model_batched_equals_alone(default_lm):
 def test_greedy_generation_matches_uncached_argmax(tiny):
   cfg, params = tiny
   prompt = [3, 1, 4, 1, 5, 9, 2, 6]
-  out = gen.generate(params, cfg, [prompt], FULL, max_new_tokens=6).tokens[0]
+  out = generate(params, cfg, [prompt], FULL, max_new_tokens=6).tokens[0]
   seq = list(prompt)
   for _ in range(6):
     seq.append(int(np.argmax(_uncached(cfg, params, [seq])[0, -1])))
@@ -87,16 +90,16 @@ def test_decode_loop_compiles_once(tiny):
   rng = np.random.default_rng(3)
   for _ in range(3):  # different prompts of the same shape: one compile for all generations
     prompts = [rng.integers(0, cfg.vocab_size, 9).tolist(), rng.integers(0, 97, 5).tolist()]
-    gen.generate(params, cfg, prompts, get("full"), max_new_tokens=12, cache_len=32)
+    generate(params, cfg, prompts, get("full"), max_new_tokens=12, cache_len=32)
   assert gen.DECODE_TRACES[0] - before == 1
 
 
 def test_stop_tokens_end_rows(tiny):
   cfg, params = tiny
   prompt = [3, 1, 4, 1, 5]
-  free = gen.generate(params, cfg, [prompt], FULL, max_new_tokens=8).tokens[0]
+  free = generate(params, cfg, [prompt], FULL, max_new_tokens=8).tokens[0]
   stop = free[3]
-  cut = gen.generate(params, cfg, [prompt], FULL, max_new_tokens=8, stop_tokens=(stop,)).tokens[0]
+  cut = generate(params, cfg, [prompt], FULL, max_new_tokens=8, stop_tokens=(stop,)).tokens[0]
   assert cut == free[:free.index(stop)]
 
 
@@ -104,12 +107,12 @@ def test_sampling_is_seeded_and_top_p_tiny_is_greedy(tiny):
   cfg, params = tiny
   prompt = [[2, 7, 1, 8, 2, 8]]
   kw = dict(max_new_tokens=12)
-  s1 = gen.generate(params, cfg, prompt, FULL, sampling=gen.Sampling(1.0, 1.0, 11), **kw).tokens
-  s2 = gen.generate(params, cfg, prompt, FULL, sampling=gen.Sampling(1.0, 1.0, 11), **kw).tokens
-  s3 = gen.generate(params, cfg, prompt, FULL, sampling=gen.Sampling(1.0, 1.0, 12), **kw).tokens
+  s1 = generate(params, cfg, prompt, FULL, sampling=gen.Sampling(1.0, 1.0, 11), **kw).tokens
+  s2 = generate(params, cfg, prompt, FULL, sampling=gen.Sampling(1.0, 1.0, 11), **kw).tokens
+  s3 = generate(params, cfg, prompt, FULL, sampling=gen.Sampling(1.0, 1.0, 12), **kw).tokens
   assert s1 == s2 and s1 != s3
-  greedy = gen.generate(params, cfg, prompt, FULL, **kw).tokens
-  nucleus = gen.generate(params, cfg, prompt, FULL, sampling=gen.Sampling(1.0, 1e-6, 5), **kw)
+  greedy = generate(params, cfg, prompt, FULL, **kw).tokens
+  nucleus = generate(params, cfg, prompt, FULL, sampling=gen.Sampling(1.0, 1e-6, 5), **kw)
   assert nucleus.tokens == greedy
 
 

@@ -2,14 +2,16 @@
 un-permuted only for llama.cpp's llama architecture, rope_freqs read as llama3 scaling, unknown
 tensors refused; the tokenizer's pre-tokenizer splits against transformers' GGUF tokenizer."""
 
+import os
+
 import jax
 import numpy as np
 import pytest
 
 from checkpoints_convert import CheckpointError, load_source
-from jax_longctx.config import ConfigError, RopeScaling
+from jax_longctx.core.config import ConfigError, RopeScaling
 from jax_longctx.model import random_params
-from jax_longctx.rope import _base_inv_freq, _llama3_inv_freq
+from jax_longctx.core.rope import _base_inv_freq, _llama3_inv_freq
 from tests.conftest import tiny_config
 from tests.gguf_fixtures import write_gguf
 
@@ -80,7 +82,7 @@ def test_gguf_unknown_tensor_is_an_error(tmp_path):
 
 
 def test_gguf_unknown_pre_tokenizer_is_an_error():
-  from checkpoints_convert.gguf_tokenizer import build_tokenizer
+  from jax_longctx.checkpoints.gguf_tokenizer import build_tokenizer
   from tests.gguf_fixtures import byte_tokens
   meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": byte_tokens(256),
           "tokenizer.ggml.merges": [], "tokenizer.ggml.pre": "made-up"}
@@ -100,7 +102,7 @@ def test_pre_tokenizer_matches_transformers_gguf_tokenizer(pre):
   pytest.importorskip("transformers")
   from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
 
-  from checkpoints_convert.gguf_tokenizer import build_tokenizer
+  from jax_longctx.checkpoints.gguf_tokenizer import build_tokenizer
   from tests.gguf_fixtures import byte_tokens
   base = byte_tokens(256)
   merges = ["Ġ t", "e r", "Ġt h", "1 2", "2 3", "a b", "Ġ Ġ", "ĊĊ Ċ", "Ċ Ċ", "r e", "' s"]
@@ -124,8 +126,8 @@ def test_pre_tokenizer_matches_transformers_gguf_tokenizer(pre):
 def test_chat_template_with_bos_gets_one_bos(tmp_path):
   """Llama 3's template writes `{{- bos_token }}` and its GGUF sets add_bos_token: one BOS, as
   transformers' apply_chat_template gives."""
-  from checkpoints_convert.gguf_tokenizer import write_tokenizer_files
-  from jax_longctx.tokenizer import Tokenizer
+  from jax_longctx.checkpoints.gguf_tokenizer import write_tokenizer_files
+  from jax_longctx.app.tokenizer import Tokenizer
   from tests.gguf_fixtures import byte_tokens
   tokens = byte_tokens(256) + ["<|begin_of_text|>", "<|eot_id|>"]
   meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": tokens,
@@ -139,3 +141,19 @@ def test_chat_template_with_bos_gets_one_bos(tmp_path):
   ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "hi"}]))
   assert ids[:2] == [256, tok.encode("h")[1]] and ids.count(256) == 1
   assert tok.encode("hi")[0] == 256  # plain text still gets its BOS
+
+
+def test_loading_a_gguf_leaves_no_tokenizer_files_behind(tmp_path, monkeypatch):
+  """The tokenizer a GGUF carries is written out only while it is read: every load made a
+  temporary directory that nothing removed."""
+  import tempfile
+
+  import jax_longctx
+  cfg = tiny_config(**SHAPE, architecture="qwen2", attention_bias=True)
+  write_gguf(tmp_path / "m.gguf", cfg, jax.tree.map(np.asarray, random_params(cfg, seed=2)),
+             "qwen2")
+  (tmp_path / "tmp").mkdir()
+  monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+  lm = jax_longctx.load(str(tmp_path / "m.gguf"))
+  assert os.listdir(tmp_path / "tmp") == []
+  assert lm.tokenizer.token_id(lm.tokenizer.eos_token) == cfg.vocab_size - 1

@@ -1,11 +1,11 @@
 """Method hyper-parameters given on the command line: typed checks before anything runs."""
 
-import dataclasses
+import types
 import typing
 
 import pytest
 
-from jax_longctx import cli
+from jax_longctx.app import cli
 from jax_longctx.methods import MethodError, args_per_method, get, names, resolve_budget
 from jax_longctx.methods.hparams import field_types
 
@@ -16,7 +16,7 @@ _WRONG = {"budget": "abc", int: "2.5", float: "abc", bool: "maybe", str: "3", tu
 
 def _wrong_value(tp) -> str:
   args = typing.get_args(tp)
-  if type(None) in args:  # X | None: a wrong X
+  if typing.get_origin(tp) in (typing.Union, types.UnionType):  # X | None, X | Y: a wrong X
     return _wrong_value(next(a for a in args if a is not type(None)))
   if typing.get_origin(tp) is typing.Annotated:
     return _WRONG["budget"]
@@ -25,7 +25,7 @@ def _wrong_value(tp) -> str:
   return _WRONG[tp]
 
 
-_FIELDS = [(n, f.name) for n in names() for f in dataclasses.fields(get(n))]
+_FIELDS = [(n, f) for n in names() for f in field_types(type(get(n)))]  # the constructors' fields
 
 
 @pytest.mark.parametrize("name,field", _FIELDS, ids=[f"{n}.{f}" for n, f in _FIELDS])

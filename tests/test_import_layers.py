@@ -1,62 +1,59 @@
 """Imports run one way (docs/ARCHITECTURE.md, "Layers"): a module may import its own layer and the
-layers below it, never one above, and neither at module level nor inside a function. A static
-scan of the sources: fast, and it sees imports that a run would not reach."""
+layers below it, never one above, and neither at module level nor inside a function. A module's
+layer is the folder it lives in, so a new file is placed by where it is put. A static scan of the
+sources: fast, and it sees imports that a run would not reach."""
 
 import ast
 import pathlib
 
-
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGES = ("pallas_kernels", "jax_longctx", "checkpoints_convert", "train_cpt")
 
-# Lowest first. A module takes the layer of the longest prefix listed for it.
-LAYERS = [
-    ("kernels", ["pallas_kernels"]),
-    ("config", ["jax_longctx.config", "jax_longctx.config_types", "jax_longctx.families",
-                "jax_longctx.rope", "jax_longctx.progress", "jax_longctx.tokenizer", "jax_longctx.tasks",
-                "jax_longctx.report", "checkpoints_convert.errors",
-                "checkpoints_convert.safetensors_io", "checkpoints_convert.sources",
-                "checkpoints_convert.layout", "checkpoints_convert.gguf_tokenizer",
-                "train_cpt.config", "train_cpt.data", "train_cpt.sharding"]),
-    ("attention", ["jax_longctx.attention", "jax_longctx.cache", "jax_longctx.top_n"]),
-    ("methods", ["jax_longctx.methods", "train_cpt.pattern"]),
-    # checkpoints_convert.pipeline needs the model's parameter shapes (abstract_model); the
-    # package's __init__ loads it lazily, so its readers and layout stay on the config layer.
-    ("model", ["jax_longctx.model", "checkpoints_convert.pipeline", "checkpoints_convert"]),
-    ("prefill", ["jax_longctx.chunked_prefill"]),
-    ("instructed", ["jax_longctx.instructed"]),
-    ("generate", ["jax_longctx.generation"]),
-    ("distributed", ["jax_longctx.distributed"]),
-    ("driver", ["jax_longctx.driver"]),
-    ("eval/api", ["jax_longctx.api", "jax_longctx.eval", "jax_longctx.default_model",
-                  "jax_longctx.bundled", "train_cpt"]),
-    ("cli", ["jax_longctx.cli", "jax_longctx"]),  # the package re-exports the API lazily
-]
+# Folders, lowest first. Top-level packages import one way: kernels <- jax_longctx <- the
+# conversion tool and the training job; inside jax_longctx each folder is a layer.
+LAYERS = (
+    "pallas_kernels",  # kernels and their jnp references
+    "jax_longctx/core",  # config, families, RoPE, run options, errors, progress
+    "jax_longctx/ops",  # attention with LSE, caches, top-n
+    "jax_longctx/methods",  # one attention method per file, the registry
+    "jax_longctx/model",  # the decoder
+    "jax_longctx/checkpoints",  # HF / GGUF readers, orbax checkpoints, HF export
+    "jax_longctx/run",  # prefill, decode, the driver, the mesh drivers
+    "jax_longctx/app",  # load(), eval, report, tasks, bundled models, the CLI
+    "jax_longctx",  # the package itself: lazy exports and `python -m jax_longctx`
+    "checkpoints_convert",  # the conversion tool's names
+    "train_cpt",  # RefreshKV continued pretraining
+)
+# What may sit in a package folder itself rather than in one of its layer folders.
+PACKAGE_FILES = ("__init__.py", "__main__.py")
 
 
-def _layer(module: str) -> int:
+def layer_of(path: pathlib.PurePath) -> int:
+  """The layer of a source file (relative to the root): its deepest listed folder."""
+  folder = path.parent.as_posix()
   best = None
-  for i, (_, prefixes) in enumerate(LAYERS):
-    for p in prefixes:
-      if (module == p or module.startswith(p + ".")) and (best is None or len(p) > best[1]):
-        best = (i, len(p))
-  assert best is not None, f"{module} is in no layer: add it to LAYERS"
-  return best[0]
+  for i, prefix in enumerate(LAYERS):
+    if (folder == prefix or folder.startswith(prefix + "/")) and (
+        best is None or len(prefix) > len(LAYERS[best])):
+      best = i
+  assert best is not None, f"{path} is in no layer folder: put it in one of {LAYERS}"
+  return best
 
 
-def _modules():
-  for pkg in PACKAGES:
-    for path in sorted((ROOT / pkg).rglob("*.py")):
-      parts = path.relative_to(ROOT).with_suffix("").parts
-      yield ".".join(parts[:-1] if parts[-1] == "__init__" else parts), path
+def module_path(module: str, root: pathlib.Path) -> pathlib.PurePath:
+  """The file that defines `module` (a package: its __init__.py), relative to root."""
+  base = pathlib.PurePath(*module.split("."))
+  if (root / base / "__init__.py").exists():
+    return base / "__init__.py"
+  return base.with_suffix(".py")
 
 
-def _is_module(name: str) -> bool:
-  base = ROOT.joinpath(*name.split("."))
+def _is_module(name: str, root: pathlib.Path) -> bool:
+  base = root.joinpath(*name.split("."))
   return base.with_suffix(".py").exists() or (base / "__init__.py").exists()
 
 
-def _imports(tree: ast.AST):
+def _imports(tree: ast.AST, root: pathlib.Path = ROOT):
   """(imported project module, inside a function?) for every import statement."""
   def walk(node, in_function):
     for child in ast.iter_child_nodes(node):
@@ -69,34 +66,71 @@ def _imports(tree: ast.AST):
       elif isinstance(child, ast.ImportFrom) and child.module and not child.level:
         for a in child.names:
           full = f"{child.module}.{a.name}"
-          yield (full if _is_module(full) else child.module), inner
+          yield (full if _is_module(full, root) else child.module), inner
       yield from walk(child, inner)
   for name, inner in walk(tree, False):
     if name.split(".")[0] in PACKAGES:
       yield name, inner
 
 
-def _violations():
+def violations(root: pathlib.Path = ROOT) -> list[str]:
   out = []
-  for module, path in _modules():
-    own = _layer(module)
-    for target, in_function in _imports(ast.parse(path.read_text())):
-      if target == module or (target in PACKAGES and module.startswith(target + ".")):
-        continue  # a package's own __init__ from inside it
-      if _layer(target) > own:
-        where = "inside a function" if in_function else "at module level"
-        out.append(f"{module} ({LAYERS[own][0]}) imports {target} ({LAYERS[_layer(target)][0]}) "
-                   f"{where}")
+  for pkg in PACKAGES:
+    for path in sorted((root / pkg).rglob("*.py")):
+      rel = path.relative_to(root)
+      if rel.parent.as_posix() in ("jax_longctx",) and rel.name not in PACKAGE_FILES:
+        out.append(f"{rel} sits in the package folder itself: put it in a layer folder")
+        continue
+      own = layer_of(rel)
+      module = ".".join(rel.with_suffix("").parts)
+      for target, in_function in _imports(ast.parse(path.read_text()), root):
+        if target in PACKAGES and module.startswith(target + "."):
+          continue  # a package's own (lazy) __init__, imported on the way to a submodule
+        theirs = layer_of(module_path(target, root))
+        if theirs > own:
+          where = "inside a function" if in_function else "at module level"
+          out.append(f"{rel} ({LAYERS[own]}) imports {target} ({LAYERS[theirs]}) {where}")
   return out
 
 
 def test_imports_run_one_way():
-  assert _violations() == []
+  assert violations() == []
 
 
 def test_the_scan_catches_an_upward_import():
   """A function-level import of a higher layer is found (the way circles used to be dodged)."""
-  src = "def f():\n  from jax_longctx.generation import prefill\n"
-  found = list(_imports(ast.parse(src)))
-  assert found == [("jax_longctx.generation", True)]
-  assert _layer("jax_longctx.generation") > _layer("jax_longctx.instructed")
+  src = "def f():\n  from jax_longctx.run.generation import prefill\n"
+  assert list(_imports(ast.parse(src))) == [("jax_longctx.run.generation", True)]
+
+
+def test_a_file_in_the_wrong_folder_fails(tmp_path):
+  """The test of the test: the same file is fine in the run layer and a violation in ops (it
+  imports the model above ops), and a loose file in the package folder is refused."""
+  for pkg in PACKAGES:
+    (tmp_path / pkg).mkdir()
+    (tmp_path / pkg / "__init__.py").write_text("")
+  for folder in ("core", "ops", "model", "run"):
+    (tmp_path / "jax_longctx" / folder).mkdir()
+    (tmp_path / "jax_longctx" / folder / "__init__.py").write_text("")
+  (tmp_path / "jax_longctx" / "model" / "decoder.py").write_text("X = 1\n")
+  src = "from jax_longctx.model.decoder import X\n"
+  (tmp_path / "jax_longctx" / "run" / "steps.py").write_text(src)
+  assert violations(tmp_path) == []
+  (tmp_path / "jax_longctx" / "ops" / "steps.py").write_text(src)
+  assert violations(tmp_path) == [
+      "jax_longctx/ops/steps.py (jax_longctx/ops) imports jax_longctx.model.decoder "
+      "(jax_longctx/model) at module level"]
+  (tmp_path / "jax_longctx" / "ops" / "steps.py").unlink()
+  (tmp_path / "jax_longctx" / "loose.py").write_text("")
+  assert violations(tmp_path) == [
+      "jax_longctx/loose.py sits in the package folder itself: put it in a layer folder"]
+
+
+def test_top_level_packages_import_one_way():
+  """No import runs back up between the top-level packages (their order in LAYERS)."""
+  order = {p: i for i, p in enumerate(LAYERS) if "/" not in p}
+  for pkg in PACKAGES:
+    for path in (ROOT / pkg).rglob("*.py"):
+      for target, _ in _imports(ast.parse(path.read_text())):
+        top = target.split(".")[0]
+        assert order[top] <= order[pkg], f"{path.relative_to(ROOT)} imports {target}"

@@ -27,3 +27,11 @@ def test_declared_capabilities_match_the_code(name):
   if cls.needs_instruction:  # instructed.py calls both
     assert cls.score_instruction is not Method.score_instruction
     assert cls.evict_by_instruction is not Method.evict_by_instruction
+
+
+def test_every_method_class_is_exported_under_its_own_name():
+  """`from jax_longctx.methods import RESA` reaches every registered class (issue 37)."""
+  from jax_longctx import methods
+  for n in names():
+    cls = type(get(n))
+    assert cls.__name__ in methods.__all__ and getattr(methods, cls.__name__) is cls, n

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from jax_longctx.methods import AttnContext, PrefillEnd, get
-from jax_longctx.rope import apply_rope, inv_freq
+from jax_longctx.core.rope import apply_rope, inv_freq
 from tests.conftest import tiny_config
 
 CFG = tiny_config(num_heads=6, num_kv_heads=2, head_dim=8)

@@ -1,7 +1,6 @@
 """Every registered method: jit, one decode compile, batching, GQA, budgets, full-attention parity."""
 
 import dataclasses
-import importlib
 import warnings
 
 import jax
@@ -9,12 +8,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jax_longctx.run import generation as gen
+from jax_longctx.run.driver import generate
 from jax_longctx.methods import MethodError, get, names
 from jax_longctx.methods import full as full_lib
 from jax_longctx.model import forward
-from pallas_kernels import chunk_prefill
-
-gen = importlib.import_module("jax_longctx.generation")
+from jax_longctx.core.options import RunOptions
+from pallas_kernels import chunk
 
 EVICTING = ("h2o", "streaming_llm", "tova", "snapkv")
 # Star and ring run over a device mesh, not as per-layer steps: tests/test_distributed.py.
@@ -57,20 +57,23 @@ def _apart(prompts):
 
 def _generate(params, cfg, prompts, method, max_new_tokens):
   docs, instructions = _apart(prompts)
-  return gen.generate(params, cfg, docs, method, max_new_tokens=max_new_tokens, chunk_size=8,
-                      cache_len=CACHE_LEN, instructions=instructions).tokens
+  return generate(params, cfg, docs, method, max_new_tokens=max_new_tokens,
+                  options=RunOptions(prefill_chunk=8), cache_len=CACHE_LEN,
+                  instructions=instructions).tokens
 
 
-def _step_logits(params, cfg, prompts, method, n_decode, chunk=8):
+def _step_logits(params, cfg, prompts, method, n_decode, chunk=8, options=RunOptions()):
   """Prefill (last-token logits), then decode teacher-forced tokens; logits of every step."""
   docs, instructions = _apart(prompts)
-  cache, last = gen.prefill(params, cfg, docs, method, cache_len=CACHE_LEN, chunk_size=chunk,
+  options = options.replace(prefill_chunk=chunk)
+  cache, last = gen.prefill(params, cfg, docs, method, cache_len=CACHE_LEN, options=options,
                             decode_room=n_decode, instructions=instructions)
   out = [np.asarray(last)]
   rng = np.random.default_rng(1)
   for _ in range(n_decode):
     tok = jnp.asarray(rng.integers(0, cfg.vocab_size, (len(prompts), 1)), jnp.int32)
-    logits, cache = forward(params, tok, cache.lengths[:, None], cache, method, cfg, decode=True)
+    logits, cache = forward(params, tok, cache.lengths[:, None], cache, method, cfg, decode=True,
+                            options=options)
     out.append(np.asarray(logits[:, 0]))
   return np.stack(out, axis=1), cache
 
@@ -162,8 +165,8 @@ def test_prefill_donates_only_what_it_can(tiny, name):
   docs, instructions = _apart(_prompts(cfg, (13, 21), seed=7))
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
-    gen.prefill(params, cfg, docs, _method(name, 16), cache_len=CACHE_LEN + 8, chunk_size=8,
-                decode_room=3, instructions=instructions)  # a cache size no other test compiles
+    gen.prefill(params, cfg, docs, _method(name, 16), cache_len=CACHE_LEN + 8,
+                options=RunOptions(prefill_chunk=8), decode_room=3, instructions=instructions)  # a cache size no other test compiles
   donation = [str(w.message) for w in caught if "donated buffers" in str(w.message)]
   assert not donation, donation
 
@@ -180,12 +183,12 @@ def test_full_prefill_through_the_kernel_equals_the_jnp_path(tiny, monkeypatch, 
   cfg, params = tiny
   prompts = _prompts(cfg, (13, 29))
   ref, _ = _step_logits(params, cfg, prompts, get("full"), 2)
-  monkeypatch.setattr(full_lib, "prefill_uses_kernel", lambda: True)
   if route == "cudnn_composition":
-    monkeypatch.setattr(chunk_prefill, "cudnn_route", lambda *a: True)
-    monkeypatch.setattr(chunk_prefill, "cudnn_dense", chunk_prefill.reference_dense)
-  jax.clear_caches()  # the jitted steps were traced with the other branch
-  got, _ = _step_logits(params, cfg, prompts, get("full"), 2)
+    monkeypatch.setattr(chunk, "cudnn_route", lambda *a: True)
+    monkeypatch.setattr(chunk, "cudnn_dense", chunk.reference_dense)
+  jax.clear_caches()  # the other route's steps were traced with the same options
+  got, _ = _step_logits(params, cfg, prompts, get("full"), 2,
+                        options=RunOptions(prefill_kernel=True))
   np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0)
 
 
@@ -197,17 +200,18 @@ def test_full_decode_through_the_kernel_equals_the_jnp_path(tiny, monkeypatch):
   cfg, params = tiny
   prompts = _prompts(cfg, (13, 29))
   ref, _ = _step_logits(params, cfg, prompts, get("full"), 4)
-  monkeypatch.setattr(full_lib, "decode_uses_kernel", lambda: True)
-  jax.clear_caches()
-  got, _ = _step_logits(fuse_projections(params), cfg, prompts, get("full"), 4)
+  got, _ = _step_logits(fuse_projections(params), cfg, prompts, get("full"), 4,
+                        options=RunOptions(decode_kernel=True))
   np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("name", ["star", "ring", "reattention_mesh"])
 def test_mesh_methods_say_how_to_run(tiny, name):
+  """The per-layer road refuses a mesh method and names the entry that runs it (the public
+  `generate`, which spreads it over the devices)."""
   cfg, params = tiny
-  with pytest.raises(MethodError, match=f"'{name}' runs over a device mesh"):
-    gen.generate(params, cfg, [[1, 2, 3]], get(name), max_new_tokens=2)
+  with pytest.raises(MethodError, match=f"'{name}' runs over a device mesh: use jax_longctx.generate"):
+    gen.prefill(params, cfg, [[1, 2, 3]], get(name), cache_len=16)
 
 
 def test_an_end_of_prefill_hook_must_be_declared():

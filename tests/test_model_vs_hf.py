@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from checkpoints_convert import export_hf
-from jax_longctx.api import LM
-from jax_longctx.config import RopeScaling
+from jax_longctx.app.api import LM
+from jax_longctx.core.config import RopeScaling
 from jax_longctx.model import random_params
 from tests.conftest import TINY_LLAMA3, tiny_config
 from tests.hf_reference import hf_logits

@@ -7,11 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_longctx.cache import KVCache
+from jax_longctx.ops.cache import KVCache
 from jax_longctx.methods import AttnContext, MethodError, get
 from jax_longctx.methods.reattention import ReAttention
 from jax_longctx.methods.reattention_scope import select_scope
-from jax_longctx.rope import inv_freq
+from jax_longctx.core.rope import inv_freq
 from tests.conftest import tiny_config
 
 HP = dict(n_global=4, n_local=16, span=5, top_k=3, clip=6)

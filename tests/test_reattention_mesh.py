@@ -1,4 +1,4 @@
-"""Mesh ReAttention (jax_longctx/distributed/reattention_mesh.py) equals one-device ReAttention
+"""Mesh ReAttention (jax_longctx/run/distributed/reattention_mesh.py) equals one-device ReAttention
 on 8 fake CPU devices; each check runs in its own process (the device count is fixed when JAX
 starts): tests/reattention_mesh_checks.py says what each one checks."""
 
@@ -20,7 +20,7 @@ def test_on_eight_devices(name):
 def test_on_one_device_the_driver_matches_the_one_device_method(tiny, name):
   """The driver's route for a mesh entry with a `layer_method` (this process: a mesh of one
   device, the shard the whole cache): the same greedy tokens as the one-device method."""
-  from jax_longctx.driver import generate_tokens
+  from jax_longctx.run.driver import generate
   from jax_longctx.methods import get
   from tests.reattention_mesh_checks import HP
   cfg, params = tiny
@@ -31,6 +31,6 @@ def test_on_one_device_the_driver_matches_the_one_device_method(tiny, name):
     one = get("resa", base="reattention", base_args=tuple(HP.items()))
   else:
     entry, one = get(name, **HP), get("reattention", **HP)
-  want = generate_tokens(params, cfg, one, prompts, max_new_tokens=4, cache_len=64)
-  got = generate_tokens(params, cfg, entry, prompts, max_new_tokens=4, cache_len=64)
+  want = generate(params, cfg, prompts, one, max_new_tokens=4, cache_len=64)
+  got = generate(params, cfg, prompts, entry, max_new_tokens=4, cache_len=64)
   assert got.tokens == want.tokens and got.report == {"devices": 1}

@@ -1,16 +1,15 @@
 """RefreshKV against the paper's loop written out step by step, and against full / SnapKV."""
 
-import importlib
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jax_longctx.run import generation as gen
 from jax_longctx.methods import MethodError, get
 from jax_longctx.methods.refreshkv import RefreshKV
+from jax_longctx.run.driver import generate
+from jax_longctx.core.options import RunOptions
 from tests.test_method_references import B, CFG, D, G, KV, _ctx, _inputs, _rot, _run
-
-gen = importlib.import_module("jax_longctx.generation")
 
 
 def _pool(x, kernel):
@@ -117,8 +116,8 @@ def _prompts(lengths, seed=0):
 
 def _generate(tiny, method, prompts, new=12):
   cfg, params = tiny
-  return gen.generate(params, cfg, prompts, method, max_new_tokens=new, chunk_size=8,
-                      cache_len=64)
+  return generate(params, cfg, prompts, method, max_new_tokens=new,
+                  options=RunOptions(prefill_chunk=8), cache_len=64)
 
 
 def test_threshold_above_one_every_step_is_full_attention(tiny):
@@ -162,7 +161,8 @@ def test_the_decode_gate_changes_no_result(tiny):
 
   def run(method):
     tokens = _generate(tiny, method, prompts, new=13)
-    cache, last = gen.prefill(params, cfg, prompts, method, cache_len=64, chunk_size=8)
+    cache, last = gen.prefill(params, cfg, prompts, method, cache_len=64,
+                              options=RunOptions(prefill_chunk=8))
     nll, cache = gen.teacher_forced_nll(params, cache, last, targets, cfg=cfg, method=method)
     return tokens.tokens, np.asarray(nll), method.report(tokens.cache), method.report(cache)
 

@@ -1,19 +1,17 @@
 """RESA against the naive O(L) formulation of Eq. 3, its prior against its definition, lam = 0
 against the wrapped methods, and bad settings."""
 
-import importlib
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_longctx.cache import KVCache
+from jax_longctx.run import generation as gen
+from jax_longctx.ops.cache import KVCache
 from jax_longctx.methods import AttnContext, MethodError, PrefillEnd, get
-from jax_longctx.methods.resa import ResaState, fold_into_prior, residual_attention
-from jax_longctx.rope import inv_freq, rotate
+from jax_longctx.methods.resa import RESAState, fold_into_prior, residual_attention
+from jax_longctx.core.rope import inv_freq, rotate
+from jax_longctx.core.options import RunOptions
 from tests.conftest import tiny_config
-
-gen = importlib.import_module("jax_longctx.generation")
 
 B, H, KV, D, T = 2, 6, 2, 8, 40
 
@@ -59,7 +57,7 @@ def _state(k, v, mu_q, mu_k, q_pos):
   visible = np.arange(T)[None, None, :] <= q_pos[:, :, None]
   o_est, lse_p = _softmax_out(np.where(visible, prior, -np.inf), np.repeat(v, group, axis=1))
   f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
-  return ResaState(None, f32(np.zeros_like(mu_q)), f32(mu_q), f32(mu_k), f32(o_est), f32(lse_p))
+  return RESAState(None, f32(np.zeros_like(mu_q)), f32(mu_q), f32(mu_k), f32(o_est), f32(lse_p))
 
 
 @pytest.mark.parametrize("lam", [1.0, 0.5])
@@ -112,7 +110,8 @@ def test_prior_estimator_follows_its_definition(prior):
 def _decode_logits(params, cfg, method, n_decode=4):
   rng = np.random.default_rng(3)
   prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (30, 21)]
-  cache, last = gen.prefill(params, cfg, prompts, method, cache_len=48, chunk_size=8)
+  cache, last = gen.prefill(params, cfg, prompts, method, cache_len=48,
+                            options=RunOptions(prefill_chunk=8))
   out = [np.asarray(last)]
   for _ in range(n_decode):
     tok = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 1)), jnp.int32)
@@ -227,3 +226,24 @@ def test_prior_distance_applies_over_reattention_only():
     get("resa", budget=8, prior_distance=4).init_state(cfg, 1, T, jnp.float32, 8)
   assert get("resa", base="reattention", base_args=_REATTENTION, prior_distance=5).distance == 5
 
+
+
+def test_the_base_as_an_object_or_by_name_is_built_once():
+  """RESA(base=Quest(...)) wraps that object; a name with base_args builds the same method, once
+  at construction (`inner` is a field, not rebuilt per access); records name the base and the
+  settings it runs with."""
+  import json
+
+  from jax_longctx.methods import MeshRESA, Quest, RESA
+  obj = RESA(base=Quest(budget=256, page_size=8))
+  named = get("resa", base="quest", base_args=(("page_size", 8),), budget=256)
+  assert obj.inner == named.inner == Quest(budget=256, page_size=8)
+  assert named.inner is named.inner
+  assert RESA(base=Quest(budget=64), budget=32).inner.budget == 32  # a budget given replaces it
+  rec = json.loads(json.dumps(named.hparams()))
+  assert rec["base"] == obj.hparams()["base"] == "quest"
+  assert (rec["base_args"]["page_size"], rec["base_args"]["budget"]) == (8, 256)
+  mesh = get("resa_mesh", base_args=(("n_local", 16),))
+  assert mesh.layer_method() is mesh.layer_method() and mesh.layer_method().inner.n_local == 16
+  with pytest.raises(MethodError, match="quest' has no hyper-parameter 'nope'"):
+    RESA(base=Quest(), base_args=(("nope", 1),))

@@ -2,8 +2,8 @@
 
 import pytest
 
-from jax_longctx import tasks
-from jax_longctx.tasks import Sample, TaskError, parse_length
+from jax_longctx.app import tasks
+from jax_longctx.app.tasks import Sample, TaskError, parse_length
 
 LENGTHS = (600, 2000)
 
@@ -81,3 +81,17 @@ def test_bad_task_input():
   with pytest.raises(TaskError, match="bad length"):
     parse_length("4q")
   assert parse_length("4k") == 4096 and parse_length("1500") == 1500
+
+
+def test_heldout_ppl_texts_are_disjoint_from_evaluation_texts(tok):
+  """Threshold calibration reads held-out prose (issue 39): no 32-token run of a held-out text
+  occurs in an evaluation text of the same seeds."""
+  def runs(task, seed):
+    ids = task.make(tok, 600, None, seed).expected
+    return {ids[i:i + 32] for i in range(0, len(ids) - 32)}
+  evaluation, heldout = tasks.get("ppl"), tasks.get("ppl", heldout=True)
+  seen = set().union(*(runs(evaluation, s) for s in range(8)))
+  assert all(not (runs(heldout, s) & seen) for s in range(8))
+  assert runs(evaluation, 3) & seen  # the check can see overlap: a text overlaps itself
+  with pytest.raises(TaskError, match="not enough held-out prose"):
+    heldout.make(tok, 200_000, None, 0)

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_longctx.top_n import top_n
+from jax_longctx.ops.top_n import top_n
 
 
 def _case(seed):

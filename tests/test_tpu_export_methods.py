@@ -20,10 +20,10 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec as P
 
-from jax_longctx.chunked_prefill import end_prefill, prefill_step
-from jax_longctx.distributed import encode_context
-from jax_longctx.distributed import star as star_lib
-from jax_longctx.generation import Sampling
+from jax_longctx.run.chunked_prefill import end_prefill, prefill_step
+from jax_longctx.run.distributed import encode_context
+from jax_longctx.run.distributed import star as star_lib
+from jax_longctx.run.generation import Sampling
 from jax_longctx.methods import Method, get, names
 from jax_longctx.model import abstract_model, forward, new_cache
 from tests.conftest import tiny_config
@@ -137,7 +137,7 @@ def test_sharded_steps_export_for_tpu(name, mesh):
   cache split along the tokens over the mesh axis: their kernels (topk_scores on the shard,
   flash / gathered attention on the shard's part of the scope; RESA's prior over each shard at
   the end of prefill) lower for TPU with the shard's shapes."""
-  from jax_longctx.distributed.reattention_mesh import cache_specs, sharded
+  from jax_longctx.run.distributed.reattention_mesh import cache_specs, sharded
   mesh = MESHES[mesh]()
   settings = tuple(_method("reattention", BUDGET).hparams().items())
   method = sharded(get(name, **dict(settings)) if name == "reattention_mesh"

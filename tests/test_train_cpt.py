@@ -14,7 +14,7 @@ import pytest
 
 from jax_longctx.methods import PrefillEnd, get
 from tests.test_method_references import CFG, G, KV, _ctx, _inputs, _rot
-from train_cpt import ConfigError, load_config, read_log, train
+from train_cpt import TrainConfigError, load_config, read_log, train
 from train_cpt.data import Batches, DataError, pack, split
 from train_cpt.pattern import CptAttention
 
@@ -84,17 +84,17 @@ def test_data_errors_are_named():
     ({"steps": "many"}, "steps='many': expected a number"),
 ])
 def test_bad_settings_are_named(overrides, match):
-  with pytest.raises(ConfigError, match=match):
+  with pytest.raises(TrainConfigError, match=match):
     load_config(None, overrides)
 
 
 @pytest.fixture(scope="module")
 def tiny_job(default_lm, tmp_path_factory):
   """A tiny random model with the default model's tokenizer, prose files and a config."""
-  from checkpoints_convert.pipeline import save_orbax
-  from jax_longctx.config import save_config_file
+  from jax_longctx.checkpoints.pipeline import save_orbax
+  from jax_longctx.core.config import save_config_file
   from jax_longctx.model import random_params
-  from jax_longctx.tasks import text_sources
+  from jax_longctx.app.tasks import text_sources
   from tests.conftest import tiny_config
 
   root = tmp_path_factory.mktemp("cpt")
@@ -118,7 +118,7 @@ def tiny_job(default_lm, tmp_path_factory):
 
 def _cli(config, out_dir, *extra):
   env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", JAX_LONGCTX_QUIET="1")
-  return [sys.executable, "-m", "jax_longctx.cli", "train-cpt", "--config", config,
+  return [sys.executable, "-m", "jax_longctx", "train-cpt", "--config", config,
           "--set", f"out_dir={out_dir}", *extra], env
 
 
@@ -157,7 +157,7 @@ def test_resuming_with_other_settings_is_refused(tiny_job):
   root, config = tiny_job
   out = str(root / "short")
   train(load_config(config, {"out_dir": out, "steps": 4}), stop_after=1)
-  with pytest.raises(ConfigError, match=r"holds a run with other settings \(lr\)"):
+  with pytest.raises(TrainConfigError, match=r"holds a run with other settings \(lr\)"):
     train(load_config(config, {"out_dir": out, "steps": 4, "lr": 0.5}))
 
 

@@ -14,7 +14,7 @@ import numpy as np
 def run(out_file, method="star"):
   from jax.sharding import Mesh
 
-  from jax_longctx.distributed import decode_sharded, generate_distributed, prefill_sharded
+  from jax_longctx.run.distributed import decode_sharded, generate_distributed, prefill_sharded
   from jax_longctx.methods import get
   from jax_longctx.model import random_params
   from tests.conftest import TINY_LLAMA3, tiny_config

@@ -4,7 +4,7 @@ config.py (settings), data.py (text files -> packed rows), pattern.py (the atten
 sharding.py (mesh), evaluate.py (held-out perplexity), loop.py (the job).
 """
 
-from train_cpt.config import ConfigError, TrainConfig, TrainConfigError, load_config
+from train_cpt.config import TrainConfig, TrainConfigError, load_config
 from train_cpt.loop import read_log, train
 
-__all__ = ["ConfigError", "TrainConfig", "TrainConfigError", "load_config", "read_log", "train"]
+__all__ = ["TrainConfig", "TrainConfigError", "load_config", "read_log", "train"]

@@ -12,13 +12,11 @@ import json
 import os
 import tomllib
 
-
-class TrainConfigError(ValueError):
-  """Bad training settings (the model's own config errors are jax_longctx.config.ConfigError)."""
+from jax_longctx.core.errors import LongctxError
 
 
-# The name before issue 25 (it clashed with jax_longctx.config.ConfigError); kept for callers.
-ConfigError = TrainConfigError
+class TrainConfigError(LongctxError, ValueError):
+  """Bad training settings (the model's own config errors are jax_longctx.core.config.ConfigError)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,9 +13,11 @@ import os
 
 import numpy as np
 
+from jax_longctx.core.errors import LongctxError
 
-class DataError(ValueError):
-  pass
+
+class DataError(LongctxError, ValueError):
+  """No usable training text: no files matched, or too few tokens for one row."""
 
 
 def read_texts(patterns: list[str]) -> list[str]:

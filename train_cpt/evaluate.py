@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_longctx.generation import prefill, teacher_forced_nll
+from jax_longctx.run.generation import prefill, teacher_forced_nll
 from jax_longctx.methods import get
 
 

@@ -18,12 +18,12 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from checkpoints_convert.pipeline import atomic_dir, save_orbax
-from jax_longctx.api import load
-from jax_longctx.cache import Cache
-from jax_longctx.config import save_config_file
+from jax_longctx.checkpoints.pipeline import atomic_dir, save_orbax
+from jax_longctx.app.api import load
+from jax_longctx.ops.cache import Cache
+from jax_longctx.core.config import save_config_file
 from jax_longctx.model import forward
-from jax_longctx.progress import progress
+from jax_longctx.core.progress import progress
 from train_cpt import data as data_lib
 from train_cpt import sharding
 from train_cpt.config import TrainConfig, TrainConfigError

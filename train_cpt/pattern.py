@@ -21,10 +21,10 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels
-from jax_longctx.attention import attention
-from jax_longctx.config import LlamaConfig
+from jax_longctx.ops.attention import attention
+from jax_longctx.core.config import LlamaConfig
 from jax_longctx.methods.base import AttnContext, Method
-from jax_longctx.rope import apply_rope
+from jax_longctx.core.rope import apply_rope
 
 
 def _prefix_implementation(dtype) -> str | None:

@@ -18,9 +18,11 @@ from typing import Any, ClassVar
 
 import jax.numpy as jnp
 
-from jax_longctx.config import LlamaConfig
+from jax_longctx.core.config import LlamaConfig
+from jax_longctx.core.options import DEFAULT as DEFAULT_OPTIONS
+from jax_longctx.core.options import RunOptions
 from jax_longctx.methods.hparams import (Budget, MethodError, args_per_method, check_fields,
-                                         parse_method_args, resolve_budget)
+                                         field_types, parse_method_args, resolve_budget)
 
 __all__ = ["AttnContext", "Budget", "MeshMethod", "Method", "MethodError", "PrefillEnd",
            "RegisteredMethod", "args_per_method", "get", "names", "parse_method_args", "register",
@@ -41,6 +43,8 @@ class AttnContext:
   # False when the method's `decode_gate` ruled out its occasional costly branch for this step
   # in every layer (a Python bool: the model compiles the step once for each value).
   gate_open: bool = True
+  # How the step is built (kernel choices, decode variants): hand `options.kernels` to kernels.
+  options: RunOptions = DEFAULT_OPTIONS
 
   def replace(self, **kw) -> "AttnContext":
     return dataclasses.replace(self, **kw)
@@ -143,6 +147,15 @@ class MeshMethod(RegisteredMethod):
 
   needs_instruction: ClassVar[bool] = True
 
+  @property
+  def shard_block(self) -> int:
+    """How the tokens of a cache sharded along them lie on the devices (`distributed.
+    shard_layout.TokenLayout.block`): 0, contiguous equal shards; > 0, blocks of that many
+    tokens dealt to the devices in turn. Entries whose `layer_method` runs over a sharded cache
+    (mesh ReAttention, RESA over it) override it with a hyper-parameter field of this name;
+    Star and ring shard no cache: 0."""
+    return 0
+
   def settings(self) -> dict[str, Any]:
     """Keyword arguments for `distributed.encode_context` (None: its default)."""
     return {}
@@ -163,6 +176,7 @@ class PrefillEnd:
   layer: int
   prompt_lengths: jnp.ndarray  # [B] int32
   decode_room: int  # slots the decode phase will append at most
+  options: RunOptions = DEFAULT_OPTIONS  # the run's, as in AttnContext
 
 
 def register(cls: type[RegisteredMethod]) -> type[RegisteredMethod]:
@@ -181,16 +195,20 @@ def names(kind: str = "all") -> list[str]:
 
 
 def get(name: str | RegisteredMethod, **overrides) -> RegisteredMethod:
-  """A method by registry name with hyper-parameter overrides (or a method object, returned)."""
+  """A method by registry name with hyper-parameter overrides (or a method object, returned
+  with the overrides applied)."""
   if isinstance(name, RegisteredMethod):
-    return dataclasses.replace(name, **overrides) if overrides else name
-  if name not in _REGISTRY:
+    cls = type(name)
+  elif name in _REGISTRY:
+    cls = _REGISTRY[name]
+  else:
     raise MethodError(f"unknown method {name!r}; known methods: {', '.join(names())}")
-  cls = _REGISTRY[name]
-  fields = {f.name for f in dataclasses.fields(cls)}
+  fields = set(field_types(cls))
   unknown = sorted(set(overrides) - fields)
   if unknown:
     known = ", ".join(sorted(fields)) or "none"
-    raise MethodError(f"method {name!r} has no hyper-parameter "
+    raise MethodError(f"method {cls.name!r} has no hyper-parameter "
                       f"{', '.join(map(repr, unknown))}; it takes: {known}")
+  if isinstance(name, RegisteredMethod):
+    return dataclasses.replace(name, **overrides) if overrides else name
   return cls(**overrides)

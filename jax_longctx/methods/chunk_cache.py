@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jax_longctx.attention import attention, attention_probs_sum
-from jax_longctx.rope import apply_rope, rotate
+from jax_longctx.ops.attention import attention, attention_probs_sum
+from jax_longctx.core.rope import apply_rope, rotate
 
 
 @struct.dataclass

@@ -15,8 +15,13 @@ The scorer is what the variants change:
                      the instruction (Eqs. 4-5), which answers;
   h2o_shared         H2O's attention accumulated over the document plus the instruction's.
 At the end the instruction evicts once more, then is encoded over the k-sized cache and the
-answer is generated (its states appended, no further eviction). `jax_longctx.instructed` runs
+answer is generated (its states appended, no further eviction). `jax_longctx.run.instructed` runs
 that outer loop; the methods here are one layer's steps.
+
+h2o_shared lives here, not in h2o.py: it is the CItruS paper's "H2O + shared cache" baseline
+(Table 1), a variant of citrus_shared that changes only the priority. It runs on this file's
+chunked cache and instruction passes; H2O itself (h2o.py) evicts one token at a time from a
+SlotCache and never reads an instruction, so the two share an idea and no code.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from jax_longctx.methods.chunk_cache import ChunkCache
 
 @register
 @dataclasses.dataclass(frozen=True)
-class CitrusStandard(Method):
+class CItruSStandard(Method):
   """Standard CSE: each chunk's own attention evicts the cache; the instruction evicts last."""
 
   name = "citrus_standard"
@@ -106,7 +111,7 @@ class CitrusStandard(Method):
 
 @register
 @dataclasses.dataclass(frozen=True)
-class CitrusShared(CitrusStandard):
+class CItruSShared(CItruSStandard):
   """One cache, evicted by the instruction's attention after every chunk (§4.2, shared cache)."""
 
   name = "citrus_shared"
@@ -118,7 +123,7 @@ class CitrusShared(CitrusStandard):
 
 @register
 @dataclasses.dataclass(frozen=True)
-class H2OShared(CitrusShared):
+class H2OShared(CItruSShared):
   """H2O + shared cache (the paper's Table 1): the instruction's attention added to H2O's.
 
   The priority of a state is the attention it has accumulated from the document's queries (H2O's
@@ -148,7 +153,7 @@ class TwinCache:
 
 @register
 @dataclasses.dataclass(frozen=True)
-class CitrusIndividual(CitrusStandard):
+class CItruSIndividual(CItruSStandard):
   """Two caches (§4.2, individual cache): the chunk's states go into both after each eviction."""
 
   name = "citrus_individual"
@@ -156,7 +161,7 @@ class CitrusIndividual(CitrusStandard):
 
   def init_state(self, cfg, batch, max_len, dtype, chunk):
     def one():
-      return super(CitrusIndividual, self).init_state(cfg, batch, max_len, dtype, chunk)
+      return super(CItruSIndividual, self).init_state(cfg, batch, max_len, dtype, chunk)
     return TwinCache(one(), one())
 
   def answer_cache(self, state: TwinCache) -> ChunkCache:

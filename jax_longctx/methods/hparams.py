@@ -16,8 +16,10 @@ import types
 import typing
 from typing import Annotated, Any, Literal
 
+from jax_longctx.core.errors import LongctxError
 
-class MethodError(ValueError):
+
+class MethodError(LongctxError, ValueError):
   """Unknown method, unknown hyper-parameter or an invalid hyper-parameter value."""
 
 
@@ -56,12 +58,13 @@ def resolve_budget(budget, max_len: int, name: str = "budget") -> int:
 
 @functools.lru_cache(maxsize=None)
 def field_types(cls) -> dict[str, Any]:
-  """{field name: resolved annotation (extras kept)} of a method class."""
+  """{hyper-parameter: resolved annotation (extras kept)} of a method class: its constructor's
+  fields (a field computed at construction, init=False, is none; RESA's `inner`)."""
   try:
     hints = typing.get_type_hints(cls, include_extras=True)
   except NameError:  # an annotation only a type checker resolves: the method checks it itself
     hints = {}
-  return {f.name: hints.get(f.name, Any) for f in dataclasses.fields(cls)}
+  return {f.name: hints.get(f.name, Any) for f in dataclasses.fields(cls) if f.init}
 
 
 def _is_budget(tp) -> bool:
@@ -71,28 +74,34 @@ def _is_budget(tp) -> bool:
 def _takes(tp) -> str:
   if typing.get_origin(tp) is Literal:
     return "takes one of " + ", ".join(map(repr, typing.get_args(tp)))
-  return "takes " + {bool: "a bool (True or False)", int: "an int", float: "a number",
-                     str: "a string", tuple: "a tuple, e.g. (('page_size', 16),)"}[tp]
+  named = {bool: "a bool (True or False)", int: "an int", float: "a number", str: "a string",
+           tuple: "a tuple, e.g. (('page_size', 16),)"}
+  return "takes " + named.get(tp, f"a {tp.__name__} object")
 
 
-def _optional(tp):
-  """X for an annotation `X | None` (a field whose None means "derive it"), else None."""
-  args = typing.get_args(tp)
-  if typing.get_origin(tp) in (typing.Union, types.UnionType) and len(args) == 2 \
-     and type(None) in args:
-    return next(a for a in args if a is not type(None))
-  return None
+def _check_union(args, value) -> tuple[str | None, Any]:
+  """A value for `X | Y | ...` (None among them: "derive it"): the first member it fits."""
+  if value is None and type(None) in args:
+    return None, value
+  whys = []
+  for member in args:
+    if member is not type(None):
+      why, converted = check_value(member, value)
+      if why is None:
+        return None, converted
+      whys.append(why)
+  why = " or ".join([whys[0]] + [w.removeprefix("takes ") for w in whys[1:]])
+  if type(None) in args:  # before a reason the member's check gave ("; -5 tokens is not >= 1")
+    head, sep, reason = why.partition("; ")
+    why = f"{head} or None{sep}{reason}"
+  return why, value
 
 
 def check_value(tp, value) -> tuple[str | None, Any]:
   """(why `value` does not fit annotation `tp` or None, the value converted: an int given for
   a float field becomes a float)."""
-  inner = _optional(tp)
-  if inner is not None:
-    if value is None:
-      return None, value
-    why, value = check_value(inner, value)
-    return (why and why + " or None"), value
+  if typing.get_origin(tp) in (typing.Union, types.UnionType):
+    return _check_union(typing.get_args(tp), value)
   if _is_budget(tp):
     return budget_error(value), value
   if typing.get_origin(tp) is Literal:
@@ -102,7 +111,7 @@ def check_value(tp, value) -> tuple[str | None, Any]:
     value = float(value) if ok else value
   elif tp is int:
     ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
-  elif tp in (bool, str, tuple):
+  elif isinstance(tp, type):  # bool, str, tuple, or a class (RESA's base: a Method)
     ok = isinstance(value, tp)
   else:
     return None, value  # an annotation this checker does not know: the method checks it itself
@@ -110,8 +119,8 @@ def check_value(tp, value) -> tuple[str | None, Any]:
 
 
 def check_fields(entry) -> None:
-  """Checks (and converts) every field of a method object (a dataclass's fields, read by name);
-  raises MethodError on the first bad one."""
+  """Checks (and converts) every hyper-parameter of a method object (its dataclass fields, read
+  by name); raises MethodError on the first bad one."""
   for name, tp in field_types(type(entry)).items():
     value = getattr(entry, name)
     why, converted = check_value(tp, value)

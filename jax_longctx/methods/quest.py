@@ -16,11 +16,11 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jax_longctx.cache import KVCache
+from jax_longctx.ops.cache import KVCache
 from jax_longctx.methods.base import AttnContext, Budget, MethodError, register
 from jax_longctx.methods.full import Full
 from jax_longctx.methods.selection import SelectingMethod
-from jax_longctx.rope import apply_rope
+from jax_longctx.core.rope import apply_rope
 
 
 @struct.dataclass
@@ -60,7 +60,7 @@ class Quest(SelectingMethod):
 
   def write(self, state: QuestState, k, v, ctx: AttnContext) -> QuestState:
     """Stores post-RoPE k and folds it into its page's min/max (padding is dropped)."""
-    kv = state.kv.write(ctx.q_pos, k, v)
+    kv = state.kv.write(ctx.q_pos, k, v, ctx.options.cache_write_backend)
     page = jnp.where(ctx.valid, ctx.q_pos // self.page_size, state.kmin.shape[2])
     b_idx = jnp.arange(k.shape[0])[:, None]
     kmin = state.kmin.at[b_idx, :, page].min(k.astype(state.kmin.dtype), mode="drop")

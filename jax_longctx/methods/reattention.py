@@ -7,6 +7,11 @@ n_global + clip * span + n_local tokens (reattention_scope.py), gathers it, rota
 contiguous positions 0..n-1 and attends with the step's queries at the last positions. Positions
 therefore never exceed the scope, and with the paper's defaults the scope is exactly the 8K window
 of Llama-3-8B: 32 + 127 * 32 + 4096 = 8192.
+
+Both registry entries of the paper's method are here: `reattention` (one device) and
+`reattention_mesh` (its settings for the same steps over a cache split along the tokens across a
+device mesh; the per-device steps and the driver are `jax_longctx.run.distributed.reattention_mesh`,
+where `jax_longctx.run.driver` routes the entry through `MeshMethod.layer_method`).
 """
 
 from __future__ import annotations
@@ -17,11 +22,11 @@ from typing import Literal
 import jax.numpy as jnp
 
 import pallas_kernels
-from jax_longctx.attention import attention
-from jax_longctx.cache import KVCache
-from jax_longctx.methods.base import AttnContext, Method, MethodError, register
+from jax_longctx.ops.attention import attention
+from jax_longctx.ops.cache import KVCache
+from jax_longctx.methods.base import AttnContext, MeshMethod, Method, MethodError, register
 from jax_longctx.methods.reattention_scope import Scope, select_scope
-from jax_longctx.rope import apply_rope, rotate
+from jax_longctx.core.rope import apply_rope, rotate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,12 +95,12 @@ class ReAttention(ReAttentionSettings, Method):
     return KVCache.zeros(cfg, batch, max_len, dtype)
 
   def write(self, state: KVCache, k, v, ctx: AttnContext) -> KVCache:
-    return state.write(ctx.q_pos, k, v)  # keys before RoPE, slot = position
+    return state.write(ctx.q_pos, k, v, ctx.options.cache_write_backend)  # keys before RoPE, slot = position
 
   def scope(self, state: KVCache, q, ctx: AttnContext) -> Scope:
     return select_scope(q, state.k, ctx.q_pos, ctx.valid, n_global=self.n_global,
                         n_local=self.n_local, span=self.span, top_k=self.top_k, clip=self.clip,
-                        backend=self.backend)
+                        backend=self.backend, options=ctx.options.kernels)
 
   def step(self, state: KVCache, q, k, v, ctx: AttnContext):
     """One step: (out [B, S, H, d], lse [B, S, H] fp32, state, the scope attended)."""
@@ -127,7 +132,8 @@ class ReAttention(ReAttentionSettings, Method):
     k_scope = rotate(k_scope, k_rank[:, None, :], ctx.freqs)
     q_rank = ((sc.q_rank if ranked else sc.q_offset)[:, None]
               + jnp.arange(q.shape[1], dtype=jnp.int32)[None, :])
-    return self._attend(apply_rope(q, q_rank, ctx.freqs), k_scope, v_scope, q_rank, k_rank, sc)
+    return self._attend(apply_rope(q, q_rank, ctx.freqs), k_scope, v_scope, q_rank, k_rank, sc,
+                        ctx.options.kernels)
 
   def _attend_one(self, q, state: KVCache, sc: Scope, ctx: AttnContext):
     """One query (decode), the last of its scope, so after every key of it (or of a mesh part of
@@ -143,7 +149,7 @@ class ReAttention(ReAttentionSettings, Method):
         kv_layout="BHTD", key_rope_freqs=ctx.freqs, key_positions=sc.k_rank,
         backend=self.backend)
 
-  def _attend(self, q, k, v, q_rank, k_rank, sc: Scope):
+  def _attend(self, q, k, v, q_rank, k_rank, sc: Scope, options: pallas_kernels.KernelOptions):
     """Causal attention over the compacted scope: slot j < sc.length sits at rank k_rank[j]
     (ascending; j itself but in a block-cyclic mesh part), the kernel's causal mask counting
     slots from sc.q_offset."""
@@ -154,4 +160,26 @@ class ReAttention(ReAttentionSettings, Method):
       return attention(q, k, v, q_rank, k_pos, kv_extent=jnp.max(sc.length))
     return pallas_kernels.flash_attention(q, k, v, causal=True, q_offset=sc.q_offset,
                                           kv_len=sc.length, kv_layout="BHTD",
-                                          backend=self.backend)
+                                          backend=self.backend, options=options)
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class MeshReAttention(ReAttentionSettings, MeshMethod):
+  """ReAttention's hyper-parameters (the paper's defaults) over a device mesh: the pre-RoPE cache
+  split along the tokens, one shard per device of the mesh's context axis, so a context N times
+  longer than one device holds fits N devices. Every step selects exactly the scope one device
+  would (each device scores its shard, the candidates are merged) and each device attends to
+  the part of the scope it holds; the parts merge by their log-sum-exp. The prompt is read whole.
+  shard_block: how the tokens lie on the devices (no paper has it): 0, contiguous shards; > 0
+  (a multiple of `chunk`), blocks of that many tokens dealt to the devices in turn, which
+  balances the causal prefill's scoring (distributed/shard_layout.py)."""
+
+  name = "reattention_mesh"
+  needs_instruction = False
+
+  shard_block: int = 0
+
+  def layer_method(self) -> ReAttention:
+    fields = dataclasses.fields(ReAttentionSettings)
+    return ReAttention(**{f.name: getattr(self, f.name) for f in fields})

@@ -35,7 +35,8 @@ class Scope:
   q_rank: jnp.ndarray | None = None  # [B] int32
 
 
-def candidates(q, k_cache, lo, hi, top_k: int, backend: str = "auto"):
+def candidates(q, k_cache, lo, hi, top_k: int, backend: str = "auto",
+               options: pallas_kernels.KernelOptions = pallas_kernels.KernelOptions()):
   """Per query and query head, the top-k candidates lo <= t < hi[b] of k_cache by raw q.k.
 
   q [B, S, H, d] before RoPE; k_cache [B, KV, T, d] before RoPE (GQA: query head h reads kv head
@@ -47,7 +48,8 @@ def candidates(q, k_cache, lo, hi, top_k: int, backend: str = "auto"):
 
   def score():
     return pallas_kernels.topk_scores(q, k_cache, top_k, scale=1.0, valid_len=hi,
-                                      exclude_prefix=lo, kv_layout="BHTD", backend=backend)
+                                      exclude_prefix=lo, kv_layout="BHTD", backend=backend,
+                                      options=options)
 
   def nothing():
     shape = q.shape[:3] + (top_k,)
@@ -67,10 +69,11 @@ def ballots(idx, q_valid):
   return jnp.where(q_valid[:, :, None, None], idx, -1).reshape(idx.shape[0], -1)
 
 
-def vote(q, k_cache, lo, hi, q_valid, top_k: int, backend: str = "auto"):
+def vote(q, k_cache, lo, hi, q_valid, top_k: int, backend: str = "auto",
+         options: pallas_kernels.KernelOptions = pallas_kernels.KernelOptions()):
   """Per query and query head, the top-k candidates lo <= t < hi[b] by raw q.k, as votes
   [B, S * H * top_k] int32 (`candidates`, `ballots`)."""
-  return ballots(candidates(q, k_cache, lo, hi, top_k, backend)[1], q_valid)
+  return ballots(candidates(q, k_cache, lo, hi, top_k, backend, options)[1], q_valid)
 
 
 def most_voted(votes, clip: int):
@@ -164,13 +167,14 @@ def scope_from_votes(votes, q_pos, seq_end, hi, *, n_global: int, n_local: int, 
 
 
 def select_scope(q, k_cache, q_pos, q_valid, *, n_global: int, n_local: int, span: int,
-                 top_k: int, clip: int, backend: str = "auto") -> Scope:
+                 top_k: int, clip: int, backend: str = "auto",
+                 options: pallas_kernels.KernelOptions = pallas_kernels.KernelOptions()) -> Scope:
   """The whole selection for one layer and step (Algorithm 1 for a chunk, 2 for one token).
 
   q [B, S, H, d] before RoPE, k_cache [B, KV, T, d] before RoPE already holding this step's
   keys; q_pos / q_valid [B, S]. Candidates of sequence b: n_global <= t < seq_end - n_local.
   """
   seq_end, hi = step_bounds(q_pos, q_valid, n_local)
-  votes = vote(q, k_cache, n_global, hi, q_valid, top_k, backend)
+  votes = vote(q, k_cache, n_global, hi, q_valid, top_k, backend, options)
   return scope_from_votes(votes, q_pos, seq_end, hi, n_global=n_global, n_local=n_local,
                           span=span, clip=clip)

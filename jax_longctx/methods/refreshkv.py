@@ -9,9 +9,16 @@ latest full step: below `threshold` cosine similarity it does a full step (atten
 then C_p <- the top K of the current query's attention over C_f); otherwise, and at every other
 step, it attends over C_p, and the lowest-scoring token leaves C_p so its size stays K.
 
+The threshold is chosen per model on held-out text, as the paper does (its Appendix A.4: 0.85 for
+Llama-3.1-8B, 0.95 for Qwen2-7B): `threshold=None` and `similarity_after_rope=None` (the defaults)
+mean "this model's calibration" (`jax_longctx.app.calibration`), which the API, the CLI and the eval
+sweeps fill in when they know the model; a method run without one uses FALLBACK_THRESHOLD, before
+RoPE.
+
 Decisions where the paper is silent (docs/METHODS.md):
-- the similarity uses queries before RoPE (what the token asks, not where it stands);
-  `similarity_after_rope=True` compares rotated queries;
+- whether the similarity compares queries before RoPE (what the token asks, not where it stands)
+  or after (rotated queries drift with position, so the two need different thresholds): the
+  calibration measures both and records the one that closes more of the gap;
 - C_p holds positions into C_f, not copies of its rows ([B, KV, K + 1] with one free entry for
   the step's token): partial steps read their K rows of C_f with the gathered-attention kernel,
   and neither a refresh nor an eviction moves any K/V (a gathered copy cost more per step in
@@ -39,15 +46,20 @@ import numpy as np
 from flax import struct
 
 import pallas_kernels
-from jax_longctx.cache import KVCache
+from jax_longctx.ops.cache import KVCache
 from jax_longctx.methods.base import (AttnContext, Budget, Method, MethodError, PrefillEnd,
                                       register)
 from jax_longctx.methods.full import Full
 from jax_longctx.methods.snapkv import SnapKV, SnapPrefill, pooled_scores
-from jax_longctx.rope import apply_rope
-from jax_longctx.top_n import top_n
+from jax_longctx.core.rope import apply_rope
+from jax_longctx.ops.top_n import top_n
 
 _LAST = jnp.iinfo(jnp.int32).max
+# The paper's threshold for Llama-3.1-8B (Section 3): what a model without a calibration gets.
+FALLBACK_THRESHOLD = 0.85
+# What a calibration sweeps by default: the paper's 0.80-0.95 (Table 9) widened both ways, as
+# queries after RoPE drift with position and so compare lower.
+CALIBRATION_THRESHOLDS = (0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.98)
 
 
 @struct.dataclass
@@ -124,12 +136,16 @@ class RefreshKV(Method):
 
   budget: Budget = 0.125  # K: tokens, or a fraction of the cache (the paper: L / 8)
   qc_stride: int = 10  # query-comparison stride (the paper: 5 or 10)
-  threshold: float = 0.85  # cosine similarity below which a layer refreshes (Llama-3.1-8B)
+  # Cosine similarity below which a layer refreshes; None: the model's calibration (§3, A.4:
+  # chosen per model on held-out text), else FALLBACK_THRESHOLD.
+  threshold: float | None = None
   pool_kernel: int = 7
   fixed_stride: int = 0  # > 0: a full step every fixed_stride steps in every layer (§5.1)
   refresh: bool = True  # False: the "without refresh" ablation (C_p stays SnapKV's)
   full_attention: bool = True  # False: "without full attention" (refresh, then attend C_p)
-  similarity_after_rope: bool = False
+  # Compare queries after RoPE (True) or before (False); None: the model's calibration, else
+  # before. The paper does not say (docs/METHODS.md).
+  similarity_after_rope: bool | None = None
   # Latest tokens always in C_p after the prefill and each refresh. 1 (the paper's choice): the
   # scoring query's own token; more keeps a local window as SnapKV's observation window does.
   n_local: int = 1
@@ -153,9 +169,13 @@ class RefreshKV(Method):
     return RefreshPrefill(snap, jnp.zeros((batch, cfg.head_dim), jnp.float32))
 
   def _mean_query(self, q, ctx: AttnContext):
-    if self.similarity_after_rope:
+    if self.similarity_after_rope:  # None (no calibration) compares before RoPE
       q = apply_rope(q, ctx.q_pos, ctx.freqs)
     return jnp.mean(q.astype(jnp.float32), axis=2)  # [B, S, d]
+
+  def _threshold(self):
+    """The threshold compared with each sequence's similarity (a scalar, or one per sequence)."""
+    return FALLBACK_THRESHOLD if self.threshold is None else self.threshold
 
   def prefill(self, state: RefreshPrefill, q, k, v, ctx: AttnContext):
     out, snap = self._snap().prefill(state.snap, q, k, v, ctx)
@@ -181,7 +201,7 @@ class RefreshKV(Method):
     at_stride = (n % self._stride() == 0) & ctx.valid[:, 0]
     if self.fixed_stride:
       return at_stride
-    return at_stride & (_cosine(self._mean_query(q, ctx)[:, 0], state.q_ref) < self.threshold)
+    return at_stride & (_cosine(self._mean_query(q, ctx)[:, 0], state.q_ref) < self._threshold())
 
   def decode_gate(self, cache, q_pos):
     """Whether any sequence is at a comparison (or fixed-stride) step: only those can refresh."""
@@ -203,7 +223,8 @@ class RefreshKV(Method):
   def decode(self, state: RefreshState, q, k, v, ctx: AttnContext):
     if q.shape[1] != 1:
       raise MethodError(f"refreshkv decodes one token per step, got {q.shape[1]}")
-    full = state.full.write(ctx.q_pos, apply_rope(k, ctx.q_pos, ctx.freqs), v)
+    full = state.full.write(ctx.q_pos, apply_rope(k, ctx.q_pos, ctx.freqs), v,
+                            ctx.options.cache_write_backend)
     q_rot = apply_rope(q, ctx.q_pos, ctx.freqs)
     # The partial step: attend over C_p and the step's token, then the lowest-scoring one leaves.
     added = state.part.add(ctx.q_pos[:, 0], ctx.valid[:, 0])
@@ -228,10 +249,11 @@ class RefreshKV(Method):
                               n_full=state.n_full + due.astype(jnp.int32))
 
   def effective_stride(self, cache) -> list[float]:
-    """Per layer: decode steps per full step, averaged over the batch (inf: never full)."""
-    steps = np.asarray(cache.lengths - cache.state[0].prompt_lengths, np.float64)
-    return [float(np.mean(np.where(n > 0, steps / np.maximum(n, 1), np.inf)))
-            for n in (np.asarray(layer.n_full, np.float64) for layer in cache.state)]
+    """Per layer: decode steps per full step, both summed over the batch (inf: no sequence
+    took a full step in that layer; a mean of per-sequence strides would be inf if one had not)."""
+    steps = float(np.sum(np.asarray(cache.lengths - cache.state[0].prompt_lengths, np.float64)))
+    return [steps / n if n > 0 else float("inf")
+            for n in (float(np.sum(np.asarray(layer.n_full))) for layer in cache.state)]
 
   def report(self, cache) -> dict:
     """JSON-safe counts for an evaluation record: full steps per layer and decode steps."""

@@ -30,31 +30,35 @@ key at distance 0 scores far above RoPE-scored keys at the scope's distances) an
 lost passkeys that ReAttention alone found, 0 of 6 against 4 of 6 at D = n_local or the scope's
 end (docs/METHODS.md). Z_b and Z_I are scored the same way, so their difference is the prior
 mass of the keys outside the scope; that difference meets Z_SA in the merge, weighed by `lam`.
+
+Both registry entries are here: `resa` (one device) and `resa_mesh` (RESA over mesh ReAttention:
+its settings; `jax_longctx.run.distributed.reattention_mesh` runs it, the prior's vectors replicated
+and its sums over the cache merged across the shards).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Literal
+from typing import Any, Literal
 
 import jax.numpy as jnp
 from flax import struct
 
 import pallas_kernels
-from jax_longctx.attention import attention
-from jax_longctx.cache import KVCache
-from jax_longctx.methods.base import (AttnContext, Budget, Method, MethodError, PrefillEnd,
-                                      get, register)
+from jax_longctx.ops.attention import attention, merge_attention
+from jax_longctx.ops.cache import KVCache
+from jax_longctx.methods.base import (AttnContext, Budget, MeshMethod, Method, MethodError,
+                                      PrefillEnd, get, register)
 from jax_longctx.methods.reattention import ReAttention
 from jax_longctx.methods.selection import SelectingMethod, gather_slots, gathered_attention
-from jax_longctx.rope import apply_rope, rotate
+from jax_longctx.core.rope import apply_rope, rotate
 
 Prior = Literal["head", "group"]
 
 
 @struct.dataclass
-class ResaState:
+class RESAState:
   inner: object  # the wrapped method's state
   q_sum: jnp.ndarray  # [B, H, d] fp32: sum of the prompt's queries as the prior takes them
   mu_q: jnp.ndarray  # [B, H, d] fp32
@@ -65,39 +69,50 @@ class ResaState:
 
 @register
 @dataclasses.dataclass(frozen=True)
-class Resa(Method):
-  """`lam` = 1 by default: Eq. 3 as written, which the paper finds best for retrieval tasks
-  (§5.4; summarization prefers smaller values). `prior`: "head" gives each query head its own
-  mu_Q; "group" shares one mu_Q (the mean of the group's heads) per kv head. `base_args` pass
-  further hyper-parameters to the wrapped method, e.g. (("page_size", 16),). `budget` is the
-  selecting method's; ReAttention's budget is its scope (n_global, clip, span, n_local in
-  `base_args`), and `budget` does not apply to it."""
+class RESA(Method):
+  """`base`: the method RESA wraps, a selecting method (quest, topk) or reattention, given as a
+  method object (`RESA(base=Quest(page_size=8))`) or by registry name with `base_args` its
+  hyper-parameters (`--method-arg base=quest --method-arg "base_args=(('page_size', 8),)"`);
+  either way it is built once, at construction, into `inner`. `budget`: the selecting method's
+  token budget, replacing the base's own (None keeps the base's: 1024 for quest and topk);
+  ReAttention's budget is its scope (n_global, clip, span, n_local: its own fields), and
+  `budget` does not apply to it. `lam` = 1 by default: Eq. 3 as written, which the paper finds
+  best for retrieval tasks (§5.4; summarization prefers smaller values). `prior`: "head" gives
+  each query head its own mu_Q; "group" shares one mu_Q (the mean of the group's heads) per kv
+  head."""
 
   name = "resa"
   ends_prefill = True  # end_of_prefill below
 
-  base: str = "quest"
-  budget: Budget = 1024
+  base: str | Method = "quest"
+  budget: Budget | None = None
   lam: float = 1.0
   prior: Prior = "head"
   base_args: tuple = ()
   prior_distance: int | None = None  # over ReAttention (module doc); None: mid span part
+  # The wrapped method, built from the fields above in __post_init__ (a wrong base or base_args
+  # fails at construction) and never again: the steps read it every layer.
+  inner: SelectingMethod | ReAttention = dataclasses.field(init=False, repr=False, compare=False)
 
   def __post_init__(self):
     super().__post_init__()
-    self.inner  # noqa: B018  (a wrong base or base_args fails at construction)
+    object.__setattr__(self, "inner", self._wrapped())
 
-  @property
-  def inner(self) -> SelectingMethod | ReAttention:
-    if self.base == self.name:
-      raise MethodError("resa cannot wrap itself")
+  def _wrapped(self) -> SelectingMethod | ReAttention:
     inner = get(self.base, **dict(self.base_args))
     if isinstance(inner, SelectingMethod):
-      return dataclasses.replace(inner, budget=self.budget)
+      return inner if self.budget is None else dataclasses.replace(inner, budget=self.budget)
     if not isinstance(inner, ReAttention):
       raise MethodError(f"resa wraps a selecting method (quest, topk) or reattention, not "
-                        f"{self.base!r}")
+                        f"{inner.name!r}")
     return inner
+
+  def hparams(self) -> dict[str, Any]:
+    """RESA's settings, with the wrapped method by registry name (`base`) and its settings as
+    they run (`base_args`: the base's own, base_args and the budget applied), whether the base
+    came as a name or as an object."""
+    own = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+    return {**own, "base": self.inner.name, "base_args": self.inner.hparams()}
 
   @property
   def prefill_chunk(self) -> int | None:  # type: ignore[override]
@@ -114,8 +129,7 @@ class Resa(Method):
     """Over ReAttention: the relative distance at which the prior places every key."""
     if self.prior_distance is not None:
       return self.prior_distance
-    inner = self.inner
-    return inner.n_local + inner.clip * inner.span // 2
+    return self.inner.n_local + self.inner.clip * self.inner.span // 2
 
   def prior_query(self, q, ctx: AttnContext):
     """q [B, S, H, d] as the prior scores it against its keys, fp32: after RoPE at the query's
@@ -124,7 +138,7 @@ class Resa(Method):
       return rotate(q, jnp.int32(self.distance), ctx.freqs).astype(jnp.float32)
     return apply_rope(q, ctx.q_pos, ctx.freqs).astype(jnp.float32)
 
-  def init_state(self, cfg, batch, max_len, dtype, chunk) -> ResaState:
+  def init_state(self, cfg, batch, max_len, dtype, chunk) -> RESAState:
     if not 0 <= self.lam <= 1:
       raise MethodError(f"lam={self.lam} must lie in [0, 1]")
     if self.prior_distance is not None and (self.prior_distance < 0 or not self.pre_rope):
@@ -132,17 +146,17 @@ class Resa(Method):
                         "reattention only")
     h, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     zeros = lambda *s: jnp.zeros(s, jnp.float32)  # noqa: E731
-    return ResaState(self.inner.init_state(cfg, batch, max_len, dtype, chunk),
+    return RESAState(self.inner.init_state(cfg, batch, max_len, dtype, chunk),
                      zeros(batch, h, d), zeros(batch, h, d), zeros(batch, kvh, d),
                      zeros(batch, h, d), jnp.full((batch, h), -jnp.inf, jnp.float32))
 
-  def prefill(self, state: ResaState, q, k, v, ctx: AttnContext):
+  def prefill(self, state: RESAState, q, k, v, ctx: AttnContext):
     out, inner = self.inner.prefill(state.inner, q, k, v, ctx)
     q_sum = state.q_sum + jnp.einsum("bshd,bs->bhd", self.prior_query(q, ctx),
                                      ctx.valid.astype(jnp.float32))
     return out, state.replace(inner=inner, q_sum=q_sum)
 
-  def end_of_prefill(self, state: ResaState, info: PrefillEnd) -> ResaState:
+  def end_of_prefill(self, state: RESAState, info: PrefillEnd) -> RESAState:
     inner = self.inner.end_of_prefill(state.inner, info)
     cache = self.inner.cache(inner)
     n = jnp.maximum(info.prompt_lengths, 1).astype(jnp.float32)  # [B]
@@ -152,11 +166,13 @@ class Resa(Method):
       kvh = cache.k.shape[1]
       grouped = jnp.mean(mu_q.reshape(b, kvh, h // kvh, d), axis=2, keepdims=True)
       mu_q = jnp.broadcast_to(grouped, (b, kvh, h // kvh, d)).reshape(b, h, d)
-    k_sum, o_est, lse_p = self.prior_over_cache(mu_q, cache, info.prompt_lengths)
+    k_sum, o_est, lse_p = self.prior_over_cache(mu_q, cache, info.prompt_lengths,
+                                                info.options.kernels)
     return state.replace(inner=inner, mu_q=mu_q, mu_k=k_sum / n[:, None, None], o_est=o_est,
                          lse_p=lse_p)
 
-  def prior_over_cache(self, mu_q, cache: KVCache, lengths):
+  def prior_over_cache(self, mu_q, cache: KVCache, lengths,
+                       options: pallas_kernels.KernelOptions = pallas_kernels.KernelOptions()):
     """Over the prompt's keys (slots < lengths [B]): (their sum [B, KV, d] fp32, softmax(P) V
     [B, H, d] fp32, lse [B, H]) with P = mu_Q.k / sqrt(d). The mesh variant merges its shards'."""
     in_prompt = jnp.arange(cache.max_len)[None, :] < lengths[:, None]  # [B, T]
@@ -166,7 +182,7 @@ class Resa(Method):
                        preferred_element_type=jnp.float32)
     o_est, lse_p = pallas_kernels.flash_attention(
         mu_q[:, None].astype(cache.k.dtype), cache.k, cache.v, causal=False, kv_len=lengths,
-        kv_layout="BHTD")
+        kv_layout="BHTD", options=options)
     return k_sum, o_est[:, 0].astype(jnp.float32), lse_p[:, 0]
 
   def prior_over_scope(self, mu_q, cache: KVCache, sc):
@@ -180,7 +196,7 @@ class Resa(Method):
                          jnp.zeros((mu_q.shape[0], 1), jnp.int32), jnp.where(in_scope, 0, -1))
     return out[:, 0].astype(jnp.float32), lse[:, 0]
 
-  def decode(self, state: ResaState, q, k, v, ctx: AttnContext):
+  def decode(self, state: RESAState, q, k, v, ctx: AttnContext):
     inner = self.inner
     if self.pre_rope:
       return self._decode_scope(state, q, k, v, ctx)
@@ -197,7 +213,7 @@ class Resa(Method):
     out = residual_attention(q_rot, state, inner.cache(inner_state), slots, ctx.q_pos, self.lam)
     return out.astype(q.dtype), state
 
-  def _decode_scope(self, state: ResaState, q, k, v, ctx: AttnContext):
+  def _decode_scope(self, state: RESAState, q, k, v, ctx: AttnContext):
     """Over ReAttention: its own step (the scope and its attention with LSE), then the prior's
     estimate of the keys outside the scope merged in; all of the prior pre-RoPE."""
     if q.shape[1] != 1:
@@ -215,7 +231,35 @@ class Resa(Method):
     return merged[:, None].astype(q.dtype), state
 
 
-def fold_into_prior(state: ResaState, k_rot, v, valid) -> ResaState:
+
+@register
+@dataclasses.dataclass(frozen=True)
+class MeshRESA(MeshMethod):
+  """RESA over mesh ReAttention (its prior pre-RoPE: the module's doc says why). `base_args`:
+  ReAttention's hyper-parameters, e.g. (("n_local", 2048),); the defaults are RESA's."""
+
+  name = "resa_mesh"
+  needs_instruction = False
+
+  lam: float = RESA.lam
+  prior: Prior = RESA.prior
+  base_args: tuple = RESA.base_args
+  prior_distance: int | None = RESA.prior_distance
+  shard_block: int = 0  # as MeshReAttention's
+  # The per-layer method every device runs, built once in __post_init__ (a wrong base_args
+  # fails at construction).
+  resa: RESA = dataclasses.field(init=False, repr=False, compare=False)
+
+  def __post_init__(self):
+    super().__post_init__()
+    object.__setattr__(self, "resa", RESA(base=ReAttention.name, lam=self.lam, prior=self.prior,
+                                          base_args=self.base_args,
+                                          prior_distance=self.prior_distance))
+
+  def layer_method(self) -> RESA:
+    return self.resa
+
+def fold_into_prior(state: RESAState, k_rot, v, valid) -> RESAState:
   """Adds generated tokens (k_rot, v [B, S, KV, d]: keys as the prior takes them, after RoPE or,
   over ReAttention, before) to the prior, so it keeps covering every cached token: O(S) per
   step. mu_Q and mu_K stay the prompt's."""
@@ -227,11 +271,11 @@ def fold_into_prior(state: ResaState, k_rot, v, valid) -> ResaState:
   logit = jnp.where(valid[:, :, None], logit, -jnp.inf)
   outs = jnp.concatenate([state.o_est[None], jnp.moveaxis(vh, 1, 0)], axis=0)  # [1+S, B, H, d]
   lses = jnp.concatenate([state.lse_p[None], jnp.moveaxis(logit, 1, 0)], axis=0)
-  o_est, lse_p = pallas_kernels.merge_attention(outs, lses, backend="reference")
+  o_est, lse_p = merge_attention(outs, lses)
   return state.replace(o_est=o_est, lse_p=lse_p)
 
 
-def residual_attention(q_rot, state: ResaState, cache, slots, q_pos, lam: float):
+def residual_attention(q_rot, state: RESAState, cache, slots, q_pos, lam: float):
   """RESA's output for one decode query q_rot [B, 1, H, d] over the selected slots [B, H, n]."""
   if lam == 0:  # the wrapped method's own attention, bit for bit
     return gathered_attention(q_rot, cache, slots, q_pos)[0]

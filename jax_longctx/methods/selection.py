@@ -12,11 +12,11 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from jax_longctx.attention import attention
-from jax_longctx.cache import KVCache
+from jax_longctx.ops.attention import attention
+from jax_longctx.ops.cache import KVCache
 from jax_longctx.methods.base import AttnContext, MethodError, resolve_budget
 from jax_longctx.methods.full import Full
-from jax_longctx.rope import apply_rope
+from jax_longctx.core.rope import apply_rope
 
 
 def gather_slots(kv: KVCache, slots):
@@ -90,7 +90,7 @@ class SelectingMethod(Full):
 
   def write(self, state, k_rot, v, ctx: AttnContext):
     """Stores the new tokens' post-RoPE keys and values (and any per-method summaries)."""
-    return state.write(ctx.q_pos, k_rot, v)
+    return state.write(ctx.q_pos, k_rot, v, ctx.options.cache_write_backend)
 
   def select(self, state, q_rot, ctx: AttnContext) -> jnp.ndarray:
     """[B, H, n] cache slots for each query head (out-of-range or future slots are masked)."""

@@ -14,9 +14,9 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jax_longctx.attention import attention
+from jax_longctx.ops.attention import attention
 from jax_longctx.methods.base import AttnContext, Budget, Method, resolve_budget
-from jax_longctx.rope import apply_rope
+from jax_longctx.core.rope import apply_rope
 
 _LAST = jnp.iinfo(jnp.int32).max
 

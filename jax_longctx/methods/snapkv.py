@@ -17,13 +17,13 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jax_longctx.attention import attention, attention_probs_sum
-from jax_longctx.cache import KVCache
+from jax_longctx.ops.attention import attention, attention_probs_sum
+from jax_longctx.ops.cache import KVCache
 from jax_longctx.methods.base import (AttnContext, Budget, Method, MethodError, PrefillEnd,
                                       register, resolve_budget)
 from jax_longctx.methods.full import Full
 from jax_longctx.methods.slot_cache import SlotCache, top_slots
-from jax_longctx.rope import apply_rope
+from jax_longctx.core.rope import apply_rope
 
 
 def pooled_scores(q, k, q_pos, k_pos, lse, q_valid, pool_kernel: int) -> jnp.ndarray:

@@ -3,7 +3,11 @@
 Acharya et al., "Star Attention: Efficient LLM Inference over Long Sequences", 2024
 (arXiv:2411.17116). Not per-layer steps like the other methods: the context is encoded across
 the devices of a mesh axis and the query merges every device's attention, so they run through
-`jax_longctx.distributed.generate_distributed` (`jax_longctx.driver` routes them there).
+`jax_longctx.run.distributed.generate_distributed` (`jax_longctx.run.driver` routes them there).
+
+`ring` is here and not in a ring.py of its own because it is the Star paper's baseline as the
+paper runs it, not Ring Attention's method: ring prefill over the context, then Star's phase 2
+for the query and the answer (both in distributed/star.py); only the prefill differs.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from jax_longctx.methods.base import MeshMethod, register
 
 @register
 @dataclasses.dataclass(frozen=True)
-class Star(MeshMethod):
+class StarAttention(MeshMethod):
   """Phase 1: anchor + block rows encoded in parallel; phase 2: exact merged attention."""
 
   name = "star"
@@ -34,7 +38,7 @@ class Star(MeshMethod):
 
 @register
 @dataclasses.dataclass(frozen=True)
-class Ring(MeshMethod):
+class RingAttention(MeshMethod):
   """Exact prefill with K/V passed around the ring, then Star's phase 2 (the paper's baseline)."""
 
   name = "ring"

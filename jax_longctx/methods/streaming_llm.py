@@ -12,10 +12,10 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from jax_longctx.attention import attention
+from jax_longctx.ops.attention import attention
 from jax_longctx.methods.base import AttnContext, Budget, MethodError, register
 from jax_longctx.methods.slot_cache import EvictingMethod, SlotCache
-from jax_longctx.rope import apply_rope, rotate
+from jax_longctx.core.rope import apply_rope, rotate
 
 
 @register

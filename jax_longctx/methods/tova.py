@@ -12,7 +12,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from jax_longctx.attention import attention_probs_sum
+from jax_longctx.ops.attention import attention_probs_sum
 from jax_longctx.methods.base import Budget, register
 from jax_longctx.methods.slot_cache import EvictingMethod, SlotCache
 

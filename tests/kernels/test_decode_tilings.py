@@ -1,11 +1,9 @@
 """The decode-attention tilings that benchmarks/decode_profile.py's split variants set through
-methods.full.DECODE_TILING: each gives the reference's result (GPU variant, Pallas interpret mode)
+RunOptions.decode_tiling: each gives the reference's result (GPU variant, Pallas interpret mode)
 and lowers to Triton for CUDA with its real launch options (no GPU needed).
 
 Tolerances as tests/kernels/test_attention_kernels.py: bf16 2e-2 on outputs, 1e-4 on the LSE.
 """
-
-import importlib
 
 import jax.numpy as jnp
 import numpy as np
@@ -13,11 +11,11 @@ import pytest
 
 from benchmarks.decode_profile import VARIANTS
 from pallas_kernels import Tiling, flash_attention
+from pallas_kernels import flash as fa_module
 from tests.kernels.cuda_lowering import cuda_text
 from tests.kernels.inputs import normal
 from tests.kernels.test_attention_kernels import assert_close
 
-fa_module = importlib.import_module("pallas_kernels.flash_attention")
 TILINGS = {name: v.decode_tiling for name, v in VARIANTS.items() if v.decode_tiling}
 
 

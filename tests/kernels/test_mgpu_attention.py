@@ -1,4 +1,4 @@
-"""The Mosaic GPU flash-attention kernel (pallas_kernels/mgpu_attention.py) on CPU.
+"""The Mosaic GPU flash-attention kernel (pallas_kernels/mgpu_flash.py) on CPU.
 
 What runs where: jax's Mosaic GPU interpreter (private: jax._src.pallas.mosaic_gpu.interpret)
 runs the kernel's warpgroups as threads with simulated SMEM, TMA copies and barriers, so the
@@ -15,24 +15,22 @@ few moves the LSE of a row with n visible keys by about 1/n (> 3e-3 here): both 
 errors.
 """
 
-import importlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import flash_attention, mgpu_attention, mgpu_common, reference
+from pallas_kernels import flash_attention, mgpu_common, mgpu_flash, reference
+from pallas_kernels import flash as fa_module
 from pallas_kernels.backend import Variant
 from pallas_kernels.gpu import Tiling
-from pallas_kernels.mgpu_attention import Config, mgpu_flash_attention
+from pallas_kernels.options import KernelOptions
+from pallas_kernels.mgpu_flash import Config, mgpu_flash_attention
 from tests.kernels.inputs import keys_shape, normal
 
-fa_module = importlib.import_module("pallas_kernels.flash_attention")  # the package exports the
-# function under the module's name
 GPU_INTERPRETED = Variant("gpu", True)
 
-NO_INTERPRETER = mgpu_attention.interpreter_available()
+NO_INTERPRETER = mgpu_flash.interpreter_available()
 needs_interpreter = pytest.mark.skipif(NO_INTERPRETER is not None, reason=str(NO_INTERPRETER))
 OUT_TOL, LSE_TOL = 2e-2, 1e-4
 
@@ -123,7 +121,7 @@ def test_routing_defaults():
   variant = GPU_INTERPRETED
   assert fa_module._mosaic_config(variant, q, k, v, "BTHD", None) is None
   asked = Tiling(impl="mosaic")
-  assert fa_module._mosaic_config(variant, q, k, v, "BTHD", asked) == mgpu_attention.DEFAULT_CONFIG
+  assert fa_module._mosaic_config(variant, q, k, v, "BTHD", asked) == mgpu_flash.DEFAULT_CONFIG
   for why, args in {"fp32": (q.astype(jnp.float32), k.astype(jnp.float32),
                              v.astype(jnp.float32)),
                     "decode": (q[:, :1], k, v),
@@ -135,19 +133,19 @@ def test_routing_defaults():
 
 def test_unsupported_and_config_errors():
   q, k, v = inputs(9, 1, 32, 2, 2, 100, 128)
-  assert "at least block_q" in mgpu_attention.unsupported(q, k, v, kv_layout="BTHD",
+  assert "at least block_q" in mgpu_flash.unsupported(q, k, v, kv_layout="BTHD",
                                                           config=Config())
   big = Config(block_q=64, block_kv=128, stages=4)
   q, k, v = inputs(9, 1, 128, 2, 2, 512, 128)
-  assert "SMEM" in mgpu_attention.unsupported(q, k, v, kv_layout="BTHD", config=big)
+  assert "SMEM" in mgpu_flash.unsupported(q, k, v, kv_layout="BTHD", config=big)
   q, k, v = inputs(9, 1, 300, 2, 2, 512, 128)  # TMA tiles by 8: found on the H200
-  assert "multiple of 8" in mgpu_attention.unsupported(q, k, v, kv_layout="BTHD",
+  assert "multiple of 8" in mgpu_flash.unsupported(q, k, v, kv_layout="BTHD",
                                                         config=Config())
   q, k, v = inputs(9, 1, 128, 2, 2, 999, 128)
   kt, vt = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
-  assert "multiple of 8" in mgpu_attention.unsupported(q, kt, vt, kv_layout="BHTD",
+  assert "multiple of 8" in mgpu_flash.unsupported(q, kt, vt, kv_layout="BHTD",
                                                         config=Config())
-  assert mgpu_attention.unsupported(q, k, v, kv_layout="BTHD", config=Config()) is None
+  assert mgpu_flash.unsupported(q, k, v, kv_layout="BTHD", config=Config()) is None
   with pytest.raises(ValueError, match="multiples of 64"):
     Config(block_q=32)
   with pytest.raises(ValueError, match="at least 2"):
@@ -185,7 +183,7 @@ def test_lengths_that_pass_unsupported_lower(lq, t, kv_layout):
   q = jax.ShapeDtypeStruct((2, lq, 32, 128), jnp.bfloat16)
   k = jax.ShapeDtypeStruct(keys_shape(2, t, 8, 128, kv_layout), jnp.bfloat16)
   ints = jax.ShapeDtypeStruct((2,), jnp.int32)
-  assert mgpu_attention.unsupported(q, k, k, kv_layout=kv_layout, config=Config()) is None
+  assert mgpu_flash.unsupported(q, k, k, kv_layout=kv_layout, config=Config()) is None
 
   def f(q, k, v, off, kv_len):
     return mgpu_flash_attention(q, k, v, off, kv_len, causal=True, scale=0.1,
@@ -226,8 +224,8 @@ def test_smem_estimate_agrees_with_mosaic_lowering(monkeypatch):
     return jax.jit(f).trace(q, k, k, ints, ints).lower(lowering_platforms=("cuda",))
 
   fits, too_big = Config(64, 128, 3), Config(64, 128, 4)
-  assert mgpu_attention.unsupported(q, k, k, kv_layout="BTHD", config=fits) is None
-  assert "SMEM" in mgpu_attention.unsupported(q, k, k, kv_layout="BTHD", config=too_big)
+  assert mgpu_flash.unsupported(q, k, k, kv_layout="BTHD", config=fits) is None
+  assert "SMEM" in mgpu_flash.unsupported(q, k, k, kv_layout="BTHD", config=too_big)
   lower(fits)
   monkeypatch.setattr(mgpu_common, "SMEM_LIMIT", 1 << 30)
   with pytest.raises(Exception, match="exceeds available shared memory"):
@@ -236,15 +234,14 @@ def test_smem_estimate_agrees_with_mosaic_lowering(monkeypatch):
 
 def test_routing_on_a_hopper_gpu(monkeypatch):
   """With a (pretended) native Hopper GPU: prefill goes to Mosaic unless cuDNN can express it
-  (offset 0, BTHD) and MOSAIC_BEFORE_CUDNN is off; GPU_PREFILL_IMPL="triton" and decode keep the
+  (offset 0, BTHD) and mosaic_before_cudnn is off; prefill_impl="triton" and decode keep the
   Triton kernel. The kernels themselves are stubbed: this checks only which one is called."""
   calls = []
-  monkeypatch.setattr(fa_module, "GPU_PREFILL_IMPL", "mosaic")
-  monkeypatch.setattr(fa_module, "MOSAIC_BEFORE_CUDNN", False)
+  options = KernelOptions(prefill_impl="mosaic", mosaic_before_cudnn=False)
   monkeypatch.setattr(fa_module.backend_lib, "resolve", lambda backend: Variant("gpu", False))
   monkeypatch.setattr(fa_module.backend_lib, "is_hopper", lambda: True)
   monkeypatch.setattr(fa_module, "_cudnn", lambda *a, **kw: calls.append("cudnn") or "cudnn")
-  monkeypatch.setattr(fa_module.mgpu_attention, "mgpu_flash_attention",
+  monkeypatch.setattr(fa_module.mgpu_flash, "mgpu_flash_attention",
                       lambda *a, **kw: calls.append("mosaic") or "mosaic")
   monkeypatch.setattr(fa_module, "_gpu", lambda *a, **kw: calls.append("triton") or 1 / 0)
   q, k, v = inputs(11, 1, 128, 4, 2, 256, 128)
@@ -252,7 +249,7 @@ def test_routing_on_a_hopper_gpu(monkeypatch):
   def route(q, k, v, **kw):
     calls.clear()
     try:
-      flash_attention(q, k, v, backend="gpu", **kw)
+      flash_attention(q, k, v, backend="gpu", options=options, **kw)
     except ZeroDivisionError:  # the stubbed Triton kernel
       pass
     return calls[0]
@@ -262,7 +259,7 @@ def test_routing_on_a_hopper_gpu(monkeypatch):
   assert route(q, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), kv_layout="BHTD") == "mosaic"
   assert route(q, k, v, tiling=Tiling(impl="mosaic")) == "mosaic"
   assert route(q[:, :1], k, v, q_offset=255) == "triton"
-  monkeypatch.setattr(fa_module, "MOSAIC_BEFORE_CUDNN", True)
+  options = KernelOptions(prefill_impl="mosaic", mosaic_before_cudnn=True)
   assert route(q, k, v) == "mosaic"
-  monkeypatch.setattr(fa_module, "GPU_PREFILL_IMPL", "triton")
+  options = KernelOptions(prefill_impl="triton", mosaic_before_cudnn=True)
   assert route(q, k, v, q_offset=5) == "triton"

@@ -7,19 +7,18 @@ CPU-only jaxlib (layouts, SMEM), and runs on the GPU in benchmarks/mgpu_topk.py.
 Integer inputs make every score exact: indices and scores must equal the reference's.
 """
 
-import importlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from pallas_kernels import layout, mgpu_common, mgpu_topk, topk_scores
+from pallas_kernels import topk as ts_module
 from pallas_kernels.backend import Variant
 from pallas_kernels.gpu import Tiling
+from pallas_kernels.options import KernelOptions
 from tests.kernels.inputs import keys_shape, normal, small_ints
 
-ts_module = importlib.import_module("pallas_kernels.topk_scores")
 NO_INTERPRETER = mgpu_common.interpreter_available()
 needs_interpreter = pytest.mark.skipif(NO_INTERPRETER is not None, reason=str(NO_INTERPRETER))
 
@@ -105,8 +104,8 @@ def test_pipeline_has_no_races():
   rng = np.random.default_rng(11)
   q, k = small_ints(rng, (1, 32, 4, 64)), small_ints(rng, (1, 256, 1, 64))
   bounds = jnp.array([[3, 250]], jnp.int32)
-  vals, idx = mgpu_topk.mgpu_topk(layout.q_rows(q, 1, 128), k, bounds, kp=4, span=256, splits=1,
-                                  scale=None, config=mgpu_topk.Config(64, 64, 2),
+  vals, idx = mgpu_topk.mgpu_topk_scores(layout.q_rows(q, 1, 128), k, bounds, kp=4, span=256, splits=1,
+                                         scale=None, config=mgpu_topk.Config(64, 64, 2),
                                   interpret=InterpretGPUParams(detect_races=True))
   jax.block_until_ready(idx)
   assert not interpret_pallas_call.get_races().races_found
@@ -118,7 +117,7 @@ def test_pipeline_has_no_races():
 
 def test_routing():
   """Off GPU only tiling.impl="mosaic" picks the kernel; decode-sized rows, fp32, top_k above
-  MAX_TOP_K stay on Triton; GPU_TOPK_IMPL decides on a (pretended) Hopper GPU."""
+  MAX_TOP_K stay on Triton; KernelOptions.topk_impl decides on a (pretended) Hopper GPU."""
   q, k = jnp.zeros((1, 16, 4, 64), jnp.bfloat16), jnp.zeros((1, 256, 1, 64), jnp.bfloat16)
   interp = Variant("gpu", True)
   cfg = ts_module._mosaic_config
@@ -137,10 +136,11 @@ def test_routing_on_a_hopper_gpu(monkeypatch):
   native = Variant("gpu", False)
   q, k = jnp.zeros((1, 16, 4, 64), jnp.bfloat16), jnp.zeros((1, 256, 1, 64), jnp.bfloat16)
   monkeypatch.setattr(ts_module.backend_lib, "is_hopper", lambda: True)
-  monkeypatch.setattr(ts_module, "GPU_TOPK_IMPL", "triton")
-  assert ts_module._mosaic_config(native, q, k, 64, 4, None) is None
-  monkeypatch.setattr(ts_module, "GPU_TOPK_IMPL", "mosaic")
-  assert ts_module._mosaic_config(native, q, k, 64, 4, None) == mgpu_topk.DEFAULT_CONFIG
+  triton = KernelOptions(topk_impl="triton")
+  assert ts_module._mosaic_config(native, q, k, 64, 4, None, options=triton) is None
+  mosaic = KernelOptions(topk_impl="mosaic")
+  assert ts_module._mosaic_config(native, q, k, 64, 4, None, options=mosaic) == \
+      mgpu_topk.DEFAULT_CONFIG
   assert ts_module._mosaic_config(native, q, k, 64, 4, Tiling(impl="triton")) is None
 
 
@@ -159,7 +159,7 @@ def test_native_kernel_lowers_to_mosaic_gpu(d, kv_layout, kp, semantics):
   config = mgpu_topk.Config(64, 128, 4, semantics=semantics)
 
   def f(qr, k, bounds):
-    return mgpu_topk.mgpu_topk(qr, k, bounds, kp=kp, span=t // 2, splits=2, scale=d ** -0.5,
+    return mgpu_topk.mgpu_topk_scores(qr, k, bounds, kp=kp, span=t // 2, splits=2, scale=d ** -0.5,
                                kv_layout=kv_layout, config=config)
 
   text = jax.jit(f).trace(qr, k, bounds).lower(lowering_platforms=("cuda",)).as_text()

@@ -1,22 +1,20 @@
 """split_merge (split-K decode's merge in one kernel) and flash_attention's decode through it
-(DECODE_MERGE_KERNEL) and/or with the query rows read unpadded (DECODE_Q_IN_KERNEL): interpret
+(KernelOptions.decode_merge_kernel) and/or with the query rows read unpadded
+(KernelOptions.decode_q_in_kernel): interpret
 mode against the jnp references, and lowered to Triton for CUDA.
 
 Tolerances: fp32 2e-5 (another summation order), bf16 outputs 2e-2 (one rounding), LSE 1e-4.
 """
 
-import importlib
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import Tiling, flash_attention, reference, split_merge
+from pallas_kernels import KernelOptions, Tiling, flash_attention, reference, split_merge
+from pallas_kernels import flash as fa_module
 from tests.kernels.cuda_lowering import cuda_text
 from tests.kernels.inputs import normal
 from tests.kernels.test_attention_kernels import assert_close
-
-fa_module = importlib.import_module("pallas_kernels.flash_attention")
 
 
 def _partials(rng, b, kvh, splits, parts, rp, d):
@@ -56,30 +54,29 @@ DECODE = {
 }
 
 
-@pytest.mark.parametrize("switches", [("DECODE_MERGE_KERNEL",), ("DECODE_Q_IN_KERNEL",),
-                                      ("DECODE_MERGE_KERNEL", "DECODE_Q_IN_KERNEL")])
+@pytest.mark.parametrize("switches", [("decode_merge_kernel",), ("decode_q_in_kernel",),
+                                      ("decode_merge_kernel", "decode_q_in_kernel")])
 @pytest.mark.parametrize("case", list(DECODE))
-def test_decode_switches_match_reference(case, switches, monkeypatch):
+def test_decode_switches_match_reference(case, switches):
   b, h, kvh, t, d, pos, dtype, tiling = DECODE[case]
-  for name in switches:
-    monkeypatch.setattr(fa_module, name, True)
+  options = KernelOptions(**{name: True for name in switches})
   rng = np.random.default_rng(len(case))
   q = normal(rng, (b, 1, h, d), dtype)
   k, v = (normal(rng, (b, kvh, t, d), dtype) for _ in range(2))
   pos = jnp.asarray(pos)
   kw = dict(causal=True, q_offset=pos, kv_len=pos + 1, kv_layout="BHTD")
-  got = flash_attention(q, k, v, backend="gpu", tiling=tiling, **kw)
+  got = flash_attention(q, k, v, backend="gpu", tiling=tiling, options=options, **kw)
   assert_close(got, flash_attention(q, k, v, backend="reference", **kw), dtype)
 
 
-def test_decode_switches_see_rows_with_no_key(monkeypatch):
+def test_decode_switches_see_rows_with_no_key():
   """kv_len 0 (an empty sequence in a batch): (0, -inf) as the reference."""
-  monkeypatch.setattr(fa_module, "DECODE_MERGE_KERNEL", True)
-  monkeypatch.setattr(fa_module, "DECODE_Q_IN_KERNEL", True)
+  options = KernelOptions(decode_merge_kernel=True, decode_q_in_kernel=True)
   rng = np.random.default_rng(0)
   q, k, v = (normal(rng, s, jnp.float32) for s in ((2, 1, 4, 64), (2, 2, 256, 64), (2, 2, 256, 64)))
   kw = dict(causal=False, kv_len=jnp.asarray([0, 200]), kv_layout="BHTD")
-  got = flash_attention(q, k, v, backend="gpu", tiling=Tiling(key_splits=2), **kw)
+  got = flash_attention(q, k, v, backend="gpu", tiling=Tiling(key_splits=2), options=options,
+                        **kw)
   assert_close(got, flash_attention(q, k, v, backend="reference", **kw), jnp.float32)
   assert np.isneginf(np.asarray(got[1][0])).all()
 
@@ -96,7 +93,7 @@ def test_merge_kernel_lowers_to_triton(splits, parts):
 
 
 def test_unpadded_q_reaches_the_kernel(monkeypatch):
-  """With DECODE_Q_IN_KERNEL the kernel gets the group's 4 real rows, not a 16-row padded tile."""
+  """With decode_q_in_kernel the kernel gets the group's 4 real rows, not a 16-row padded tile."""
   seen = []
   gpu_kernel = fa_module._gpu
   monkeypatch.setattr(fa_module, "_gpu", lambda qr, *a, **kw: seen.append(qr.shape) or
@@ -104,8 +101,8 @@ def test_unpadded_q_reaches_the_kernel(monkeypatch):
   rng = np.random.default_rng(1)
   q, k = normal(rng, (1, 1, 8, 64), jnp.float32), normal(rng, (1, 2, 100, 64), jnp.float32)
   flash_attention(q, k, k, kv_layout="BHTD", backend="gpu")
-  monkeypatch.setattr(fa_module, "DECODE_Q_IN_KERNEL", True)
-  flash_attention(q, k, k, kv_layout="BHTD", backend="gpu")
+  flash_attention(q, k, k, kv_layout="BHTD", backend="gpu",
+                  options=KernelOptions(decode_q_in_kernel=True))
   assert seen == [(1, 2, 16, 64), (1, 2, 4, 64)]
 
 

@@ -1,0 +1,173 @@
+"""The small, stable Python API: `lm = load("default")`, `lm.logits(ids)`, `lm.generate(...)`."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_longctx.checkpoints import load_source, restore
+from jax_longctx.checkpoints.sources import CheckpointError
+from jax_longctx.app import bundled, calibration_store, default_model
+from jax_longctx import methods as methods_lib
+from jax_longctx.core.config import LlamaConfig
+from jax_longctx.run.driver import generate
+from jax_longctx.run.generation import GenerationError, Sampling
+from jax_longctx.run.instructed import split_prompt
+from jax_longctx.model import forward, new_cache, serving_params
+from jax_longctx.core.options import RunOptions
+from jax_longctx.app.tokenizer import Tokenizer
+
+
+@dataclasses.dataclass
+class LM:
+  config: LlamaConfig
+  params: Any
+  tokenizer: Tokenizer | None
+  path: str | None = None
+  # The bundled name ('smollm2-135m-instruct' for 'default'), else the checkpoint's file name:
+  # what a shipped calibration is found by (jax_longctx/app/calibrations/<model_id>.json).
+  model_id: str | None = None
+  model_arg: str | None = None  # what load() was given (the calibrate command a notice names)
+
+  def resolve_method(self, method):
+    """The method as it runs on this model: RefreshKV's unset threshold and query reading from
+    the model's calibration (`calibration_store.resolve`); explicit values and other methods
+    unchanged."""
+    return calibration_store.resolve(method, self.path, self.model_id, self.config,
+                                     self.model_arg)
+
+  def stop_tokens(self) -> tuple[int, ...]:
+    ids = set(self.config.eos_token_ids)
+    if self.tokenizer is not None:
+      # ChatML's end of turn (SmolLM2, Qwen), Llama 3's, and the end of text Qwen also stops at.
+      for text in (self.tokenizer.eos_token, "<|im_end|>", "<|eot_id|>", "<|endoftext|>"):
+        tid = self.tokenizer.token_id(text)
+        if tid is not None:
+          ids.add(tid)
+    return tuple(sorted(ids))
+
+  def logits(self, token_ids) -> jnp.ndarray:
+    """[batch, len] token ids -> [batch, len, vocab] fp32 logits from one uncached forward."""
+    ids = jnp.asarray(token_ids, jnp.int32)
+    if ids.ndim == 1:
+      ids = ids[None]
+    if ids.shape[0] == 0 or ids.shape[1] == 0:
+      raise GenerationError(f"logits() needs a non-empty [batch, len] array, got {ids.shape}")
+    full = methods_lib.get("full")
+    b, n = ids.shape
+    cache = new_cache(self.config, full, b, n)
+    positions = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n))
+    logits, _ = forward(self.params, ids, positions, cache, full, self.config)
+    return logits
+
+  def encode(self, prompt: str, chat: bool = False) -> list[int]:
+    if self.tokenizer is None:
+      raise ValueError("this model was loaded without a tokenizer; pass token ids instead")
+    if chat:
+      prompt = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    return self.tokenizer.encode(prompt)
+
+  def apart(self, prompt: str, instruction: str | None, chat: bool = False):
+    """(document ids, instruction ids) of a text prompt; the chat template wraps both."""
+    if instruction is None:
+      prompt, instruction = split_prompt(prompt)
+    text = prompt + instruction
+    if chat:
+      text = self.tokenizer.apply_chat_template([{"role": "user", "content": text}])
+    cut = text.rindex(instruction)
+    return self.tokenizer.encode(text[:cut]), self.instruction_ids(text[cut:])
+
+  def instruction_ids(self, text: str) -> list[int]:
+    """Tokens of text that follows a document: no BOS, though the tokenizer adds one to prompts."""
+    ids = self.tokenizer.encode(text)
+    bos = self.tokenizer.token_id(self.tokenizer.bos_token)
+    return ids[1:] if self.tokenizer.add_bos and ids[:1] == [bos] else ids
+
+  def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]], method="full", *,
+               max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
+               seed: int = 0, chat: bool = False, method_args: dict | None = None,
+               chunk_size: int | None = None, cache_len: int | None = None,
+               stop_tokens: Sequence[int] | None = None, instruction=None,
+               **method_kwargs) -> list[str] | list[list[int]]:
+    """Continues each prompt. Text prompts give text back; token-id prompts give token ids.
+
+    `method` is a registry name or a method object; its hyper-parameters come as keywords
+    (`lm.generate(p, "snapkv", budget=256)`) or as `method_args`. `instruction` (one per
+    prompt, text or token ids) is read apart from the prompt, which is then the document, by
+    methods that `needs_instruction` (CItruS; Star and ring, run over every device, take it as
+    their query); without it their text prompts are split by `split_prompt`.
+    """
+    if isinstance(prompts, str):
+      prompts = [prompts]
+    if isinstance(instruction, str):
+      instruction = [instruction]
+    if instruction is not None and len(instruction) != len(prompts):
+      raise GenerationError(f"{len(prompts)} prompts but {len(instruction)} instructions")
+    as_text = len(prompts) > 0 and all(isinstance(p, str) for p in prompts)
+    method = self.resolve_method(
+        methods_lib.get(method, **{**(method_args or {}), **method_kwargs}))
+    instructions = None
+    if as_text and (instruction is not None or method.needs_instruction):
+      pairs = [self.apart(p, None if instruction is None else instruction[i], chat)
+               for i, p in enumerate(prompts)]
+      ids, instructions = [d for d, _ in pairs], [i for _, i in pairs]
+    elif as_text:
+      ids = [self.encode(p, chat) for p in prompts]
+    else:
+      ids = [list(p) for p in prompts]
+      instructions = None if instruction is None else [list(i) for i in instruction]
+    result = generate(
+        self.params, self.config, ids, method, instructions=instructions,
+        max_new_tokens=max_new_tokens, sampling=Sampling(temperature, top_p, seed),
+        stop_tokens=self.stop_tokens() if stop_tokens is None else tuple(stop_tokens),
+        cache_len=cache_len, options=RunOptions(prefill_chunk=chunk_size))
+    if as_text:
+      return [self.tokenizer.decode(t) for t in result.tokens]
+    return result.tokens
+
+
+def load(name_or_path: str = "default", dtype=None, serving: bool = False) -> LM:
+  """'default' (SmolLM2-135M-Instruct), a bundled model's name ('qwen2.5-coder-0.5b',
+  'qwen2.5-coder-1.5b'), a converted checkpoint, an HF directory or a GGUF file.
+
+  serving: params in the layout generation runs fastest on (`model.serving_params`); leave it
+  off to train or export them."""
+  if name_or_path == "default":
+    path, model_id = default_model.checkpoint_dir(), default_model.DEFAULT_NAME
+  elif name_or_path in bundled.BUNDLED and not os.path.exists(name_or_path):
+    path, model_id = bundled.checkpoint_dir(name_or_path), name_or_path
+  else:
+    path = name_or_path
+    model_id = os.path.basename(os.path.normpath(path))
+  if not os.path.exists(path):
+    raise CheckpointError(f"checkpoint not found: {path}")
+  if os.path.isdir(path) and os.path.isdir(os.path.join(path, "params")):
+    cfg, params = restore(path, dtype=dtype)
+    tokenizer = _tokenizer(path)
+  else:
+    cfg, params, source = load_source(path)
+    if dtype is not None:
+      cfg = cfg.replace(dtype=np.dtype(dtype).name)
+    params = jax.tree.map(lambda a: jnp.asarray(a, cfg.jnp_dtype), params)
+    if os.path.isdir(path):
+      tokenizer = _tokenizer(path)
+    else:  # a GGUF carries its tokenizer in its metadata
+      # Written out only for Tokenizer to read: it keeps what it read in memory, so the files
+      # go when it has. Building them costs ~0.2 s (SmolLM2's 49K tokens) beside seconds of
+      # reading the GGUF, so no cache entry per GGUF is worth keeping.
+      with tempfile.TemporaryDirectory(prefix="jax-longctx-tok-") as tok_dir:
+        source.write_tokenizer(tok_dir)
+        tokenizer = _tokenizer(tok_dir)
+  return LM(cfg, serving_params(params) if serving else params, tokenizer, path, model_id,
+            name_or_path)
+
+
+def _tokenizer(directory: str) -> Tokenizer | None:
+  """The checkpoint's tokenizer, or None where it has none (token ids in and out)."""
+  return Tokenizer(directory) if os.path.exists(os.path.join(directory, "tokenizer.json")) else None

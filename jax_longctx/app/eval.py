@@ -1,0 +1,207 @@
+"""Evaluation sweeps: task x method x length x sample, resumable, with JSON, markdown and plots.
+
+    jax-longctx eval --model default --task passkey --methods full,snapkv --lengths 4k,8k \
+        --samples 20 --depths 0.1,0.5,0.9 --out DIR --method-arg snapkv.budget=256
+
+DIR/results.jsonl gets one line per finished sample (appended and synced as it goes, so an
+interrupted sweep resumes where it stopped; a record that the interruption cut short is run
+again); DIR/summary.md and DIR/*.png are rewritten at the end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Iterator
+
+import jax
+
+from jax_longctx import methods as methods_lib
+from jax_longctx.app import tasks as tasks_lib
+from jax_longctx.run.driver import continuation_nll, generate
+from jax_longctx.core.options import DEFAULT, RunOptions
+from jax_longctx.core.errors import LongctxError
+from jax_longctx.core.progress import progress
+from jax_longctx.app.report import write_report
+
+RESULTS = "results.jsonl"
+
+
+class EvalError(LongctxError, ValueError):
+  pass
+
+
+@dataclasses.dataclass(frozen=True)
+class MethodSpec:
+  label: str  # the name shown in tables
+  method: Any
+
+  @classmethod
+  def parse(cls, names: str, method_args: list[str] | None) -> list["MethodSpec"]:
+    """'full,snapkv' + ['snapkv.budget=256'] -> specs (args without a dot go to every method).
+
+    An entry `label:name` runs method `name` under its own label, so one method can run with
+    several settings in a sweep (`rkv5:refreshkv` + `rkv5.qc_stride=5`).
+    """
+    run = {}  # label -> registry name
+    for entry in [n.strip() for n in names.split(",") if n.strip()]:
+      label, _, name = entry.rpartition(":")
+      run[label or name] = name
+    per = methods_lib.args_per_method(method_args, run)
+    return [cls(label, methods_lib.get(name, **methods_lib.parse_method_args(per[label])))
+            for label, name in run.items()]
+
+
+def _key(rec: dict) -> tuple:
+  return (rec["task"], rec["method"], rec["length"], rec["depth"], rec["seed"])
+
+
+def load_results(out_dir: str, repair: bool = True) -> list[dict]:
+  """Finished samples. A last line without its newline is a record whose write was interrupted
+  (a killed sweep): it is dropped, with one line saying so, and its sample runs again; with
+  `repair` the file is cut back to the end of the line before, so the next record starts a line
+  of its own. Any other line that is not valid JSON is an error, never silently dropped."""
+  path = os.path.join(out_dir, RESULTS)
+  if not os.path.exists(path):
+    return []
+  with open(path, "rb") as f:
+    data = f.read()
+  lines = data.split(b"\n")
+  cut = lines.pop()  # after the last newline: b"" unless a write was cut short
+  if cut.strip():
+    print(f"{path}: dropped its last line, a record cut short by an interrupted write "
+          f"({len(cut)} bytes); its sample runs again", file=sys.stderr)
+    if repair:
+      with open(path, "r+b") as f:
+        f.truncate(len(data) - len(cut))
+  out = []
+  for i, line in enumerate(lines, 1):
+    if not line.strip():
+      continue
+    try:
+      rec = json.loads(line)
+      _key(rec)
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+      raise EvalError(f"{path} line {i} is corrupt ({e}); fix or move the file, then rerun") from e
+    out.append(rec)
+  return out
+
+
+def _append(path: str, rec: dict) -> None:
+  """One record as one line, in one write, on disk before the next sample starts: a kill leaves
+  at most the last line cut short, which load_results recognises."""
+  line = (json.dumps(rec) + "\n").encode()
+  with open(path, "ab", buffering=0) as f:
+    while line:  # a regular file takes it in one write; a short write only if interrupted
+      line = line[f.write(line):]
+    os.fsync(f.fileno())
+
+
+def _cache_len(length: int, new_tokens: int) -> int:
+  # One size per requested length, so every sample of a length shares the compiled steps.
+  return -(-(int(length * 1.02) + new_tokens + 1) // 256) * 256
+
+
+def _peak_bytes():
+  stats = jax.local_devices()[0].memory_stats() or {}
+  return stats.get("peak_bytes_in_use")
+
+
+# The answers kept in a record: chain-of-key's are the haystack's whole key list (~60 KB a
+# sample); the sample is regenerated from (task, length, depth, seed) when more is needed.
+STORED_ANSWERS = 32
+
+
+def stored_expected(expected) -> dict:
+  expected = list(expected)
+  if len(expected) <= STORED_ANSWERS:
+    return {"expected": expected}
+  return {"expected": expected[:STORED_ANSWERS], "n_expected": len(expected)}
+
+
+def run_sample(lm, task, spec: MethodSpec, sample, options: RunOptions = DEFAULT,
+               cache_len: int | None = None) -> dict:
+  """One sample through one method (`driver`): prediction, score, timings, the method's report.
+
+  cache_len: one cache size for every sample (one compile per method for a whole sweep of
+  lengths); None sizes the cache per requested length.
+  """
+  method = spec.method
+  if task.name == "ppl":
+    prefix, targets = task.split(sample)
+    nll, run = continuation_nll(lm.params, lm.config, method, prefix, targets,
+                                lm.instruction_ids(sample.instruction),
+                                cache_len=cache_len or _cache_len(sample.length, 0),
+                                options=options)
+    return {"prediction": None, "expected": None, "score": float(math.exp(nll.mean())),
+            "nll": nll.round(5).tolist(), "prefill_s": run.prefill_s, "decode_s": run.decode_s,
+            **run.report}
+  if method.needs_instruction:  # CItruS, or a mesh method's query
+    ids, instruction = lm.apart(sample.document, sample.instruction)
+    instructions = [instruction]
+  else:
+    ids, instructions = lm.tokenizer.encode(sample.prompt), None
+  run = generate(lm.params, lm.config, [ids], method, instructions=instructions,
+                 max_new_tokens=task.max_new_tokens, stop_tokens=lm.stop_tokens(),
+                 options=options,
+                 cache_len=cache_len or _cache_len(sample.length, task.max_new_tokens))
+  prediction = lm.tokenizer.decode(run.tokens[0])
+  return {"prediction": prediction, **stored_expected(sample.expected),
+          "score": task.score(prediction, sample), "prefill_s": run.prefill_s,
+          "decode_s": run.decode_s, **run.report}
+
+
+def plan(task, specs, lengths, depths, samples) -> list[tuple]:
+  """(spec, length, depth, seed) for every sample; samples spread round-robin over depths."""
+  depths = depths if task.needle_task else [None]
+  return [(spec, length, depths[i % len(depths)], i)
+          for spec in specs for length in lengths for i in range(samples)]
+
+
+def made_ahead(task, tokenizer, todo: list[tuple], chat: bool) -> Iterator[tuple]:
+  """(plan entry, its sample) for each entry of `todo` in order, each sample built on a thread
+  while the one before runs: a 1M-token prompt takes 15-20 s on the host that the devices would
+  otherwise wait for (the tokenizer releases the GIL). A failed build raises at its turn."""
+  with ThreadPoolExecutor(max_workers=1) as pool:
+    def build(entry):
+      _, length, depth, seed = entry
+      return pool.submit(task.make, tokenizer, length, depth, seed, chat=chat)
+    pending = build(todo[0]) if todo else None
+    for i, entry in enumerate(todo):
+      sample = pending.result()
+      pending = build(todo[i + 1]) if i + 1 < len(todo) else None
+      yield entry, sample
+
+
+def run_sweep(lm, task_name: str, specs: list[MethodSpec], lengths: list[int],
+              depths: list[float], samples: int, out_dir: str, *, chat: bool = False,
+              options: RunOptions = DEFAULT, task_options: dict | None = None,
+              cache_len: int | None = None) -> list[dict]:
+  task = tasks_lib.get(task_name, **(task_options or {}))
+  # Settings a method leaves to the model (RefreshKV's calibrated threshold) filled in, so each
+  # record's hparams show what ran.
+  specs = [dataclasses.replace(s, method=lm.resolve_method(s.method)) for s in specs]
+  os.makedirs(out_dir, exist_ok=True)
+  # Several processes (a multi-host mesh) run the same sweep; the first one writes the records.
+  writer = jax.process_index() == 0
+  done = load_results(out_dir, repair=writer)
+  seen = {_key(r) for r in done}
+  todo = [p for p in plan(task, specs, lengths, depths, samples)
+          if (task.name, p[0].label, p[1], p[2], p[3]) not in seen]
+  for (spec, length, depth, seed), sample in progress(
+      made_ahead(task, lm.tokenizer, todo, chat), total=len(todo), desc=f"{task.name} sweep"):
+    rec = {"task": task.name, "method": spec.label, "hparams": spec.method.hparams(),
+           "length": length, "depth": depth, "seed": seed, "n_tokens": sample.n_tokens,
+           "chat": chat}
+    rec.update(run_sample(lm, task, spec, sample, options, cache_len))
+    rec["peak_bytes"] = _peak_bytes()
+    if writer:
+      _append(os.path.join(out_dir, RESULTS), rec)
+    done.append(rec)
+  if writer:
+    write_report(done, out_dir)
+  return done

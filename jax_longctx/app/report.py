@@ -1,0 +1,224 @@
+"""Summary table and plots of an evaluation sweep's results (results.jsonl records)."""
+
+from __future__ import annotations
+
+import collections
+import math
+import os
+
+import numpy as np
+
+from jax_longctx.app.gap_stats import LEVEL, RESAMPLES, nll_by_seed, paired_gap, pooled_ppl
+
+
+def _mean(xs):
+  return sum(xs) / len(xs) if xs else float("nan")
+
+
+def summary_table(records: list[dict], baselines: list[str] | None = None) -> str:
+  """Markdown: mean score per method x length (perplexity for ppl, accuracy in % otherwise)."""
+  by = collections.defaultdict(list)
+  for r in records:
+    by[(r["task"], r["method"], r["length"])].append(r["score"])
+  out = []
+  for task in sorted({k[0] for k in by}):
+    methods = sorted({k[1] for k in by if k[0] == task}, key=lambda m: (m != "full", m))
+    lengths = sorted({k[2] for k in by if k[0] == task})
+    unit = "perplexity" if task == "ppl" else "score %"
+    out.append(f"### {task} ({unit}, mean over samples; n = samples per cell)\n")
+    out.append("| method | " + " | ".join(f"{n // 1024}K" if n % 1024 == 0 else str(n)
+                                          for n in lengths) + " |")
+    out.append("|---" * (len(lengths) + 1) + "|")
+    for m in methods:
+      cells = []
+      for n in lengths:
+        xs = by.get((task, m, n), [])
+        if not xs:
+          cells.append("-")
+        elif task == "ppl":
+          cells.append(f"{_mean(xs):.2f} (n={len(xs)})")
+        else:
+          cells.append(f"{100 * _mean(xs):.0f} (n={len(xs)})")
+      out.append(f"| {m} | " + " | ".join(cells) + " |")
+    out.append("")
+  return "\n".join(out + _gap_table(records, baselines) + _stride_table(records))
+
+
+def stride_counts(records: list[dict]) -> dict[tuple, tuple[np.ndarray, float]]:
+  """RefreshKV's counts per (task, method, length): (full steps per layer, decode steps), each
+  summed over the samples. A rate is averaged by summing its counts first: one sample with no
+  full step in a layer must not make that layer's stride infinite."""
+  sums: dict[tuple, tuple[np.ndarray, float]] = {}
+  for r in records:
+    if r.get("full_steps"):
+      key = (r["task"], r["method"], r["length"])
+      full, steps = sums.get(key, (0.0, 0.0))
+      sums[key] = (full + np.asarray(r["full_steps"], np.float64), steps + r["decode_steps"])
+  return sums
+
+
+def effective_stride(full_steps, decode_steps: float) -> float:
+  """Decode steps per full step of an average layer: every layer's full steps pooled (inf: no
+  layer ever took one)."""
+  full = np.asarray(full_steps, np.float64)
+  total = float(full.sum())
+  return decode_steps * full.size / total if total > 0 else math.inf
+
+
+def _stride_table(records: list[dict]) -> list[str]:
+  """RefreshKV's effective stride (decode steps per full step) per layer and over all layers,
+  from full and decode steps summed over the samples."""
+  sums = stride_counts(records)
+  if not sums:
+    return []
+  out = ["### effective stride (decode steps per full step, summed over samples; inf: no sample "
+         "had a full step)\n",
+         "| task | method | length | all layers | per layer |", "|---" * 5 + "|"]
+  for (task, m, n), (full, steps) in sorted(sums.items()):
+    per_layer = np.where(full > 0, steps / np.maximum(full, 1e-30), np.inf)
+    out.append(f"| {task} | {m} | {n} | {effective_stride(full, steps):.1f} | "
+               + " ".join(f"{x:.0f}" if math.isfinite(x) else "inf" for x in per_layer) + " |")
+  return out + [""]
+
+
+def _gap_table(records: list[dict], baselines: list[str] | None = None) -> list[str]:
+  """Per ppl length with full attention and a baseline (labels in `baselines`, else every label
+  containing "snap"): each method's pooled perplexity and the share of each baseline's gap to
+  full attention it closes, with the paired-bootstrap interval over the texts all three ran."""
+  ppl = [r for r in records if r["task"] == "ppl" and r.get("nll") is not None]
+  strides = stride_counts(records)
+  out = []
+  for n in sorted({r["length"] for r in ppl}):
+    labels = {r["method"] for r in ppl if r["length"] == n}
+    bases = sorted(m for m in labels if (m in baselines if baselines is not None else "snap" in m))
+    if "full" not in labels or not bases:
+      continue
+    order = ["full"] + bases + sorted(labels - {"full", *bases})
+    nll = {m: nll_by_seed(ppl, m, n) for m in order}
+    if not out:
+      out.append(f"### ppl: share of a baseline's gap to full attention closed (pooled token NLL; "
+                 f"(ppl_B - ppl_M) / (ppl_B - ppl_F); {LEVEL:.0%} paired bootstrap over texts, "
+                 f"{RESAMPLES} resamples)\n")
+    out.append(f"{n} tokens:\n")
+    out.append("| method | ppl (pooled) | texts | stride | " + " | ".join(
+        f"vs {b}" for b in bases) + " |")
+    out.append("|---" * (4 + len(bases)) + "|")
+    for m in order:
+      counts = strides.get(("ppl", m, n))
+      stride = f"{effective_stride(*counts):.1f}" if counts else "-"
+      cells = [f"{pooled_ppl(list(nll[m].values())):.3f}", str(len(nll[m])), stride]
+      for b in bases:
+        gap = None if m in ("full", b) else paired_gap(nll[m], nll[b], nll["full"])
+        cells.append("-" if gap is None else f"{100 * gap.share:.0f}% [{100 * gap.low:.0f}, "
+                     f"{100 * gap.high:.0f}] (n={gap.n_texts})")
+      out.append(f"| {m} | " + " | ".join(cells) + " |")
+    out.append("")
+  return out
+
+
+def _ppl_ratio_curves(records, bins=8):
+  """Per method and length: ratio of windowed perplexity to full attention's over the same
+  samples (the paper's Figure 3), token NLLs pooled over the samples in each window."""
+  full = {(r["length"], r["seed"]): np.asarray(r["nll"]) for r in records
+          if r["task"] == "ppl" and r["method"] == "full"}
+  curves = collections.defaultdict(list)
+  for r in records:
+    if r["task"] != "ppl" or r["method"] == "full" or (r["length"], r["seed"]) not in full:
+      continue
+    ref, got = full[(r["length"], r["seed"])], np.asarray(r["nll"])
+    edges = np.linspace(0, len(got), bins + 1).astype(int)
+    curves[(r["method"], r["length"])].append(
+        [got[a:b].mean() - ref[a:b].mean() for a, b in zip(edges[:-1], edges[1:])])
+  # Pooled over the texts (a mean of NLL differences, then exp), as the gap table pools them.
+  return {k: np.exp(np.mean(v, axis=0)) for k, v in curves.items()}, bins
+
+
+def write_plots(records: list[dict], out_dir: str) -> list[str]:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  written = []
+  for task in sorted({r["task"] for r in records}):
+    rs = [r for r in records if r["task"] == task]
+    methods = sorted({r["method"] for r in rs}, key=lambda m: (m != "full", m))
+    lengths = sorted({r["length"] for r in rs})
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for m in methods:
+      ys = [_mean([r["score"] for r in rs if r["method"] == m and r["length"] == n])
+            for n in lengths]
+      ax.plot(lengths, [y if task == "ppl" else 100 * y for y in ys], marker="o", label=m)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("perplexity" if task == "ppl" else "score (%)")
+    ax.set_title(task)
+    ax.legend()
+    path = os.path.join(out_dir, f"{task}_by_length.png")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    written.append(path)
+    depths = sorted({r["depth"] for r in rs if r["depth"] is not None})
+    if depths:
+      fig, axes = plt.subplots(1, len(methods), figsize=(3.2 * len(methods), 3), squeeze=False)
+      for ax, m in zip(axes[0], methods):
+        grid = np.array([[100 * _mean([r["score"] for r in rs if r["method"] == m and
+                                       r["length"] == n and r["depth"] == d]) for n in lengths]
+                         for d in depths])
+        ax.imshow(grid, vmin=0, vmax=100, cmap="RdYlGn", aspect="auto")
+        for (i, j), val in np.ndenumerate(grid):
+          ax.text(j, i, "-" if np.isnan(val) else f"{val:.0f}", ha="center", va="center")
+        ax.set_xticks(range(len(lengths)), [f"{n // 1024}K" for n in lengths])
+        ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths])
+        ax.set_title(m)
+        ax.set_xlabel("length")
+      axes[0][0].set_ylabel("needle depth")
+      path = os.path.join(out_dir, f"{task}_depth_heatmap.png")
+      fig.tight_layout()
+      fig.savefig(path, dpi=100)
+      plt.close(fig)
+      written.append(path)
+  curves, bins = _ppl_ratio_curves(records)
+  if curves:
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for (m, n), ys in sorted(curves.items()):
+      ax.plot(np.arange(1, bins + 1) / bins, ys, marker="o", label=f"{m} @ {n}")
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xlabel("fraction of the scored tokens")
+    ax.set_ylabel("perplexity / full attention's")
+    ax.legend()
+    path = os.path.join(out_dir, "ppl_ratio_by_position.png")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    written.append(path)
+  return written
+
+
+def write_report(records: list[dict], out_dir: str, baselines: list[str] | None = None) -> None:
+  with open(os.path.join(out_dir, "summary.md"), "w") as f:
+    f.write(summary_table(records, baselines))
+  write_plots(records, out_dir)
+
+
+def main(argv=None) -> int:
+  """Rewrites summary.md and the plots of finished sweeps from their results.jsonl:
+      python -m jax_longctx.app.report DIR [DIR ...] [--baseline LABEL ...]"""
+  import argparse
+  import json
+
+  p = argparse.ArgumentParser(prog="python -m jax_longctx.app.report", description=main.__doc__)
+  p.add_argument("dirs", nargs="+", help="sweep directories holding results.jsonl")
+  p.add_argument("--baseline", action="append", default=None,
+                 help="a label to measure gaps against (default: every label containing 'snap')")
+  args = p.parse_args(argv)
+  for d in args.dirs:
+    with open(os.path.join(d, "results.jsonl")) as f:
+      records = [json.loads(line) for line in f if line.strip()]
+    write_report(records, d, args.baseline)
+    print(f"wrote {d}/summary.md ({len(records)} records)")
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())

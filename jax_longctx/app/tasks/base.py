@@ -1,0 +1,136 @@
+"""Tasks: seeded generators of long prompts with known answers, and their scorers.
+
+A generator fills a prompt to a requested length in tokens of the model's own tokenizer (within
+1%), optionally wrapped in the model's chat template; a scorer turns a prediction into [0, 1].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Sequence
+
+import numpy as np
+
+from jax_longctx.core.errors import LongctxError
+from jax_longctx.app.tokenizer import Tokenizer
+
+
+class TaskError(LongctxError, ValueError):
+  pass
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+  task: str
+  prompt: str  # the full prompt text (template applied)
+  expected: tuple[str, ...]
+  length: int  # requested prompt tokens
+  depth: float | None
+  seed: int
+  n_tokens: int  # actual prompt tokens
+  # The instruction: a suffix of `prompt` (the question and what follows it), what methods
+  # guided by the instruction (CItruS) read apart from the document before it.
+  instruction: str = ""
+
+  @property
+  def document(self) -> str:
+    return self.prompt[:len(self.prompt) - len(self.instruction)]
+
+
+def from_question(prompt: str, question: str) -> str:
+  """The instruction of a rendered prompt: from the last occurrence of `question` to the end."""
+  return prompt[prompt.rindex(question):]
+
+
+def render(tok: Tokenizer, body: str, answer_prefix: str, chat: bool) -> str:
+  """The prompt as the model sees it: plain text, or the chat template around the user turn."""
+  if not chat:
+    return body + answer_prefix
+  return tok.apply_chat_template([{"role": "user", "content": body}]) + answer_prefix
+
+
+def fit_length(tok: Tokenizer, length: int, build: Callable[[int], str], n0: int,
+               tolerance: float = 0.005) -> tuple[str, int]:
+  """Finds the filler count n for which build(n) is `length` tokens long (within tolerance).
+
+  `build` must grow monotonically with n. Returns (prompt, its token count).
+  """
+  lo, hi = 0, max(1, n0)
+  while len(tok.encode(build(hi))) < length:
+    lo, hi = hi, hi * 2
+    if hi > 1 << 24:
+      raise TaskError(f"cannot reach {length} tokens")
+  best = None
+  while lo <= hi:
+    mid = (lo + hi) // 2
+    text = build(mid)
+    n = len(tok.encode(text))
+    if best is None or abs(n - length) < abs(best[1] - length):
+      best = (text, n)
+    if abs(n - length) <= tolerance * length:
+      return text, n
+    if n < length:
+      lo = mid + 1
+    else:
+      hi = mid - 1
+  if best is None or best[1] < 1:
+    raise TaskError(f"cannot build a prompt of {length} tokens")
+  return best
+
+
+def token_counter(tok: Tokenizer) -> Callable[[str], int]:
+  """len(tok.encode(text)), remembered per text: `insert_at_depths` measures every filler
+  piece, the pieces repeat (cycled sentences) and `fit_length` rebuilds the prompt ~8 times,
+  which made a 1M-token sample's build mostly repeated tokenizer calls."""
+  counts: dict[str, int] = {}
+
+  def count(text: str) -> int:
+    if text not in counts:
+      counts[text] = len(tok.encode(text))
+    return counts[text]
+  return count
+
+
+def take_words(sentences: Sequence[str], n_words: int) -> list[str]:
+  """Sentences cycled until exactly n_words words (the last one cut), each ending in a space."""
+  out, count, i = [], 0, 0
+  while count < n_words and sentences:
+    words = sentences[i % len(sentences)].split()
+    i += 1
+    keep = words[:n_words - count]
+    out.append(" ".join(keep) + " ")
+    count += len(keep)
+  return out
+
+
+def insert_at_depths(pieces: Sequence[str], needles: Sequence[tuple[float, str]],
+                     measure: Callable[[str], int] = len) -> str:
+  """Joins the pieces with each needle at the piece boundary nearest to `depth` of the text.
+
+  Depth is measured with `measure` (pass the tokenizer's length for token depth; characters
+  misplace needles in prose, where names in capitals cost more tokens per character).
+  """
+  ends = np.cumsum([measure(p) for p in pieces]) if pieces else np.zeros(0)
+  total = ends[-1] if len(ends) else 0
+  out = list(pieces)
+  for depth, needle in sorted(needles, key=lambda d: -d[0]):  # back to front keeps indices valid
+    out.insert(int(np.searchsorted(ends, depth * total, side="left")) + (depth > 0), needle)
+  return "".join(out)
+
+
+def parse_length(text: str) -> int:
+  """'4k' -> 4096, '8K' -> 8192, '1500' -> 1500; a length below one token is an error (0 ran the
+  task's shortest prompt and reported it as "0K"; a negative one wrote nothing)."""
+  t = text.strip().lower()
+  try:
+    if t.endswith("k"):
+      n = int(float(t[:-1]) * 1024)
+    elif t.endswith("m"):
+      n = int(float(t[:-1]) * 1024 * 1024)
+    else:
+      n = int(t)
+  except ValueError as e:
+    raise TaskError(f"bad length {text!r}: use a number of tokens like 4096 or 4k") from e
+  if n < 1:
+    raise TaskError(f"bad length {text!r}: a prompt length is at least 1 token, like 4096 or 4k")
+  return n

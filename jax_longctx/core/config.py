@@ -1,0 +1,142 @@
+"""Model configuration (Llama, Mistral, Qwen2/2.5, Qwen3), read from HF config.json or GGUF metadata.
+
+The families differ only in small switches of one decoder (q/k/v biases, per-head q/k RMSNorm),
+so one frozen config describes them all; jax_longctx/core/families.py reads each family's spellings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Mapping
+
+from jax_longctx.core import families
+from jax_longctx.core.config_types import (  # noqa: F401  (re-exported: their public home)
+    _DTYPES, ARCHITECTURES, ROPE_TYPES, ConfigError, RopeScaling)
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+  vocab_size: int
+  hidden_size: int
+  num_layers: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  intermediate_size: int
+  rms_norm_eps: float = 1e-5
+  tie_word_embeddings: bool = False
+  rope_theta: float = 10000.0
+  rope_scaling: RopeScaling = RopeScaling()
+  max_position_embeddings: int = 8192
+  dtype: str = "float32"  # storage and compute dtype of the weights
+  bos_token_id: int | None = None
+  eos_token_ids: tuple[int, ...] = ()
+  architecture: str = "llama"  # one of ARCHITECTURES (HF names, export, GGUF q/k permutation)
+  attention_bias: bool = False  # q/k/v projection biases (Qwen2); no bias on o
+  qk_norm: bool = False  # RMSNorm over head_dim on each q and k head before RoPE (Qwen3)
+
+  def __post_init__(self):
+    if self.architecture not in ARCHITECTURES:
+      raise ConfigError(f"architecture {self.architecture!r} not in {ARCHITECTURES}")
+    if self.num_heads % self.num_kv_heads:
+      raise ConfigError(
+          f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+    if self.head_dim % 2:
+      raise ConfigError(f"head_dim={self.head_dim} must be even for RoPE")
+    if self.dtype not in _DTYPES:
+      raise ConfigError(f"dtype {self.dtype!r} not in {tuple(_DTYPES)}")
+
+  @property
+  def group_size(self) -> int:
+    return self.num_heads // self.num_kv_heads
+
+  @property
+  def jnp_dtype(self):
+    return _DTYPES[self.dtype]
+
+  def replace(self, **kw) -> "LlamaConfig":
+    return dataclasses.replace(self, **kw)
+
+  def num_params(self) -> int:
+    d, f, hd = self.hidden_size, self.intermediate_size, self.head_dim
+    attn = d * hd * (2 * self.num_heads + 2 * self.num_kv_heads)
+    attn += hd * (self.num_heads + 2 * self.num_kv_heads) * self.attention_bias
+    attn += 2 * hd * self.qk_norm
+    per_layer = attn + 3 * d * f + 2 * d
+    head = 0 if self.tie_word_embeddings else d * self.vocab_size
+    return self.num_layers * per_layer + self.vocab_size * d + head + d
+
+  # ---- serialization --------------------------------------------------------------------------
+  def to_dict(self) -> dict[str, Any]:
+    out = dataclasses.asdict(self)
+    out["eos_token_ids"] = list(self.eos_token_ids)
+    return out
+
+  @classmethod
+  def from_dict(cls, d: Mapping[str, Any]) -> "LlamaConfig":
+    d = dict(d)
+    d["rope_scaling"] = RopeScaling(**d.get("rope_scaling", {}))
+    d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
+    return cls(**d)
+
+  @classmethod
+  def from_hf(cls, hf: Mapping[str, Any]) -> "LlamaConfig":
+    """From a Hugging Face config.json dict (transformers v4 or v5 spelling), any supported family."""
+    return cls(**families.from_hf(hf))
+
+  @classmethod
+  def from_hf_json(cls, path: str) -> "LlamaConfig":
+    try:
+      with open(path) as f:
+        hf = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+      raise ConfigError(f"cannot read {path}: {e}") from e
+    return cls.from_hf(hf)
+
+  def to_hf(self) -> dict[str, Any]:
+    return families.to_hf(self)
+
+  @classmethod
+  def from_gguf_fields(cls, meta: Mapping[str, Any]) -> "LlamaConfig":
+    """From GGUF key/value metadata (already decoded to Python values)."""
+    return cls(**families.from_gguf(meta))
+
+
+_L31 = RopeScaling("llama3", 8.0, 1.0, 4.0, 8192)
+_L32 = RopeScaling("llama3", 32.0, 1.0, 4.0, 8192)
+PRESETS: dict[str, LlamaConfig] = {
+    "smollm2-135m": LlamaConfig(49152, 576, 30, 9, 3, 64, 1536, 1e-5, True, 100000.0,
+                                RopeScaling(), 8192, bos_token_id=1, eos_token_ids=(2,)),
+    "llama-3.2-1b": LlamaConfig(128256, 2048, 16, 32, 8, 64, 8192, 1e-5, True, 500000.0, _L32,
+                                131072, "bfloat16", 128000, (128001, 128008, 128009)),
+    "llama-3.2-3b": LlamaConfig(128256, 3072, 28, 24, 8, 128, 8192, 1e-5, True, 500000.0, _L32,
+                                131072, "bfloat16", 128000, (128001, 128008, 128009)),
+    "llama-3.1-8b": LlamaConfig(128256, 4096, 32, 32, 8, 128, 14336, 1e-5, False, 500000.0, _L31,
+                                131072, "bfloat16", 128000, (128001, 128008, 128009)),
+    "llama-3.1-70b": LlamaConfig(128256, 8192, 80, 64, 8, 128, 28672, 1e-5, False, 500000.0, _L31,
+                                 131072, "bfloat16", 128000, (128001, 128008, 128009)),
+}
+
+
+def preset(name: str, **overrides) -> LlamaConfig:
+  """A named model shape (for benchmarks with random weights)."""
+  key = name.lower()
+  if key not in PRESETS:
+    raise ConfigError(f"unknown model shape {name!r}; known: {', '.join(PRESETS)}")
+  return PRESETS[key].replace(**overrides)
+
+
+def load_config_file(path: str) -> LlamaConfig:
+  """Our own config.json (written by conversion) or an HF one."""
+  with open(path) as f:
+    d = json.load(f)
+  if "num_layers" in d:
+    return LlamaConfig.from_dict(d)
+  return LlamaConfig.from_hf(d)
+
+
+def save_config_file(cfg: LlamaConfig, directory: str) -> None:
+  with open(os.path.join(directory, "config.json"), "w") as f:
+    json.dump(cfg.to_dict(), f, indent=1)

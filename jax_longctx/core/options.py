@@ -1,0 +1,56 @@
+"""RunOptions: how a run's compiled steps are built, as opposed to what they compute.
+
+One frozen (hashable) value handed to every jitted step as a static argument and to each layer's
+method through `AttnContext.options`: kernel choices, decode variants, the prefill chunk. Two
+option sets compile apart, so a benchmark that compares variants builds one option set each and
+nothing it changes can leave an already compiled step stale (module globals read at trace time
+could). Every default is today's measured choice; the opt-in kernels stay off until a device
+measurement says otherwise (benchmarks/decode_profile.py times them as variants).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pallas_kernels
+from jax_longctx.core.config_types import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class RunOptions:
+  # Which kernel a call runs where several compute the same thing (pallas_kernels.KernelOptions).
+  kernels: pallas_kernels.KernelOptions = pallas_kernels.KernelOptions()
+  # Tiling of one-token decode attention on GPU (None: the kernel's own split plan,
+  # gpu.split_plan: about 2 programs per core, ~32 splits of 1024 keys at 32K, batch 1, 8 kv heads).
+  decode_tiling: pallas_kernels.Tiling | None = None
+  # One-token cache writes through pallas_kernels.cache_write's in-place kernel on this kernel
+  # backend ("auto": the kernel on GPU, the scatter elsewhere; "gpu": also interpreted on CPU),
+  # or None: XLA's scatter for every write. None until measured (decode_profile `cache_kernel`).
+  cache_write_backend: str | None = None
+  # One-token steps run each residual add and the norm after it as one kernel
+  # (pallas_kernels.add_rmsnorm) on this backend, or None: jnp's add and norm. None until
+  # measured on an H200 (decode_profile variant `add_norm`).
+  add_norm_backend: str | None = None
+  # Prefill chunk (tokens a step); None: the method's own, else `default_chunk()`.
+  prefill_chunk: int | None = None
+  # The kernel backend of full attention's kernel calls ("auto": the platform's; "gpu": the GPU
+  # kernels, interpreted off a GPU, as benchmarks/decode_profile.py --smoke runs them on CPU).
+  kernel_backend: str = "auto"
+  # Full attention through the flash-attention kernels, for prefill chunks and for one-token
+  # steps; None: where measured faster (prefill on GPU and TPU, decode on NVIDIA GPUs).
+  prefill_kernel: bool | None = None
+  decode_kernel: bool | None = None
+
+  def __post_init__(self):
+    for field in ("cache_write_backend", "add_norm_backend", "kernel_backend"):
+      value = getattr(self, field)
+      if value is not None and value not in pallas_kernels.BACKENDS:
+        raise ConfigError(f"{field}={value!r} must be one of {pallas_kernels.BACKENDS}")
+    if self.prefill_chunk is not None and self.prefill_chunk < 1:
+      raise ConfigError(f"prefill_chunk={self.prefill_chunk} must be >= 1 (or None)")
+
+  def replace(self, **kw) -> "RunOptions":
+    return dataclasses.replace(self, **kw)
+
+
+DEFAULT = RunOptions()

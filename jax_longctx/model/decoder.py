@@ -1,0 +1,277 @@
+"""Flax NNX Llama whose KV cache is data passed in and out, never module state.
+
+    logits, cache = forward(params, tokens, positions, cache, method, cfg)
+
+Each layer owns separate weight and cache buffers and the layer loop is unrolled at trace time.
+A step still compiles once per shape, with compile time growing with depth. Measured on an H200
+(8B shape, batch 1, 32K context): stacking layers on a leading axis under `lax.scan` made XLA copy
+each layer's weights and cache slice out of the stacked buffers every step (3x the HBM traffic;
+15.3 ms/token against a 4.5 ms bound); separate buffers let every matmul read them in place.
+
+Serving params may be fused (`fuse_projections`): q/k/v as one [D, H + 2 KV, hd] weight and
+gate/up as one [D, 2F], so a decode step runs one matrix-vector product where it ran three (two),
+each reading one contiguous weight. The fused form is built from the ordinary params and only
+ever lives in memory: checkpoints, training and export keep the unfused tree. `forward` tells the
+two apart by the params' structure.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jax_longctx.ops.cache import Cache
+from jax_longctx.core.config import LlamaConfig
+from jax_longctx.methods.base import AttnContext, Method
+from jax_longctx.core.options import DEFAULT, RunOptions
+from jax_longctx.core.rope import inv_freq, query_scale
+from pallas_kernels import add_rmsnorm
+
+_INIT_STD = 0.02
+
+
+def _param(rngs: nnx.Rngs, shape, dtype):
+  return nnx.Param(jax.random.normal(rngs.params(), shape, jnp.float32).astype(dtype) * _INIT_STD)
+
+
+class RMSNorm(nnx.Module):
+
+  def __init__(self, dim: int, eps: float, dtype):
+    self.scale = nnx.Param(jnp.ones((dim,), dtype))
+    self.eps = eps
+
+  def __call__(self, x):
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+    return self.scale[...] * xf.astype(x.dtype)
+
+  def add_and_norm(self, x, h, backend: str | None = None):
+    """(x + h, the norm of it); h None: nothing to add. With a kernel backend
+    (`RunOptions.add_norm_backend`), a one-token step's add and norm are one kernel."""
+    if h is None:
+      return x, self(x)
+    b, s, d = x.shape
+    if backend is None or s != 1:
+      x = x + h
+      return x, self(x)
+    total, y = add_rmsnorm.add_rms_norm(x.reshape(b, d), h.reshape(b, d), self.scale[...],
+                                        eps=self.eps, backend=backend)
+    return total.reshape(x.shape), y.reshape(x.shape)
+
+
+class Attention(nnx.Module):
+
+  def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, fused: bool = False):
+    d, h, kv, hd, dt = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.jnp_dtype
+    if fused:  # heads [q..., k..., v...]; in memory the same bytes as [D, (H + 2 KV) * hd]
+      self.qkv_proj = _param(rngs, (d, h + 2 * kv, hd), dt)
+    else:
+      self.q_proj = _param(rngs, (d, h, hd), dt)
+      self.k_proj = _param(rngs, (d, kv, hd), dt)
+      self.v_proj = _param(rngs, (d, kv, hd), dt)
+    self.o_proj = _param(rngs, (h, hd, d), dt)
+    if cfg.attention_bias:  # Qwen2
+      self.q_bias = _param(rngs, (h, hd), dt)
+      self.k_bias = _param(rngs, (kv, hd), dt)
+      self.v_bias = _param(rngs, (kv, hd), dt)
+    if cfg.qk_norm:  # Qwen3
+      self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, dt)
+      self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dt)
+    self.q_scale = query_scale(cfg)
+    self.num_heads, self.num_kv_heads = h, kv
+
+  def _qkv(self, x):
+    if hasattr(self, "qkv_proj"):
+      h, kv = self.num_heads, self.num_kv_heads
+      qkv = jnp.einsum("bsd,dhk->bshk", x, self.qkv_proj[...])
+      return qkv[:, :, :h], qkv[:, :, h:h + kv], qkv[:, :, h + kv:]
+    q = jnp.einsum("bsd,dhk->bshk", x, self.q_proj[...])  # [B, S, H, hd]
+    k = jnp.einsum("bsd,dhk->bshk", x, self.k_proj[...])  # [B, S, KV, hd]
+    v = jnp.einsum("bsd,dhk->bshk", x, self.v_proj[...])
+    return q, k, v
+
+  def __call__(self, x, state, ctx: AttnContext, method: Method, decode: bool):
+    q, k, v = self._qkv(x)
+    if hasattr(self, "q_bias"):
+      q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
+    if hasattr(self, "q_norm"):
+      q, k = self.q_norm(q), self.k_norm(k)
+    if self.q_scale != 1.0:
+      # Methods get keys and queries before RoPE; a constant on q scales every score as
+      # YaRN's factor on both rotated q and k does, and leaves the cached keys untouched.
+      q = q * jnp.asarray(self.q_scale, q.dtype)
+    step = method.decode if decode else method.prefill
+    out, state = step(state, q, k, v, ctx)  # [B, S, H, hd]
+    return jnp.einsum("bshk,hkd->bsd", out.astype(x.dtype), self.o_proj[...]), state
+
+
+class MLP(nnx.Module):
+
+  def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, fused: bool = False):
+    d, f, dt = cfg.hidden_size, cfg.intermediate_size, cfg.jnp_dtype
+    if fused:  # [gate | up] along the output axis
+      self.gate_up_proj = _param(rngs, (d, 2 * f), dt)
+    else:
+      self.gate_proj = _param(rngs, (d, f), dt)
+      self.up_proj = _param(rngs, (d, f), dt)
+    self.down_proj = _param(rngs, (f, d), dt)
+    self.intermediate_size = f
+
+  def __call__(self, x):
+    if hasattr(self, "gate_up_proj"):
+      f = self.intermediate_size
+      gate_up = jnp.einsum("bsd,df->bsf", x, self.gate_up_proj[...])
+      gate, up = gate_up[..., :f], gate_up[..., f:]
+    else:
+      gate = jnp.einsum("bsd,df->bsf", x, self.gate_proj[...])
+      up = jnp.einsum("bsd,df->bsf", x, self.up_proj[...])
+    return jnp.einsum("bsf,fd->bsd", jax.nn.silu(gate) * up, self.down_proj[...])
+
+
+class DecoderLayer(nnx.Module):
+
+  def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, fused: bool = False):
+    self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.jnp_dtype)
+    self.attn = Attention(cfg, rngs, fused)
+    self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.jnp_dtype)
+    self.mlp = MLP(cfg, rngs, fused)
+
+  def __call__(self, x, pending, state, ctx, method, decode):
+    """x: the residual stream without `pending`, the previous layer's MLP output (None in the
+    first layer), which is added here together with this layer's first norm (so that the two
+    can be one kernel). Returns (x, this layer's MLP output, not yet added, state)."""
+    backend = ctx.options.add_norm_backend
+    x, normed = self.attn_norm.add_and_norm(x, pending, backend)
+    h, state = self.attn(normed, state, ctx, method, decode)
+    x, normed = self.mlp_norm.add_and_norm(x, h, backend)
+    return x, self.mlp(normed), state
+
+
+class Llama(nnx.Module):
+
+  def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, fused: bool = False):
+    """fused: the serving layout of `fuse_projections` (one q/k/v and one gate/up weight)."""
+    self.cfg = cfg
+    self.embed = _param(rngs, (cfg.vocab_size, cfg.hidden_size), cfg.jnp_dtype)
+    self.layers = nnx.List([DecoderLayer(cfg, rngs, fused) for _ in range(cfg.num_layers)])
+    self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.jnp_dtype)
+    if not cfg.tie_word_embeddings:
+      self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), cfg.jnp_dtype)
+
+  def unembed(self, h):
+    """h [..., D] (already normed) -> fp32 logits [..., V]."""
+    if self.cfg.tie_word_embeddings:
+      return jnp.einsum("...d,vd->...v", h, self.embed[...], preferred_element_type=jnp.float32)
+    return jnp.einsum("...d,dv->...v", h, self.lm_head[...], preferred_element_type=jnp.float32)
+
+  def __call__(self, tokens, positions, cache: Cache, method: Method, valid=None,
+               decode: bool = False, gate_open: bool = True, options: RunOptions = DEFAULT):
+    """tokens, positions [B, S] -> (normed hidden states [B, S, D], new cache)."""
+    cfg = self.cfg
+    if valid is None:
+      valid = jnp.ones(tokens.shape, bool)
+    x = jnp.take(self.embed[...], tokens, axis=0)
+    ctx = AttnContext(layer=-1, q_pos=positions.astype(jnp.int32), valid=valid,
+                      freqs=inv_freq(cfg, jnp.max(positions) + 1), cfg=cfg,
+                      gate_open=gate_open, options=options)
+    state, pending = list(cache.state), None
+    for i, layer in enumerate(self.layers):
+      x, pending, state[i] = layer(x, pending, state[i], ctx.replace(layer=i), method, decode)
+    lengths = cache.lengths + jnp.sum(valid, axis=1, dtype=jnp.int32)
+    normed = self.final_norm.add_and_norm(x, pending, options.add_norm_backend)[1]
+    return normed, cache.replace(lengths=lengths, state=tuple(state))
+
+
+def abstract_model(cfg: LlamaConfig, fused: bool = False):
+  """(graphdef, params shape tree) without allocating weights (fused: `fuse_projections`' tree)."""
+  graphdef, state = nnx.split(nnx.eval_shape(lambda: Llama(cfg, nnx.Rngs(0), fused)))
+  return graphdef, nnx.to_pure_dict(state)
+
+
+def is_fused(params) -> bool:
+  """Whether params are in `fuse_projections`' serving layout (checked on the first layer)."""
+  return "qkv_proj" in next(iter(params["layers"].values()))["attn"]
+
+
+def serving_params(params):
+  """The layout generation runs fastest on: fused projections on NVIDIA GPUs (H200, 8B shape,
+  batch-1 decode at 32K: 5.88 -> 5.70 ms, benchmarks/decode_profile.py), as given elsewhere
+  (unmeasured on TPU; on CPU the tests compare both layouts)."""
+  return fuse_projections(params) if jax.default_backend() == "gpu" else params
+
+
+def fuse_projections(params):
+  """The serving layout: per layer q/k/v concatenated over heads into `qkv_proj` [D, H+2KV, hd]
+  and gate/up over outputs into `gate_up_proj` [D, 2F]; everything else shared, not copied.
+
+  A new tree (the input is left as it is; drop it to free the unfused weights). Why: a batch-1
+  decode step is one matrix-vector product per weight, and each small one (k, v: 8 MB at the 8B
+  shape) pays a kernel launch and a ramp-up for little data; one launch per fused weight reads
+  the same bytes. Only for generation: checkpoints, training and HF export take unfused params.
+  """
+  if is_fused(params):
+    return params
+  layers = {}
+  for i, layer in params["layers"].items():
+    attn = {k: v for k, v in layer["attn"].items() if k not in ("q_proj", "k_proj", "v_proj")}
+    attn["qkv_proj"] = jnp.concatenate(
+        [layer["attn"]["q_proj"], layer["attn"]["k_proj"], layer["attn"]["v_proj"]], axis=1)
+    mlp = {k: v for k, v in layer["mlp"].items() if k not in ("gate_proj", "up_proj")}
+    mlp["gate_up_proj"] = jnp.concatenate([layer["mlp"]["gate_proj"], layer["mlp"]["up_proj"]],
+                                          axis=1)
+    layers[i] = {**layer, "attn": attn, "mlp": mlp}
+  return {**params, "layers": layers}
+
+
+@functools.partial(jax.jit, static_argnames=("shape", "dtype"))
+def _normal(key, shape, dtype):
+  return (jax.random.normal(key, shape, jnp.float32) * _INIT_STD).astype(dtype)
+
+
+def random_params(cfg: LlamaConfig, seed: int = 0):
+  """Random weights (std 0.02, norm scales 1) on the default device; for tests and benchmarks.
+
+  Leaf by leaf, so compile time stays small at any depth (one compile per distinct shape).
+  """
+  _, shapes = abstract_model(cfg)
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
+  keys = jax.random.split(jax.random.key(seed), len(leaves))
+  out = [jnp.ones(s.shape, s.dtype) if str(path[-1]).endswith("'scale']") else
+         _normal(k, tuple(s.shape), jnp.dtype(s.dtype)) for (path, s), k in zip(leaves, keys)]
+  return jax.tree_util.tree_unflatten(treedef, out)
+
+
+@functools.lru_cache(maxsize=None)
+def graphdef_for(cfg: LlamaConfig, fused: bool = False):
+  return abstract_model(cfg, fused)[0]
+
+
+def forward(params, tokens, positions, cache: Cache, method: Method, cfg: LlamaConfig, *,
+            valid=None, decode: bool = False, logits_index=None, gate_open: bool = True,
+            options: RunOptions = DEFAULT):
+  """Pure forward. Returns (logits fp32, cache).
+
+  gate_open=False: a decode step the method's `decode_gate` closed (see
+  `generation.decode_while`). options: how the step is built (`RunOptions`).
+  logits_index: None -> logits for every token [B, S, V]; an int32 array [B] -> only at that index
+  of each row [B, V] (what generation needs, without a [B, S, V] buffer).
+  """
+  model = nnx.merge(graphdef_for(cfg, is_fused(params)), params)
+  h, cache = model(tokens, positions, cache, method, valid=valid, decode=decode,
+                   gate_open=gate_open, options=options)
+  if logits_index is not None:
+    h = jnp.take_along_axis(h, logits_index[:, None, None], axis=1)[:, 0]
+  return model.unembed(h), cache
+
+
+def new_cache(cfg: LlamaConfig, method: Method, batch: int, max_len: int, dtype=None,
+              chunk: int | None = None) -> Cache:
+  """An empty cache; `chunk` is the longest step that will be fed (default: max_len)."""
+  dtype = cfg.jnp_dtype if dtype is None else dtype
+  chunk = max_len if chunk is None else chunk
+  state = tuple(method.init_state(cfg, batch, max_len, dtype, chunk)
+                for _ in range(cfg.num_layers))
+  return Cache(lengths=jnp.zeros((batch,), jnp.int32), state=state, max_len=max_len)

@@ -1,0 +1,257 @@
+"""The one prefill road and the on-device decode loop under `driver.generate`.
+
+`prefill` is the only router of a prompt batch: it resolves the layer method and checks the
+prompts once, then reads them whole in chunks (`chunked_prefill`) or, for a method that
+`needs_instruction` (CItruS), takes the instruction-pass branch (`instructed`). Decoding is one
+jitted `lax.while_loop` that samples, runs the model one token at a time and stops when every
+sequence has hit a stop token or the budget: no host round-trip per token, the cache donated.
+Every jitted step takes the run's `RunOptions` as a static argument.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_longctx.ops.cache import Cache
+from jax_longctx.run.chunked_prefill import chunk_for, end_prefill, read_chunks
+from jax_longctx.core.config import LlamaConfig
+from jax_longctx.core.errors import LongctxError
+from jax_longctx.run.instructed import prefill_instructed
+from jax_longctx.methods.base import Method, MethodError, RegisteredMethod
+from jax_longctx.model import forward, new_cache
+from jax_longctx.core.options import DEFAULT, RunOptions
+
+__all__ = ["DECODE_TRACES", "GenerationError", "GenerationResult", "Sampling", "check_prompts",
+           "decode", "decode_loop", "decode_while", "layer_method", "prefill", "sample",
+           "teacher_forced_nll", "trim_at_stops"]
+
+
+class GenerationError(LongctxError, ValueError):
+  """Bad generation input: empty batch or prompt, a prompt that does not fit the cache, ..."""
+
+
+def check_prompts(prompts: Sequence[Sequence[int]],
+                  instructions: Sequence[Sequence[int]] | None = None, *,
+                  cache_len: int | None = None, new_tokens: int | None = None) -> list[int]:
+  """Every check of a batch of prompts (and their instructions, given apart) in one place.
+  Returns each row's length, its instruction included; raises GenerationError."""
+  if len(prompts) == 0:
+    raise GenerationError("batch of zero prompts: pass at least one prompt")
+  lengths = [len(p) for p in prompts]
+  empty = [i for i, n in enumerate(lengths) if n == 0]
+  if empty:
+    raise GenerationError(f"empty prompt at batch index {empty[0]}: a prompt needs >= 1 token")
+  if new_tokens is not None and new_tokens < 1:
+    raise GenerationError(f"max_new_tokens must be >= 1, got {new_tokens}")
+  if instructions is not None:
+    if len(instructions) != len(prompts):
+      raise GenerationError(f"{len(prompts)} prompts but {len(instructions)} instructions")
+    ins_lens = [len(i) for i in instructions]
+    if 0 in ins_lens:
+      raise GenerationError(f"empty instruction at batch index {ins_lens.index(0)}")
+    lengths = [n + i for n, i in zip(lengths, ins_lens)]
+  longest = max(lengths)
+  if cache_len is not None and longest + (new_tokens or 0) > cache_len:
+    if new_tokens:
+      raise GenerationError(
+          f"prompt of {longest} tokens plus {new_tokens} new tokens does not fit the cache "
+          f"({cache_len} slots)")
+    what = "prompt" if instructions is None else "document plus instruction"
+    raise GenerationError(
+        f"{what} of {longest} tokens is longer than the cache ({cache_len} slots)")
+  return lengths
+
+
+def layer_method(method: RegisteredMethod) -> Method:
+  """The method, if it runs per layer; a mesh method is an error that says where it runs."""
+  if not isinstance(method, Method):
+    raise MethodError(f"{method.name!r} runs over a device mesh: use jax_longctx.generate "
+                      "(or `jax-longctx eval`, LM.generate), which spreads it over every device")
+  return method
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+  temperature: float = 0.0  # 0 means greedy
+  top_p: float = 1.0
+  seed: int = 0
+
+  def __post_init__(self):
+    if self.temperature < 0:
+      raise GenerationError(f"temperature must be >= 0, got {self.temperature}")
+    if not 0 < self.top_p <= 1:
+      raise GenerationError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclasses.dataclass
+class GenerationResult:
+  tokens: list[list[int]]  # new tokens per prompt, stop token excluded
+  cache: Cache | None  # per-layer methods: the cache after decoding
+  prompt_lengths: list[int]
+  prefill_s: float = 0.0  # wall time of the prefill (until its logits were ready); Star, ring:
+  decode_s: float | None = 0.0  # the whole run, and decode None (their phases are not apart)
+  report: dict[str, Any] = dataclasses.field(default_factory=dict)  # Method.report; devices
+
+
+def sample(logits: jnp.ndarray, key, sampling: Sampling) -> jnp.ndarray:
+  """logits [B, V] fp32 -> token ids [B] int32."""
+  if sampling.temperature == 0:
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  logits = logits / sampling.temperature
+  if sampling.top_p < 1:
+    order = jnp.argsort(-logits, axis=-1)
+    sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
+    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+    drop = (jnp.cumsum(probs, axis=-1) - probs) >= sampling.top_p
+    sorted_logits = jnp.where(drop, -jnp.inf, sorted_logits)
+    logits = jnp.full_like(logits, -jnp.inf).at[
+        jnp.arange(logits.shape[0])[:, None], order].set(sorted_logits)
+  return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+def decode_while(method: Method, keep_going, step, carry, cache_of):
+  """`lax.while_loop(keep_going, step, carry)` for decode steps `step(carry, gate_open)`.
+
+  With a method's `decode_gate`, the steps it closes run `gate_open=False` in an inner loop of
+  their own and the others `gate_open=True`: the gate is a loop condition, not a `lax.cond` around
+  the model, which XLA would pass the cache through by copying it (a loop updates it in place).
+  """
+
+  def gate(c):
+    cache = cache_of(c)
+    return method.decode_gate(cache, cache.lengths[:, None])
+
+  if gate(carry) is None:
+    return jax.lax.while_loop(keep_going, functools.partial(step, gate_open=True), carry)
+
+  def group(c):  # the closed steps up to the next open one, then the open ones
+    c = jax.lax.while_loop(lambda c: keep_going(c) & ~gate(c),
+                           functools.partial(step, gate_open=False), c)
+    return jax.lax.while_loop(lambda c: keep_going(c) & gate(c),
+                              functools.partial(step, gate_open=True), c)
+
+  return jax.lax.while_loop(keep_going, group, carry)
+
+
+# Counts how often the decode loop is traced (= compiled); tests read it.
+DECODE_TRACES = [0]
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "method", "max_new_tokens", "sampling",
+                                             "options"), donate_argnames=("cache",))
+def decode_loop(params, cache: Cache, last_logits, stop_tokens, key, *, cfg: LlamaConfig,
+                method: Method, max_new_tokens: int, sampling: Sampling,
+                options: RunOptions = DEFAULT):
+  """Samples up to max_new_tokens per row on device. Returns (tokens [B, N], steps, cache)."""
+  DECODE_TRACES[0] += 1
+  b = last_logits.shape[0]
+  key, sub = jax.random.split(key)
+  tok = sample(last_logits, sub, sampling)
+  out = jnp.zeros((b, max_new_tokens), jnp.int32).at[:, 0].set(tok)
+  done = jnp.isin(tok, stop_tokens)
+
+  def keep_going(carry):
+    step, _, _, _, done, _ = carry
+    return (step < max_new_tokens) & ~jnp.all(done)
+
+  def body(carry, gate_open: bool):
+    step, cache, tok, out, done, key = carry
+    positions = cache.lengths[:, None]
+    logits, cache = forward(params, tok[:, None], positions, cache, method, cfg, decode=True,
+                            logits_index=jnp.zeros((b,), jnp.int32), gate_open=gate_open,
+                            options=options)
+    key, sub = jax.random.split(key)
+    nxt = jnp.where(done, tok, sample(logits, sub, sampling))
+    out = jax.lax.dynamic_update_slice_in_dim(out, nxt[:, None], step, axis=1)
+    return step + 1, cache, nxt, out, done | jnp.isin(nxt, stop_tokens), key
+
+  step, cache, _, out, _, _ = decode_while(
+      method, keep_going, body, (jnp.int32(1), cache, tok, out, done, key), lambda c: c[1])
+  return out, step, cache
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "method", "options"),
+                   donate_argnames=("cache",))
+def teacher_forced_nll(params, cache: Cache, last_logits, targets, *, cfg: LlamaConfig,
+                       method: Method, options: RunOptions = DEFAULT):
+  """NLL [B, N] of `targets` fed one token per decode step after a prefill (teacher forcing)."""
+
+  def nll(logits, tok):
+    return -jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tok[:, None], axis=1)[:, 0]
+
+  def body(carry, gate_open: bool):
+    i, cache, out = carry  # feeds targets[:, i - 1], scores targets[:, i]
+    tok, nxt = jax.lax.dynamic_slice_in_dim(targets, i - 1, 2, axis=1).T
+    logits, cache = forward(params, tok[:, None], cache.lengths[:, None], cache, method, cfg,
+                            decode=True, logits_index=jnp.zeros(tok.shape, jnp.int32),
+                            gate_open=gate_open, options=options)
+    return i + 1, cache, jax.lax.dynamic_update_slice_in_dim(out, nll(logits, nxt)[:, None], i, 1)
+
+  n = targets.shape[1]
+  out = jnp.zeros(targets.shape, jnp.float32).at[:, 0].set(nll(last_logits, targets[:, 0]))
+  _, cache, out = decode_while(method, lambda c: c[0] < n, body, (jnp.int32(1), cache, out),
+                               lambda c: c[1])
+  return out, cache
+
+
+def trim_at_stops(rows, stop_tokens) -> list[list[int]]:
+  """Each row of generated tokens up to (not including) its first stop token."""
+  stops = set(int(t) for t in stop_tokens)
+  return [row[:next((i for i, t in enumerate(row) if t in stops), len(row))]
+          for row in np.asarray(rows).tolist()]
+
+
+def prefill(params, cfg: LlamaConfig, prompts: Sequence[Sequence[int]],
+            method: RegisteredMethod, *, cache_len: int, decode_room: int | None = None,
+            instructions: Sequence[Sequence[int]] | None = None, encode_instruction: bool = True,
+            options: RunOptions = DEFAULT):
+  """Runs the prompts through the model chunk by chunk. Returns (cache, last-token logits [B, V]).
+
+  The one router: the method is resolved and the prompts checked here, once. instructions: each
+  prompt's instruction, given apart from it (the prompt is then the document); methods that
+  `needs_instruction` (CItruS) need it and take the instruction-pass branch, the others read
+  document + instruction as one prompt (encode_instruction=False: the document alone, where the
+  instruction only steers a CItruS eviction). decode_room: tokens decoding will append (default:
+  what the cache has left).
+  """
+  method = layer_method(method)
+  # Decoding's room is checked where the instruction is encoded (a CItruS perplexity run leaves
+  # it out: the continuation then follows the document directly).
+  lengths = check_prompts(prompts, instructions, cache_len=cache_len,
+                          new_tokens=decode_room if encode_instruction else None)
+  room = cache_len - max(lengths) if decode_room is None else decode_room
+  if method.needs_instruction:
+    if instructions is None:
+      raise GenerationError(
+          f"method {method.name!r} needs the instruction apart from the document: pass "
+          "instructions= (or --instruction on the command line)")
+    return prefill_instructed(params, cfg, prompts, instructions, method, cache_len=cache_len,
+                              decode_room=max(room, 0), encode_instruction=encode_instruction,
+                              options=options)
+  if instructions is not None:
+    prompts = [list(p) + (list(i) if encode_instruction else [])
+               for p, i in zip(prompts, instructions)]
+    lengths = [len(p) for p in prompts]
+  chunk = chunk_for(method, options, max(lengths))
+  cache = new_cache(cfg, method, len(prompts), cache_len, chunk=chunk)
+  cache, last = read_chunks(params, cfg, method, cache, prompts, lengths, chunk, options)
+  return end_prefill(cache, cfg, method, decode_room=room, options=options), last
+
+
+def decode(params, cfg: LlamaConfig, cache: Cache, last_logits, method: Method, *,
+           max_new_tokens: int, sampling: Sampling = Sampling(), stop_tokens=(),
+           options: RunOptions = DEFAULT):
+  """The decode loop after a prefill. Returns (new tokens per row, stop token excluded; cache)."""
+  stops = jnp.asarray(list(stop_tokens) or [-1], jnp.int32)
+  out, steps, cache = decode_loop(params, cache, last_logits, stops,
+                                  jax.random.key(sampling.seed), cfg=cfg, method=method,
+                                  max_new_tokens=max_new_tokens, sampling=sampling,
+                                  options=options)
+  return trim_at_stops(np.asarray(out)[:, :int(steps)], stop_tokens), cache

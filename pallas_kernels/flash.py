@@ -1,0 +1,237 @@
+"""Online-softmax attention returning its log-sum-exp, for prefill chunks and decode.
+
+Query i of sequence b sits at position q_offset[b] + i; keys t < kv_len[b] exist; causal masks
+t > position. GQA rows as in layout.q_rows. GPU: one program per (batch x kv head, row block,
+key split), looping over key tiles up to the causal edge of its rows; decode splits the key axis
+(flash-decoding) and merges the splits' (out, lse) exactly. TPU: key tiles as the innermost grid
+axis with the softmax state in VMEM. On GPU, "auto" hands prefill that cuDNN can express (no query
+offset, BTHD layout, bf16/fp16) to cuDNN, which measured faster (BENCHMARKS.md). On Hopper,
+prefill (bf16/fp16, d 64/128) runs the Mosaic GPU kernel of mgpu_flash.py instead of the
+Triton one (KernelOptions.prefill_impl); decode, fp32 and other GPUs keep the Triton kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels import backend as backend_lib
+from pallas_kernels import gpu, layout, mgpu_flash, tpu
+from pallas_kernels import online_softmax as osm
+from pallas_kernels import reference, split_merge
+from pallas_kernels.options import DEFAULT, KernelOptions
+
+SQ = gpu.SQ
+
+def flash_attention(q, k, v, *, causal: bool = True, q_offset=0, kv_len=None,
+                    scale: float | None = None, kv_layout: str = "BTHD", backend: str = "auto",
+                    use_cudnn: bool | None = None, tiling: gpu.Tiling | None = None,
+                    options: KernelOptions = DEFAULT):
+  """Softmax(q.k * scale) v. q [B, Lq, H, d]; k, v [B, T, KV, d] (BTHD) or [B, KV, T, d] (BHTD).
+
+  q_offset, kv_len: ints or [B]. scale defaults to 1/sqrt(d). Returns (out [B, Lq, H, d] in q's
+  dtype, lse [B, Lq, H] fp32, natural log; rows that see no key give (0, -inf)).
+  use_cudnn: None = when the GPU variant runs natively and cuDNN can express the call (and the
+  Mosaic kernel is not preferred: options.mosaic_before_cudnn, or tiling.impl="mosaic" asked
+  for). options: the run's kernel choices (`KernelOptions`).
+  """
+  b, lq, h, kvh, t, d = layout.check_qk(q, k, kv_layout)
+  if v.shape != k.shape:
+    raise ValueError(f"k {k.shape} and v {v.shape} must have the same shape")
+  scale = float(scale) if scale is not None else 1.0 / math.sqrt(d)
+  variant = backend_lib.resolve(backend)
+  mosaic = _mosaic_config(variant, q, k, v, kv_layout, tiling, options)
+  if use_cudnn is None:
+    asked = tiling is not None and tiling.impl == "mosaic"
+    mosaic_first = mosaic is not None and (options.mosaic_before_cudnn or asked)
+    use_cudnn = (variant.kind == "gpu" and not variant.interpret and lq > 1 and not mosaic_first
+                 and isinstance(q_offset, int) and q_offset == 0 and kv_layout == "BTHD"
+                 and q.dtype in (jnp.bfloat16, jnp.float16))
+  q_off = layout.per_batch(q_offset, b, 0)
+  kv_len = layout.per_batch(kv_len, b, t)
+  if variant.kind == "reference":
+    return reference.flash_attention(q, k, v, causal=causal, q_offset=q_off, kv_len=kv_len,
+                                     scale=scale, kv_layout=kv_layout)
+  if use_cudnn:
+    return _cudnn(q, k, v, causal=causal, kv_len=kv_len, scale=scale)
+  if mosaic is not None:
+    return mgpu_flash.mgpu_flash_attention(q, k, v, q_off, kv_len, causal=causal, scale=scale,
+                                               kv_layout=kv_layout, config=mosaic,
+                                               interpret=variant.interpret)
+
+  rows = lq * (h // kvh)
+  bm = min(max(16, layout.next_pow2(rows)), 128)
+  stages = 3 if bm >= 128 else 2
+  bk = 256 if variant.kind != "gpu" else gpu.fitting_block_keys(
+      128, block_rows=bm, d=d, itemsize=q.dtype.itemsize, num_stages=stages)
+  tl = (tiling or gpu.Tiling()).pick(block_rows=bm, block_keys=bk, num_warps=4 if bm <= 64 else 8,
+                                     num_stages=stages, prefetch=False)
+  bm, bk = tl.block_rows, tl.block_keys
+  rows_padded = layout.round_up(rows, bm)
+  q_in_kernel = options.decode_q_in_kernel and variant.kind == "gpu" and lq == 1 and rows < bm
+  qr = layout.q_rows(q, kvh, rows if q_in_kernel else rows_padded)
+  meta = jnp.stack([q_off, kv_len], axis=1)  # [B, 2]
+  if variant.kind == "gpu":
+    kk, vv = (layout.pad_keys(x, kv_layout, bk) for x in (k, v))
+    tk = kk.shape[1 if kv_layout == "BTHD" else 2]
+    span, splits = gpu.split_plan(b * kvh * (rows_padded // bm), tk, bk,
+                                  tl.key_splits or (1 if causal and lq > 1 else None))
+    merge_kernel = options.decode_merge_kernel and lq == 1
+    outs, lses = _gpu(qr, kk, vv, meta, group=h // kvh, span=span, splits=splits,
+                      parts=layout.next_pow2(splits) if merge_kernel else splits, causal=causal,
+                      scale=scale, kv_layout=kv_layout, tiling=tl,
+                      interpret=variant.interpret_arg())
+    if merge_kernel:
+      out, lse = split_merge.merge_splits(outs, lses, splits=splits, rows=rows, dtype=q.dtype,
+                                          interpret=variant.interpret_arg())
+      lse = lse[..., 0]
+    else:
+      out, lse = reference.merge_attention(jnp.moveaxis(outs, 2, 0),
+                                           jnp.moveaxis(lses[..., 0], 2, 0))
+  else:
+    out, lse = _tpu(qr, layout.heads_first(k, kv_layout), layout.heads_first(v, kv_layout), meta,
+                    group=h // kvh, bm=bm, bk=bk, causal=causal, scale=scale,
+                    interpret=variant.interpret_arg())
+    lse = lse[..., 0]
+  out = layout.from_rows(out, lq, h).astype(q.dtype)
+  return out, layout.from_rows(lse, lq, h)
+
+
+def mosaic_serves(q, k, v, *, kv_layout: str = "BTHD", backend: str = "auto",
+                  options: KernelOptions = DEFAULT) -> bool:
+  """Whether `flash_attention` would run these shapes on the Mosaic GPU kernel."""
+  return _mosaic_config(backend_lib.resolve(backend), q, k, v, kv_layout, None,
+                        options) is not None
+
+
+def _mosaic_config(variant, q, k, v, kv_layout, tiling, options: KernelOptions = DEFAULT):
+  """The Mosaic GPU kernel's Config when it serves this call, else None (the Triton kernel)."""
+  if not gpu.mosaic_asked(variant, tiling, options.prefill_impl):
+    return None
+  config = gpu.mosaic_tiling(mgpu_flash.DEFAULT_CONFIG, tiling)
+  if mgpu_flash.unsupported(q, k, v, kv_layout=kv_layout, config=config):
+    return None  # e.g. decode (fewer queries than a block), fp32, head dim 256
+  return config
+
+
+def _cudnn(q, k, v, *, causal, kv_len, scale):
+  b, lq = q.shape[:2]
+  out, lse = jax.nn.dot_product_attention(
+      q, k, v, scale=scale, is_causal=causal, implementation="cudnn", return_residual=True,
+      query_seq_lengths=jnp.full((b,), lq, jnp.int32), key_value_seq_lengths=kv_len)
+  return out, lse.astype(jnp.float32)
+
+
+def _row_positions(first_row, bm: int, group: int, q_off):
+  """Positions [bm, 1] of rows first_row.. (row = query * group + head)."""
+  return q_off + tpu.div(first_row + lax.broadcasted_iota(jnp.int32, (bm, 1), 0), group)
+
+
+@functools.partial(jax.jit, static_argnames=("group", "span", "splits", "parts", "causal",
+                                             "scale", "kv_layout", "tiling", "interpret"))
+def _gpu(qr, k, v, meta, *, group, span, splits, causal, scale, kv_layout, tiling, interpret,
+         parts=None):
+  """Per-split (out, lse) [B, KV, parts, R_padded, d | 1] fp32; parts (default splits) may
+  exceed splits (split_merge's power of two), entries past splits left unwritten. qr may hold
+  fewer rows than a block (KernelOptions.decode_q_in_kernel): they are repeated to fill it, and the output
+  rows past them (padding) hold copies of theirs."""
+  b, kvh, rq, d = qr.shape
+  parts = parts or splits
+  bm, bk = tiling.block_rows, tiling.block_keys
+  rp = layout.round_up(rq, bm)
+  t = k.shape[1 if kv_layout == "BTHD" else 2]
+
+  def load_q(q_ref):
+    if rq >= bm:
+      return q_ref[...]
+    return q_ref[lax.broadcasted_iota(jnp.int32, (bm,), 0) % rq, :]  # the real rows, repeated
+
+  def kernel(meta_ref, q_ref, k_ref, v_ref, o_ref, lse_ref):
+    q_off, kv_len = meta_ref[0], meta_ref[1]
+    first_row = pl.program_id(1) * bm
+    start0 = pl.program_id(2) * span
+    q_pos = _row_positions(first_row, bm, group, q_off)
+    end = jnp.minimum(start0 + span, kv_len)
+    if causal:
+      end = jnp.minimum(end, q_off + (first_row + bm - 1) // group + 1)
+    q = load_q(q_ref)
+
+    def load(j):
+      tile = gpu.key_tile(start0 + j * bk, bk, t)[0]
+      return k_ref[tile, :], v_ref[tile, :]
+
+    def step(j, kv, carry):
+      nominal = start0 + j * bk
+      idx = gpu.key_tile(nominal, bk, t)[1]
+      ok = (idx >= nominal) & (idx < kv_len)
+      if causal:
+        ok = ok & (idx <= q_pos)
+      s = jnp.where(ok, osm.scores(q, kv[0], scale), osm.NEG_INF)
+      return osm.update(*carry, s, kv[1])
+
+    n_tiles = jnp.clip(pl.cdiv(end - start0, bk), 0, span // bk)
+    out, lse = osm.finish(*gpu.tile_loop(0, n_tiles, load, step, osm.init(bm, d), tiling.prefetch))
+    o_ref[...] = out
+    lse_ref[...] = lse
+
+  index = lambda bh, r, s: (bh // kvh, bh % kvh, s, r, 0)  # noqa: E731
+  keys = gpu.whole_keys_spec(kv_layout, t, d, kvh)
+  return gpu.pallas_call(
+      kernel, interpret, num_warps=tiling.num_warps, num_stages=tiling.num_stages,
+      grid=(b * kvh, rp // bm, splits),
+      in_specs=[gpu.per_batch_spec(kvh, 2), gpu.row_spec(kvh, min(bm, rq), d), keys, keys],
+      out_specs=[pl.BlockSpec((SQ, SQ, SQ, bm, d), index),
+                 pl.BlockSpec((SQ, SQ, SQ, bm, 1), index)],
+      out_shape=[jax.ShapeDtypeStruct((b, kvh, parts, rp, d), jnp.float32),
+                 jax.ShapeDtypeStruct((b, kvh, parts, rp, 1), jnp.float32)],
+  )(meta, qr, k, v)
+
+
+@functools.partial(jax.jit, static_argnames=("group", "bm", "bk", "causal", "scale", "interpret"))
+def _tpu(qr, k, v, meta, *, group, bm, bk, causal, scale, interpret):
+  from jax.experimental.pallas import tpu as pltpu
+  b, kvh, rp, d = qr.shape
+  t = k.shape[2]
+  nk = pl.cdiv(t, bk)
+
+  def kernel(meta_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_s, l_s, acc_s):
+    bi, j = tpu.div(pl.program_id(0), kvh), pl.program_id(2)
+    q_off, kv_len = meta_ref[2 * bi], meta_ref[2 * bi + 1]
+    first_row = pl.program_id(1) * bm
+    end = kv_len
+    if causal:
+      end = jnp.minimum(end, q_off + tpu.div(first_row + bm - 1, group) + 1)
+
+    @pl.when(j == 0)
+    def _():
+      m_s[...], l_s[...], acc_s[...] = osm.init(bm, d)
+
+    @pl.when(j * bk < end)
+    def _():
+      idx = j * bk + lax.broadcasted_iota(jnp.int32, (bm, bk), 1)
+      ok = idx < kv_len
+      if causal:
+        ok = ok & (idx <= _row_positions(first_row, bm, group, q_off))
+      s = jnp.where(ok, osm.scores(q_ref[...], k_ref[...], scale), osm.NEG_INF)
+      # The last tile may run past t: those rows of v are undefined and 0 * NaN would spread.
+      v_rows = j * bk + lax.broadcasted_iota(jnp.int32, (bk, 1), 0)
+      v = jnp.where(v_rows < kv_len, v_ref[...], jnp.zeros((), v_ref.dtype))
+      m_s[...], l_s[...], acc_s[...] = osm.update(m_s[...], l_s[...], acc_s[...], s, v)
+
+    @pl.when(j == nk - 1)
+    def _():
+      o_ref[...], lse_ref[...] = osm.finish(m_s[...], l_s[...], acc_s[...])
+
+  row = lambda bh, r, j, meta: (*tpu.batch_head(bh, kvh), r, 0)  # noqa: E731
+  key = pl.BlockSpec((SQ, SQ, bk, d), lambda bh, r, j, meta: (*tpu.batch_head(bh, kvh), j, 0))
+  grid_spec = pltpu.PrefetchScalarGridSpec(
+      num_scalar_prefetch=1, grid=(b * kvh, rp // bm, nk),
+      in_specs=[pl.BlockSpec((SQ, SQ, bm, d), row), key, key],
+      out_specs=[pl.BlockSpec((SQ, SQ, bm, d), row), pl.BlockSpec((SQ, SQ, bm, 1), row)],
+      scratch_shapes=tpu.softmax_scratch(bm, d))
+  return tpu.attention_call(kernel, grid_spec, qr.shape, interpret)(meta.reshape(-1), qr, k, v)

@@ -1,0 +1,47 @@
+"""Which kernel a call runs where several compute the same thing: a run's choice, passed in.
+
+A frozen (hashable) value, so it can be a static argument of a jitted step: two option sets
+compile apart and none can leave a compiled step stale, as a module global read at trace time
+could. The defaults are what was measured best (BENCHMARKS.md); the opt-in ones stay off until
+a device measurement says otherwise (benchmarks/decode_profile.py times them as variants).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+IMPLS = ("mosaic", "triton")
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelOptions:
+  # The GPU kernel for flash-attention calls the Mosaic GPU kernel can run, on a Hopper GPU
+  # (`Tiling.impl` overrides it per call; off GPU only `Tiling.impl` picks Mosaic). On an H200
+  # (benchmarks/mgpu_attention.py) the Mosaic kernel ran causal 16K / 32K at 1.05x / 1.04x one
+  # cuDNN call and a 4096-query chunk at offset 28K at 1.10-1.14x `chunk_attention`'s two cuDNN
+  # calls, so it is the default and goes before cuDNN; the Triton kernel ran at 0.56x.
+  prefill_impl: str = "mosaic"
+  # Whether "auto" gives cuDNN-expressible calls to the Mosaic kernel rather than to cuDNN.
+  mosaic_before_cudnn: bool = True
+  # The same choice for topk_scores' prefill chunks (decode rows stay on Triton).
+  topk_impl: str = "mosaic"
+  # Whether a prefill chunk the Mosaic kernel does not serve runs as two cuDNN calls merged by
+  # LSE (`chunk_attention`) rather than one flash-attention call with the offset (measured
+  # faster on an H200; False is the benchmarks' "before").
+  chunk_cudnn: bool = True
+  # Decode on the GPU kernel: merge its key splits in one Pallas kernel (split_merge: one
+  # launch, real rows only) instead of jnp's merge and the padding rows' slice (three small XLA
+  # kernels per call). Off until measured on an H200 (decode_profile variant `merge_kernel`).
+  decode_merge_kernel: bool = False
+  # Decode on the GPU kernel with fewer query rows per kv group than a row block (Llama-8B: 4 of
+  # 16): the kernel reads the real rows and repeats them to fill the block, instead of an XLA
+  # pad kernel per call. Off until measured (decode_profile variant `q_in_kernel`).
+  decode_q_in_kernel: bool = False
+
+  def __post_init__(self):
+    for field in ("prefill_impl", "topk_impl"):
+      if getattr(self, field) not in IMPLS:
+        raise ValueError(f"{field}={getattr(self, field)!r} must be one of {IMPLS}")
+
+
+DEFAULT = KernelOptions()

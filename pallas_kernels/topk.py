@@ -1,0 +1,205 @@
+"""Fused score + exact top-k: q.k over a long key axis, tile by tile, without a score matrix in HBM.
+
+GPU: one program per (batch x kv head, row block, key split); it loops over its split's key
+tiles, scores every query head of the group against each K tile in one matrix product and keeps
+a running top-k (topk_tile). Splitting the key axis keeps the GPU busy when there are few
+queries (decode); the splits' candidates (kp per row each) are merged by a small sort after.
+TPU: the key tiles are the innermost grid axis and the running set lives in VMEM scratch.
+On Hopper, prefill chunks (at least MOSAIC_MIN_ROWS rows per kv head) can run the Mosaic GPU
+kernel of mgpu_topk.py instead (KernelOptions.topk_impl, or tiling.impl="mosaic" per call); its output has
+the Triton kernel's layout, so the splits are merged the same way. Decode stays on Triton.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels import backend as backend_lib
+from pallas_kernels import gpu, layout, mgpu_topk, online_softmax, reference, topk_tile, tpu
+from pallas_kernels.options import DEFAULT, KernelOptions
+
+SQ = gpu.SQ
+
+# Mosaic (KernelOptions.topk_impl): on an H200 512 queries x 128K / 512K keys, top-4, ran 1.26x /
+# 1.69x the Triton kernel with equal indices (benchmarks/results/mgpu_topk_h200.json).
+MOSAIC_MIN_ROWS = 64  # query rows (queries x group) per kv head: fewer (decode) stay on Triton
+
+
+def topk_scores(q, k, top_k: int, *, scale: float | None = None, valid_len=None,
+                exclude_prefix=0, exclude_suffix=0, kv_layout: str = "BTHD",
+                backend: str = "auto", tiling: gpu.Tiling | None = None,
+                options: KernelOptions = DEFAULT):
+  """For each query row and query head, the exact top-k of q.k over the candidate keys.
+
+  q: [B, Lq, H, d]; k: [B, T, KV, d] ("BTHD") or [B, KV, T, d] ("BHTD"), H a multiple of KV.
+  Candidates of sequence b are keys exclude_prefix <= t < valid_len[b] - exclude_suffix.
+  Returns (scores fp32, indices int32), both [B, Lq, H, top_k], best first, ties to the lowest
+  index; when fewer candidates than top_k exist the rest is (-inf, -1).
+  tiling overrides the tuned block sizes and launch options (tests, benchmarks); options are
+  the run's kernel choices (`KernelOptions.topk_impl`).
+  """
+  b, lq, h, kvh, t, d = layout.check_qk(q, k, kv_layout)
+  if not 1 <= top_k <= t:
+    raise ValueError(f"top_k={top_k} must be between 1 and the number of keys ({t})")
+  valid_len = layout.per_batch(valid_len, b, t)
+  lo = layout.per_batch(exclude_prefix, b, 0)
+  hi = valid_len - layout.per_batch(exclude_suffix, b, 0)
+  variant = backend_lib.resolve(backend)
+  if variant.kind == "reference":
+    return reference.topk_scores(q, k, top_k, lo, hi, scale=scale, kv_layout=kv_layout)
+
+  kp = max(4, layout.next_pow2(top_k))
+  rows = lq * (h // kvh)
+  bounds = jnp.stack([lo, hi], axis=1)  # [B, 2]
+  mosaic = _mosaic_config(variant, q, k, rows, top_k, tiling, keys=t, options=options)
+  if mosaic is not None:
+    vals, idx = _mosaic(q, k, bounds, top_k, mosaic, scale=scale, kv_layout=kv_layout,
+                        key_splits=tiling.key_splits if tiling else None,
+                        interpret=variant.interpret)
+    return _finish(vals, idx, top_k, lq, h)
+  # The running set is kp registers per row: fewer rows per program when k is large. GPU
+  # defaults measured on an H200 (BENCHMARKS.md): 64 x 64 tiles for chunks, 256-key tiles for
+  # decode, where a program has few rows and checks its set once per tile.
+  bm = min(max(16, layout.next_pow2(rows)), 64 if kp <= 64 else 32)
+  bk = 256 if variant.kind != "gpu" else gpu.fitting_block_keys(
+      256 if bm <= 16 else 64, block_rows=bm, d=d, itemsize=q.dtype.itemsize, num_stages=3,
+      tensors=1)
+  tl = (tiling or gpu.Tiling()).pick(block_rows=bm, block_keys=bk, num_warps=4, num_stages=3,
+                                     prefetch=False)
+  bm, bk = tl.block_rows, tl.block_keys
+  rows_padded = layout.round_up(rows, bm)
+  qr = layout.q_rows(q, kvh, rows_padded)
+  if variant.kind == "gpu":
+    kk = layout.pad_keys(k, kv_layout, bk)
+    tk = kk.shape[1 if kv_layout == "BTHD" else 2]
+    span, splits = gpu.split_plan(b * kvh * (rows_padded // bm), tk, bk, tl.key_splits)
+    vals, idx = _gpu(qr, kk, bounds, kp=kp, span=span, splits=splits, scale=scale,
+                     kv_layout=kv_layout, tiling=tl, interpret=variant.interpret_arg())
+  else:
+    vals, idx = _tpu(qr, layout.heads_first(k, kv_layout), bounds, kp=kp, bm=bm, bk=bk,
+                     scale=scale, interpret=variant.interpret_arg())
+  return _finish(vals, idx, top_k, lq, h)
+
+
+def _finish(vals, idx, top_k: int, lq: int, h: int):
+  """[B, KV, S, R, kp] per split -> [B, KV, R, S * kp]: every split's candidates for a row, then
+  the best top_k of them, back to [B, Lq, H, top_k]."""
+  b, kvh, _, rows_padded, _ = vals.shape
+  vals = jnp.moveaxis(vals, 2, 3).reshape(b, kvh, rows_padded, -1)
+  idx = jnp.moveaxis(idx, 2, 3).reshape(b, kvh, rows_padded, -1)
+  vals, idx = topk_tile.finish(vals, idx, top_k)
+  return layout.from_rows(vals, lq, h), layout.from_rows(idx, lq, h)
+
+
+def _mosaic_config(variant, q, k, rows: int, top_k: int, tiling, keys: int | None = None,
+                   options: KernelOptions = DEFAULT):
+  """The Mosaic GPU kernel's Config when it serves this call, else None (the Triton kernel)."""
+  if not gpu.mosaic_asked(variant, tiling, options.topk_impl) or rows < MOSAIC_MIN_ROWS:
+    return None
+  config = gpu.mosaic_tiling(mgpu_topk.DEFAULT_CONFIG, tiling)
+  return None if mgpu_topk.unsupported(q, k, top_k, config=config, keys=keys) else config
+
+
+def _mosaic(q, k, bounds, top_k, config, *, scale, kv_layout, key_splits, interpret):
+  b, _, h, _ = q.shape
+  kvh = k.shape[2 if kv_layout == "BTHD" else 1]
+  bk = config.block_kv
+  rows_padded = layout.round_up(q.shape[1] * (h // kvh), 2 * config.block_q)
+  kk = layout.pad_keys(k, kv_layout, bk)
+  tk = kk.shape[1 if kv_layout == "BTHD" else 2]
+  # One CTA per SM at a time (SMEM): about one CTA per SM in all, unless asked.
+  span, splits = gpu.split_plan(b * kvh * rows_padded // (2 * config.block_q), tk, bk,
+                                key_splits, per_core=1)
+  return mgpu_topk.mgpu_topk_scores(layout.q_rows(q, kvh, rows_padded), kk, bounds, kp=top_k,
+                                    span=span, splits=splits, scale=scale, kv_layout=kv_layout,
+                                    config=config, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("kp", "span", "splits", "scale", "kv_layout",
+                                             "tiling", "interpret"))
+def _gpu(qr, k, bounds, *, kp, span, splits, scale, kv_layout, tiling, interpret):
+  b, kvh, rp, d = qr.shape
+  bm, bk = tiling.block_rows, tiling.block_keys
+  t = k.shape[1 if kv_layout == "BTHD" else 2]
+
+  def kernel(bounds_ref, q_ref, k_ref, v_out, i_out):
+    lo, hi = bounds_ref[0], bounds_ref[1]
+    start0 = pl.program_id(2) * span
+    q = q_ref[...]
+    first = jnp.maximum(lo - start0, 0) // bk
+    last = jnp.clip(pl.cdiv(jnp.minimum(hi, start0 + span) - start0, bk), 0, span // bk)
+
+    def load(j):
+      return k_ref[gpu.key_tile(start0 + j * bk, bk, t)[0], :]
+
+    def step(j, kt, carry):
+      nominal = start0 + j * bk
+      idx = gpu.key_tile(nominal, bk, t)[1]
+      ok = (idx >= nominal) & (idx >= lo) & (idx < hi)
+      s = jnp.where(ok, online_softmax.scores(q, kt, scale), topk_tile.NEG_INF)
+      return topk_tile.merge_tile(*carry, s, idx)
+
+    run_v, run_i = gpu.tile_loop(first, last, load, step, topk_tile.empty(bm, kp), tiling.prefetch)
+    v_out[...] = run_v
+    i_out[...] = run_i
+
+  out_spec = pl.BlockSpec((SQ, SQ, SQ, bm, kp), lambda bh, r, s: (bh // kvh, bh % kvh, s, r, 0))
+  shape = (b, kvh, splits, rp, kp)
+  return gpu.pallas_call(
+      kernel, interpret, num_warps=tiling.num_warps, num_stages=tiling.num_stages,
+      grid=(b * kvh, rp // bm, splits),
+      in_specs=[gpu.per_batch_spec(kvh, 2), gpu.row_spec(kvh, bm, d),
+                gpu.whole_keys_spec(kv_layout, t, d, kvh)],
+      out_specs=[out_spec, out_spec],
+      out_shape=[jax.ShapeDtypeStruct(shape, jnp.float32), jax.ShapeDtypeStruct(shape, jnp.int32)],
+  )(bounds, qr, k)
+
+
+@functools.partial(jax.jit, static_argnames=("kp", "bm", "bk", "scale", "interpret"))
+def _tpu(qr, k, bounds, *, kp, bm, bk, scale, interpret):
+  from jax.experimental.pallas import tpu as pltpu
+  b, kvh, rp, d = qr.shape
+  t = k.shape[2]
+  nk = pl.cdiv(t, bk)
+
+  def kernel(bounds_ref, q_ref, k_ref, v_out, i_out, run_v, run_i):
+    bi, j = tpu.div(pl.program_id(0), kvh), pl.program_id(2)
+    lo, hi = bounds_ref[2 * bi], bounds_ref[2 * bi + 1]
+
+    @pl.when(j == 0)
+    def _():
+      run_v[...], run_i[...] = topk_tile.empty(bm, kp)
+
+    @pl.when((j * bk < hi) & ((j + 1) * bk > lo))
+    def _():
+      idx = j * bk + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
+      s = jnp.where((idx >= lo) & (idx < hi), online_softmax.scores(q_ref[...], k_ref[...], scale),
+                    topk_tile.NEG_INF)
+      run_v[...], run_i[...] = topk_tile.merge_tile(run_v[...], run_i[...], s, idx)
+
+    @pl.when(j == nk - 1)
+    def _():
+      v_out[...] = run_v[...]
+      i_out[...] = run_i[...]
+
+  out_spec = pl.BlockSpec((SQ, SQ, SQ, bm, kp),
+                          lambda bh, r, j, bnd: (*tpu.batch_head(bh, kvh), 0, r, 0))
+  shape = (b, kvh, 1, rp, kp)
+  grid_spec = pltpu.PrefetchScalarGridSpec(
+      num_scalar_prefetch=1, grid=(b * kvh, rp // bm, nk),
+      in_specs=[pl.BlockSpec((SQ, SQ, bm, d),
+                             lambda bh, r, j, bnd: (*tpu.batch_head(bh, kvh), r, 0)),
+                pl.BlockSpec((SQ, SQ, bk, d),
+                             lambda bh, r, j, bnd: (*tpu.batch_head(bh, kvh), j, 0))],
+      out_specs=[out_spec, out_spec],
+      scratch_shapes=[pltpu.VMEM((bm, kp), jnp.float32), pltpu.VMEM((bm, kp), jnp.int32)])
+  return pl.pallas_call(
+      kernel, grid_spec=grid_spec, interpret=interpret,
+      out_shape=[jax.ShapeDtypeStruct(shape, jnp.float32), jax.ShapeDtypeStruct(shape, jnp.int32)],
+      compiler_params=tpu.compiler_params(),
+  )(bounds.reshape(-1), qr, k)

@@ -1,0 +1,79 @@
+"""The sweep report's statistics on synthetic records with known values: RefreshKV's effective
+stride (counts summed over texts, then divided) and the share of the gap closed (pooled NLL,
+paired bootstrap)."""
+
+import math
+
+import numpy as np
+import pytest
+
+from jax_longctx.app.gap_stats import gap_closed, paired_gap, pooled_ppl
+from jax_longctx.app.report import effective_stride, stride_counts, summary_table
+
+
+def _rkv(seed, full_steps, decode_steps=10.0, method="rkv5"):
+  return {"task": "ppl", "method": method, "length": 1024, "seed": seed,
+          "full_steps": full_steps, "decode_steps": decode_steps}
+
+
+def test_stride_sums_counts_over_texts_before_dividing():
+  # Layer 0: full steps 0 and 2 over two texts of 10 steps: 20 / 2 = 10 (a mean of per-text
+  # strides would be inf). Layer 1: never full in any text: inf.
+  recs = [_rkv(0, [0.0, 0.0]), _rkv(1, [2.0, 0.0])]
+  full, steps = stride_counts(recs)[("ppl", "rkv5", 1024)]
+  assert full.tolist() == [2.0, 0.0] and steps == 20.0
+  assert effective_stride(full, steps) == 20.0  # 2 layers x 20 steps / 2 full steps
+  assert effective_stride([0.0, 0.0], 20.0) == math.inf
+  table = summary_table([dict(r, score=1.0) for r in recs])
+  assert "| ppl | rkv5 | 1024 | 20.0 | 10 inf |" in table
+
+
+def _ppl_rec(method, seed, nll):
+  return {"task": "ppl", "method": method, "length": 64, "seed": seed, "depth": None,
+          "score": math.exp(np.mean(nll)), "nll": list(nll)}
+
+
+def test_pooled_ppl_and_gap_share():
+  assert pooled_ppl([[0.0, 2.0], [1.0]]) == pytest.approx(math.exp(1.0))
+  # Not the mean of per-text perplexities ((1 + e^2) / 2 = 4.19).
+  assert pooled_ppl([[0.0], [2.0]]) == pytest.approx(math.e)
+  assert gap_closed(11.0, 12.0, 10.0) == pytest.approx(0.5)
+  assert gap_closed(13.0, 12.0, 10.0) == pytest.approx(-0.5)
+
+
+def test_paired_bootstrap_interval_on_known_records():
+  rng = np.random.default_rng(1)
+  base = {s: rng.uniform(2, 4, 8) for s in range(30)}
+  full = {s: x - 0.2 for s, x in base.items()}
+  # Closes exactly half the gap on every text: the share and its whole interval are ~0.5.
+  half = {s: x - 0.1 for s, x in base.items()}
+  gap = paired_gap(half, base, full)
+  assert gap.n_texts == 30
+  # Pooled: ppl_B = P, ppl_F = P e^-0.2, ppl_M = P e^-0.1, in every resample too.
+  assert gap.share == pytest.approx(math.expm1(-0.1) / math.expm1(-0.2), rel=1e-9)
+  assert gap.low == pytest.approx(gap.share, rel=1e-9) == gap.high
+  # Noisy per text (half the texts closed fully, half not at all): a wide interval around ~0.5.
+  noisy = {s: (full if s % 2 else base)[s] for s in base}
+  g2 = paired_gap(noisy, base, full)
+  assert g2.low < 0.4 < 0.6 < g2.high and g2.low < g2.share < g2.high
+  # Texts are paired: only those all three ran count.
+  del half[0]
+  assert paired_gap(half, base, full).n_texts == 29
+  assert paired_gap({}, base, full) is None
+  # Fixed seed: the same interval twice.
+  assert paired_gap(noisy, base, full) == g2
+
+
+def test_gap_table_in_the_summary():
+  recs = []
+  for s in range(4):
+    recs += [_ppl_rec("full", s, [1.0, 1.0]), _ppl_rec("snapkv_paper", s, [1.2, 1.2]),
+             dict(_ppl_rec("rkv5", s, [1.1, 1.1]), full_steps=[1.0, 1.0], decode_steps=2.0)]
+  table = summary_table(recs)
+  share = (math.exp(1.2) - math.exp(1.1)) / (math.exp(1.2) - math.exp(1.0))
+  row = next(line for line in table.splitlines() if line.startswith("| rkv5 | ") and "%" in line)
+  assert row.startswith(f"| rkv5 | {math.exp(1.1):.3f} | 4 | 2.0 | {100 * share:.0f}% ")
+  assert "vs snapkv_paper" in table
+  # A named baseline replaces the detected one; without full attention there is no gap table.
+  assert "vs rkv5" in summary_table(recs, baselines=["rkv5"])
+  assert "vs" not in summary_table([r for r in recs if r["method"] != "full"])
