@@ -10,12 +10,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jax_longctx.cache import KVCache
-from jax_longctx.distributed.reattention_mesh import cache_specs, sharded
-from jax_longctx.distributed.shard_layout import TokenLayout
+from jax_longctx.ops.cache import KVCache
+from jax_longctx.run.distributed.reattention_mesh import cache_specs, sharded
+from jax_longctx.run.distributed.shard_layout import TokenLayout
 from jax_longctx.methods import AttnContext, get
 from jax_longctx.methods.reattention_scope import Scope
-from jax_longctx.rope import inv_freq
+from jax_longctx.core.options import RunOptions
+from jax_longctx.core.rope import inv_freq
 from tests.conftest import TINY_LLAMA3, tiny_config
 
 N = 8
@@ -95,10 +96,10 @@ def model(one_name="reattention", mesh_name="reattention_mesh", **kw):
   steps, and greedy tokens through the driver (the mesh entry routes to the sharded cache)
   equal the one-device method's: ReAttention, or RESA over it (`kw`: its settings; its prior
   then sums and attends over every shard)."""
-  from jax_longctx import driver
-  from jax_longctx.distributed.reattention_mesh import (_prefill_step, decode_sharded,
+  from jax_longctx.run import driver
+  from jax_longctx.run.distributed.reattention_mesh import (_prefill_step, decode_sharded,
                                                         prefill_sharded)
-  from jax_longctx.generation import prefill, teacher_forced_nll
+  from jax_longctx.run.generation import prefill, teacher_forced_nll
   from jax_longctx.model import random_params
   cfg = tiny_config(**TINY_LLAMA3)
   params = random_params(cfg, seed=1)
@@ -116,7 +117,7 @@ def model(one_name="reattention", mesh_name="reattention_mesh", **kw):
   m_cache, m_last = prefill_sharded(params, cfg, prompts, mesh_entry, MESH, cache_len=128)
   np.testing.assert_allclose(np.asarray(m_last), np.asarray(last), atol=1e-4, rtol=0)
   # Every chunk ran one compiled step (a single-device `last` at chunk 1 once compiled a second)
-  step = _prefill_step(cfg, sharded(mesh_entry), MESH, 128)
+  step = _prefill_step(cfg, sharded(mesh_entry), MESH, 128, RunOptions())
   assert step._cache_size() == 1, step._cache_size()
   specs = cache_specs(cfg, sharded(mesh_entry), 128)
   nll_on_mesh = jax.jit(jax.shard_map(
@@ -132,16 +133,16 @@ def model(one_name="reattention", mesh_name="reattention_mesh", **kw):
   rows, _ = decode_sharded(params, cfg, *prefill_sharded(params, cfg, prompts, mesh_entry, MESH,
                                                          cache_len=128),
                            mesh_entry, MESH, max_new_tokens=5)
-  want = driver.generate_tokens(params, cfg, one, prompts, max_new_tokens=5, cache_len=128)
-  got = driver.generate_tokens(params, cfg, mesh_entry, prompts, max_new_tokens=5, cache_len=128)
+  want = driver.generate(params, cfg, prompts, one, max_new_tokens=5, cache_len=128)
+  got = driver.generate(params, cfg, prompts, mesh_entry, max_new_tokens=5, cache_len=128)
   assert rows == want.tokens and got.tokens == want.tokens and got.report == {"devices": N}
 
 
 def errors():
   """A cache that does not split into equal shards or whole blocks, and blocks that would split
   a prefill chunk, are refused in one line."""
-  from jax_longctx.distributed.reattention_mesh import prefill_sharded
-  from jax_longctx.generation import GenerationError
+  from jax_longctx.run.distributed.reattention_mesh import prefill_sharded
+  from jax_longctx.run.generation import GenerationError
   cfg = tiny_config(**TINY_LLAMA3)
   for block, cache_len, message in [
       (0, 100, "cache_len=100 is not divisible by the 8 devices"),
