@@ -89,15 +89,17 @@ class _Dims:
 
 
 @functools.partial(jax.jit, static_argnames=("kp", "span", "splits", "scale", "kv_layout",
-                                             "config", "interpret", "native"))
+                                             "config", "selection", "interpret", "native"))
 def mgpu_topk_scores(qr, k, bounds, *, kp: int, span: int, splits: int, scale: float | None,
-                     kv_layout: str = "BTHD", config: Config = DEFAULT_CONFIG, interpret=False,
-                     native: bool | None = None):
+                     kv_layout: str = "BTHD", config: Config = DEFAULT_CONFIG,
+                     selection: str = "exact", interpret=False, native: bool | None = None):
   """qr [B, KV, R, d] (R a multiple of 2 * block_q); k [B, T, KV, d] or [B, KV, T, d] with
   T >= block_kv; bounds int32 [B, 2]: candidates lo <= t < hi (hi <= T). span * splits >= T.
   Returns (scores fp32, keys int32) [B, KV, splits, R, kp]: each split's best kp per row,
   unordered; (-inf, a negative key) where a split has fewer candidates. scale multiplies q.k
-  (None: not at all). interpret / native as in mgpu_flash."""
+  (None: not at all). selection: KernelOptions.topk_selection ("max_only", a benchmark
+  diagnostic: slot 0 holds the row's running max, the rest stays empty). interpret / native as
+  in mgpu_flash."""
   native = (interpret is False) if native is None else native
   b, kvh, rp, d = qr.shape
   t = k.shape[1 if kv_layout == "BTHD" else 2]
@@ -107,7 +109,7 @@ def mgpu_topk_scores(qr, k, bounds, *, kp: int, span: int, splits: int, scale: f
                      f"{config}")
   dims = _Dims(t=t, d=d, kvh=kvh, span=span, kp=kp)
   body = functools.partial(_entry, dims=dims, cfg=config, scale=scale, kv_layout=kv_layout,
-                           native=native, dtype=qr.dtype)
+                           native=native, dtype=qr.dtype, select=_SELECTIONS[selection])
   shape = (b, kvh, splits, kp, rp)  # rows minor: one TMA box per warpgroup and set slot
   vals, idx = plgpu.kernel(
       body,
@@ -175,7 +177,7 @@ def _cta(refs, smem, barriers, *, dims, cfg, **kw):
 
 
 def _consumer(refs, smem, barriers, *, wg, row0, b, h, lo, hi, tiles, dims, cfg, scale,
-              kv_layout, native, dtype):
+              kv_layout, native, dtype, select):
   """Compute warpgroup: its rows' running sets over the CTA's tiles, then written out."""
   del kv_layout, dtype
   _, q_ref, _, v_out, i_out = refs
@@ -196,7 +198,7 @@ def _consumer(refs, smem, barriers, *, wg, row0, b, h, lo, hi, tiles, dims, cfg,
   first, plain_lo, plain_hi, last = tiles
   step = functools.partial(_step, first=first, q_tile=q_tile, k_smem=k_smem, k_loaded=k_loaded,
                            k_free=k_free, sync_turn=sync_turn, ops=ops, scale=scale, lo=lo, hi=hi,
-                           t=dims.t, cfg=cfg)
+                           t=dims.t, cfg=cfg, select=select)
   for a, z, masked in ((first, plain_lo, True), (plain_lo, plain_hi, False),
                        (plain_hi, last, True)):
     # The cond only skips an empty loop (as mgpu_flash's masked loop; see there).
@@ -215,7 +217,7 @@ def _consumer(refs, smem, barriers, *, wg, row0, b, h, lo, hi, tiles, dims, cfg,
 
 
 def _step(g, state, *, masked: bool, first, q_tile, k_smem, k_loaded, k_free, sync_turn, ops,
-          scale, lo, hi, t, cfg):
+          scale, lo, hi, t, cfg, select):
   """Key tile g: S = Q K^T (the other warpgroup selects meanwhile), then the selection."""
   slot = lax.rem(g - first, jnp.int32(cfg.stages))
   plgpu.barrier_wait(k_loaded.at[slot])
@@ -226,7 +228,7 @@ def _step(g, state, *, masked: bool, first, q_tile, k_smem, k_loaded, k_free, sy
   key = tile_start(g, cfg.block_kv, t) + ops.iota(1)
   if masked:  # outside [lo, hi), or seen already (the clamped last tile)
     s = jnp.where((key >= g * cfg.block_kv) & (key >= lo) & (key < hi), s, NEG_INF)
-  state = _select(state, s, key)
+  state = select(state, s, key)
   sync_turn()  # selection done: the other warpgroup's turn
   return state
 
@@ -257,3 +259,14 @@ def _select(state, s, key):
   vals, keys = state
   _, vals, keys, _ = lax.while_loop(pending, take_best, (s, vals, keys, s.max(axis=1)))
   return vals, keys
+
+
+def _running_max(state, s, key):
+  """selection="max_only" (a benchmark diagnostic, results meaningless): slot 0 of each row's set
+  keeps the running max of s; no keys, no rounds."""
+  del key
+  vals, keys = state
+  return [jnp.maximum(vals[0], s.max(axis=1)), *vals[1:]], keys
+
+
+_SELECTIONS = {"exact": _select, "max_only": _running_max}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 IMPLS = ("mosaic", "triton")
+TOPK_SELECTIONS = ("exact", "max_only")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,11 +38,18 @@ class KernelOptions:
   # 16): the kernel reads the real rows and repeats them to fill the block, instead of an XLA
   # pad kernel per call. Off until measured (decode_profile variant `q_in_kernel`).
   decode_q_in_kernel: bool = False
+  # What topk_scores' GPU / TPU kernels do with each score tile. "exact" keeps the running top-k.
+  # "max_only" is a benchmark diagnostic whose results are meaningless: it keeps only each row's
+  # running max (in its top slot; the indices are not kept), so it times the kernel without its
+  # selection, the ceiling of its loop (benchmarks/kernel_sweep.py, benchmarks/mgpu_topk.py).
+  topk_selection: str = "exact"
 
   def __post_init__(self):
     for field in ("prefill_impl", "topk_impl"):
       if getattr(self, field) not in IMPLS:
         raise ValueError(f"{field}={getattr(self, field)!r} must be one of {IMPLS}")
+    if self.topk_selection not in TOPK_SELECTIONS:
+      raise ValueError(f"topk_selection={self.topk_selection!r} must be one of {TOPK_SELECTIONS}")
 
 
 DEFAULT = KernelOptions()

@@ -41,7 +41,8 @@ def topk_scores(q, k, top_k: int, *, scale: float | None = None, valid_len=None,
   Returns (scores fp32, indices int32), both [B, Lq, H, top_k], best first, ties to the lowest
   index; when fewer candidates than top_k exist the rest is (-inf, -1).
   tiling overrides the tuned block sizes and launch options (tests, benchmarks); options are
-  the run's kernel choices (`KernelOptions.topk_impl`).
+  the run's kernel choices (`KernelOptions.topk_impl`; `topk_selection` for the GPU / TPU
+  kernels, the reference always selects exactly).
   """
   b, lq, h, kvh, t, d = layout.check_qk(q, k, kv_layout)
   if not 1 <= top_k <= t:
@@ -60,7 +61,7 @@ def topk_scores(q, k, top_k: int, *, scale: float | None = None, valid_len=None,
   if mosaic is not None:
     vals, idx = _mosaic(q, k, bounds, top_k, mosaic, scale=scale, kv_layout=kv_layout,
                         key_splits=tiling.key_splits if tiling else None,
-                        interpret=variant.interpret)
+                        selection=options.topk_selection, interpret=variant.interpret)
     return _finish(vals, idx, top_k, lq, h)
   # The running set is kp registers per row: fewer rows per program when k is large. GPU
   # defaults measured on an H200 (BENCHMARKS.md): 64 x 64 tiles for chunks, 256-key tiles for
@@ -79,10 +80,12 @@ def topk_scores(q, k, top_k: int, *, scale: float | None = None, valid_len=None,
     tk = kk.shape[1 if kv_layout == "BTHD" else 2]
     span, splits = gpu.split_plan(b * kvh * (rows_padded // bm), tk, bk, tl.key_splits)
     vals, idx = _gpu(qr, kk, bounds, kp=kp, span=span, splits=splits, scale=scale,
-                     kv_layout=kv_layout, tiling=tl, interpret=variant.interpret_arg())
+                     kv_layout=kv_layout, tiling=tl, selection=options.topk_selection,
+                     interpret=variant.interpret_arg())
   else:
     vals, idx = _tpu(qr, layout.heads_first(k, kv_layout), bounds, kp=kp, bm=bm, bk=bk,
-                     scale=scale, interpret=variant.interpret_arg())
+                     scale=scale, selection=options.topk_selection,
+                     interpret=variant.interpret_arg())
   return _finish(vals, idx, top_k, lq, h)
 
 
@@ -105,7 +108,7 @@ def _mosaic_config(variant, q, k, rows: int, top_k: int, tiling, keys: int | Non
   return None if mgpu_topk.unsupported(q, k, top_k, config=config, keys=keys) else config
 
 
-def _mosaic(q, k, bounds, top_k, config, *, scale, kv_layout, key_splits, interpret):
+def _mosaic(q, k, bounds, top_k, config, *, scale, kv_layout, key_splits, selection, interpret):
   b, _, h, _ = q.shape
   kvh = k.shape[2 if kv_layout == "BTHD" else 1]
   bk = config.block_kv
@@ -117,15 +120,16 @@ def _mosaic(q, k, bounds, top_k, config, *, scale, kv_layout, key_splits, interp
                                 key_splits, per_core=1)
   return mgpu_topk.mgpu_topk_scores(layout.q_rows(q, kvh, rows_padded), kk, bounds, kp=top_k,
                                     span=span, splits=splits, scale=scale, kv_layout=kv_layout,
-                                    config=config, interpret=interpret)
+                                    config=config, selection=selection, interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("kp", "span", "splits", "scale", "kv_layout",
-                                             "tiling", "interpret"))
-def _gpu(qr, k, bounds, *, kp, span, splits, scale, kv_layout, tiling, interpret):
+                                             "tiling", "selection", "interpret"))
+def _gpu(qr, k, bounds, *, kp, span, splits, scale, kv_layout, tiling, selection, interpret):
   b, kvh, rp, d = qr.shape
   bm, bk = tiling.block_rows, tiling.block_keys
   t = k.shape[1 if kv_layout == "BTHD" else 2]
+  merge = topk_tile.merger(selection)
 
   def kernel(bounds_ref, q_ref, k_ref, v_out, i_out):
     lo, hi = bounds_ref[0], bounds_ref[1]
@@ -142,7 +146,7 @@ def _gpu(qr, k, bounds, *, kp, span, splits, scale, kv_layout, tiling, interpret
       idx = gpu.key_tile(nominal, bk, t)[1]
       ok = (idx >= nominal) & (idx >= lo) & (idx < hi)
       s = jnp.where(ok, online_softmax.scores(q, kt, scale), topk_tile.NEG_INF)
-      return topk_tile.merge_tile(*carry, s, idx)
+      return merge(*carry, s, idx)
 
     run_v, run_i = gpu.tile_loop(first, last, load, step, topk_tile.empty(bm, kp), tiling.prefetch)
     v_out[...] = run_v
@@ -160,12 +164,13 @@ def _gpu(qr, k, bounds, *, kp, span, splits, scale, kv_layout, tiling, interpret
   )(bounds, qr, k)
 
 
-@functools.partial(jax.jit, static_argnames=("kp", "bm", "bk", "scale", "interpret"))
-def _tpu(qr, k, bounds, *, kp, bm, bk, scale, interpret):
+@functools.partial(jax.jit, static_argnames=("kp", "bm", "bk", "scale", "selection", "interpret"))
+def _tpu(qr, k, bounds, *, kp, bm, bk, scale, selection, interpret):
   from jax.experimental.pallas import tpu as pltpu
   b, kvh, rp, d = qr.shape
   t = k.shape[2]
   nk = pl.cdiv(t, bk)
+  merge = topk_tile.merger(selection)
 
   def kernel(bounds_ref, q_ref, k_ref, v_out, i_out, run_v, run_i):
     bi, j = tpu.div(pl.program_id(0), kvh), pl.program_id(2)
@@ -180,7 +185,7 @@ def _tpu(qr, k, bounds, *, kp, bm, bk, scale, interpret):
       idx = j * bk + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
       s = jnp.where((idx >= lo) & (idx < hi), online_softmax.scores(q_ref[...], k_ref[...], scale),
                     topk_tile.NEG_INF)
-      run_v[...], run_i[...] = topk_tile.merge_tile(run_v[...], run_i[...], s, idx)
+      run_v[...], run_i[...] = merge(run_v[...], run_i[...], s, idx)
 
     @pl.when(j == nk - 1)
     def _():

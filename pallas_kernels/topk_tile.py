@@ -59,6 +59,18 @@ def merge_tile(run_v, run_i, scores, index):
   return run_v, run_i
 
 
+def running_max(run_v, run_i, scores, index):
+  """KernelOptions.topk_selection="max_only" (a benchmark diagnostic, results meaningless): every
+  slot of a row holds its running max of scores [rows, n]; the indices stay those of `empty`."""
+  del index
+  return jnp.maximum(run_v, jnp.max(scores, axis=1, keepdims=True)), run_i
+
+
+def merger(selection: str):
+  """The tile update for KernelOptions.topk_selection: "exact" or "max_only"."""
+  return {"exact": merge_tile, "max_only": running_max}[selection]
+
+
 def finish(vals, idx, top_k: int):
   """Candidates [..., n] (from any number of merged parts) -> best-first top_k, ties by index.
 
