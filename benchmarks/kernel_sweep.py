@@ -1,33 +1,25 @@
 """Tiling variants of the GPU kernels, timed by benchmarks/kernels.py --sweep.
 
 Used to pick the defaults in pallas_kernels; the chosen ones and their numbers are in
-BENCHMARKS.md. `topk_gemm_only` swaps the running top-k for a running max: the kernel's speed
-without the selection, i.e. the matrix-product ceiling of this loop.
+BENCHMARKS.md. `topk_gemm_only` runs the Triton top-k with KernelOptions(topk_selection=
+"max_only"), a running max in place of the running top-k: the kernel's speed without the
+selection, i.e. the matrix-product ceiling of this loop (its results are meaningless).
 """
 
 from __future__ import annotations
 
-import jax.numpy as jnp
-
 from benchmarks import kernels as kb
-from pallas_kernels import topk, topk_tile
 from pallas_kernels.gpu import Tiling
+from pallas_kernels.options import KernelOptions
+
+# Triton named: on Hopper the default (Mosaic) would take these 512-query calls and ignore the
+# Triton tilings swept (benchmarks/mgpu_topk.py times Mosaic's own gemm_only).
+GEMM_ONLY = KernelOptions(topk_impl="triton", topk_selection="max_only")
 
 
 def _gemm_only(key, args, tilings):
-  real = topk_tile.merge_tile
-
-  def running_max(run_v, run_i, scores, index):
-    return jnp.maximum(run_v, jnp.max(scores, axis=1, keepdims=True)), run_i
-
-  traced = topk._gpu  # caches traces: clear them
-  topk_tile.merge_tile = running_max
-  traced.clear_cache()
-  try:
-    recs = [kb.bench_topk(key, 512, 131072, 4, args, anchor=False, tiling=t) for t in tilings]
-  finally:
-    topk_tile.merge_tile = real
-    traced.clear_cache()
+  recs = [kb.bench_topk(key, 512, 131072, 4, args, anchor=False, tiling=t, options=GEMM_ONLY)
+          for t in tilings]
   for r in recs:
     r["case"] = "topk_gemm_only"
   return recs

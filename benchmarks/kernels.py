@@ -25,6 +25,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from benchmarks import common  # noqa: E402
 from pallas_kernels import flash_attention, gathered_attention, topk_scores  # noqa: E402
+from pallas_kernels.options import DEFAULT, KernelOptions  # noqa: E402
 
 H, KV, D = 32, 8, 128
 BF = jnp.bfloat16
@@ -101,10 +102,12 @@ def check_attention(key):
   return res
 
 
-def bench_topk(key, lq, t, top_k, args, anchor=True, tiling=None):
+def bench_topk(key, lq, t, top_k, args, anchor=True, tiling=None,
+               options: KernelOptions = DEFAULT):
   kq, kk = jax.random.split(key)
   q, k = normal(kq, (1, lq, H, D)), normal(kk, (1, t, KV, D))
-  ours = jax.jit(lambda q, k: topk_scores(q, k, top_k, backend="gpu", tiling=tiling))
+  ours = jax.jit(lambda q, k: topk_scores(q, k, top_k, backend="gpu", tiling=tiling,
+                                          options=options))
   rec = {"case": "topk_scores", "q_len": lq, "kv_len": t, "top_k": top_k, **_tiling(tiling)}
   rec["ms"] = timed(ours, q, k, reps=args.reps, inner=args.inner) * 1e3
   rec["tflops"] = 2 * H * lq * t * D / rec["ms"] / 1e9

@@ -11,8 +11,9 @@ Shapes of one layer: 32 query / 8 KV heads, d=128, bf16, batch 1, unless a case 
 2. prefill_128k / prefill_512k: 512 queries x 128K / 512K keys, top-4: median ms after warm-up
    of the Mosaic kernel beside the Triton kernel and einsum + lax.top_k, in the same run.
    TFLOP/s count 2 * queries * keys * d * H. Decode (1 query) stays on the Triton kernel.
-3. gemm_only_128k: the kernel with a running max in place of the selection (pipeline + products
-   alone: the bound for what a cheaper selection could gain).
+3. gemm_only_128k: the kernel with a running max in place of the selection
+   (KernelOptions(topk_selection="max_only"): pipeline + products alone, the bound for what a
+   cheaper selection could gain; its results are meaningless).
 --sweep: 512 x 128K over block_kv 64/128/256, stages 2-4, key splits and lowering semantics (each
 output checked against the default config's).
 Every case runs in its own try/except (benchmarks/common.run_cases_to_json); the JSON file is rewritten
@@ -35,6 +36,7 @@ from benchmarks.kernels import normal, small_ints, timed  # noqa: E402
 from pallas_kernels import mgpu_topk, resolve, topk_scores  # noqa: E402
 from pallas_kernels import topk as ts_module  # noqa: E402
 from pallas_kernels.gpu import Tiling  # noqa: E402
+from pallas_kernels.options import DEFAULT, KernelOptions  # noqa: E402
 
 H, KV, D = 32, 8, 128
 BF = jnp.bfloat16
@@ -104,7 +106,8 @@ def check(key, *, top_k, kv_layout="BTHD", d=D, kv=None, lq=64, ties=False, dtyp
   return {**rec, "passed": True}
 
 
-def bench(key, t, args, *, top_k=4, lq=512, config=None, key_splits=None, anchors=True):
+def bench(key, t, args, *, top_k=4, lq=512, config=None, key_splits=None, anchors=True,
+          options: KernelOptions = DEFAULT):
   lq, t = (16, n(t)) if SMOKE else (lq, t)
   kq, kk = jax.random.split(key)
   q, k = normal(kq, (1, lq, H, D)), normal(kk, (1, t, KV, D))
@@ -114,7 +117,7 @@ def bench(key, t, args, *, top_k=4, lq=512, config=None, key_splits=None, anchor
     rec.update(config=vars(config or mgpu_topk.DEFAULT_CONFIG), key_splits=key_splits)
   require_mosaic(q, k, top_k, mosaic(config, key_splits))
   routes = {"mosaic": lambda q, k: topk_scores(q, k, top_k, backend="gpu",
-                                               tiling=mosaic(config, key_splits))}
+                                               tiling=mosaic(config, key_splits), options=options)}
   if anchors:
     routes["triton"] = lambda q, k: topk_scores(q, k, top_k, backend="gpu",
                                                 tiling=Tiling(impl="triton"))
@@ -145,19 +148,7 @@ def bench(key, t, args, *, top_k=4, lq=512, config=None, key_splits=None, anchor
 def gemm_only(key, args, t=131072):
   """The kernel with its selection swapped for a running row max (results meaningless): what the
   pipeline and the products cost alone, i.e. the most the selection could still gain."""
-  real = mgpu_topk._select
-
-  def running_max(state, s, key):
-    vals, keys = state
-    return [jnp.maximum(vals[0], s.max(axis=1)), *vals[1:]], keys
-
-  mgpu_topk.mgpu_topk_scores.clear_cache()
-  mgpu_topk._select = running_max
-  try:
-    rec = bench(key, t, args, anchors=False)
-  finally:
-    mgpu_topk._select = real
-    mgpu_topk.mgpu_topk_scores.clear_cache()
+  rec = bench(key, t, args, anchors=False, options=KernelOptions(topk_selection="max_only"))
   return {**rec, "case": "gemm_only"}
 
 
