@@ -12,16 +12,25 @@ import json
 import os
 import tomllib
 
+from jax_longctx.core.config import PRESETS
 from jax_longctx.core.errors import LongctxError
+from jax_longctx.core.options import REMAT_POLICIES
 
 
 class TrainConfigError(LongctxError, ValueError):
   """Bad training settings (the model's own config errors are jax_longctx.core.config.ConfigError)."""
 
 
+RANDOM = "random:"  # model = "random:llama-3.1-8b": random weights of that preset
+REMAT_CHOICES = ("none", *REMAT_POLICIES)
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-  model: str = "default"  # "default", a converted checkpoint, an HF directory or a GGUF file
+  # "default", a converted checkpoint, an HF directory or a GGUF file; or "random:<preset>":
+  # random weights of a named shape (jax_longctx.core.config.PRESETS) trained on random token
+  # rows, for timing and memory at a model's scale without its weights (text_files empty).
+  model: str = "default"
   text_files: tuple[str, ...] = ()  # glob patterns of UTF-8 text files
   out_dir: str = "cpt_run"  # checkpoints/, log.jsonl, final/ (the trained model)
   prefix_len: int = 4096  # L: tokens that attend fully
@@ -44,10 +53,19 @@ class TrainConfig:
   save_every: int = 50
   keep_checkpoints: int = 2
   eval_every: int = 50
-  eval_rows: int = 8
+  eval_rows: int = 8  # 0: no evaluation (timing runs)
   eval_qc_stride: int = 10  # RefreshKV inference used for the held-out perplexity
   eval_threshold: float = 0.85
-  fsdp: int = 1  # devices along the parameter-sharding axis; the others are data parallel
+  # Devices along the parameter-sharding axis (0: every device); the others are data parallel.
+  fsdp: int = 1
+  # Memory (neither changes what is computed): what each decoder layer keeps for the backward
+  # pass ("none": everything; "layer": its input only; "dots": also its weight-matmul outputs),
+  # and positions per cross-entropy chunk (0: the [B, L + S, V] logits at once; train_cpt/loss.py).
+  remat: str = "none"
+  loss_chunk: int = 0
+  # Query rows per block of the prefix's attention (train_cpt/pattern.py); 0: one call, cuDNN's
+  # flash attention on GPU, the whole [L, L] score matrix on XLA backends (CPU, TPU).
+  prefix_block: int = 0
 
   def __post_init__(self):
     checks = [
@@ -59,11 +77,29 @@ class TrainConfig:
          f"need steps > warmup_steps >= 0 (steps={self.steps}, warmup={self.warmup_steps})"),
         (self.save_every > 0 and self.eval_every > 0, "save_every and eval_every must be > 0"),
         (0 < self.heldout < 1, f"heldout={self.heldout} must be in (0, 1)"),
-        (self.fsdp > 0, "fsdp must be >= 1"),
+        (self.fsdp >= 0, "fsdp must be >= 1 (or 0: every device)"),
+        (self.remat in REMAT_CHOICES, f"remat={self.remat!r} must be one of {REMAT_CHOICES}"),
+        (self.loss_chunk >= 0, f"loss_chunk={self.loss_chunk} must be >= 0 (0: unchunked)"),
+        (self.prefix_block >= 0, f"prefix_block={self.prefix_block} must be >= 0 (0: one call)"),
+        (self.random_preset is None or self.random_preset.lower() in PRESETS,
+         f"model={self.model!r}: no such preset; known: {', '.join(PRESETS)}"),
+        (self.eval_rows >= 0, f"eval_rows={self.eval_rows} must be >= 0"),
+        (not (self.random_preset and self.text_files),
+         f"model={self.model!r} trains on random tokens: leave text_files empty"),
     ]
     for ok, msg in checks:
       if not ok:
         raise TrainConfigError(msg)
+
+  @property
+  def random_preset(self) -> str | None:
+    """The preset name of a "random:<preset>" model, else None."""
+    return self.model[len(RANDOM):] if self.model.startswith(RANDOM) else None
+
+  @property
+  def remat_option(self) -> str | None:
+    """`remat` as `RunOptions.remat` spells it."""
+    return None if self.remat == "none" else self.remat
 
   @property
   def row_len(self) -> int:

@@ -9,6 +9,7 @@ follows the same loss curve (tests/test_train_cpt.py checks it bit for bit).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -19,15 +20,14 @@ import jax.numpy as jnp
 import optax
 
 from jax_longctx.checkpoints.pipeline import atomic_dir, save_orbax
-from jax_longctx.app.api import load
-from jax_longctx.ops.cache import Cache
 from jax_longctx.core.config import save_config_file
-from jax_longctx.model import forward
 from jax_longctx.core.progress import progress
 from train_cpt import data as data_lib
 from train_cpt import sharding
+from train_cpt import state as state_lib
 from train_cpt.config import TrainConfig, TrainConfigError
 from train_cpt.evaluate import heldout_perplexity
+from train_cpt.loss import sequence_loss
 from train_cpt.pattern import CptAttention, attention_flops
 
 # bf16 dense peak of the GPUs this job is timed on (for model FLOPs utilization).
@@ -47,22 +47,12 @@ def optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
   return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), adamw) if cfg.grad_clip else adamw
 
 
-def sequence_loss(params, tokens, *, model_cfg, method, compute_dtype):
-  """Mean next-token NLL over every position of rows [B, L + S]."""
-  p = jax.tree.map(lambda x: x.astype(compute_dtype), params)
-  b, t = tokens.shape
-  positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-  cache = Cache(jnp.zeros((b,), jnp.int32), (None,) * model_cfg.num_layers, t)
-  logits, _ = forward(p, tokens, positions, cache, method, model_cfg)
-  logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
-  return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))
-
-
 def make_train_step(cfg: TrainConfig, model_cfg, opt):
-  method = CptAttention(cfg.prefix_len, cfg.top_k, cfg.pool_kernel)
+  method = CptAttention(cfg.prefix_len, cfg.top_k, cfg.pool_kernel, cfg.prefix_block)
   compute = model_cfg.replace(dtype=cfg.compute_dtype)
   loss_fn = functools.partial(sequence_loss, model_cfg=compute, method=method,
-                              compute_dtype=jnp.dtype(cfg.compute_dtype))
+                              compute_dtype=jnp.dtype(cfg.compute_dtype),
+                              remat=cfg.remat_option, loss_chunk=cfg.loss_chunk)
 
   def step(params, opt_state, batch):  # batch [accumulation, micro_batch, L + S]
     def micro(carry, tokens):
@@ -80,8 +70,17 @@ def make_train_step(cfg: TrainConfig, model_cfg, opt):
   return step
 
 
+def jit_step(cfg: TrainConfig, model_cfg, opt, state):
+  """The jitted step for `state` (arrays or `state_lib.abstract_state`), its params and optimizer
+  state donated and kept where they are."""
+  shardings = jax.tree.map(lambda x: x.sharding, state)
+  return jax.jit(make_train_step(cfg, model_cfg, opt), donate_argnums=(0, 1),
+                 out_shardings=(shardings["params"], shardings["opt_state"], None, None))
+
+
 def flops_per_step(cfg: TrainConfig, model_cfg) -> float:
-  """Model FLOPs of one optimizer step (forward + backward = 3x forward; no recomputation)."""
+  """Model FLOPs of one optimizer step (forward + backward = 3x forward; what `remat` recomputes
+  is not counted, as model FLOPs utilization counts it)."""
   head = 0 if model_cfg.tie_word_embeddings else model_cfg.vocab_size * model_cfg.hidden_size
   matmul_params = model_cfg.num_params() - head  # the embedding lookup is not a product
   per_row = 2.0 * matmul_params * cfg.row_len + attention_flops(
@@ -115,7 +114,10 @@ class Run:
     if os.path.exists(path):
       with open(path) as f:
         saved = json.load(f)
-      changed = sorted(k for k in fields if json.dumps(fields[k]) != json.dumps(saved.get(k)))
+      # A setting newer than the run's record had its default value then.
+      defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+      changed = sorted(k for k in fields
+                       if json.dumps(fields[k]) != json.dumps(saved.get(k, defaults[k])))
       if changed:
         raise TrainConfigError(f"{self.dir} holds a run with other settings ({', '.join(changed)}); "
                           "resume with the same settings or use another out_dir")
@@ -143,33 +145,20 @@ class Run:
 def train(cfg: TrainConfig, *, stop_after: int | None = None) -> dict:
   """Runs (or resumes) the job. Returns the last evaluation. `stop_after`: leave after that many
   steps of this invocation (a planned interruption; checkpoints as usual)."""
-  if not cfg.text_files:
-    raise TrainConfigError("text_files is empty: give glob patterns of the training text")
+  source = state_lib.Source(cfg)
   run = Run(cfg)
-  lm = load(cfg.model, dtype=jnp.float32)
-  if lm.tokenizer is None:
-    raise TrainConfigError(f"{cfg.model}: the checkpoint has no tokenizer.json to read the text with")
-  train_rows, held_rows = data_lib.load(list(cfg.text_files), lm.tokenizer, cfg.row_len,
-                                        cfg.heldout)
+  train_rows, held_rows = source.rows()
   batches = data_lib.Batches(train_rows, cfg.global_batch, cfg.seed)
-  mesh = sharding.make_mesh(cfg.fsdp)
-  if cfg.micro_batch % mesh.size:
-    raise TrainConfigError(f"micro_batch={cfg.micro_batch} must be a multiple of the {mesh.size} "
-                      "devices (each device takes whole rows)")
+  mesh = state_lib.make_mesh(cfg)
   opt = optimizer(cfg)
-  params = jax.device_put(lm.params, sharding.shard_like_params(mesh, lm.params))
-  opt_shapes = jax.eval_shape(opt.init, params)
-  opt_state = jax.jit(opt.init, out_shardings=sharding.shard_like_params(mesh, opt_shapes))(params)
-  state, start = run.restore({"params": params, "opt_state": opt_state})
-  shardings = jax.tree.map(lambda x: x.sharding, state)
-  step_fn = jax.jit(make_train_step(cfg, lm.config, opt), donate_argnums=(0, 1),
-                    out_shardings=(shardings["params"], shardings["opt_state"], None, None))
+  state, start = run.restore(state_lib.init_state(source.params(mesh), opt, mesh))
+  step_fn = jit_step(cfg, source.config, opt, state)
   lr_at = schedule(cfg)
-  flops, peak = flops_per_step(cfg, lm.config), _peak_flops()
-  evaluate = functools.partial(heldout_perplexity, cfg=cfg, model_cfg=lm.config,
+  flops, peak = flops_per_step(cfg, source.config), _peak_flops()
+  evaluate = functools.partial(heldout_perplexity, cfg=cfg, model_cfg=source.config,
                                rows=held_rows[:cfg.eval_rows])
   last_eval = {}
-  if start == 0:
+  if start == 0 and cfg.eval_rows:
     last_eval = {"step": 0, **evaluate(state["params"])}
     run.log({"eval": last_eval})
   stop = cfg.steps if stop_after is None else min(cfg.steps, start + stop_after)
@@ -192,15 +181,16 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> dict:
     done = step + 1 == cfg.steps
     if (step + 1) % cfg.save_every == 0 or done:
       run.save(step + 1, state)
-    if (step + 1) % cfg.eval_every == 0 or done:
+    if cfg.eval_rows and ((step + 1) % cfg.eval_every == 0 or done):
       last_eval = {"step": step + 1, **evaluate(state["params"])}
       run.log({"eval": last_eval})
   run.manager.wait_until_finished()
   if stop == cfg.steps:
     with atomic_dir(os.path.join(run.dir, "final"), overwrite=True) as tmp:
       save_orbax(jax.device_get(state["params"]), tmp)
-      save_config_file(lm.config, tmp)
-      lm.tokenizer.save(tmp)
+      save_config_file(source.config, tmp)
+      if source.tokenizer is not None:
+        source.tokenizer.save(tmp)
   return last_eval
 
 

@@ -10,7 +10,9 @@ no gradient (stop_gradient), the gathered keys and values do.
 No L x L mask exists: the prefix goes to `jax.nn.dot_product_attention` with `is_causal` (cuDNN's
 flash attention on GPU in bf16, forward and backward; XLA elsewhere, which forms the prefix's
 score matrix: fine for the CPU tests, not for long sequences on TPU) and the suffix attends to a
-gathered [K + S] key set.
+gathered [K + S] key set. With `prefix_block` > 0 the prefix's queries go `prefix_block` rows at
+a time, each block's scores recomputed in the backward pass: O(block x L) memory on any backend
+(what benchmarks/cpt_memory.py compiles on CPU in place of cuDNN's flash attention).
 """
 
 from __future__ import annotations
@@ -30,6 +32,25 @@ from jax_longctx.core.rope import apply_rope
 def _prefix_implementation(dtype) -> str | None:
   on_gpu = pallas_kernels.platform() == "gpu"  # as the kernels see it (lowering_for overrides)
   return "cudnn" if on_gpu and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) else None
+
+
+def blocked_causal_attention(q, k, v, block: int):
+  """Causal attention of q [B, L, H, d] over k, v [B, L, KV, d] (same positions), `block` query
+  rows at a time (the last block padded); a block's [B, H, block, L] scores are formed in its
+  turn and again in the backward pass, never all blocks' at once."""
+  b, length, h, d = q.shape
+  n = -(-length // block)
+  qb = jnp.pad(q, ((0, 0), (0, n * block - length), (0, 0), (0, 0)))
+  qb = qb.reshape(b, n, block, h, d).swapaxes(0, 1)
+  rows = jnp.arange(n * block).reshape(n, block)
+
+  @jax.checkpoint
+  def one(q_block, row):
+    visible = row[:, None] >= jnp.arange(length)[None, :]  # [block, L]
+    return jax.nn.dot_product_attention(q_block, k, v, mask=visible[None, None])
+
+  out = jax.lax.map(lambda a: one(*a), (qb, rows))
+  return out.swapaxes(0, 1).reshape(b, n * block, h, d)[:, :length]
 
 
 def select_prefix(q_last, k_prefix, top_k: int, pool_kernel: int):
@@ -58,6 +79,7 @@ class CptAttention(Method):
   prefix_len: int = 4096  # L
   top_k: int = 512  # K
   pool_kernel: int = 7
+  prefix_block: int = 0  # query rows per block of the prefix's attention; 0: one call
 
   def init_state(self, cfg: LlamaConfig, batch, max_len, dtype, chunk):
     return None
@@ -66,9 +88,13 @@ class CptAttention(Method):
     n_pre = self.prefix_len
     q = apply_rope(q, ctx.q_pos, ctx.freqs)
     k = apply_rope(k, ctx.q_pos, ctx.freqs)
-    out_pre = jax.nn.dot_product_attention(
-        q[:, :n_pre], k[:, :n_pre], v[:, :n_pre], is_causal=True,
-        implementation=_prefix_implementation(q.dtype))
+    if self.prefix_block:
+      out_pre = blocked_causal_attention(q[:, :n_pre], k[:, :n_pre], v[:, :n_pre],
+                                         self.prefix_block)
+    else:
+      out_pre = jax.nn.dot_product_attention(
+          q[:, :n_pre], k[:, :n_pre], v[:, :n_pre], is_causal=True,
+          implementation=_prefix_implementation(q.dtype))
     idx = select_prefix(q[:, n_pre - 1], k[:, :n_pre], self.top_k, self.pool_kernel)
 
     def gather(x):  # [B, L, KV, d] at idx [B, KV, K] -> [B, KV, K, d]

@@ -16,7 +16,9 @@ BATCH_AXES = ("data", "fsdp")
 
 
 def make_mesh(fsdp: int) -> Mesh:
+  """fsdp devices along "fsdp" (0: every device), the rest along "data"."""
   devices = jax.devices()
+  fsdp = fsdp or len(devices)
   if len(devices) % fsdp:
     raise ValueError(f"fsdp={fsdp} does not divide the {len(devices)} devices")
   return Mesh(np.asarray(devices).reshape(len(devices) // fsdp, fsdp), BATCH_AXES)

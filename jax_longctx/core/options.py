@@ -12,8 +12,15 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
+
 import pallas_kernels
 from jax_longctx.core.config_types import ConfigError
+
+
+# What a rematerialized layer keeps for the backward pass (RunOptions.remat).
+REMAT_POLICIES = {"layer": jax.checkpoint_policies.nothing_saveable,
+                  "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +47,11 @@ class RunOptions:
   # steps; None: where measured faster (prefill on GPU and TPU, decode on NVIDIA GPUs).
   prefill_kernel: bool | None = None
   decode_kernel: bool | None = None
+  # Rematerialization of each decoder layer in a backward pass (training; forward-only steps
+  # are unaffected): None keeps every activation; "layer" keeps only each layer's input and
+  # recomputes the rest; "dots" also keeps the outputs of the weight matmuls (no batch
+  # dimensions: the projections and the MLP, not attention's scores), recomputing less.
+  remat: str | None = None
 
   def __post_init__(self):
     for field in ("cache_write_backend", "add_norm_backend", "kernel_backend"):
@@ -48,6 +60,12 @@ class RunOptions:
         raise ConfigError(f"{field}={value!r} must be one of {pallas_kernels.BACKENDS}")
     if self.prefill_chunk is not None and self.prefill_chunk < 1:
       raise ConfigError(f"prefill_chunk={self.prefill_chunk} must be >= 1 (or None)")
+    if self.remat is not None and self.remat not in REMAT_POLICIES:
+      raise ConfigError(f"remat={self.remat!r} must be one of {tuple(REMAT_POLICIES)} (or None)")
+
+  def remat_policy(self):
+    """The `jax.checkpoint` policy of `remat` (only when it is set)."""
+    return REMAT_POLICIES[self.remat]
 
   def replace(self, **kw) -> "RunOptions":
     return dataclasses.replace(self, **kw)

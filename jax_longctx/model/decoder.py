@@ -179,7 +179,10 @@ class Llama(nnx.Module):
                       gate_open=gate_open, options=options)
     state, pending = list(cache.state), None
     for i, layer in enumerate(self.layers):
-      x, pending, state[i] = layer(x, pending, state[i], ctx.replace(layer=i), method, decode)
+      run = functools.partial(layer, ctx=ctx.replace(layer=i), method=method, decode=decode)
+      if options.remat is not None:  # a backward pass recomputes the layer from its inputs
+        run = jax.checkpoint(run, policy=options.remat_policy())
+      x, pending, state[i] = run(x, pending, state[i])
     lengths = cache.lengths + jnp.sum(valid, axis=1, dtype=jnp.int32)
     normed = self.final_norm.add_and_norm(x, pending, options.add_norm_backend)[1]
     return normed, cache.replace(lengths=lengths, state=tuple(state))
@@ -259,12 +262,26 @@ def forward(params, tokens, positions, cache: Cache, method: Method, cfg: LlamaC
   logits_index: None -> logits for every token [B, S, V]; an int32 array [B] -> only at that index
   of each row [B, V] (what generation needs, without a [B, S, V] buffer).
   """
-  model = nnx.merge(graphdef_for(cfg, is_fused(params)), params)
-  h, cache = model(tokens, positions, cache, method, valid=valid, decode=decode,
-                   gate_open=gate_open, options=options)
+  h, cache = hidden_states(params, tokens, positions, cache, method, cfg, valid=valid,
+                           decode=decode, gate_open=gate_open, options=options)
   if logits_index is not None:
     h = jnp.take_along_axis(h, logits_index[:, None, None], axis=1)[:, 0]
-  return model.unembed(h), cache
+  return unembed(params, h, cfg), cache
+
+
+def hidden_states(params, tokens, positions, cache: Cache, method: Method, cfg: LlamaConfig, *,
+                  valid=None, decode: bool = False, gate_open: bool = True,
+                  options: RunOptions = DEFAULT):
+  """`forward` without the unembedding: (final normed hidden states [B, S, D], cache). For a
+  loss that unembeds a few positions at a time (train_cpt's chunked cross-entropy)."""
+  model = nnx.merge(graphdef_for(cfg, is_fused(params)), params)
+  return model(tokens, positions, cache, method, valid=valid, decode=decode,
+               gate_open=gate_open, options=options)
+
+
+def unembed(params, h, cfg: LlamaConfig):
+  """`Llama.unembed` of params: normed h [..., D] -> fp32 logits [..., V]."""
+  return nnx.merge(graphdef_for(cfg, is_fused(params)), params).unembed(h)
 
 
 def new_cache(cfg: LlamaConfig, method: Method, batch: int, max_len: int, dtype=None,
