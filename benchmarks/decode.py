@@ -2,11 +2,16 @@
 
     python benchmarks/decode.py --model llama-3.1-8b --contexts 8192,32768,131072 \
         --batches 1,8 --impls jax,hf --out $OUT/decode.jsonl
+    python benchmarks/decode.py --model llama-3.1-70b --meshes model=2 --impls jax ...   # 2 GPUs
+    python benchmarks/decode.py --meshes "none;model=2;data=2" --batches 8 ...  # 1 GPU vs 2
 
 Random bf16 weights at the named model's shape (speed does not depend on the values). Each
 (impl, context, batch) runs in its own process so peak memory is per configuration. Decode is
 timed after prefill over the real prompt; `bound_ms` is the HBM bound: bytes of weights + KV
-cache read per token over the copy bandwidth measured in the same run. With
+cache read per token over the copy bandwidth measured in the same run. On a mesh (`--meshes`,
+core/mesh.py) the weights are drawn straight into their shards and the bound is the bytes one
+device reads (its weights and its part of the KV) over one device's bandwidth; the prefill's
+share of the GEMM rate counts every device's. With
 JAX_LONGCTX_DUMP_HLO=DIR each run also writes its compiled decode loop to DIR/LABEL_CONTEXT.hlo.txt
 (where XLA copies buffers shows there).
 """
@@ -57,15 +62,20 @@ def run_jax(args) -> dict:
   import numpy as np
 
   from jax_longctx import preset
+  from jax_longctx.core.options import RunOptions
+  from jax_longctx.methods import get, parse_method_args
+  from jax_longctx.model import random_on_mesh, random_params, serving_params
+  from jax_longctx.run import sharding
   from jax_longctx.run.chunked_prefill import end_prefill, prefill_step
   from jax_longctx.run.generation import Sampling, decode_loop
-  from jax_longctx.methods import get, parse_method_args
-  from jax_longctx.model import new_cache, random_params, serving_params
 
   cfg = preset(args.model, dtype="bfloat16")
   method = get(args.method, **parse_method_args(args.method_arg))
+  options = RunOptions(mesh=args.mesh or None)
+  mesh = options.mesh
   _stage("random params")
-  params = serving_params(random_params(cfg))  # as `load(serving=True)`: fused on GPU
+  # as `load(serving=True)`: fused on GPU
+  params = serving_params(random_params(cfg) if mesh is None else random_on_mesh(cfg, mesh), mesh)
   jax.block_until_ready(params)
   _stage("params ready")
   b, ctx = args.batch, args.context
@@ -73,6 +83,9 @@ def run_jax(args) -> dict:
   cache_len = -(-(ctx + args.new_tokens * (args.reps + 2)) // 128) * 128
   tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (b, ctx)).astype(np.int32)
   plen = jnp.full((b,), ctx, jnp.int32)
+  rows = (lambda x: x) if mesh is None else (
+      lambda x: sharding.on_mesh(x, mesh, jax.sharding.PartitionSpec("data")))
+  tokens, plen = rows(tokens), rows(plen)
   n_chunks = ctx // chunk
 
   def run_prefill(first_chunk: int, cache, last):
@@ -81,19 +94,21 @@ def run_jax(args) -> dict:
     host_s = 0.0  # the host's time in the calls (they return before the GPU is done)
     for c in range(first_chunk, n_chunks):
       t_call = time.perf_counter()
-      cache, last = prefill_step(params, jnp.asarray(tokens[:, c * chunk:(c + 1) * chunk]),
-                                  jnp.int32(c * chunk), plen, cache, last, cfg=cfg, method=method)
+      cache, last = prefill_step(params, tokens[:, c * chunk:(c + 1) * chunk],
+                                  jnp.int32(c * chunk), plen, cache, last, cfg=cfg, method=method,
+                                  options=options)
       host_s += time.perf_counter() - t_call
       if n_chunks >= 64 and c % (n_chunks // 8) == 0:  # long prefills (1M) show where they are
         jax.block_until_ready(last)
         _stage(f"prefill chunk {c}/{n_chunks}, {time.perf_counter() - t0:.1f}s")
     jax.block_until_ready(last)
-    cache = end_prefill(cache, cfg, method, decode_room=cache_len - ctx)
+    cache = end_prefill(cache, cfg, method, decode_room=cache_len - ctx, options=options)
     jax.block_until_ready(cache)
     return cache, last, time.perf_counter() - t0, host_s
 
   def fresh():
-    return new_cache(cfg, method, b, cache_len, chunk=chunk), jnp.zeros((b, cfg.vocab_size))
+    return (sharding.empty_cache(cfg, method, b, cache_len, chunk, options),
+            rows(jnp.zeros((b, cfg.vocab_size))))
 
   if args.warmup_prefill:  # a whole prefill compiles; the next one is timed, every chunk of it
     cache, last, first, _ = run_prefill(0, *fresh())
@@ -102,8 +117,8 @@ def run_jax(args) -> dict:
     timed_tokens = n_chunks * chunk
   else:  # very long prompts: the first chunk compiles and is left out of the timing
     t0 = time.perf_counter()
-    cache, last = prefill_step(params, jnp.asarray(tokens[:, :chunk]), jnp.int32(0), plen,
-                                *fresh(), cfg=cfg, method=method)
+    cache, last = prefill_step(params, tokens[:, :chunk], jnp.int32(0), plen,
+                                *fresh(), cfg=cfg, method=method, options=options)
     jax.block_until_ready(last)
     first = time.perf_counter() - t0
     cache, last, prefill_s, host_s = run_prefill(1, cache, last)
@@ -115,12 +130,13 @@ def run_jax(args) -> dict:
   def decode():
     out, steps, state["cache"] = decode_loop(
         params, state["cache"], last, stops, jax.random.key(0), cfg=cfg, method=method,
-        max_new_tokens=args.new_tokens, sampling=Sampling())
+        max_new_tokens=args.new_tokens, sampling=Sampling(), options=options)
     jax.block_until_ready(out)
 
   if os.environ.get("JAX_LONGCTX_DUMP_HLO"):
     hlo = decode_loop.lower(params, cache, last, stops, jax.random.key(0), cfg=cfg, method=method,
-                            max_new_tokens=args.new_tokens, sampling=Sampling()).compile().as_text()
+                            max_new_tokens=args.new_tokens, sampling=Sampling(),
+                            options=options).compile().as_text()
     dump = os.path.join(os.environ["JAX_LONGCTX_DUMP_HLO"], f"{args.label}_{ctx}.hlo.txt")
     with open(dump, "w") as f:
       f.write(hlo)
@@ -131,13 +147,20 @@ def run_jax(args) -> dict:
   med, times = median_time(decode, warmup=0, reps=args.reps)
   per_token = med / (args.new_tokens - 1)
   wbytes, kvbytes = _bytes_per_token(cfg, ctx, b)
-  report = method.report(state["cache"])
+  if mesh is not None:  # what one device reads: its weights, its rows' KV of its heads
+    model, data = (mesh.shape[a] for a in ("model", "data"))
+    wbytes, kvbytes = wbytes // model, kvbytes * max(model // cfg.num_kv_heads, 1) // (model * data)
+  report = method.report(state["cache"] if mesh is None else sharding.first_rows(state["cache"], b))
   return {**report, "hparams": method.hparams(), "prefill_tok_s": b * timed_tokens / prefill_s,
           "prefill_warmup": args.warmup_prefill,
           "prefill_chunk": chunk, "prefill_s": prefill_s, "prefill_host_enqueue_s": host_s,
           "prefill_first_chunk_s": first, "decode_ms": per_token * 1e3,
           "decode_times_s": times, "decode_compile_s": decode_compile_s,
           "weight_bytes": wbytes, "kv_bytes": kvbytes, "peak_bytes": jax_peak_bytes(),
+          "device_count": 1 if mesh is None else mesh.size,
+          "peak_bytes_per_device": [(d.memory_stats() or {}).get("peak_bytes_in_use")
+                                    for d in (jax.devices()[:1] if mesh is None
+                                              else mesh.devices.flat)],
           "variant": {k: v for k, v in os.environ.items()
                       if k.startswith("JAX_LONGCTX_") or k == "XLA_FLAGS"}}
 
@@ -193,7 +216,7 @@ def _has_cuda() -> bool:
 def child(args) -> None:
   rec = {"impl": args.impl, "model": args.model, "context": args.context, "batch": args.batch,
          "new_tokens": args.new_tokens, "method": args.method, "method_args": args.method_arg,
-         "label": args.label or args.method}
+         "label": args.label or args.method, "mesh": args.mesh or None}
   try:
     rec.update(run_jax(args) if args.impl == "jax" else run_hf(args))
   except Exception as e:  # out of memory at large batch x context is a result, not a crash
@@ -212,6 +235,9 @@ def main() -> None:
                  help="jax-longctx methods to time (jax impl only); label:name for variants")
   p.add_argument("--method-arg", action="append", default=[], metavar="METHOD.KEY=VALUE")
   p.add_argument("--skip", default="131072x8", help="context x batch pairs that cannot fit")
+  p.add_argument("--meshes", default="none",
+                 help="';'-separated device meshes for the jax impl, e.g. 'none;model=2;data=2' "
+                      "(none: one device)")
   p.add_argument("--new-tokens", type=int, default=64)
   p.add_argument("--reps", type=int, default=3)
   p.add_argument("--chunk", type=int, default=4096)
@@ -225,15 +251,19 @@ def main() -> None:
   p.add_argument("--label")
   p.add_argument("--context", type=int)
   p.add_argument("--batch", type=int)
+  p.add_argument("--mesh", default="")
   args = p.parse_args()
   if args.child:
     return child(args)
   skip = set(args.skip.split(",")) if args.skip else set()
   bw = common.copy_bandwidth() if _has_cuda() else None
   gemm = common.gemm_tflops() if _has_cuda() else None
-  runs = [("hf", "full") if impl == "hf" else ("jax", m) for impl in args.impls.split(",")
-          for m in (args.methods.split(",") if impl == "jax" else ["full"])]
-  for impl, entry in runs:
+  meshes = ["" if m.strip() == "none" else m.strip() for m in args.meshes.split(";")]
+  runs = [("hf", "full", "") if impl == "hf" else ("jax", m, mesh)
+          for impl in args.impls.split(",")
+          for m in (args.methods.split(",") if impl == "jax" else ["full"])
+          for mesh in (meshes if impl == "jax" else [""])]
+  for impl, entry, mesh in runs:
     label, _, method = entry.rpartition(":")
     label = label or method
     margs = [a.split(".", 1)[1] for a in args.method_arg if a.startswith(label + ".")]
@@ -245,7 +275,7 @@ def main() -> None:
                "--batch", str(b), "--model", args.model, "--new-tokens", str(args.new_tokens),
                "--reps", str(args.reps), "--chunk", str(args.chunk), "--method", method,
                "--warmup-prefill" if args.warmup_prefill else "--no-warmup-prefill",
-               "--label", label]
+               "--label", label, "--mesh", mesh]
         cmd += [x for a in margs for x in ("--method-arg", a)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
@@ -254,7 +284,7 @@ def main() -> None:
         if gemm and "prefill_tok_s" in rec:
           rec["gemm_tflops"] = gemm
           rec["prefill_tflops"] = rec["prefill_tok_s"] * _prefill_flops_per_token(args.model, ctx)
-          rec["prefill_of_gemm"] = rec["prefill_tflops"] / gemm
+          rec["prefill_of_gemm"] = rec["prefill_tflops"] / (gemm * rec.get("device_count", 1))
         if bw and "decode_ms" in rec:
           rec["copy_bw"] = bw
           rec["bound_ms"] = (rec["weight_bytes"] + rec["kv_bytes"]) / bw * 1e3

@@ -11,7 +11,8 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jax_longctx.ops.cache import KVCache
-from jax_longctx.run.distributed.reattention_mesh import cache_specs, sharded
+from jax_longctx.core.mesh import make_mesh
+from jax_longctx.run.distributed.reattention_mesh import sharded
 from jax_longctx.run.distributed.shard_layout import TokenLayout
 from jax_longctx.methods import AttnContext, get
 from jax_longctx.methods.reattention_scope import Scope
@@ -97,8 +98,8 @@ def model(one_name="reattention", mesh_name="reattention_mesh", **kw):
   equal the one-device method's: ReAttention, or RESA over it (`kw`: its settings; its prior
   then sums and attends over every shard)."""
   from jax_longctx.run import driver
-  from jax_longctx.run.distributed.reattention_mesh import (_prefill_step, decode_sharded,
-                                                        prefill_sharded)
+  from jax_longctx.run.chunked_prefill import prefill_step
+  from jax_longctx.run.distributed.reattention_mesh import decode_sharded, prefill_sharded
   from jax_longctx.run.generation import prefill, teacher_forced_nll
   from jax_longctx.model import random_params
   cfg = tiny_config(**TINY_LLAMA3)
@@ -114,17 +115,15 @@ def model(one_name="reattention", mesh_name="reattention_mesh", **kw):
     one, mesh_entry = get(one_name, **HP), get(mesh_name, shard_block=block, **HP)
   cache, last = prefill(params, cfg, prompts, one, cache_len=128)
   nll, _ = teacher_forced_nll(params, cache, last, targets, cfg=cfg, method=one)
+  compiled = prefill_step._cache_size()
   m_cache, m_last = prefill_sharded(params, cfg, prompts, mesh_entry, MESH, cache_len=128)
   np.testing.assert_allclose(np.asarray(m_last), np.asarray(last), atol=1e-4, rtol=0)
   # Every chunk ran one compiled step (a single-device `last` at chunk 1 once compiled a second)
-  step = _prefill_step(cfg, sharded(mesh_entry), MESH, 128, RunOptions())
-  assert step._cache_size() == 1, step._cache_size()
-  specs = cache_specs(cfg, sharded(mesh_entry), 128)
-  nll_on_mesh = jax.jit(jax.shard_map(
-      lambda p, c, l, t: teacher_forced_nll(p, c, l, t, cfg=cfg, method=sharded(mesh_entry))[0],
-      mesh=MESH, in_specs=(P(), specs, P(), P()), out_specs=P(), check_vma=False))
-  np.testing.assert_allclose(np.asarray(nll_on_mesh(params, m_cache, m_last, targets)),
-                             np.asarray(nll), atol=1e-4, rtol=0)
+  assert prefill_step._cache_size() == compiled + 1, (compiled, prefill_step._cache_size())
+  nll_on_mesh, _ = teacher_forced_nll(params, m_cache, m_last, targets, cfg=cfg,
+                                      method=sharded(mesh_entry),
+                                      options=RunOptions(mesh=make_mesh(MESH)))
+  np.testing.assert_allclose(np.asarray(nll_on_mesh), np.asarray(nll), atol=1e-4, rtol=0)
   if one_name == "resa":  # the prior did change the decode steps
     plain = get("reattention", **HP)
     c, l = prefill(params, cfg, prompts, plain, cache_len=128)

@@ -7,25 +7,32 @@ an export does and does not prove).
 Per-layer methods: a prefill chunk, a decode step (each gate value when the method has a decode
 gate), and the end-of-prefill hook where there is one (RESA's prior runs flash_attention there).
 Mesh methods: Star's / ring's phase 1 (the context encoded over the mesh axis) and phase 2 (the
-query and the decode loop), on a real 1-device mesh and on an abstract 4-device one.
+query and the decode loop), on a real 1-device mesh and on an abstract 4-device one. Tensor
+parallel: every per-layer method's prefill chunk, end-of-prefill hook and decode loop on an
+abstract (data 2, model 4) mesh.
 
 KERNEL_STEPS is exact both ways: a step that should reach a kernel but exports without a Mosaic
 call (silently on the jnp reference) fails, and so does a new or changed method whose step
 starts calling kernels without being listed here.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AbstractMesh, Mesh, PartitionSpec as P
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec as P
 
+from jax_longctx.core.mesh import ModelShards
+from jax_longctx.core.options import RunOptions
+from jax_longctx.methods import Method, get, names
+from jax_longctx.model import abstract_model, forward, new_cache
+from jax_longctx.run import sharding
 from jax_longctx.run.chunked_prefill import end_prefill, prefill_step
 from jax_longctx.run.distributed import encode_context
 from jax_longctx.run.distributed import star as star_lib
-from jax_longctx.run.generation import Sampling
-from jax_longctx.methods import Method, get, names
-from jax_longctx.model import abstract_model, forward, new_cache
+from jax_longctx.run.generation import Sampling, decode_loop
 from tests.conftest import tiny_config
 from tests.test_methods import _method
 from tests.tpu_export import export_for_tpu, mosaic_calls
@@ -123,11 +130,51 @@ def test_mesh_method_phases_export_for_tpu(name, mesh):
   assert mosaic_calls(exported) > 0, f"{name} phase 1: no Mosaic kernel"
   context_kv = jax.eval_shape(phase1, params)
   q_w, new_tokens = 8, 4
-  phase2 = star_lib._phase2(CFG, mesh, "ctx", BATCH, q_w, new_tokens, Sampling())
+  phase2 = functools.partial(star_lib._phase2, cfg=CFG, axis="ctx", max_new_tokens=new_tokens,
+                             sampling=Sampling(), options=RunOptions(mesh=mesh))
   i32 = lambda *shape: S(shape, jnp.int32)  # noqa: E731
   exported = export_for_tpu(phase2, params, context_kv, i32(BATCH, q_w), i32(BATCH), i32(BATCH),
                             i32(1), jax.random.key(0))
   assert mosaic_calls(exported) > 0, f"{name} phase 2: no Mosaic kernel"
+
+
+def _mesh_steps(method, cfg, options, cache_len, chunk):
+  """Exports of a prefill chunk, the end-of-prefill hook (where there is one) and the decode
+  loop as they run on options.mesh: each device's step under shard_map (run/sharding.py). On a
+  mesh of devices the inputs carry their shardings, so the export is the program for that many
+  devices; an abstract mesh checks the lowering only."""
+  mesh = options.mesh
+  concrete = isinstance(mesh, Mesh)
+
+  def laid(tree, specs):  # abstract values, on the mesh's devices as the steps take them
+    if not concrete:
+      return tree
+    return jax.tree.map(lambda x, p: S(x.shape, x.dtype, sharding=NamedSharding(mesh, p)), tree,
+                        specs, is_leaf=lambda x: isinstance(x, P))
+
+  rows = lambda x: laid(x, P("data"))  # noqa: E731
+  cache = jax.eval_shape(lambda: sharding.empty_cache(cfg, method, BATCH, cache_len, chunk,
+                                                       options))
+  cache = laid(cache, sharding.cache_specs(cache, mesh))
+  params = abstract_model(ModelShards.of(cfg, mesh).placed(cfg))[1]
+  params = laid(params, sharding.params(params))
+  i32 = lambda *shape: S(shape, jnp.int32)  # noqa: E731
+  last = rows(S((BATCH, cfg.vocab_size), jnp.float32))
+  out = {"prefill": export_for_tpu(
+      lambda p, t, s, n, c, last: prefill_step(p, t, s, n, c, last, cfg=cfg, method=method,
+                                               options=options),
+      params, rows(i32(BATCH, chunk)), i32(), rows(i32(BATCH)), cache, last)}
+  end = lambda c: end_prefill(c, cfg, method, decode_room=8, options=options)  # noqa: E731
+  if method.ends_prefill:
+    out["end_of_prefill"] = export_for_tpu(end, cache)
+  ended = jax.eval_shape(end, cache)
+  ended = laid(ended, sharding.cache_specs(ended, mesh))
+  out["decode"] = export_for_tpu(
+      lambda p, c, last, stops, key: decode_loop(p, c, last, stops, key, cfg=cfg, method=method,
+                                                 max_new_tokens=4, sampling=Sampling(),
+                                                 options=options),
+      params, ended, last, i32(1), jax.random.key(0))
+  return out
 
 
 @pytest.mark.parametrize("mesh", list(MESHES))
@@ -137,34 +184,30 @@ def test_sharded_steps_export_for_tpu(name, mesh):
   cache split along the tokens over the mesh axis: their kernels (topk_scores on the shard,
   flash / gathered attention on the shard's part of the scope; RESA's prior over each shard at
   the end of prefill) lower for TPU with the shard's shapes."""
-  from jax_longctx.run.distributed.reattention_mesh import cache_specs, sharded
-  mesh = MESHES[mesh]()
+  from jax_longctx.run.distributed.reattention_mesh import sharded
   settings = tuple(_method("reattention", BUDGET).hparams().items())
   method = sharded(get(name, **dict(settings)) if name == "reattention_mesh"
                    else get(name, base_args=settings))
-  chunk, cache_len = method.prefill_chunk, 320  # 80 slots per device on the abstract mesh
-  specs = cache_specs(CFG, method, cache_len)
-  cache = jax.eval_shape(lambda: new_cache(CFG, method, BATCH, cache_len, chunk=chunk))
-  params = abstract_model(CFG)[1]
-  i32 = lambda *shape: S(shape, jnp.int32)  # noqa: E731
+  options = RunOptions(mesh=MESHES[mesh]())
+  # 80 slots per device on the abstract mesh
+  for step, exported in _mesh_steps(method, CFG, options, 320, method.prefill_chunk).items():
+    assert mosaic_calls(exported) > 0, f"{name} {step}: no Mosaic kernel"
 
-  def prefill(params, tokens, start, lengths, cache, last):
-    return prefill_step(params, tokens, start, lengths, cache, last, cfg=CFG, method=method)
 
-  def decode(params, tokens, cache):
-    return forward(params, tokens, cache.lengths[:, None], cache, method, CFG, decode=True,
-                   logits_index=jnp.zeros((BATCH,), jnp.int32))
+# Tensor parallel: 8 query heads over model=4 (2 KV heads, each copied onto 2 shards), rows over
+# data=2, on 8 devices (a TPU v5e-8's count).
+TP_CFG = tiny_config(dtype="bfloat16", head_dim=64, num_heads=8, num_kv_heads=2)
 
-  def on_mesh(f, n_rep, n_after=0, out=(specs, P())):
-    return jax.shard_map(f, mesh=mesh, in_specs=(P(),) * n_rep + (specs,) + (P(),) * n_after,
-                         out_specs=out, check_vma=False)
 
-  exported = export_for_tpu(on_mesh(prefill, 4, 1), params, i32(BATCH, chunk), i32(),
-                            i32(BATCH), cache, S((BATCH, CFG.vocab_size), jnp.float32))
-  assert mosaic_calls(exported) > 0, f"{name} prefill: no Mosaic kernel"
-  exported = export_for_tpu(on_mesh(decode, 2, out=(P(), specs)), params, i32(BATCH, 1), cache)
-  assert mosaic_calls(exported) > 0, f"{name} decode: no Mosaic kernel"
-  if method.ends_prefill:
-    exported = export_for_tpu(on_mesh(lambda c: end_prefill(c, CFG, method, decode_room=0), 0,
-                                      out=specs), cache)
-    assert mosaic_calls(exported) > 0, f"{name} end of prefill: no Mosaic kernel"
+def tensor_parallel_exports():
+  """Every per-layer method's prefill chunk, end-of-prefill hook and decode loop as they run on a
+  (data 2, model 4) mesh of this process's 8 (CPU) devices, each device's heads, weights and
+  rows under shard_map: exported for TPU as 8-device programs, with the same kernels as on one
+  device (KERNEL_STEPS). Run by tests/tensor_parallel_checks.py `tpu_export`."""
+  options = RunOptions(mesh="data=2,model=4")
+  for name in names("layer"):
+    method = _method(name, BUDGET)
+    exported = _mesh_steps(method, TP_CFG, options, CACHE_LEN, method.prefill_chunk or CHUNK)
+    for step, e in exported.items():
+      _expect(name, step, e)
+      assert e.nr_devices == 8, (name, step, e.nr_devices)

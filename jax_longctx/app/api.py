@@ -16,11 +16,12 @@ from jax_longctx.checkpoints.sources import CheckpointError
 from jax_longctx.app import bundled, calibration_store, default_model
 from jax_longctx import methods as methods_lib
 from jax_longctx.core.config import LlamaConfig
-from jax_longctx.run.driver import generate
+from jax_longctx.core.mesh import make_mesh
+from jax_longctx.core.options import RunOptions
+from jax_longctx.model import place, restore_shardings, serving_params
+from jax_longctx.run.driver import generate, uncached_logits
 from jax_longctx.run.generation import GenerationError, Sampling
 from jax_longctx.run.instructed import split_prompt
-from jax_longctx.model import forward, new_cache, serving_params
-from jax_longctx.core.options import RunOptions
 from jax_longctx.app.tokenizer import Tokenizer
 
 
@@ -34,6 +35,12 @@ class LM:
   # what a shipped calibration is found by (jax_longctx/app/calibrations/<model_id>.json).
   model_id: str | None = None
   model_arg: str | None = None  # what load() was given (the calibrate command a notice names)
+  # The device mesh the weights are placed on (`load(mesh=...)`; core/mesh.py), None: one device.
+  mesh: Any = None
+
+  def run_options(self, chunk_size: int | None = None) -> RunOptions:
+    """How this model's steps run: on its mesh, with `chunk_size` prefill chunks."""
+    return RunOptions(prefill_chunk=chunk_size, mesh=self.mesh)
 
   def resolve_method(self, method):
     """The method as it runs on this model: RefreshKV's unset threshold and query reading from
@@ -59,12 +66,7 @@ class LM:
       ids = ids[None]
     if ids.shape[0] == 0 or ids.shape[1] == 0:
       raise GenerationError(f"logits() needs a non-empty [batch, len] array, got {ids.shape}")
-    full = methods_lib.get("full")
-    b, n = ids.shape
-    cache = new_cache(self.config, full, b, n)
-    positions = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n))
-    logits, _ = forward(self.params, ids, positions, cache, full, self.config)
-    return logits
+    return uncached_logits(self.params, self.config, ids, self.run_options())
 
   def encode(self, prompt: str, chat: bool = False) -> list[int]:
     if self.tokenizer is None:
@@ -126,18 +128,23 @@ class LM:
         self.params, self.config, ids, method, instructions=instructions,
         max_new_tokens=max_new_tokens, sampling=Sampling(temperature, top_p, seed),
         stop_tokens=self.stop_tokens() if stop_tokens is None else tuple(stop_tokens),
-        cache_len=cache_len, options=RunOptions(prefill_chunk=chunk_size))
+        cache_len=cache_len, options=self.run_options(chunk_size))
     if as_text:
       return [self.tokenizer.decode(t) for t in result.tokens]
     return result.tokens
 
 
-def load(name_or_path: str = "default", dtype=None, serving: bool = False) -> LM:
+def load(name_or_path: str = "default", dtype=None, serving: bool = False, mesh=None) -> LM:
   """'default' (SmolLM2-135M-Instruct), a bundled model's name ('qwen2.5-coder-0.5b',
   'qwen2.5-coder-1.5b'), a converted checkpoint, an HF directory or a GGUF file.
 
   serving: params in the layout generation runs fastest on (`model.serving_params`); leave it
-  off to train or export them."""
+  off to train or export them. mesh: a device mesh ("data=2,model=4" or a jax Mesh; axes left
+  out are 1) to place the weights on, split over `model` (tensor parallel) and copied over
+  `data`; every later call runs there. A converted checkpoint is read straight into each
+  device's shards; an HF directory or GGUF is read into host memory first (convert a model
+  larger than the host's memory with `jax-longctx convert`, then load the checkpoint)."""
+  mesh = make_mesh(mesh)
   if name_or_path == "default":
     path, model_id = default_model.checkpoint_dir(), default_model.DEFAULT_NAME
   elif name_or_path in bundled.BUNDLED and not os.path.exists(name_or_path):
@@ -148,13 +155,15 @@ def load(name_or_path: str = "default", dtype=None, serving: bool = False) -> LM
   if not os.path.exists(path):
     raise CheckpointError(f"checkpoint not found: {path}")
   if os.path.isdir(path) and os.path.isdir(os.path.join(path, "params")):
-    cfg, params = restore(path, dtype=dtype)
+    cfg, params = restore(path, dtype=dtype,
+                          sharding=None if mesh is None else lambda c: restore_shardings(c, mesh))
     tokenizer = _tokenizer(path)
   else:
     cfg, params, source = load_source(path)
     if dtype is not None:
       cfg = cfg.replace(dtype=np.dtype(dtype).name)
-    params = jax.tree.map(lambda a: jnp.asarray(a, cfg.jnp_dtype), params)
+    cast = jnp.asarray if mesh is None else np.asarray  # on a mesh `place` takes host arrays
+    params = jax.tree.map(lambda a: cast(a, cfg.jnp_dtype), params)
     if os.path.isdir(path):
       tokenizer = _tokenizer(path)
     else:  # a GGUF carries its tokenizer in its metadata
@@ -164,8 +173,10 @@ def load(name_or_path: str = "default", dtype=None, serving: bool = False) -> LM
       with tempfile.TemporaryDirectory(prefix="jax-longctx-tok-") as tok_dir:
         source.write_tokenizer(tok_dir)
         tokenizer = _tokenizer(tok_dir)
-  return LM(cfg, serving_params(params) if serving else params, tokenizer, path, model_id,
-            name_or_path)
+  if mesh is not None:
+    params = place(params, cfg, mesh)
+  return LM(cfg, serving_params(params, mesh) if serving else params, tokenizer, path, model_id,
+            name_or_path, mesh)
 
 
 def _tokenizer(directory: str) -> Tokenizer | None:

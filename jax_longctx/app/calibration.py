@@ -44,7 +44,6 @@ from jax_longctx.run.generation import prefill, teacher_forced_nll
 from jax_longctx.app.eval import RESULTS, load_results
 from jax_longctx.methods import get
 from jax_longctx.methods.refreshkv import CALIBRATION_THRESHOLDS, RefreshKV
-from jax_longctx.core.options import RunOptions
 from jax_longctx.core.progress import progress
 from jax_longctx.app.report import effective_stride, stride_counts, write_report
 from jax_longctx.core.rope import apply_rope
@@ -104,7 +103,7 @@ def _record(lab: str, hparams: dict, length: int, seed: int, nll, n_tokens: int,
 def _nll_rows(lm, method, prefix, targets, rows: int, cache_len: int, chunk):
   """(NLL [rows, N] of targets after prefix, the cache): the text in `rows` sequences of one
   batch (as driver.continuation_nll for one; RefreshKV needs no instruction routed)."""
-  options = RunOptions(prefill_chunk=chunk)
+  options = lm.run_options(chunk)
   cache, last = prefill(lm.params, lm.config, [prefix] * rows, method, cache_len=cache_len,
                         options=options)
   nll, cache = teacher_forced_nll(lm.params, cache, last, np.asarray([targets] * rows, np.int32),

@@ -32,7 +32,7 @@ def _cmd_generate(args) -> int:
   routed = methods_lib.args_per_method(args.method_arg, {args.method: args.method},
                                            option="--method")
   method = methods_lib.get(args.method, **methods_lib.parse_method_args(routed[args.method]))
-  lm = load(args.model, dtype=args.dtype, serving=True)
+  lm = load(args.model, dtype=args.dtype, serving=True, mesh=args.mesh)
   (text,) = lm.generate([prompt], method, max_new_tokens=args.max_new_tokens,
                         temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                         chat=args.chat, chunk_size=args.chunk_size,
@@ -72,7 +72,6 @@ def _cmd_export(args) -> int:
 def _cmd_eval(args) -> int:
   from jax_longctx.app import eval as eval_lib
   from jax_longctx.app.api import load
-  from jax_longctx.core.options import RunOptions
   from jax_longctx.app.report import summary_table
   from jax_longctx.app.tasks import parse_length
 
@@ -84,9 +83,9 @@ def _cmd_eval(args) -> int:
   options = methods_lib.parse_method_args(args.task_arg)
   if args.coordinator:
     _join(args.coordinator, args.num_processes, args.process_id)
-  lm = load(args.model, dtype=args.dtype, serving=True)
+  lm = load(args.model, dtype=args.dtype, serving=True, mesh=args.mesh)
   records = eval_lib.run_sweep(lm, args.task, specs, lengths, depths, args.samples, args.out,
-                               chat=args.chat, options=RunOptions(prefill_chunk=args.chunk_size),
+                               chat=args.chat, options=lm.run_options(args.chunk_size),
                                task_options=options,
                                cache_len=args.cache_len)
   print(summary_table(records))
@@ -113,7 +112,7 @@ def _cmd_calibrate(args) -> int:
   readings = [r.strip() for r in args.readings.split(",") if r.strip()]
   check_args(readings, thresholds, args.texts, strides)
   rule = Rule(tolerance=args.tolerance, min_stride=args.min_stride)
-  lm = load(args.model, dtype=args.dtype, serving=True)
+  lm = load(args.model, dtype=args.dtype, serving=True, mesh=args.mesh)
   calib = calibrate_refreshkv(
       lm, lengths=lengths, texts=args.texts, thresholds=thresholds, readings=readings,
       qc_strides=strides, budget=args.budget, n_scored=args.n_scored, rule=rule,
@@ -132,6 +131,9 @@ def _join(coordinator: str, num_processes: int, process_id: int) -> None:
   jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id)
 
 
+_MESH_HELP = ("devices to run on, e.g. data=2,model=4: rows over data, heads and hidden units over "
+              "model (tensor parallel), the context over ctx (star, ring, reattention_mesh); "
+              "axes left out are 1")
 _MODEL_HELP = ("'default' (SmolLM2-135M), 'qwen2.5-coder-0.5b' or 'qwen2.5-coder-1.5b' (bundled, "
                "32K window), a converted checkpoint, an HF directory or a GGUF file")
 
@@ -156,6 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
   g.add_argument("--chunk-size", type=int, default=None,
                  help="prefill chunk length (default: 8192 on GPUs, 512 elsewhere)")
   g.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
+  g.add_argument("--mesh", default=None, metavar="AXIS=N,...", help=_MESH_HELP)
   _add_method_args(g)
   g.set_defaults(func=_cmd_generate)
 
@@ -179,6 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
   ev.add_argument("--cache-len", type=int, default=None,
                   help="one cache size (tokens) for all lengths: one compile per method")
   ev.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
+  ev.add_argument("--mesh", default=None, metavar="AXIS=N,...", help=_MESH_HELP)
   ev.add_argument("--coordinator", default=None, metavar="HOST:PORT",
                   help="run as one of --num-processes processes (jax.distributed, one per GPU "
                        "or host): mesh methods span every process's devices; process 0 writes")
@@ -204,6 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
   cal.add_argument("--min-stride", type=float, default=0.0,
                    help="lowest effective stride a threshold may have (0: no floor, the paper's)")
   cal.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
+  cal.add_argument("--mesh", default=None, metavar="AXIS=N,...", help=_MESH_HELP)
   cal.add_argument("--chunk-size", type=int, default=None,
                    help="prefill chunk length (default: 8192 on GPUs, 512 elsewhere)")
   cal.add_argument("--out", default=None,

@@ -182,7 +182,9 @@ def convert_once(src: str, dst: str) -> str:
 
 
 def restore(directory: str, dtype=None, sharding=None) -> tuple[LlamaConfig, dict]:
-  """Loads a converted checkpoint's params (optionally cast to `dtype`, placed with `sharding`)."""
+  """Loads a converted checkpoint's params (optionally cast to `dtype`, placed with `sharding`:
+  one for every leaf, or a function of the config giving a tree of them, with which each
+  process reads only its devices' shards)."""
   import jax
   import orbax.checkpoint as ocp
 
@@ -197,7 +199,12 @@ def restore(directory: str, dtype=None, sharding=None) -> tuple[LlamaConfig, dic
   if dtype is not None:
     cfg = cfg.replace(dtype=_dtype_name(dtype))
   _, shapes = abstract_model(cfg)
-  target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), shapes)
+  if callable(sharding):
+    target = jax.tree.map(lambda s, w: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=w),
+                          shapes, sharding(cfg))
+  else:
+    target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
+                          shapes)
   try:
     params = ocp.StandardCheckpointer().restore(params_dir, target)
   except Exception as e:  # orbax/tensorstore raise many types for damaged checkpoints

@@ -4,18 +4,21 @@ One frozen (hashable) value handed to every jitted step as a static argument and
 method through `AttnContext.options`: kernel choices, decode variants, the prefill chunk. Two
 option sets compile apart, so a benchmark that compares variants builds one option set each and
 nothing it changes can leave an already compiled step stale (module globals read at trace time
-could). Every default is today's measured choice; the opt-in kernels stay off until a device
-measurement says otherwise (benchmarks/decode_profile.py times them as variants).
+could). The device mesh is one of them: steps built for a mesh run per device
+(run/sharding.py). Every default is today's measured choice; the opt-in kernels stay off until
+a device measurement says otherwise (benchmarks/decode_profile.py times them as variants).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 
 import pallas_kernels
 from jax_longctx.core.config_types import ConfigError
+from jax_longctx.core.mesh import make_mesh
 
 
 # What a rematerialized layer keeps for the backward pass (RunOptions.remat).
@@ -52,8 +55,12 @@ class RunOptions:
   # recomputes the rest; "dots" also keeps the outputs of the weight matmuls (no batch
   # dimensions: the projections and the MLP, not attention's scores), recomputing less.
   remat: str | None = None
+  # The device mesh the steps run on (`core.mesh`: axes data, model, ctx), or None: one device.
+  # A string such as "data=2,model=4" is made into a Mesh over the first devices.
+  mesh: Any = None
 
   def __post_init__(self):
+    object.__setattr__(self, "mesh", make_mesh(self.mesh))
     for field in ("cache_write_backend", "add_norm_backend", "kernel_backend"):
       value = getattr(self, field)
       if value is not None and value not in pallas_kernels.BACKENDS:

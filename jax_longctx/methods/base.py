@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
+import jax
 import jax.numpy as jnp
 
 from jax_longctx.core.config import LlamaConfig
@@ -24,11 +25,70 @@ from jax_longctx.core.options import RunOptions
 from jax_longctx.methods.hparams import (Budget, MethodError, args_per_method, check_fields,
                                          field_types, parse_method_args, resolve_budget)
 
-__all__ = ["AttnContext", "Budget", "MeshMethod", "Method", "MethodError", "PrefillEnd",
+__all__ = ["AttnContext", "Budget", "Heads", "MeshMethod", "Method", "MethodError", "PrefillEnd",
            "RegisteredMethod", "args_per_method", "get", "names", "parse_method_args", "register",
            "resolve_budget"]
 
 _REGISTRY: dict[str, type["RegisteredMethod"]] = {}
+
+_COMBINE = {"sum": (jnp.sum, jax.lax.psum), "max": (jnp.max, jax.lax.pmax),
+            "mean": (jnp.mean, jax.lax.pmean)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Heads:
+  """The part of a layer's heads this device holds, and the reductions that combine heads.
+
+  Under tensor parallelism (the mesh's `model` axis) every device runs a method's steps over its
+  own query heads and the KV heads they read, so q is [B, S, H / shards, d] and the state holds
+  those KV heads. Anything a method decides from several heads at once (a layer's mean query,
+  votes pooled over heads, attention summed over a GQA group, scores averaged over heads) goes
+  through these reductions, which combine the shards where they exist and are plain jnp
+  reductions on one device: the same decision either way, and a method needs no mesh code.
+  `ctx.heads` (and `PrefillEnd.heads`) is the run's.
+  """
+
+  axis: str | None = None  # the mesh axis heads are split over; None: every head is here
+  shards: int = 1
+  # Shards holding a copy of each KV head (a model with fewer KV heads than shards): a GQA group's
+  # query heads then lie on several shards, which `group` combines.
+  kv_copies: int = 1
+
+  def _over(self, op: str, x, axis):
+    local, across = _COMBINE[op]
+    x = local(x, axis=axis)
+    return x if self.axis is None else across(x, self.axis)
+
+  def sum(self, x, axis):
+    """Sum over the query heads (or per-group partial sums) along `axis`, on every shard."""
+    return self._over("sum", x, axis)
+
+  def mean(self, x, axis):
+    """Mean over the query heads along `axis` (every shard holds as many)."""
+    return self._over("mean", x, axis)
+
+  def max(self, x, axis):
+    return self._over("max", x, axis)
+
+  def concat(self, x, axis: int):
+    """Every shard's x joined along `axis` in head order (e.g. votes of every head)."""
+    if self.axis is None:
+      return x
+    return jax.lax.all_gather(x, self.axis, axis=axis, tiled=True)
+
+  def group(self, x, op: str):
+    """x [B, KV, ...]: per KV head, a reduction (`op`: "sum", "max" or "mean") over the query
+    heads of its group that this device holds -> over the whole group. Only a model with fewer
+    KV heads than shards splits a group (then each shard holds one KV head's copy)."""
+    if self.axis is None or self.kv_copies == 1:
+      return x
+    # Each shard puts its partial in its KV head's row; the rows combine over the axis. The
+    # group's shards hold equal parts, so its mean is their summed means over kv_copies.
+    across, fill = (jax.lax.pmax, -jnp.inf) if op == "max" else (jax.lax.psum, 0.0)
+    mine = jax.lax.axis_index(self.axis) // self.kv_copies
+    slots = jnp.full((self.shards // self.kv_copies,) + x.shape, fill, x.dtype)
+    out = across(slots.at[mine].set(x), self.axis)[mine]
+    return out / self.kv_copies if op == "mean" else out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +105,8 @@ class AttnContext:
   gate_open: bool = True
   # How the step is built (kernel choices, decode variants): hand `options.kernels` to kernels.
   options: RunOptions = DEFAULT_OPTIONS
+  # The heads this device holds and the reductions that combine them (tensor parallel).
+  heads: Heads = Heads()
 
   def replace(self, **kw) -> "AttnContext":
     return dataclasses.replace(self, **kw)
@@ -88,6 +150,9 @@ class Method(RegisteredMethod):
   # For `needs_instruction` methods: True runs an instruction pass (`score_instruction` on every
   # layer) before each document chunk, False only once after the document.
   scores_with_instruction: ClassVar[bool] = False
+  # True: the steps run over a cache split along the tokens over the mesh's `ctx` axis (mesh
+  # ReAttention's per-device steps); the others need ctx = 1.
+  splits_tokens: ClassVar[bool] = False
 
   def __init_subclass__(cls, **kwargs):
     super().__init_subclass__(**kwargs)
@@ -177,6 +242,7 @@ class PrefillEnd:
   prompt_lengths: jnp.ndarray  # [B] int32
   decode_room: int  # slots the decode phase will append at most
   options: RunOptions = DEFAULT_OPTIONS  # the run's, as in AttnContext
+  heads: Heads = Heads()  # as in AttnContext
 
 
 def register(cls: type[RegisteredMethod]) -> type[RegisteredMethod]:

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from jax_longctx.methods.base import Heads
 from jax_longctx.ops.attention import attention, attention_probs_sum
 from jax_longctx.core.rope import apply_rope, rotate
 
@@ -47,11 +48,12 @@ class ChunkCache:
     rank = jnp.arange(self.capacity, dtype=jnp.int32)[None, :]
     return jnp.where(rank < self.n[:, None], rank, -1)
 
-  def attend_and_score(self, q, k_new, v_new, valid, freqs):
+  def attend_and_score(self, q, k_new, v_new, valid, freqs, heads: Heads = Heads()):
     """New tokens (q [B,S,H,d], k/v_new [B,S,KV,d], pre-RoPE) over the cache and each other.
 
     Returns (out [B,S,H,d], scores [B, C]): scores are the attention each old slot receives,
     averaged over heads and the valid queries (Eq. 1 of CItruS), and its sum over queries.
+    heads: the layer's heads (`AttnContext.heads`): the average takes every head of the layer.
     """
     b, s = valid.shape
     q_pos = self.n[:, None] + jnp.arange(s, dtype=jnp.int32)[None, :]  # [B, S]
@@ -64,7 +66,8 @@ class ChunkCache:
     pos_all = jnp.concatenate([old_pos, new_pos], axis=1)
     out, lse = attention(q_rot, k_all.astype(self.k.dtype), v_all, q_pos, pos_all)
     probs = attention_probs_sum(q_rot, k_old, q_pos, old_pos, lse, valid, group="sum")  # [B,KV,C]
-    summed = jnp.sum(probs, axis=1) / q.shape[2]  # mean over heads, summed over queries
+    # mean over the layer's heads (this device's q.shape[2] of them), summed over queries
+    summed = heads.sum(probs, axis=1) / (q.shape[2] * heads.shards)
     n_valid = jnp.maximum(jnp.sum(valid, axis=1), 1).astype(jnp.float32)
     return out, summed / n_valid[:, None], summed
 

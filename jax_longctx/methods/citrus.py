@@ -78,7 +78,7 @@ class CItruSStandard(Method):
 
   def prefill(self, state, q, k, v, ctx: AttnContext):
     """A document chunk: attend over the cache, evict its old states, append the chunk."""
-    out, mean, summed = state.attend_and_score(q, k, v, ctx.valid, ctx.freqs)
+    out, mean, summed = state.attend_and_score(q, k, v, ctx.valid, ctx.freqs, ctx.heads)
     n_queries = jnp.sum(ctx.valid, axis=1)
     priority, state = self.document_priority(state, mean, summed, n_queries)
     return out, self._evict_append(state, priority, k, v, ctx)
@@ -94,7 +94,7 @@ class CItruSStandard(Method):
   def score_instruction(self, state, q, k, v, ctx: AttnContext):
     """The instruction over the answering cache; records its scores, changes nothing else."""
     cache = self.answer_cache(state)
-    out, mean, _ = cache.attend_and_score(q, k, v, ctx.valid, ctx.freqs)
+    out, mean, _ = cache.attend_and_score(q, k, v, ctx.valid, ctx.freqs, ctx.heads)
     return out, self.with_answer_cache(state, cache.replace(score=mean))
 
   def evict_by_instruction(self, state):
@@ -105,7 +105,7 @@ class CItruSStandard(Method):
   def decode(self, state, q, k, v, ctx: AttnContext):
     """The instruction and the answer: attend over the answering cache and append, no eviction."""
     cache = self.answer_cache(state)
-    out, _, _ = cache.attend_and_score(q, k, v, ctx.valid, ctx.freqs)
+    out, _, _ = cache.attend_and_score(q, k, v, ctx.valid, ctx.freqs, ctx.heads)
     return out, self.with_answer_cache(state, cache.append(k, v, ctx.valid, ctx.q_pos))
 
 
@@ -171,7 +171,7 @@ class CItruSIndividual(CItruSStandard):
     return state.replace(instruction=cache)
 
   def prefill(self, state: TwinCache, q, k, v, ctx):
-    out, mean, _ = state.document.attend_and_score(q, k, v, ctx.valid, ctx.freqs)
+    out, mean, _ = state.document.attend_and_score(q, k, v, ctx.valid, ctx.freqs, ctx.heads)
     document = self._evict_append(state.document, mean, k, v, ctx)
     instruction = self._evict_append(state.instruction, state.instruction.score, k, v, ctx)
     return out, TwinCache(document, instruction)

@@ -26,7 +26,8 @@ class H2O(EvictingMethod):
   recent_ratio: float = 0.5
 
   def priority(self, state: SlotCache, q, lse, ctx):
-    gained = attention_probs_sum(q, state.k, ctx.q_pos, state.pos, lse, ctx.valid, group="sum")
+    gained = ctx.heads.group(
+        attention_probs_sum(q, state.k, ctx.q_pos, state.pos, lse, ctx.valid, group="sum"), "sum")
     state = state.replace(score=state.score + gained)
     recent = state.most_recent(int(round(self.recent_ratio * state.budget)))
     return state, jnp.where(recent, jnp.inf, state.score)

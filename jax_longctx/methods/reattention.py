@@ -100,7 +100,7 @@ class ReAttention(ReAttentionSettings, Method):
   def scope(self, state: KVCache, q, ctx: AttnContext) -> Scope:
     return select_scope(q, state.k, ctx.q_pos, ctx.valid, n_global=self.n_global,
                         n_local=self.n_local, span=self.span, top_k=self.top_k, clip=self.clip,
-                        backend=self.backend, options=ctx.options.kernels)
+                        backend=self.backend, options=ctx.options.kernels, heads=ctx.heads)
 
   def step(self, state: KVCache, q, k, v, ctx: AttnContext):
     """One step: (out [B, S, H, d], lse [B, S, H] fp32, state, the scope attended)."""

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from flax import struct
 
 import pallas_kernels
+from jax_longctx.methods.base import Heads
 
 _NONE = jnp.iinfo(jnp.int32).max  # sorts after every real token index
 
@@ -168,13 +169,15 @@ def scope_from_votes(votes, q_pos, seq_end, hi, *, n_global: int, n_local: int, 
 
 def select_scope(q, k_cache, q_pos, q_valid, *, n_global: int, n_local: int, span: int,
                  top_k: int, clip: int, backend: str = "auto",
-                 options: pallas_kernels.KernelOptions = pallas_kernels.KernelOptions()) -> Scope:
+                 options: pallas_kernels.KernelOptions = pallas_kernels.KernelOptions(),
+                 heads: Heads = Heads()) -> Scope:
   """The whole selection for one layer and step (Algorithm 1 for a chunk, 2 for one token).
 
   q [B, S, H, d] before RoPE, k_cache [B, KV, T, d] before RoPE already holding this step's
   keys; q_pos / q_valid [B, S]. Candidates of sequence b: n_global <= t < seq_end - n_local.
+  heads: the layer's (every head votes; the count is order-free, so shards' votes just join).
   """
   seq_end, hi = step_bounds(q_pos, q_valid, n_local)
-  votes = vote(q, k_cache, n_global, hi, q_valid, top_k, backend, options)
+  votes = heads.concat(vote(q, k_cache, n_global, hi, q_valid, top_k, backend, options), axis=1)
   return scope_from_votes(votes, q_pos, seq_end, hi, n_global=n_global, n_local=n_local,
                           span=span, clip=clip)

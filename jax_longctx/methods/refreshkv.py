@@ -171,7 +171,7 @@ class RefreshKV(Method):
   def _mean_query(self, q, ctx: AttnContext):
     if self.similarity_after_rope:  # None (no calibration) compares before RoPE
       q = apply_rope(q, ctx.q_pos, ctx.freqs)
-    return jnp.mean(q.astype(jnp.float32), axis=2)  # [B, S, d]
+    return ctx.heads.mean(q.astype(jnp.float32), axis=2)  # [B, S, d]: over the layer's heads
 
   def _threshold(self):
     """The threshold compared with each sequence's similarity (a scalar, or one per sequence)."""
@@ -186,7 +186,8 @@ class RefreshKV(Method):
     return out, RefreshPrefill(snap, q_ref)
 
   def end_of_prefill(self, state: RefreshPrefill, info: PrefillEnd) -> RefreshState:
-    k_pos, priority = self._snap().prompt_priority(state.snap, info.prompt_lengths, self.n_local)
+    k_pos, priority = self._snap().prompt_priority(state.snap, info.prompt_lengths, self.n_local,
+                                                   info.heads)
     part = PartialCache.top(k_pos, priority, state.snap.budget, self.selection)
     b = info.prompt_lengths.shape[0]
     return RefreshState(state.snap.kv, part, state.q_ref, info.prompt_lengths,
@@ -214,7 +215,8 @@ class RefreshKV(Method):
     """C_p rebuilt from C_f: the current query's pooled attention, the latest n_local kept."""
     slots = jnp.arange(full.max_len, dtype=jnp.int32)[None, :]
     k_pos = jnp.where(slots <= ctx.q_pos, slots, -1)  # [B, T]: what the query sees
-    score = pooled_scores(q_rot, full.k, ctx.q_pos, k_pos, lse, ctx.valid, self.pool_kernel)
+    score = pooled_scores(q_rot, full.k, ctx.q_pos, k_pos, lse, ctx.valid, self.pool_kernel,
+                          ctx.heads)
     recent = (slots <= ctx.q_pos) & (slots > ctx.q_pos - self.n_local)
     priority = jnp.where(recent[:, None, :], jnp.inf, score)  # [B, KV, T]
     priority = jnp.where((k_pos >= 0)[:, None, :], priority, -jnp.inf)

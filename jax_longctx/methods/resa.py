@@ -164,7 +164,8 @@ class RESA(Method):
     if self.prior == "group":
       b, h, d = mu_q.shape
       kvh = cache.k.shape[1]
-      grouped = jnp.mean(mu_q.reshape(b, kvh, h // kvh, d), axis=2, keepdims=True)
+      grouped = info.heads.group(  # a group's heads may lie on several devices
+          jnp.mean(mu_q.reshape(b, kvh, h // kvh, d), axis=2, keepdims=True), "mean")
       mu_q = jnp.broadcast_to(grouped, (b, kvh, h // kvh, d)).reshape(b, h, d)
     k_sum, o_est, lse_p = self.prior_over_cache(mu_q, cache, info.prompt_lengths,
                                                 info.options.kernels)

@@ -19,18 +19,20 @@ from flax import struct
 
 from jax_longctx.ops.attention import attention, attention_probs_sum
 from jax_longctx.ops.cache import KVCache
-from jax_longctx.methods.base import (AttnContext, Budget, Method, MethodError, PrefillEnd,
-                                      register, resolve_budget)
+from jax_longctx.methods.base import (AttnContext, Budget, Heads, Method, MethodError,
+                                      PrefillEnd, register, resolve_budget)
 from jax_longctx.methods.full import Full
 from jax_longctx.methods.slot_cache import SlotCache, top_slots
 from jax_longctx.core.rope import apply_rope
 
 
-def pooled_scores(q, k, q_pos, k_pos, lse, q_valid, pool_kernel: int) -> jnp.ndarray:
+def pooled_scores(q, k, q_pos, k_pos, lse, q_valid, pool_kernel: int,
+                  heads: Heads = Heads()) -> jnp.ndarray:
   """Attention each slot gets from the queries q (summed over them, max over a GQA group), then
   max-pooled over `pool_kernel` neighbouring slots (slots in position order; the window shrinks
-  at the ends): [B, KV, T] fp32. `lse` is the queries' LSE over the same slots."""
-  score = attention_probs_sum(q, k, q_pos, k_pos, lse, q_valid, group="max")
+  at the ends): [B, KV, T] fp32. `lse` is the queries' LSE over the same slots; `heads` the
+  layer's (a group's heads may lie on several devices)."""
+  score = heads.group(attention_probs_sum(q, k, q_pos, k_pos, lse, q_valid, group="max"), "max")
   return jax.lax.reduce_window(score, -jnp.inf, jax.lax.max, (1, 1, pool_kernel), (1, 1, 1),
                                "SAME")
 
@@ -84,14 +86,17 @@ class SnapKV(Method):
 
   def end_of_prefill(self, state: SnapPrefill, info: PrefillEnd) -> SnapDecode:
     room = 1 if self.keep_size else info.decode_room
-    return SnapDecode(self.compress(state, info.prompt_lengths, room), info.prompt_lengths)
+    return SnapDecode(self.compress(state, info.prompt_lengths, room, info.heads),
+                      info.prompt_lengths)
 
-  def compress(self, state: SnapPrefill, prompt_lengths, room: int) -> SlotCache:
+  def compress(self, state: SnapPrefill, prompt_lengths, room: int,
+               heads: Heads = Heads()) -> SlotCache:
     """The kept prompt tokens in the first `budget` slots of a cache with `room` more slots."""
-    k_pos, priority = self.prompt_priority(state, prompt_lengths, self.window)
+    k_pos, priority = self.prompt_priority(state, prompt_lengths, self.window, heads)
     return top_slots(state.kv.k, state.kv.v, k_pos, priority, state.budget, state.budget + room)
 
-  def prompt_priority(self, state: SnapPrefill, prompt_lengths, keep_recent: int):
+  def prompt_priority(self, state: SnapPrefill, prompt_lengths, keep_recent: int,
+                      heads: Heads = Heads()):
     """(k_pos [B, T], priority [B, KV, T]): each prompt slot's pooled window attention, +inf for
     the `keep_recent` latest prompt tokens, -inf for slots past the prompt."""
     kv, t = state.kv, state.kv.max_len
@@ -101,7 +106,7 @@ class SnapKV(Method):
     # attention each prompt token receives: [window x prompt] scores, never [prompt x prompt].
     _, lse = attention(state.q_win, kv.k, kv.v, state.q_win_pos, k_pos)
     score = pooled_scores(state.q_win, kv.k, state.q_win_pos, k_pos, lse, state.q_win_pos >= 0,
-                          self.pool_kernel)
+                          self.pool_kernel, heads)
     in_window = k_pos >= (prompt_lengths[:, None] - keep_recent)
     priority = jnp.where(in_window[:, None, :], jnp.inf, score)
     return k_pos, jnp.where(k_pos[:, None, :] >= 0, priority, -jnp.inf)

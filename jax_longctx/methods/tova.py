@@ -32,5 +32,5 @@ class TOVA(EvictingMethod):
     probs = attention_probs_sum(
         q_last, state.k, jnp.take_along_axis(ctx.q_pos, pick, axis=1), state.pos,
         jnp.take_along_axis(lse, pick[:, :, None], axis=1), (last >= 0)[:, None], group="mean")
-    shared = jnp.mean(probs, axis=1, keepdims=True)  # one decision for all heads of the layer
+    shared = ctx.heads.mean(probs, axis=1)[:, None]  # one decision for all heads of the layer
     return state, jnp.broadcast_to(shared, probs.shape)

@@ -8,11 +8,11 @@ A step still compiles once per shape, with compile time growing with depth. Meas
 each layer's weights and cache slice out of the stacked buffers every step (3x the HBM traffic;
 15.3 ms/token against a 4.5 ms bound); separate buffers let every matmul read them in place.
 
-Serving params may be fused (`fuse_projections`): q/k/v as one [D, H + 2 KV, hd] weight and
-gate/up as one [D, 2F], so a decode step runs one matrix-vector product where it ran three (two),
-each reading one contiguous weight. The fused form is built from the ordinary params and only
-ever lives in memory: checkpoints, training and export keep the unfused tree. `forward` tells the
-two apart by the params' structure.
+Serving params may be fused (placement.py, `fuse_projections`): q/k/v as one weight and gate/up
+as one, so a decode step runs one matrix-vector product where it ran three (two). `forward` tells
+the two layouts apart by the params' structure. Under tensor parallelism (`RunOptions.mesh` with
+a `model` axis) `forward` is one device's step: this device's heads, hidden units and vocabulary
+slice, with an all-reduce after the attention output and the MLP (Megatron).
 """
 
 from __future__ import annotations
@@ -25,8 +25,9 @@ from flax import nnx
 
 from jax_longctx.ops.cache import Cache
 from jax_longctx.core.config import LlamaConfig
-from jax_longctx.methods.base import AttnContext, Method
+from jax_longctx.core.mesh import ModelShards
 from jax_longctx.core.options import DEFAULT, RunOptions
+from jax_longctx.methods.base import AttnContext, Heads, Method
 from jax_longctx.core.rope import inv_freq, query_scale
 from pallas_kernels import add_rmsnorm
 
@@ -105,7 +106,8 @@ class Attention(nnx.Module):
       q = q * jnp.asarray(self.q_scale, q.dtype)
     step = method.decode if decode else method.prefill
     out, state = step(state, q, k, v, ctx)  # [B, S, H, hd]
-    return jnp.einsum("bshk,hkd->bsd", out.astype(x.dtype), self.o_proj[...]), state
+    out = jnp.einsum("bshk,hkd->bsd", out.astype(x.dtype), self.o_proj[...])
+    return _all_reduce(out, ctx.heads.axis), state
 
 
 class MLP(nnx.Module):
@@ -120,7 +122,8 @@ class MLP(nnx.Module):
     self.down_proj = _param(rngs, (f, d), dt)
     self.intermediate_size = f
 
-  def __call__(self, x):
+  def __call__(self, x, axis: str | None = None):
+    """axis: the tensor-parallel mesh axis this device's hidden units are a part of."""
     if hasattr(self, "gate_up_proj"):
       f = self.intermediate_size
       gate_up = jnp.einsum("bsd,df->bsf", x, self.gate_up_proj[...])
@@ -128,7 +131,8 @@ class MLP(nnx.Module):
     else:
       gate = jnp.einsum("bsd,df->bsf", x, self.gate_proj[...])
       up = jnp.einsum("bsd,df->bsf", x, self.up_proj[...])
-    return jnp.einsum("bsf,fd->bsd", jax.nn.silu(gate) * up, self.down_proj[...])
+    return _all_reduce(jnp.einsum("bsf,fd->bsd", jax.nn.silu(gate) * up, self.down_proj[...]),
+                       axis)
 
 
 class DecoderLayer(nnx.Module):
@@ -147,7 +151,7 @@ class DecoderLayer(nnx.Module):
     x, normed = self.attn_norm.add_and_norm(x, pending, backend)
     h, state = self.attn(normed, state, ctx, method, decode)
     x, normed = self.mlp_norm.add_and_norm(x, h, backend)
-    return x, self.mlp(normed), state
+    return x, self.mlp(normed, ctx.heads.axis), state
 
 
 class Llama(nnx.Module):
@@ -161,22 +165,43 @@ class Llama(nnx.Module):
     if not cfg.tie_word_embeddings:
       self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), cfg.jnp_dtype)
 
-  def unembed(self, h):
-    """h [..., D] (already normed) -> fp32 logits [..., V]."""
+  def unembed(self, h, axis: str | None = None, vocab: int | None = None):
+    """h [..., D] (already normed) -> fp32 logits [..., V]. Under tensor parallelism (`axis`)
+    this device holds a slice of the vocabulary: the slices are gathered (every device gets the
+    whole row, so sampling needs no further collective) and the padding past `vocab` cut."""
     if self.cfg.tie_word_embeddings:
-      return jnp.einsum("...d,vd->...v", h, self.embed[...], preferred_element_type=jnp.float32)
-    return jnp.einsum("...d,dv->...v", h, self.lm_head[...], preferred_element_type=jnp.float32)
+      logits = jnp.einsum("...d,vd->...v", h, self.embed[...], preferred_element_type=jnp.float32)
+    else:
+      logits = jnp.einsum("...d,dv->...v", h, self.lm_head[...],
+                          preferred_element_type=jnp.float32)
+    if axis is not None:
+      logits = jax.lax.all_gather(logits, axis, axis=logits.ndim - 1, tiled=True)
+    return logits if vocab is None else logits[..., :vocab]
+
+  def embed_tokens(self, tokens, axis: str | None = None):
+    """Token ids [B, S] -> embeddings [B, S, D]; under tensor parallelism each device looks up
+    the ids in its vocabulary slice and the slices' rows are summed (one holds each id)."""
+    table = self.embed[...]
+    if axis is None:
+      return jnp.take(table, tokens, axis=0)
+    rows = table.shape[0]
+    local = tokens - jax.lax.axis_index(axis) * rows
+    mine = (local >= 0) & (local < rows)
+    x = jnp.take(table, jnp.clip(local, 0, rows - 1), axis=0)
+    return jax.lax.psum(jnp.where(mine[..., None], x, jnp.zeros((), x.dtype)), axis)
 
   def __call__(self, tokens, positions, cache: Cache, method: Method, valid=None,
-               decode: bool = False, gate_open: bool = True, options: RunOptions = DEFAULT):
-    """tokens, positions [B, S] -> (normed hidden states [B, S, D], new cache)."""
+               decode: bool = False, gate_open: bool = True, options: RunOptions = DEFAULT,
+               heads: Heads = Heads()):
+    """tokens, positions [B, S] -> (normed hidden states [B, S, D], new cache). heads: the part
+    of every layer's heads this device holds (tensor parallel; `forward` derives it)."""
     cfg = self.cfg
     if valid is None:
       valid = jnp.ones(tokens.shape, bool)
-    x = jnp.take(self.embed[...], tokens, axis=0)
+    x = self.embed_tokens(tokens, heads.axis)
     ctx = AttnContext(layer=-1, q_pos=positions.astype(jnp.int32), valid=valid,
                       freqs=inv_freq(cfg, jnp.max(positions) + 1), cfg=cfg,
-                      gate_open=gate_open, options=options)
+                      gate_open=gate_open, options=options, heads=heads)
     state, pending = list(cache.state), None
     for i, layer in enumerate(self.layers):
       run = functools.partial(layer, ctx=ctx.replace(layer=i), method=method, decode=decode)
@@ -199,51 +224,29 @@ def is_fused(params) -> bool:
   return "qkv_proj" in next(iter(params["layers"].values()))["attn"]
 
 
-def serving_params(params):
-  """The layout generation runs fastest on: fused projections on NVIDIA GPUs (H200, 8B shape,
-  batch-1 decode at 32K: 5.88 -> 5.70 ms, benchmarks/decode_profile.py), as given elsewhere
-  (unmeasured on TPU; on CPU the tests compare both layouts)."""
-  return fuse_projections(params) if jax.default_backend() == "gpu" else params
+@functools.lru_cache(maxsize=None)
+def _draw(shape: tuple, dtype, sharding, ones: bool):
+  """A jitted draw of one leaf (normal * std, or ones), straight into `sharding`'s shards."""
+  def draw(key):
+    if ones:
+      return jnp.ones(shape, dtype)
+    return (jax.random.normal(key, shape, jnp.float32) * _INIT_STD).astype(dtype)
+  return jax.jit(draw) if sharding is None else jax.jit(draw, out_shardings=sharding)
 
 
-def fuse_projections(params):
-  """The serving layout: per layer q/k/v concatenated over heads into `qkv_proj` [D, H+2KV, hd]
-  and gate/up over outputs into `gate_up_proj` [D, 2F]; everything else shared, not copied.
-
-  A new tree (the input is left as it is; drop it to free the unfused weights). Why: a batch-1
-  decode step is one matrix-vector product per weight, and each small one (k, v: 8 MB at the 8B
-  shape) pays a kernel launch and a ramp-up for little data; one launch per fused weight reads
-  the same bytes. Only for generation: checkpoints, training and HF export take unfused params.
-  """
-  if is_fused(params):
-    return params
-  layers = {}
-  for i, layer in params["layers"].items():
-    attn = {k: v for k, v in layer["attn"].items() if k not in ("q_proj", "k_proj", "v_proj")}
-    attn["qkv_proj"] = jnp.concatenate(
-        [layer["attn"]["q_proj"], layer["attn"]["k_proj"], layer["attn"]["v_proj"]], axis=1)
-    mlp = {k: v for k, v in layer["mlp"].items() if k not in ("gate_proj", "up_proj")}
-    mlp["gate_up_proj"] = jnp.concatenate([layer["mlp"]["gate_proj"], layer["mlp"]["up_proj"]],
-                                          axis=1)
-    layers[i] = {**layer, "attn": attn, "mlp": mlp}
-  return {**params, "layers": layers}
-
-
-@functools.partial(jax.jit, static_argnames=("shape", "dtype"))
-def _normal(key, shape, dtype):
-  return (jax.random.normal(key, shape, jnp.float32) * _INIT_STD).astype(dtype)
-
-
-def random_params(cfg: LlamaConfig, seed: int = 0):
-  """Random weights (std 0.02, norm scales 1) on the default device; for tests and benchmarks.
+def random_params(cfg: LlamaConfig, seed: int = 0, shardings=None):
+  """Random weights (std 0.02, norm scales 1) for tests and benchmarks, on the default device
+  or, leaf by leaf, straight into `shardings` (a tree of them: no device holds a whole leaf
+  its sharding splits; the values do not depend on it).
 
   Leaf by leaf, so compile time stays small at any depth (one compile per distinct shape).
   """
   _, shapes = abstract_model(cfg)
   leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
+  where = [None] * len(leaves) if shardings is None else jax.tree.leaves(shardings)
   keys = jax.random.split(jax.random.key(seed), len(leaves))
-  out = [jnp.ones(s.shape, s.dtype) if str(path[-1]).endswith("'scale']") else
-         _normal(k, tuple(s.shape), jnp.dtype(s.dtype)) for (path, s), k in zip(leaves, keys)]
+  out = [_draw(tuple(s.shape), jnp.dtype(s.dtype), w, str(path[-1]).endswith("'scale']"))(k)
+         for (path, s), k, w in zip(leaves, keys, where)]
   return jax.tree_util.tree_unflatten(treedef, out)
 
 
@@ -258,7 +261,9 @@ def forward(params, tokens, positions, cache: Cache, method: Method, cfg: LlamaC
   """Pure forward. Returns (logits fp32, cache).
 
   gate_open=False: a decode step the method's `decode_gate` closed (see
-  `generation.decode_while`). options: how the step is built (`RunOptions`).
+  `generation.decode_while`). options: how the step is built (`RunOptions`); with a mesh this is
+  one device's step under `jax.shard_map` (run/sharding.py): params, cache and rows are this
+  device's parts, and the logits the whole (gathered) vocabulary.
   logits_index: None -> logits for every token [B, S, V]; an int32 array [B] -> only at that index
   of each row [B, V] (what generation needs, without a [B, S, V] buffer).
   """
@@ -266,7 +271,7 @@ def forward(params, tokens, positions, cache: Cache, method: Method, cfg: LlamaC
                            decode=decode, gate_open=gate_open, options=options)
   if logits_index is not None:
     h = jnp.take_along_axis(h, logits_index[:, None, None], axis=1)[:, 0]
-  return unembed(params, h, cfg), cache
+  return unembed(params, h, cfg, options), cache
 
 
 def hidden_states(params, tokens, positions, cache: Cache, method: Method, cfg: LlamaConfig, *,
@@ -274,14 +279,38 @@ def hidden_states(params, tokens, positions, cache: Cache, method: Method, cfg: 
                   options: RunOptions = DEFAULT):
   """`forward` without the unembedding: (final normed hidden states [B, S, D], cache). For a
   loss that unembeds a few positions at a time (train_cpt's chunked cross-entropy)."""
-  model = nnx.merge(graphdef_for(cfg, is_fused(params)), params)
+  model, heads = _on_this_device(params, cfg, options)
   return model(tokens, positions, cache, method, valid=valid, decode=decode,
-               gate_open=gate_open, options=options)
+               gate_open=gate_open, options=options, heads=heads)
 
 
-def unembed(params, h, cfg: LlamaConfig):
-  """`Llama.unembed` of params: normed h [..., D] -> fp32 logits [..., V]."""
-  return nnx.merge(graphdef_for(cfg, is_fused(params)), params).unembed(h)
+def unembed(params, h, cfg: LlamaConfig, options: RunOptions = DEFAULT):
+  """`Llama.unembed` of params: normed h [..., D] -> fp32 logits [..., V] (the whole vocabulary
+  also under tensor parallelism)."""
+  model, heads = _on_this_device(params, cfg, options)
+  return model.unembed(h, heads.axis, cfg.vocab_size)
+
+
+def _on_this_device(params, cfg: LlamaConfig, options: RunOptions):
+  """(the model as this device holds it, with its params; the heads it holds): the whole model
+  without a mesh, its `model`-axis part inside a step on one."""
+  shards = ModelShards.of(cfg, options.mesh)
+  heads = local_heads(shards)
+  local = shards.local(cfg) if heads.axis else cfg
+  return nnx.merge(graphdef_for(local, is_fused(params)), params), heads
+
+
+def local_heads(shards: ModelShards) -> Heads:
+  """The `Heads` of a device of the `model` axis (`Heads()`: nothing split)."""
+  if shards.shards == 1:
+    return Heads()
+  return Heads("model", shards.shards, shards.kv_copies)
+
+
+def _all_reduce(x, axis: str | None):
+  """The sum over the `model` axis of a product whose contraction dimension (heads, hidden
+  units) is split over it: Megatron's one all-reduce after the attention output and the MLP."""
+  return x if axis is None else jax.lax.psum(x, axis)
 
 
 def new_cache(cfg: LlamaConfig, method: Method, batch: int, max_len: int, dtype=None,

@@ -20,6 +20,9 @@ class Cache:
   lengths: jnp.ndarray  # [B] int32, tokens consumed per sequence (next position to write)
   state: tuple  # the method's state, one pytree per layer
   max_len: int = struct.field(pytree_node=False, default=0)
+  # On a device mesh: per leaf of one layer's state, the role of each dimension ("rows",
+  # "heads", "tokens" or None), which says how it splits (run/sharding.py); None off a mesh.
+  roles: tuple | None = struct.field(pytree_node=False, default=None)
 
 
 @struct.dataclass

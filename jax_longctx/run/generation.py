@@ -17,6 +17,7 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from jax_longctx.ops.cache import Cache
 from jax_longctx.run.chunked_prefill import chunk_for, end_prefill, read_chunks
@@ -24,12 +25,13 @@ from jax_longctx.core.config import LlamaConfig
 from jax_longctx.core.errors import LongctxError
 from jax_longctx.run.instructed import prefill_instructed
 from jax_longctx.methods.base import Method, MethodError, RegisteredMethod
-from jax_longctx.model import forward, new_cache
+from jax_longctx.model import forward
 from jax_longctx.core.options import DEFAULT, RunOptions
+from jax_longctx.run import sharding
 
 __all__ = ["DECODE_TRACES", "GenerationError", "GenerationResult", "Sampling", "check_prompts",
-           "decode", "decode_loop", "decode_while", "layer_method", "prefill", "sample",
-           "teacher_forced_nll", "trim_at_stops"]
+           "decode", "decode_loop", "decode_rows", "decode_while", "layer_method", "prefill",
+           "sample", "teacher_forced_nll", "trim_at_stops"]
 
 
 class GenerationError(LongctxError, ValueError):
@@ -99,8 +101,10 @@ class GenerationResult:
   report: dict[str, Any] = dataclasses.field(default_factory=dict)  # Method.report; devices
 
 
-def sample(logits: jnp.ndarray, key, sampling: Sampling) -> jnp.ndarray:
-  """logits [B, V] fp32 -> token ids [B] int32."""
+def sample(logits: jnp.ndarray, key, sampling: Sampling, rows=None) -> jnp.ndarray:
+  """logits [B, V] fp32 -> token ids [B] int32. rows [B]: each row's index in the whole batch
+  (default 0..B-1): row i draws from `key` folded with i, so what it samples does not depend on
+  which device holds it."""
   if sampling.temperature == 0:
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
   logits = logits / sampling.temperature
@@ -113,7 +117,9 @@ def sample(logits: jnp.ndarray, key, sampling: Sampling) -> jnp.ndarray:
     sorted_logits = jnp.where(drop, -jnp.inf, sorted_logits)
     logits = jnp.full_like(logits, -jnp.inf).at[
         jnp.arange(logits.shape[0])[:, None], order].set(sorted_logits)
-  return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+  rows = jnp.arange(logits.shape[0]) if rows is None else rows
+  keys = jax.vmap(lambda r: jax.random.fold_in(key, r))(rows)
+  return jax.vmap(jax.random.categorical)(keys, logits).astype(jnp.int32)
 
 
 def decode_while(method: Method, keep_going, step, carry, cache_of):
@@ -149,11 +155,25 @@ DECODE_TRACES = [0]
 def decode_loop(params, cache: Cache, last_logits, stop_tokens, key, *, cfg: LlamaConfig,
                 method: Method, max_new_tokens: int, sampling: Sampling,
                 options: RunOptions = DEFAULT):
-  """Samples up to max_new_tokens per row on device. Returns (tokens [B, N], steps, cache)."""
+  """Samples up to max_new_tokens per row on device. Returns (tokens [B, N], steps [B]: the
+  steps each row's loop ran (rows on one device stop together), cache)."""
   DECODE_TRACES[0] += 1
+  body = functools.partial(decode_rows, cfg=cfg, method=method, max_new_tokens=max_new_tokens,
+                           sampling=sampling, options=options)
+  specs = _loop_specs(params, cache, options)
+  run = sharding.per_device(body, options, (*specs, P("data"), sharding.ALL, sharding.ALL),
+                            (P("data"), P("data"), specs[1]))
+  return run(params, cache, last_logits, stop_tokens, key)
+
+
+def decode_rows(params, cache: Cache, last_logits, stop_tokens, key, *, cfg: LlamaConfig,
+                method: Method, max_new_tokens: int, sampling: Sampling, options: RunOptions):
+  """`decode_loop`'s body: one device's rows (on a mesh, inside its step; Star's phase 2 runs it
+  inside its own)."""
   b = last_logits.shape[0]
+  rows = sharding.row_offset(b, options) + jnp.arange(b)
   key, sub = jax.random.split(key)
-  tok = sample(last_logits, sub, sampling)
+  tok = sample(last_logits, sub, sampling, rows)
   out = jnp.zeros((b, max_new_tokens), jnp.int32).at[:, 0].set(tok)
   done = jnp.isin(tok, stop_tokens)
 
@@ -161,20 +181,27 @@ def decode_loop(params, cache: Cache, last_logits, stop_tokens, key, *, cfg: Lla
     step, _, _, _, done, _ = carry
     return (step < max_new_tokens) & ~jnp.all(done)
 
-  def body(carry, gate_open: bool):
+  def one_token(carry, gate_open: bool):
     step, cache, tok, out, done, key = carry
     positions = cache.lengths[:, None]
     logits, cache = forward(params, tok[:, None], positions, cache, method, cfg, decode=True,
                             logits_index=jnp.zeros((b,), jnp.int32), gate_open=gate_open,
                             options=options)
     key, sub = jax.random.split(key)
-    nxt = jnp.where(done, tok, sample(logits, sub, sampling))
+    nxt = jnp.where(done, tok, sample(logits, sub, sampling, rows))
     out = jax.lax.dynamic_update_slice_in_dim(out, nxt[:, None], step, axis=1)
     return step + 1, cache, nxt, out, done | jnp.isin(nxt, stop_tokens), key
 
   step, cache, _, out, _, _ = decode_while(
-      method, keep_going, body, (jnp.int32(1), cache, tok, out, done, key), lambda c: c[1])
-  return out, step, cache
+      method, keep_going, one_token, (jnp.int32(1), cache, tok, out, done, key), lambda c: c[1])
+  return out, jnp.full((b,), step), cache
+
+
+def _loop_specs(params, cache, options: RunOptions):
+  """(params, cache) specs of a step on options.mesh (None without one)."""
+  if options.mesh is None:
+    return None, None
+  return sharding.params(params), sharding.cache_specs(cache, options.mesh)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "method", "options"),
@@ -186,19 +213,26 @@ def teacher_forced_nll(params, cache: Cache, last_logits, targets, *, cfg: Llama
   def nll(logits, tok):
     return -jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tok[:, None], axis=1)[:, 0]
 
-  def body(carry, gate_open: bool):
-    i, cache, out = carry  # feeds targets[:, i - 1], scores targets[:, i]
-    tok, nxt = jax.lax.dynamic_slice_in_dim(targets, i - 1, 2, axis=1).T
-    logits, cache = forward(params, tok[:, None], cache.lengths[:, None], cache, method, cfg,
-                            decode=True, logits_index=jnp.zeros(tok.shape, jnp.int32),
-                            gate_open=gate_open, options=options)
-    return i + 1, cache, jax.lax.dynamic_update_slice_in_dim(out, nll(logits, nxt)[:, None], i, 1)
+  def body(params, cache, last_logits, targets):
+    def one_token(carry, gate_open: bool):
+      i, cache, out = carry  # feeds targets[:, i - 1], scores targets[:, i]
+      tok, nxt = jax.lax.dynamic_slice_in_dim(targets, i - 1, 2, axis=1).T
+      logits, cache = forward(params, tok[:, None], cache.lengths[:, None], cache, method, cfg,
+                              decode=True, logits_index=jnp.zeros(tok.shape, jnp.int32),
+                              gate_open=gate_open, options=options)
+      out = jax.lax.dynamic_update_slice_in_dim(out, nll(logits, nxt)[:, None], i, 1)
+      return i + 1, cache, out
 
-  n = targets.shape[1]
-  out = jnp.zeros(targets.shape, jnp.float32).at[:, 0].set(nll(last_logits, targets[:, 0]))
-  _, cache, out = decode_while(method, lambda c: c[0] < n, body, (jnp.int32(1), cache, out),
-                               lambda c: c[1])
-  return out, cache
+    n = targets.shape[1]
+    out = jnp.zeros(targets.shape, jnp.float32).at[:, 0].set(nll(last_logits, targets[:, 0]))
+    _, cache, out = decode_while(method, lambda c: c[0] < n, one_token,
+                                 (jnp.int32(1), cache, out), lambda c: c[1])
+    return out, cache
+
+  specs = _loop_specs(params, cache, options)
+  run = sharding.per_device(body, options, (*specs, P("data"), P("data")),
+                            (P("data"), specs[1]))
+  return run(params, cache, last_logits, targets)
 
 
 def trim_at_stops(rows, stop_tokens) -> list[list[int]]:
@@ -222,6 +256,7 @@ def prefill(params, cfg: LlamaConfig, prompts: Sequence[Sequence[int]],
   what the cache has left).
   """
   method = layer_method(method)
+  sharding.check_layer_mesh(method, options)
   # Decoding's room is checked where the instruction is encoded (a CItruS perplexity run leaves
   # it out: the continuation then follows the document directly).
   lengths = check_prompts(prompts, instructions, cache_len=cache_len,
@@ -240,7 +275,7 @@ def prefill(params, cfg: LlamaConfig, prompts: Sequence[Sequence[int]],
                for p, i in zip(prompts, instructions)]
     lengths = [len(p) for p in prompts]
   chunk = chunk_for(method, options, max(lengths))
-  cache = new_cache(cfg, method, len(prompts), cache_len, chunk=chunk)
+  cache = sharding.empty_cache(cfg, method, len(prompts), cache_len, chunk, options)
   cache, last = read_chunks(params, cfg, method, cache, prompts, lengths, chunk, options)
   return end_prefill(cache, cfg, method, decode_room=room, options=options), last
 
@@ -254,4 +289,4 @@ def decode(params, cfg: LlamaConfig, cache: Cache, last_logits, method: Method, 
                                   jax.random.key(sampling.seed), cfg=cfg, method=method,
                                   max_new_tokens=max_new_tokens, sampling=sampling,
                                   options=options)
-  return trim_at_stops(np.asarray(out)[:, :int(steps)], stop_tokens), cache
+  return trim_at_stops(np.asarray(out)[:, :int(np.max(steps))], stop_tokens), cache

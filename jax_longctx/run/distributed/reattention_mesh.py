@@ -21,41 +21,37 @@ So mesh ReAttention computes what one device does (the same scope; outputs equal
 rounding) with 1/N of the cache per device. RESA over it (`ShardedRESA`) keeps its prior's
 vectors replicated and merges the shards' parts of the prior's sums and attentions.
 
-The driver below (`generate_sharded`) is the one-device chunked prefill (`chunked_prefill.
-prefill_step`), end-of-prefill hook and decode loop (`generation.decode_loop`), each run per
-device under `shard_map`; with several processes (`jax.distributed`, one per GPU) the mesh
-spans them all as Star's does (`driver`).
+The driver below (`generate_sharded`) is the generic chunked prefill, end-of-prefill hook and
+decode loop run per device on the mesh (run/sharding.py: the cache's tokens over `ctx`, and on
+a 2-D mesh its heads over `model`, the weights `model.place`d); with several processes
+(`jax.distributed`, one per GPU) the mesh spans them all as Star's does (`driver`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import time
 from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 import pallas_kernels
-from jax_longctx.ops.cache import Cache, KVCache
-from jax_longctx.run.chunked_prefill import end_prefill, padded, prefill_step
-from jax_longctx.run.distributed.attention import merge_across
-from jax_longctx.run.distributed.shard_layout import TokenLayout
-from jax_longctx.run.generation import (GenerationError, GenerationResult, Sampling, check_prompts,
-                                    decode_loop,
-                                    trim_at_stops)
+from jax_longctx.core.mesh import axis_size, make_mesh
+from jax_longctx.core.options import DEFAULT, RunOptions
 from jax_longctx.methods.base import AttnContext, MeshMethod
 from jax_longctx.methods.reattention import ReAttention, ReAttentionSettings
 from jax_longctx.methods.reattention_scope import (Scope, ballots, candidates, scope_from_votes,
                                                    step_bounds)
-from jax_longctx.methods.resa import MeshRESA, RESA, RESAState
-from jax_longctx.model import new_cache
-from jax_longctx.core.options import DEFAULT, RunOptions
-from jax_longctx.core.progress import progress
+from jax_longctx.methods.resa import MeshRESA, RESA
+from jax_longctx.ops.cache import Cache, KVCache
+from jax_longctx.run import sharding
+from jax_longctx.run.chunked_prefill import end_prefill, read_chunks
+from jax_longctx.run.distributed.attention import merge_across
+from jax_longctx.run.distributed.shard_layout import TokenLayout
+from jax_longctx.run.generation import (GenerationError, GenerationResult, Sampling, check_prompts,
+                                        decode)
 
 
 def global_top_k(scores, idx, top_k: int, axis: str, contiguous: bool = True):
@@ -124,6 +120,8 @@ class ShardedReAttention(ReAttention):
   """ReAttention inside `shard_map` over `axis`: one layer's state is this device's shard of the
   cache, KVCache [B, KV, T/N, d]. Not a registry entry (the entry is `reattention_mesh`)."""
 
+  splits_tokens = True
+
   axis: str = "ctx"
   block: int = 0  # TokenLayout.block: 0 contiguous shards, else blocks dealt to the devices
 
@@ -141,7 +139,8 @@ class ShardedReAttention(ReAttention):
     idx = jnp.where(idx >= 0, layout.position(idx, p), -1)
     idx = global_top_k(scores, idx, min(self.top_k, state.max_len * layout.n_dev), self.axis,
                        contiguous=not self.block)
-    return scope_from_votes(ballots(idx, ctx.valid), ctx.q_pos, seq_end, hi,
+    return scope_from_votes(ctx.heads.concat(ballots(idx, ctx.valid), axis=1), ctx.q_pos,
+                            seq_end, hi,
                             n_global=self.n_global, n_local=self.n_local, span=self.span,
                             clip=self.clip)
 
@@ -157,6 +156,8 @@ class ShardedRESA(RESA):
   """RESA over ShardedReAttention inside `shard_map`: the wrapped cache is this device's shard,
   the prior's vectors are replicated; its attention over the prompt and over the scope merge
   the devices' parts (the key sum by psum, the rest by LSE)."""
+
+  splits_tokens = True
 
   axis: str = "ctx"
   block: int = 0  # as ShardedReAttention's
@@ -214,16 +215,6 @@ def cache_unit(method: Sharded, n_dev: int) -> int:
   return n_dev * max(method.block, 1)
 
 
-def cache_specs(cfg, method: Sharded, cache_len: int) -> Cache:
-  """How the cache lies on the mesh: lengths replicated, every layer's K/V split along T (and
-  RESA's prior vectors replicated)."""
-  kv = P(None, None, method.axis)
-  layer = KVCache(kv, kv)
-  if isinstance(method, ShardedRESA):
-    layer = RESAState(layer, P(), P(), P(), P(), P())
-  return Cache(P(), (layer,) * cfg.num_layers, cache_len)
-
-
 def check_cache_len(cache_len: int, method: Sharded, n_dev: int):
   if cache_len % cache_unit(method, n_dev):
     what = (f"the {n_dev} devices of the mesh axis (each holds an equal contiguous shard)"
@@ -232,111 +223,65 @@ def check_cache_len(cache_len: int, method: Sharded, n_dev: int):
     raise GenerationError(f"cache_len={cache_len} is not divisible by {what}")
 
 
-@functools.lru_cache(maxsize=16)
-def _empty_cache(cfg, method: Sharded, mesh, batch: int, cache_len: int):
-  """A zero cache made sharded (each device allocates only its shard), compiled once."""
-  shardings = jax.tree.map(lambda p: NamedSharding(mesh, p),
-                           cache_specs(cfg, method, cache_len),
-                           is_leaf=lambda x: isinstance(x, P))
-  return jax.jit(lambda: new_cache(cfg, method, batch, cache_len, chunk=method.prefill_chunk),
-                 out_shardings=shardings)
-
-
-@functools.lru_cache(maxsize=16)
-def _prefill_step(cfg, method: Sharded, mesh, cache_len: int, options: RunOptions):
-  """The one-device chunk step per device; the cache and last logits donated."""
-  specs = cache_specs(cfg, method, cache_len)
-  body = functools.partial(prefill_step, cfg=cfg, method=method, options=options)
-  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(),) * 4 + (specs, P()),
-                               out_specs=(specs, P()), check_vma=False), donate_argnums=(4, 5))
-
-
-@functools.lru_cache(maxsize=16)
-def _end_prefill(cfg, method: Sharded, mesh, cache_len: int, options: RunOptions):
-  """The method's end-of-prefill hook per device (RESA's prior over every shard), donated."""
-  specs = cache_specs(cfg, method, cache_len)
-  body = functools.partial(end_prefill, cfg=cfg, method=method, decode_room=0,  # unread by RESA
-                           options=options)
-  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs,), out_specs=specs,
-                               check_vma=False), donate_argnums=(0,))
-
-
-@functools.lru_cache(maxsize=16)
-def _decode_loop(cfg, method: Sharded, mesh, cache_len: int, max_new_tokens: int,
-                 sampling: Sampling, options: RunOptions):
-  """The one-device decode loop per device (every device samples the same tokens)."""
-  specs = cache_specs(cfg, method, cache_len)
-  body = functools.partial(decode_loop, cfg=cfg, method=method, max_new_tokens=max_new_tokens,
-                           sampling=sampling, options=options)
-  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), specs, P(), P(), P()),
-                               out_specs=(P(), P(), specs), check_vma=False), donate_argnums=(1,))
+def on_mesh(mesh, options: RunOptions) -> RunOptions:
+  """The run's options with the mesh (any with a `ctx` axis; `model` splits the heads too)."""
+  mesh = make_mesh(mesh)
+  if axis_size(mesh, "data") > 1:
+    raise GenerationError("mesh ReAttention runs on the ctx and model axes: data must be 1")
+  return options.replace(mesh=mesh)
 
 
 def prefill_sharded(params, cfg, prompts: Sequence[Sequence[int]], method,
-                    mesh, axis: str = "ctx", *, cache_len: int,
+                    mesh, *, cache_len: int,
                     on_chunk: Callable[[int, int, jax.Array], None] | None = None,
                     options: RunOptions = DEFAULT):
-  """The prompts read whole in the method's chunks into a cache sharded over `axis` (method: a
-  mesh entry, `reattention_mesh` or `resa_mesh`, or its one-device setting). Returns
-  (cache, last-token logits [B, V]); progress on stderr (one tick per chunk). on_chunk(i, n,
-  last) after chunk i of n is dispatched (benchmarks time the chunks through it)."""
-  return _prefill(params, cfg, prompts, check_prompts(prompts, cache_len=cache_len), method, mesh,
-                  axis, cache_len=cache_len, on_chunk=on_chunk, options=options)
+  """The prompts read whole in the method's chunks into a cache split along the tokens over the
+  mesh's `ctx` axis (and along the heads over `model`; params `model.place`d there). method: a
+  mesh entry, `reattention_mesh` or `resa_mesh`, or its one-device setting. Returns (cache,
+  last-token logits [B, V]); progress on stderr. on_chunk(i, n, last) after chunk i of n is
+  dispatched (benchmarks time the chunks through it)."""
+  return _prefill(params, cfg, prompts, check_prompts(prompts, cache_len=cache_len), method,
+                  on_mesh(mesh, options), cache_len=cache_len, on_chunk=on_chunk)
 
 
-def _prefill(params, cfg, prompts, lengths, method, mesh, axis, *, cache_len, on_chunk, options):
-  """`prefill_sharded` after its prompt check."""
-  method = sharded(method, axis)
-  check_cache_len(cache_len, method, mesh.shape[axis])
+def _prefill(params, cfg, prompts, lengths, method, options, *, cache_len, on_chunk):
+  """`prefill_sharded` after its prompt check: the generic chunk loop on the mesh."""
+  method = sharded(method)
+  check_cache_len(cache_len, method, axis_size(options.mesh, "ctx"))
   chunk = method.prefill_chunk
-  n_chunks = -(-max(lengths) // chunk)
-  tokens = padded(prompts, n_chunks * chunk)
-  cache = _empty_cache(cfg, method, mesh, len(prompts), cache_len)()
-  # Replicated as the step returns it: a single-device array here would make chunk 2 compile
-  # the step again (its input sharding differs).
-  last = jax.device_put(jnp.zeros((len(prompts), cfg.vocab_size), jnp.float32),
-                        NamedSharding(mesh, P()))
-  plen = jnp.asarray(lengths, jnp.int32)
-  step = _prefill_step(cfg, method, mesh, cache_len, options)
-  for c in progress(range(n_chunks), desc="mesh prefill"):
-    cache, last = step(params, tokens[:, c * chunk:(c + 1) * chunk], jnp.int32(c * chunk), plen,
-                       cache, last)
-    if on_chunk is not None:
-      on_chunk(c, n_chunks, last)
-  if method.ends_prefill:
-    cache = _end_prefill(cfg, method, mesh, cache_len, options)(cache)
-  return cache, last
+  cache = sharding.empty_cache(cfg, method, len(prompts), cache_len, chunk, options)
+  cache, last = read_chunks(params, cfg, method, cache, prompts, lengths, chunk, options,
+                            on_chunk=on_chunk, desc="mesh prefill")
+  return end_prefill(cache, cfg, method, decode_room=0, options=options), last  # room: unread
 
 
-def decode_sharded(params, cfg, cache: Cache, last_logits, method, mesh,
-                   axis: str = "ctx", *, max_new_tokens: int, sampling: Sampling = Sampling(),
-                   stop_tokens=(), options: RunOptions = DEFAULT):
+def decode_sharded(params, cfg, cache: Cache, last_logits, method, mesh, *,
+                   max_new_tokens: int, sampling: Sampling = Sampling(), stop_tokens=(),
+                   options: RunOptions = DEFAULT):
   """The decode loop over a sharded cache. Returns (new tokens per row, stop excluded; cache)."""
-  run = _decode_loop(cfg, sharded(method, axis), mesh, cache.max_len, max_new_tokens, sampling,
-                     options)
-  stops = jnp.asarray(list(stop_tokens) or [-1], jnp.int32)
-  out, steps, cache = run(params, cache, last_logits, stops, jax.random.key(sampling.seed))
-  return trim_at_stops(np.asarray(out)[:, :int(steps)], stop_tokens), cache
+  return decode(params, cfg, cache, last_logits, sharded(method), max_new_tokens=max_new_tokens,
+                sampling=sampling, stop_tokens=stop_tokens, options=on_mesh(mesh, options))
 
 
 def generate_sharded(params, cfg, prompts: Sequence[Sequence[int]], method,
-                     mesh, axis: str = "ctx", *, max_new_tokens: int,
+                     mesh, *, max_new_tokens: int,
                      sampling: Sampling = Sampling(), stop_tokens=(),
                      cache_len: int | None = None,
                      options: RunOptions = DEFAULT) -> GenerationResult:
   """Mesh ReAttention (or RESA over it) end to end: prefill, then up to max_new_tokens per
   prompt. cache_len None: the longest prompt plus max_new_tokens, rounded up to whole shards
   (a multiple of 128 and of `cache_unit`)."""
+  options = on_mesh(mesh, options)
+  n_ctx = axis_size(options.mesh, "ctx")
   lengths = check_prompts(prompts, cache_len=cache_len, new_tokens=max_new_tokens)
   if cache_len is None:
-    unit = math.lcm(128, cache_unit(sharded(method, axis), mesh.shape[axis]))
+    unit = math.lcm(128, cache_unit(sharded(method), n_ctx))
     cache_len = -(-(max(lengths) + max_new_tokens) // unit) * unit
   t0 = time.perf_counter()
-  cache, last = _prefill(params, cfg, prompts, lengths, method, mesh, axis, cache_len=cache_len,
-                         on_chunk=None, options=options)
+  cache, last = _prefill(params, cfg, prompts, lengths, method, options, cache_len=cache_len,
+                         on_chunk=None)
   jax.block_until_ready(last)
   t1 = time.perf_counter()
-  rows, cache = decode_sharded(params, cfg, cache, last, method, mesh, axis,
-                               max_new_tokens=max_new_tokens, sampling=sampling,
-                               stop_tokens=stop_tokens, options=options)
+  rows, cache = decode(params, cfg, cache, last, sharded(method), max_new_tokens=max_new_tokens,
+                       sampling=sampling, stop_tokens=stop_tokens, options=options)
   return GenerationResult(rows, cache, lengths, t1 - t0, time.perf_counter() - t1)

@@ -12,7 +12,8 @@ default the anchor, identical in every row, is computed once and its KV sent to 
 Phase 2 (both): the query and every generated token run replicated on all devices; in each
 layer every device attends over its local context KV (no mask: the context precedes the query)
 and the query device also over the query's and generated tokens' KV (causal), and the partial
-(out, lse) pairs merge exactly across the axis (`merge_across`, fp32). Weights are replicated.
+(out, lse) pairs merge exactly across the axis (`merge_across`, fp32). On a mesh with a `model`
+axis every device holds its heads of all this and its part of the weights (`model.place`).
 """
 
 from __future__ import annotations
@@ -24,18 +25,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 import pallas_kernels
-from jax_longctx.ops.attention import attention, merge_attention
-from jax_longctx.ops.cache import Cache
-from jax_longctx.run.distributed.attention import merge_across, ring_attention
-from jax_longctx.run.generation import GenerationError, Sampling, decode_loop, trim_at_stops
+from jax_longctx.core.mesh import make_mesh
+from jax_longctx.core.options import DEFAULT, RunOptions
+from jax_longctx.core.rope import apply_rope
 from jax_longctx.methods.base import MeshMethod, Method
 from jax_longctx.methods.chunk_cache import ChunkCache
 from jax_longctx.model import forward
-from jax_longctx.core.options import DEFAULT, RunOptions
-from jax_longctx.core.rope import apply_rope
+from jax_longctx.ops.attention import attention, merge_attention
+from jax_longctx.ops.cache import Cache
+from jax_longctx.run import sharding
+from jax_longctx.run.distributed.attention import merge_across, ring_attention
+from jax_longctx.run.generation import GenerationError, Sampling, decode_rows, trim_at_stops
 
 
 @struct.dataclass
@@ -215,34 +218,43 @@ def _encode_blocks(params, tok, pos, ok, offset, *, cfg, lay: Layout, axis: str,
 
 
 def _context_specs(cfg, axis):
-  kv = P(None, None, axis)
-  return tuple(ContextKV(kv, kv, P(None, axis)) for _ in range(cfg.num_layers))
+  """Each layer's ContextKV: rows over `data`, heads over `model`, tokens over `axis`."""
+  kv = P("data", "model", axis)
+  return tuple(ContextKV(kv, kv, P("data", axis)) for _ in range(cfg.num_layers))
 
 
-@functools.lru_cache(maxsize=16)
-def _phase1(cfg, mesh, axis: str, lay: Layout | None, options: RunOptions = DEFAULT):
-  """The compiled phase 1 (`lay` None: ring), kept so that equal calls compile once."""
-  shard = P(None, axis)
+@functools.partial(jax.jit, static_argnames=("cfg", "axis", "lay", "options"))
+def _phase1(params, *rows, cfg, axis: str, lay: Layout | None, options: RunOptions):
+  """Phase 1 on options.mesh (`lay` None: ring): rows [B, ...] split over `data` and along
+  the context over `axis`; the weights `model.place`d."""
   if lay is None:
-    fn, n_in = functools.partial(_encode, cfg=cfg, method=RowEncode(axis), options=options), 3
+    fn = functools.partial(_encode, cfg=cfg, method=RowEncode(axis), options=options)
   else:
-    fn, n_in = functools.partial(_encode_blocks, cfg=cfg, lay=lay, axis=axis,
-                                 options=options), 4
-  return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P(),) + (shard,) * n_in,
-                               out_specs=_context_specs(cfg, axis), check_vma=False))
+    fn = functools.partial(_encode_blocks, cfg=cfg, lay=lay, axis=axis, options=options)
+  return jax.shard_map(fn, mesh=options.mesh,
+                       in_specs=(sharding.params(params),) + (P("data", axis),) * len(rows),
+                       out_specs=_context_specs(cfg, axis), check_vma=False)(params, *rows)
+
+
+def _mesh_options(mesh, options: RunOptions) -> RunOptions:
+  """The run's options on `mesh` (axes ctx and model; data splits the rows)."""
+  return options.replace(mesh=make_mesh(mesh))
 
 
 def encode_context(params, cfg, contexts, mesh, axis: str = "ctx", *, method: str = "star",
                    block_size: int | None = None, anchor_size: int | None = None,
                    shared_anchor: bool = True, options: RunOptions = DEFAULT):
-  """Phase 1: per-layer ContextKV sharded over `axis` (each device holds its blocks).
+  """Phase 1: per-layer ContextKV sharded over `axis` (each device holds its blocks; on a mesh
+  with a `model` axis, its heads of them). params: `model.place`d on the mesh.
 
   shared_anchor: compute the anchor once and send its KV to every device (AnchoredBlocks; the
   same result) instead of running it in every block's row as the authors' code does."""
+  options = _mesh_options(mesh, options)
   lengths = np.asarray([len(c) for c in contexts], np.int32)
   if lengths.min() < 1:
     raise GenerationError("empty context: phase 1 needs >= 1 token per sequence")
-  n_dev = mesh.shape[axis]
+  sharding.check_batch(len(contexts), options)
+  n_dev = options.mesh.shape[axis]
   longest = int(lengths.max())
   if method == "star":
     lay = Layout.star(longest, n_dev, block_size, anchor_size, shared_anchor)
@@ -260,31 +272,38 @@ def encode_context(params, cfg, contexts, mesh, axis: str = "ctx", *, method: st
     args = (padded, pos, pos < lengths[:, None])
   else:
     args = _rows(padded, lengths, lay)
-  return _phase1(cfg, mesh, axis, lay, options)(params, *map(jnp.asarray, args))
+  return _phase1(params, *map(jnp.asarray, args), cfg=cfg, axis=axis, lay=lay, options=options)
 
 
-@functools.lru_cache(maxsize=16)
-def _phase2(cfg, mesh, axis: str, batch: int, q_w: int, max_new_tokens: int, sampling: Sampling,
-            options: RunOptions = DEFAULT):
-  """The compiled phase 2 for queries [batch, q_w], kept so that equal calls compile once."""
+@functools.partial(jax.jit, static_argnames=("cfg", "axis", "max_new_tokens", "sampling",
+                                             "options"))
+def _phase2(params, context_kv, q_tok, q_len, lengths, stops, key, *, cfg, axis: str,
+            max_new_tokens: int, sampling: Sampling, options: RunOptions):
+  """Phase 2 on options.mesh for queries [B, q_w]: the query, then the decode loop."""
+  batch, q_w = q_tok.shape
   room = q_w + max_new_tokens
   attn = GlobalAttention(axis)
+  local_cfg = sharding.local_config(cfg, options)
 
   def phase2(params, context_kv, q_tok, q_len, lengths, stops, key):
-    local = [ChunkCache.empty(cfg, batch, room, room, cfg.jnp_dtype)
+    b = q_tok.shape[0]
+    local = [ChunkCache.empty(local_cfg, b, room, room, cfg.jnp_dtype)
              for _ in range(cfg.num_layers)]
     cache = Cache(lengths, tuple(Phase2State(c, l) for c, l in zip(context_kv, local)), 0)
     steps = jnp.arange(q_w, dtype=jnp.int32)[None, :]
     logits, cache = forward(params, q_tok, lengths[:, None] + steps, cache, attn, cfg,
                             valid=steps < q_len[:, None], logits_index=q_len - 1,
                             options=options)
-    out, n, _ = decode_loop(params, cache, logits, stops, key, cfg=cfg, method=attn,
+    out, n, _ = decode_rows(params, cache, logits, stops, key, cfg=cfg, method=attn,
                             max_new_tokens=max_new_tokens, sampling=sampling, options=options)
     return out, n, logits
 
-  return jax.jit(jax.shard_map(phase2, mesh=mesh,
-                               in_specs=(P(), _context_specs(cfg, axis)) + (P(),) * 5,
-                               out_specs=(P(), P(), P()), check_vma=False))
+  rows = P("data")
+  return jax.shard_map(phase2, mesh=options.mesh,
+                       in_specs=(sharding.params(params), _context_specs(cfg, axis), rows, rows,
+                                 rows, P(), P()),
+                       out_specs=(rows, rows, rows), check_vma=False)(
+                           params, context_kv, q_tok, q_len, lengths, stops, key)
 
 
 def answer(params, cfg, context_kv, context_lengths, queries, mesh, axis: str = "ctx", *,
@@ -300,12 +319,13 @@ def answer(params, cfg, context_kv, context_lengths, queries, mesh, axis: str = 
   for i, q in enumerate(queries):
     q_tok[i, :len(q)] = q
   q_len = np.asarray([len(q) for q in queries], np.int32)
-  run = _phase2(cfg, mesh, axis, b, q_w, max_new_tokens, sampling, options)
   stops = jnp.asarray(list(stop_tokens) or [-1], jnp.int32)
-  out, n, logits = run(params, context_kv, jnp.asarray(q_tok), jnp.asarray(q_len),
-                       jnp.asarray(context_lengths, jnp.int32), stops,
-                       jax.random.key(sampling.seed))
-  return trim_at_stops(np.asarray(out)[:, :int(n)], stop_tokens), logits
+  out, n, logits = _phase2(params, context_kv, jnp.asarray(q_tok), jnp.asarray(q_len),
+                           jnp.asarray(context_lengths, jnp.int32), stops,
+                           jax.random.key(sampling.seed), cfg=cfg, axis=axis,
+                           max_new_tokens=max_new_tokens, sampling=sampling,
+                           options=_mesh_options(mesh, options))
+  return trim_at_stops(np.asarray(out)[:, :int(np.max(n))], stop_tokens), logits
 
 
 def generate_distributed(params, cfg, contexts, queries, mesh, axis: str = "ctx", *,
@@ -318,8 +338,9 @@ def generate_distributed(params, cfg, contexts, queries, mesh, axis: str = "ctx"
   sequence, the query's last-token logits [B, V]).
 
   method: "star", "ring", or the registry's StarAttention / RingAttention object (whose settings
-  apply). Weights already replicated over the mesh (`replicate`) are not copied again on each
-  call.
+  apply). mesh: a Mesh with a `ctx` axis (a `model` axis splits the heads too; `data` the
+  rows) or a spec such as "ctx=4,model=2". The weights are `model.place`d on it (weights placed
+  already are not copied again).
   """
   if isinstance(method, MeshMethod):
     settings = method.settings()
@@ -329,14 +350,11 @@ def generate_distributed(params, cfg, contexts, queries, mesh, axis: str = "ctx"
     method = method.name
   if len(queries) != len(contexts) or min(map(len, queries), default=0) < 1:
     raise GenerationError("one non-empty query per context is needed")
+  mesh = make_mesh(mesh)
+  params = sharding.placed(params, cfg, mesh)
   context_kv = encode_context(params, cfg, contexts, mesh, axis, method=method,
                               block_size=block_size, anchor_size=anchor_size,
                               shared_anchor=shared_anchor, options=options)
   return answer(params, cfg, context_kv, [len(c) for c in contexts], queries, mesh, axis,
                 max_new_tokens=max_new_tokens, stop_tokens=stop_tokens, sampling=sampling,
                 options=options)
-
-
-def replicate(params, mesh):
-  """The weights copied once onto every device of the mesh."""
-  return jax.device_put(params, NamedSharding(mesh, P()))

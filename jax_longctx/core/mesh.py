@@ -1,0 +1,130 @@
+"""The device mesh of a run, and how one model's weights and heads split over it.
+
+The one place that knows the mesh. A run's mesh has three named axes (any of them 1):
+
+    data    batch rows: each group of devices along it decodes its own rows
+    model   tensor parallel: attention heads, MLP hidden units and the vocabulary (Megatron)
+    ctx     the context, for the mesh methods (Star, ring, mesh ReAttention)
+
+`make_mesh("data=2,model=4")` builds it; `RunOptions.mesh` carries it to the compiled steps, which
+then run per device under `jax.shard_map` (run/sharding.py): every device holds its rows, its
+heads and its part of every weight, and the model inserts the few collectives a layer needs
+(one all-reduce after the attention output and one after the MLP, the vocabulary's).
+
+`ModelShards` says how a model lies over the `model` axis: each device holds num_heads / model
+query heads and the KV heads they read (with fewer KV heads than shards, each shard holds a copy
+of its group's KV head, as vLLM does), intermediate_size / model hidden units and a slice of a
+vocabulary padded up to a multiple of the axis (the padded logits are cut before anyone sees
+them). Heads or hidden units that do not divide are a one-line error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import numpy as np
+
+from jax_longctx.core.config import LlamaConfig
+from jax_longctx.core.errors import LongctxError
+
+AXES = ("data", "model", "ctx")
+
+
+class MeshError(LongctxError, ValueError):
+  """A mesh the devices or the model cannot take."""
+
+
+def make_mesh(spec, devices=None):
+  """A `jax.sharding.Mesh` with axes (data, model, ctx) from "data=2,model=4" (axes left out are
+  1; the first data * model * ctx devices), or from a given Mesh (its missing axes added with
+  size 1); None stays None."""
+  import jax
+  from jax.sharding import AbstractMesh, Mesh
+
+  if spec is None:
+    return None
+  if isinstance(spec, (Mesh, AbstractMesh)):
+    names = list(spec.axis_names)
+    unknown = [a for a in names if a not in AXES]
+    if unknown:
+      raise MeshError(f"mesh axis {unknown[0]!r} is not one of {', '.join(AXES)}")
+    if len(names) == len(AXES):
+      return spec
+    # The missing axes of size 1 (a Mesh over ("ctx",) is data=1, model=1, ctx=N).
+    sizes = [axis_size(spec, a) for a in AXES]
+    if isinstance(spec, AbstractMesh):  # shapes only (exports for another platform)
+      return AbstractMesh(tuple(sizes), AXES)
+    grid = np.transpose(spec.devices, [names.index(a) for a in AXES if a in names])
+    return Mesh(grid.reshape(sizes), AXES)
+  sizes = parse(spec)
+  devices = list(jax.devices() if devices is None else devices)
+  n = int(np.prod(list(sizes.values())))
+  if n > len(devices):
+    shape = " x ".join(f"{a}={s}" for a, s in sizes.items())
+    raise MeshError(f"mesh {shape} needs {n} devices, but {len(devices)} are visible")
+  grid = np.array(devices[:n], dtype=object).reshape([sizes[a] for a in AXES])
+  return Mesh(grid, AXES)
+
+
+def parse(spec: str) -> dict[str, int]:
+  """'data=2,model=4' -> {'data': 2, 'model': 4, 'ctx': 1}."""
+  sizes = dict.fromkeys(AXES, 1)
+  seen = set()
+  for part in filter(None, (p.strip() for p in str(spec).split(","))):
+    m = re.fullmatch(r"([a-z_]+)\s*=\s*(-?\d+)", part)
+    if not m:
+      raise MeshError(f"mesh part {part!r} is not axis=size (e.g. data=2,model=4)")
+    axis, size = m.group(1), int(m.group(2))
+    if axis not in AXES:
+      raise MeshError(f"unknown mesh axis {axis!r}: the axes are {', '.join(AXES)}")
+    if axis in seen:
+      raise MeshError(f"mesh axis {axis!r} given twice")
+    if size < 1:
+      raise MeshError(f"mesh axis {axis}={size}: a size is >= 1")
+    seen.add(axis)
+    sizes[axis] = size
+  return sizes
+
+
+def axis_size(mesh, axis: str) -> int:
+  """The size of `axis` on `mesh` (1 when the mesh is None or has no such axis)."""
+  if mesh is None or axis not in mesh.axis_names:
+    return 1
+  return int(mesh.shape[axis])
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShards:
+  """How a model splits over the `model` axis (`shards` devices; 1 = nothing split)."""
+
+  shards: int = 1
+  kv_heads: int = 0  # KV heads as placed: the model's, or `shards` copies when it has fewer
+  kv_copies: int = 1  # shards that hold each of the model's KV heads
+  vocab: int = 0  # vocabulary as placed: padded up to a multiple of `shards`
+
+  @classmethod
+  def of(cls, cfg: LlamaConfig, mesh) -> "ModelShards":
+    m = axis_size(mesh, "model")
+    h, kv, f = cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
+    if h % m:
+      raise MeshError(f"num_heads={h} does not divide over model={m}: use a model axis that "
+                      f"divides {h}")
+    if kv % m and m % kv:
+      raise MeshError(f"num_kv_heads={kv} and model={m}: one must divide the other (each "
+                      "shard holds whole KV heads, or a copy of one)")
+    if f % m:
+      raise MeshError(f"intermediate_size={f} does not divide over model={m}")
+    placed_kv = max(kv, m)
+    return cls(m, placed_kv, placed_kv // kv, -(-cfg.vocab_size // m) * m)
+
+  def placed(self, cfg: LlamaConfig) -> LlamaConfig:
+    """The model as laid out over the whole mesh: KV heads copied up to `shards`, the
+    vocabulary padded. It computes what `cfg` does (a copied head answers as its original)."""
+    return cfg.replace(num_kv_heads=self.kv_heads, vocab_size=self.vocab)
+
+  def local(self, cfg: LlamaConfig) -> LlamaConfig:
+    """The part of the model one device of the `model` axis holds."""
+    m = self.shards
+    return cfg.replace(num_heads=cfg.num_heads // m, num_kv_heads=self.kv_heads // m,
+                       intermediate_size=cfg.intermediate_size // m, vocab_size=self.vocab // m)

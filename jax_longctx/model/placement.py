@@ -1,0 +1,171 @@
+"""How the weights lie in memory: the fused serving layout, and their placement over a mesh.
+
+Placement (tensor parallel, the mesh's `model` axis; Megatron's split): q/k/v and their biases
+along the heads, gate/up along the hidden units, o and down along their input, the embedding
+and lm_head along the vocabulary; norms replicated. The placed tree is the model as
+`ModelShards.placed` describes it: KV heads copied up to the number of shards when there are
+fewer (each shard then holds the copy its query heads read) and the vocabulary padded with zero
+rows to a multiple of the shards. Every leaf goes to the devices on its own, straight into its
+shards (`jax.make_array_from_callback` from host arrays, a jitted transform with sharded output
+from device arrays), so no device and no host holds a whole model beyond one leaf. The `data`
+and `ctx` axes hold copies.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jax_longctx.core.config import LlamaConfig
+from jax_longctx.core.mesh import MeshError, ModelShards, axis_size, make_mesh
+from jax_longctx.model.decoder import abstract_model, is_fused, random_params
+
+# The dimension of each weight (by its name in the parameter tree) split over the `model` axis;
+# None: replicated.
+SPLIT = {"embed": 0, "lm_head": 1, "q_proj": 1, "k_proj": 1, "v_proj": 1, "qkv_proj": 1,
+         "o_proj": 0, "q_bias": 0, "k_bias": 0, "v_bias": 0, "gate_proj": 1, "up_proj": 1,
+         "gate_up_proj": 1, "down_proj": 0, "scale": None}
+_KV = ("k_proj", "v_proj", "k_bias", "v_bias")  # copied up to the shards: dim SPLIT[name]
+
+
+def _name(path) -> str:
+  key = path[-1]
+  return str(getattr(key, "key", key))
+
+
+def _spec(name: str, ndim: int) -> P:
+  if name not in SPLIT:
+    raise MeshError(f"weight {name!r} has no tensor-parallel rule (model/placement.py SPLIT)")
+  dim = SPLIT[name]
+  return P() if dim is None else P(*[("model" if i == dim else None) for i in range(ndim)])
+
+
+def param_specs(params):
+  """The PartitionSpec of every weight (only the `model` axis is named)."""
+  return jax.tree_util.tree_map_with_path(lambda p, x: _spec(_name(p), np.ndim(x)), params)
+
+
+def _placed_leaf(name: str, x, shards: ModelShards):
+  """A weight as `ModelShards.placed` lays it out (x: numpy or jax array)."""
+  xp = np if isinstance(x, np.ndarray) else jnp
+  if name in _KV and shards.kv_copies > 1:
+    return xp.repeat(x, shards.kv_copies, axis=SPLIT[name])
+  if name in ("embed", "lm_head") and x.shape[SPLIT[name]] < shards.vocab:
+    pad = [(0, 0)] * x.ndim
+    pad[SPLIT[name]] = (0, shards.vocab - x.shape[SPLIT[name]])
+    return xp.pad(x, pad)
+  return x
+
+
+@functools.lru_cache(maxsize=None)
+def _placer(name: str, shards: ModelShards, sharding: NamedSharding):
+  return jax.jit(functools.partial(_placed_leaf, name, shards=shards), out_shardings=sharding)
+
+
+def place(params, cfg: LlamaConfig, mesh):
+  """The weights (standard layout, on any device or in host memory) placed over `mesh`, leaf by
+  leaf. The input tree is left as it is; drop it to free it."""
+  if is_fused(params):
+    raise MeshError("place the weights before fusing them (model.serving_params after place)")
+  mesh = make_mesh(mesh)
+  shards = ModelShards.of(cfg, mesh)
+
+  def one(path, x):
+    name = _name(path)
+    sharding = NamedSharding(mesh, _spec(name, np.ndim(x)))
+    if isinstance(x, np.ndarray):
+      placed = _placed_leaf(name, x, shards)
+      return jax.make_array_from_callback(placed.shape, sharding, lambda idx: placed[idx])
+    return _placer(name, shards, sharding)(x)
+
+  return jax.tree_util.tree_map_with_path(one, params)
+
+
+def restore_shardings(cfg: LlamaConfig, mesh):
+  """Shardings to read a checkpoint (standard layout) with straight onto the mesh: each weight
+  split as `place` splits it where its dimension divides (the padding and KV copies `place`
+  adds come after), else replicated."""
+  mesh = make_mesh(mesh)
+  m = ModelShards.of(cfg, mesh).shards
+  _, shapes = abstract_model(cfg)
+
+  def one(path, s):
+    spec = _spec(_name(path), len(s.shape))
+    dim = SPLIT[_name(path)]
+    return NamedSharding(mesh, spec if dim is None or s.shape[dim] % m == 0 else P())
+
+  return jax.tree_util.tree_map_with_path(one, shapes)
+
+
+def random_on_mesh(cfg: LlamaConfig, mesh, seed: int = 0):
+  """`random_params` created on the mesh and placed there (benchmarks' weights at shapes no
+  device holds whole): each leaf is drawn straight into its shards."""
+  return place(random_params(cfg, seed, shardings=restore_shardings(cfg, mesh)), cfg, mesh)
+
+
+def _fuse_heads(parts, shards: int):
+  """[D, n_i, hd] weights -> [D, sum n_i, hd] with each shard's heads of every part together."""
+  d, hd = parts[0].shape[0], parts[0].shape[2]
+  split = [x.reshape(d, shards, x.shape[1] // shards, hd) for x in parts]
+  return jnp.concatenate(split, axis=2).reshape(d, -1, hd)
+
+
+def _fuse_units(parts, shards: int):
+  """[D, F] weights -> [D, 2F] with each shard's hidden units of every part together."""
+  d = parts[0].shape[0]
+  split = [x.reshape(d, shards, x.shape[1] // shards) for x in parts]
+  return jnp.concatenate(split, axis=2).reshape(d, -1)
+
+
+def fuse_projections(params, shards: int = 1):
+  """The serving layout: per layer q/k/v concatenated over heads into `qkv_proj` [D, H+2KV, hd]
+  and gate/up over outputs into `gate_up_proj` [D, 2F]; everything else shared, not copied.
+  Over `shards` devices of the `model` axis each shard's part of q, k and v (gate and up) sits
+  together, so a placed fused weight splits into per-device fused weights.
+
+  A new tree (the input is left as it is; drop it to free the unfused weights). Why: a batch-1
+  decode step is one matrix-vector product per weight, and each small one (k, v: 8 MB at the 8B
+  shape) pays a kernel launch and a ramp-up for little data; one launch per fused weight reads
+  the same bytes. Only for generation: checkpoints, training and HF export take unfused params.
+  """
+  if is_fused(params):
+    return params
+  layers = {}
+  for i, layer in params["layers"].items():
+    a, m = layer["attn"], layer["mlp"]
+    attn = {k: v for k, v in a.items() if k not in ("q_proj", "k_proj", "v_proj")}
+    attn["qkv_proj"] = _fuse_heads([a["q_proj"], a["k_proj"], a["v_proj"]], shards)
+    mlp = {k: v for k, v in m.items() if k not in ("gate_proj", "up_proj")}
+    mlp["gate_up_proj"] = _fuse_units([m["gate_proj"], m["up_proj"]], shards)
+    layers[i] = {**layer, "attn": attn, "mlp": mlp}
+  return {**params, "layers": layers}
+
+
+def serving_params(params, mesh=None):
+  """The layout generation runs fastest on: fused projections on NVIDIA GPUs (H200, 8B shape,
+  batch-1 decode at 32K: 5.88 -> 5.70 ms, benchmarks/decode_profile.py), as given elsewhere
+  (unmeasured on TPU; on CPU the tests compare both layouts). With a mesh: params already
+  `place`d, fused by `fuse_placed`."""
+  if jax.default_backend() != "gpu":
+    return params
+  return fuse_projections(params) if mesh is None else fuse_placed(params, mesh)
+
+
+def fuse_placed(params, mesh):
+  """`fuse_projections` of weights `place`d over `mesh`, per shard, layer by layer (one layer's
+  unfused and fused weights at a time), each fused weight split as its parts were."""
+  if is_fused(params):
+    return params
+  mesh = make_mesh(mesh)
+  shards = axis_size(mesh, "model")
+  fuse = lambda t: fuse_projections(t, shards)  # noqa: E731
+  layers = {}
+  for i, layer in params["layers"].items():
+    one = {"layers": {i: layer}}
+    out = jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(jax.eval_shape(fuse, one)))
+    layers[i] = jax.jit(fuse, out_shardings=out)(one)["layers"][i]
+  return {**params, "layers": layers}
