@@ -155,21 +155,22 @@ DECODE_TRACES = [0]
 def decode_loop(params, cache: Cache, last_logits, stop_tokens, key, *, cfg: LlamaConfig,
                 method: Method, max_new_tokens: int, sampling: Sampling,
                 options: RunOptions = DEFAULT):
-  """Samples up to max_new_tokens per row on device. Returns (tokens [B, N], steps [B]: the
-  steps each row's loop ran (rows on one device stop together), cache)."""
+  """Samples up to max_new_tokens per row on device. Returns (tokens [B, N], steps: the most
+  steps any row ran, cache)."""
   DECODE_TRACES[0] += 1
   body = functools.partial(decode_rows, cfg=cfg, method=method, max_new_tokens=max_new_tokens,
                            sampling=sampling, options=options)
   specs = _loop_specs(params, cache, options)
   run = sharding.per_device(body, options, (*specs, P("data"), sharding.ALL, sharding.ALL),
-                            (P("data"), P("data"), specs[1]))
+                            (P("data"), sharding.ALL, specs[1]))
   return run(params, cache, last_logits, stop_tokens, key)
 
 
 def decode_rows(params, cache: Cache, last_logits, stop_tokens, key, *, cfg: LlamaConfig,
                 method: Method, max_new_tokens: int, sampling: Sampling, options: RunOptions):
   """`decode_loop`'s body: one device's rows (on a mesh, inside its step; Star's phase 2 runs it
-  inside its own)."""
+  inside its own). The devices of each `data` group run their own loop (it stops when their rows
+  are done); the steps they ran meet once, at the end."""
   b = last_logits.shape[0]
   rows = sharding.row_offset(b, options) + jnp.arange(b)
   key, sub = jax.random.split(key)
@@ -194,7 +195,7 @@ def decode_rows(params, cache: Cache, last_logits, stop_tokens, key, *, cfg: Lla
 
   step, cache, _, out, _, _ = decode_while(
       method, keep_going, one_token, (jnp.int32(1), cache, tok, out, done, key), lambda c: c[1])
-  return out, jnp.full((b,), step), cache
+  return out, sharding.max_over_rows(step, options), cache
 
 
 def _loop_specs(params, cache, options: RunOptions):
@@ -289,4 +290,4 @@ def decode(params, cfg: LlamaConfig, cache: Cache, last_logits, method: Method, 
                                   jax.random.key(sampling.seed), cfg=cfg, method=method,
                                   max_new_tokens=max_new_tokens, sampling=sampling,
                                   options=options)
-  return trim_at_stops(np.asarray(out)[:, :int(np.max(steps))], stop_tokens), cache
+  return trim_at_stops(np.asarray(out)[:, :int(steps)], stop_tokens), cache

@@ -302,7 +302,7 @@ def _phase2(params, context_kv, q_tok, q_len, lengths, stops, key, *, cfg, axis:
   return jax.shard_map(phase2, mesh=options.mesh,
                        in_specs=(sharding.params(params), _context_specs(cfg, axis), rows, rows,
                                  rows, P(), P()),
-                       out_specs=(rows, rows, rows), check_vma=False)(
+                       out_specs=(rows, P(), rows), check_vma=False)(
                            params, context_kv, q_tok, q_len, lengths, stops, key)
 
 
@@ -325,7 +325,7 @@ def answer(params, cfg, context_kv, context_lengths, queries, mesh, axis: str = 
                            jax.random.key(sampling.seed), cfg=cfg, axis=axis,
                            max_new_tokens=max_new_tokens, sampling=sampling,
                            options=_mesh_options(mesh, options))
-  return trim_at_stops(np.asarray(out)[:, :int(np.max(n))], stop_tokens), logits
+  return trim_at_stops(np.asarray(out)[:, :int(n)], stop_tokens), logits
 
 
 def generate_distributed(params, cfg, contexts, queries, mesh, axis: str = "ctx", *,
