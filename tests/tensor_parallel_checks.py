@@ -1,0 +1,249 @@
+"""Tensor- and data-parallel inference on 8 fake CPU devices (tests/test_tensor_parallel.py), each
+check in its own process (the device count is fixed when JAX starts):
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m tests.tensor_parallel_checks NAME
+
+Against one device, on the same weights: the same greedy tokens, prompt logits and
+teacher-forced NLL within fp32 rounding, and the same cache after decoding (every position a
+method kept, every score it ranked by; KV heads copied on the mesh compared once). What runs
+where, to keep CI short (each mesh compiles every step anew):
+- every registered per-layer method on (data 2, model 4) of a model with 16 query and 2 KV heads
+  (each KV head copied onto 2 shards, so a GQA group spans devices): `all_methods`;
+- full, SnapKV, ReAttention and RefreshKV (one of each kind: exact, evicting at the end of
+  prefill, selecting over a pre-RoPE cache, deciding from a layer's mean query) on (1, 8) and
+  (4, 2) of an 8-head MHA model and of the 16/2 model: `meshes_mha`, `meshes_gqa`;
+- a Qwen2-style model (q/k/v biases, tied embeddings, a vocabulary of 101 padded to 104) on
+  (2, 4) and a 9-head / 3-KV model (the default model's layout) on (2, 3): `qwen`, `nine`;
+- the mesh methods on (ctx 2, model 4) and (ctx 4, model 2) against ctx alone: `mesh_methods`;
+- no all-gather of a cache's size in any method's compiled prefill chunk or decode loop:
+  `hlo_no_cache_gather`; bad meshes: `errors`; fused projections per shard: `fused`;
+- every method's steps on (2, 4) exported for TPU as 8-device programs: `tpu_export`.
+"""
+
+import re
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_longctx.core.mesh import MeshError, make_mesh
+from jax_longctx.core.options import RunOptions
+from jax_longctx.methods import get, names
+from jax_longctx.model import fuse_placed, fuse_projections, place, random_params
+from jax_longctx.run import chunked_prefill, sharding
+from jax_longctx.run import generation as gen
+from jax_longctx.run.driver import generate
+from tests.conftest import tiny_config
+from tests.test_methods import CACHE_LEN, _apart, _method, _prompts
+
+MODELS = {
+    "mha": dict(num_heads=8, num_kv_heads=8, head_dim=8),
+    "gqa": dict(num_heads=16, num_kv_heads=2, head_dim=8),
+    "qwen": dict(num_heads=8, num_kv_heads=4, head_dim=8, attention_bias=True,
+                 architecture="qwen2", tie_word_embeddings=True, vocab_size=101),
+    "nine": dict(num_heads=9, num_kv_heads=3, head_dim=8, hidden_size=36, intermediate_size=48),
+}
+BUDGET = 24  # tokens a bounded method keeps: below the prompts' lengths, so they evict/select
+NEW = 4
+
+
+def _model(name: str):
+  cfg = tiny_config(**MODELS[name], max_position_embeddings=CACHE_LEN)
+  return cfg, random_params(cfg, seed=1)
+
+
+def _host(tree):
+  return jax.tree.map(np.asarray, tree)
+
+
+def same_state(one, many, what: str):
+  """Caches equal leaf by leaf; a leaf whose KV-head dimension the mesh copied is compared on
+  one copy of each head. Integer leaves (positions, slots) exactly."""
+  for a, b in zip(jax.tree.leaves(_host(one)), jax.tree.leaves(_host(many))):
+    for d, (x, y) in enumerate(zip(a.shape, b.shape)):
+      if x != y:
+        assert y % x == 0, (what, a.shape, b.shape)
+        b = np.take(b, np.arange(0, y, y // x), axis=d)
+    if np.issubdtype(a.dtype, np.integer) or a.dtype == bool:
+      np.testing.assert_array_equal(a, b, err_msg=what)
+    else:
+      np.testing.assert_allclose(a, b, atol=2e-4, rtol=2e-4, err_msg=what)
+
+
+def compare(model: str, mesh: str, methods) -> None:
+  """Each method on `mesh` against one device (module doc)."""
+  cfg, params = _model(model)
+  one_opts = RunOptions(prefill_chunk=8)
+  opts = one_opts.replace(mesh=mesh)
+  placed = place(params, cfg, opts.mesh)
+  docs, ins = _apart(_prompts(cfg, (13, 21, 17, 26), seed=3))
+  targets = np.random.default_rng(4).integers(0, cfg.vocab_size, (4, NEW)).astype(np.int32)
+  for name in methods:
+    m = _method(name, BUDGET)
+    what = f"{name} on {model} {mesh}"
+    run = lambda p, o: generate(p, cfg, docs, m, max_new_tokens=NEW, cache_len=CACHE_LEN,  # noqa
+                                instructions=ins, options=o)
+    assert run(params, one_opts).tokens == run(placed, opts).tokens, what
+    caches = []
+    for p, o in ((params, one_opts), (placed, opts)):
+      cache, last = gen.prefill(p, cfg, docs, m, cache_len=CACHE_LEN, decode_room=NEW,
+                                instructions=ins, options=o)
+      nll, cache = gen.teacher_forced_nll(p, cache, last, jnp.asarray(targets), cfg=cfg,
+                                          method=m, options=o)
+      caches.append((np.asarray(last), np.asarray(nll), cache))
+    (l1, n1, c1), (l2, n2, c2) = caches
+    np.testing.assert_allclose(l1, l2, atol=1e-4, rtol=0, err_msg=what)
+    np.testing.assert_allclose(n1, n2, atol=1e-4, rtol=0, err_msg=what)
+    same_state(c1.state, c2.state, what)
+
+
+FEW = ("full", "snapkv", "reattention", "refreshkv")
+
+
+def all_methods():
+  compare("gqa", "data=2,model=4", names("layer"))
+
+
+def meshes(model: str):
+  for mesh in ("model=8", "data=4,model=2"):
+    compare(model, mesh, FEW)
+
+
+def qwen():
+  compare("qwen", "data=2,model=4", ("full", "refreshkv", "citrus_shared", "quest"))
+
+
+def nine():
+  compare("nine", "data=2,model=3", ("full", "snapkv", "h2o", "tova"))
+
+
+def mesh_methods():
+  """star, ring, reattention_mesh and resa_mesh with the heads over `model` too: the tokens and
+  logits of the context axis alone (which tests/test_distributed.py and test_reattention_mesh.py
+  check against one device)."""
+  cfg, params = _model("gqa")
+  rng = np.random.default_rng(5)
+  contexts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (37, 30)]
+  queries = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (5, 3)]
+  settings = dict(n_global=2, n_local=8, span=2, clip=3, top_k=2, chunk=4)
+  entries = [get("star", block_size=8), get("ring"), get("reattention_mesh", **settings),
+             get("resa_mesh", base_args=tuple(settings.items()), lam=0.7)]
+  for ctx, model in ((2, 4), (4, 2)):
+    for m in entries:
+      want = generate(params, cfg, contexts, m, instructions=queries, max_new_tokens=5,
+                      cache_len=64, options=RunOptions(mesh=f"ctx={ctx}"))
+      got = generate(params, cfg, contexts, m, instructions=queries, max_new_tokens=5,
+                     cache_len=64, options=RunOptions(mesh=f"ctx={ctx},model={model}"))
+      assert got.tokens == want.tokens, (m.name, ctx, model, got.tokens, want.tokens)
+      if got.cache is not None:
+        same_state(want.cache.state, got.cache.state, f"{m.name} ctx={ctx} model={model}")
+
+
+_SHAPE = re.compile(r"(\w+)\[([\d,]*)\]")
+_BYTES = {"f32": 4, "s32": 4, "bf16": 2, "f16": 2, "pred": 1, "u32": 4, "s8": 1, "u8": 1}
+
+
+def _gathers(hlo: str) -> list[int]:
+  """Bytes each all-gather (or async all-gather start) of a compiled program's HLO writes:
+  '%x = f32[2,8,1024,8]{3,2,1,0} all-gather(...)', a tuple of shapes for a combined one."""
+  sizes = []
+  for line in hlo.splitlines():
+    head, found, _ = line.partition(" all-gather")
+    if not found or "=" not in head:
+      continue
+    result = head.split("=", 1)[1]
+    sizes.append(sum(_BYTES.get(t, 4) * int(np.prod([int(n) for n in d.split(",") if n] or [1]))
+                     for t, d in _SHAPE.findall(result)))
+  return sizes
+
+
+def hlo_no_cache_gather():
+  """Every per-layer method's compiled prefill chunk and decode loop on (data 2, model 4): no
+  all-gather as large as one layer's K (or V) cache on one device; the gathers left are the
+  logits' vocabulary slices and the methods' head reductions (ReAttention's votes)."""
+  cfg, params = _model("gqa")
+  cache_len, batch = 1024, 4
+  opts = RunOptions(prefill_chunk=8, mesh="data=2,model=4")
+  placed = place(params, cfg, opts.mesh)
+  # one layer's K on one device: its rows, its KV head, every slot
+  limit = (batch // 2) * 1 * cache_len * cfg.head_dim * 4
+  for name in names("layer"):
+    m = _method(name, 40)
+    cache = sharding.empty_cache(cfg, m, batch, cache_len, 8, opts)
+    tokens = jnp.zeros((batch, 8), jnp.int32)
+    plen = jnp.full((batch,), 8, jnp.int32)
+    last = jnp.zeros((batch, cfg.vocab_size), jnp.float32)
+    prefill = chunked_prefill.prefill_step.lower(
+        placed, tokens, jnp.int32(0), plen, cache, last, cfg=cfg, method=m, options=opts)
+    sizes = _gathers(prefill.compile().as_text())
+    ended = jax.eval_shape(lambda c: chunked_prefill.end_prefill(c, cfg, m, 8, opts), cache)
+    decode = gen.decode_loop.lower(placed, ended, last, jnp.zeros((1,), jnp.int32),
+                                   jax.random.key(0), cfg=cfg, method=m, max_new_tokens=4,
+                                   sampling=gen.Sampling(), options=opts)
+    sizes += _gathers(decode.compile().as_text())
+    assert max(sizes, default=0) < limit, (name, sorted(sizes)[-3:], limit)
+  # The check sees what it must refuse: a step that gathers one layer's K over the heads.
+  bad = jax.jit(sharding.per_device(
+      lambda c: jax.lax.all_gather(c, "model", axis=1, tiled=True), opts,
+      (jax.sharding.PartitionSpec("data", "model"),), jax.sharding.PartitionSpec("data")))
+  kv = jnp.zeros((batch, 2 * 4, cache_len, cfg.head_dim), jnp.float32)
+  assert max(_gathers(bad.lower(kv).compile().as_text())) >= limit
+
+
+def errors():
+  cfg, params = _model("gqa")
+  for spec, words in (("data=4,model=4", "needs 16 devices, but 8"),
+                      ("data=2,tensor=2", "unknown mesh axis 'tensor'"),
+                      ("model=0", "model=0"), ("model", "not axis=size")):
+    try:
+      make_mesh(spec)
+    except MeshError as e:
+      assert words in str(e) and "\n" not in str(e), (spec, e)
+    else:
+      raise AssertionError(spec)
+  nine_cfg, nine_params = _model("nine")
+  for spec, words in (("model=2", "num_heads=9 does not divide over model=2"),):
+    try:
+      generate(nine_params, nine_cfg, [[1, 2, 3]], get("full"), max_new_tokens=1,
+               options=RunOptions(mesh=spec))
+    except MeshError as e:
+      assert words in str(e), e
+    else:
+      raise AssertionError(spec)
+  try:  # per-layer methods do not take the context axis
+    generate(params, cfg, [[1, 2, 3]], get("full"), max_new_tokens=1,
+             options=RunOptions(mesh="ctx=2,model=2"))
+  except MeshError as e:
+    assert "ctx=2 is for the mesh methods" in str(e), e
+  else:
+    raise AssertionError("ctx")
+
+
+def fused():
+  """The serving layout on a mesh (fused per shard) decodes as the unfused weights do."""
+  cfg, params = _model("gqa")
+  for mesh in ("model=8", "data=2,model=4"):
+    opts = RunOptions(prefill_chunk=8, mesh=mesh)
+    placed = place(params, cfg, opts.mesh)
+    docs = _prompts(cfg, (13, 21), seed=6)
+    plain = generate(placed, cfg, docs, get("full"), max_new_tokens=5, options=opts)
+    both = generate(fuse_placed(placed, opts.mesh), cfg, docs, get("full"), max_new_tokens=5,
+                    options=opts)
+    one = generate(fuse_projections(params), cfg, docs, get("full"), max_new_tokens=5)
+    assert plain.tokens == both.tokens == one.tokens, mesh
+
+
+def tpu_export():
+  from tests.test_tpu_export_methods import tensor_parallel_exports
+  tensor_parallel_exports()
+
+
+CHECKS = {"tpu_export": tpu_export, "all_methods": all_methods, "meshes_mha": lambda: meshes("mha"),
+          "meshes_gqa": lambda: meshes("gqa"), "qwen": qwen, "nine": nine,
+          "mesh_methods": mesh_methods, "hlo_no_cache_gather": hlo_no_cache_gather,
+          "errors": errors, "fused": fused}
+
+if __name__ == "__main__":
+  CHECKS[sys.argv[1]]()
+  print("OK")
