@@ -60,8 +60,8 @@ def child(args) -> dict:
   from jax.sharding import Mesh
 
   from jax_longctx import preset
-  from jax_longctx.run.distributed import (cache_unit, decode_sharded, prefill_sharded, replicate,
-                                       sharded)
+  from jax_longctx.run.distributed import cache_unit, decode_sharded, prefill_sharded, sharded
+  from jax_longctx.run.sharding import placed
   from jax_longctx.methods import get
   from jax_longctx.model import random_params
 
@@ -86,7 +86,7 @@ def child(args) -> dict:
   _stage(f"context {c} over {n_dev} devices: cache {cache_len} slots "
          f"({cache_len // n_dev} a device), {args.method}, chunk {chunk}, "
          f"shard_block {args.shard_blocks}")
-  params = replicate(random_params(cfg), mesh)
+  params = placed(random_params(cfg), cfg, mesh)  # copied onto every device of the ctx axis
   prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, c).tolist()
   marks = {}
 

@@ -43,7 +43,8 @@ def child(args) -> None:
   from jax.sharding import Mesh
 
   from jax_longctx import preset
-  from jax_longctx.run.distributed import answer, encode_context, replicate
+  from jax_longctx.run.distributed import answer, encode_context
+  from jax_longctx.run.sharding import placed
   from jax_longctx.run.generation import Sampling, decode_loop, prefill
   from jax_longctx.core.options import RunOptions
   from jax_longctx.methods import get
@@ -56,7 +57,7 @@ def child(args) -> None:
   mesh = Mesh(np.array(devices), ("ctx",))
   params = random_params(cfg)
   if args.method != "full":
-    params = replicate(params, mesh)
+    params = placed(params, cfg, mesh)  # copied onto every device of the ctx axis
   rng = np.random.default_rng(0)
   query = rng.integers(0, cfg.vocab_size, args.query).tolist()
   full = get("full")
