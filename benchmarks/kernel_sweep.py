@@ -13,7 +13,8 @@ from pallas_kernels.gpu import Tiling
 from pallas_kernels.options import KernelOptions
 
 # Triton named: on Hopper the default (Mosaic) would take these 512-query calls and ignore the
-# Triton tilings swept (benchmarks/mgpu_topk.py times Mosaic's own gemm_only).
+# Triton tilings swept (benchmarks/mgpu_topk.py times Mosaic's own gemm_only and tilings).
+TRITON = KernelOptions(topk_impl="triton")
 GEMM_ONLY = KernelOptions(topk_impl="triton", topk_selection="max_only")
 
 
@@ -69,7 +70,8 @@ def sweep_cases(key, args):
   return {
       "topk_gemm_only": lambda: _gemm_only(key, args, prefill[:4]),
       "topk_prefill": lambda: _each(
-          lambda t: kb.bench_topk(key, 512, 131072, 4, args, anchor=False, tiling=t), prefill),
+          lambda t: kb.bench_topk(key, 512, 131072, 4, args, anchor=False, tiling=t,
+                                  options=TRITON), prefill),
       "topk_decode": lambda: _each(
           lambda t: kb.bench_topk(key, 1, long, 4, args, anchor=False, tiling=t), decode),
       "topk_decode_32k": lambda: _each(

@@ -73,16 +73,25 @@ def place(params, cfg: LlamaConfig, mesh):
     raise MeshError("place the weights before fusing them (model.serving_params after place)")
   mesh = make_mesh(mesh)
   shards = ModelShards.of(cfg, mesh)
+  standard = abstract_model(cfg)[1]
 
-  def one(path, x):
+  def one(path, x, want):
     name = _name(path)
+    if tuple(x.shape) != tuple(want.shape):  # placed already, or another model's
+      raise MeshError(f"weight {jax.tree_util.keystr(path)} is {tuple(x.shape)}, not the "
+                      f"{tuple(want.shape)} this config has: place takes the weights as loaded")
     sharding = NamedSharding(mesh, _spec(name, np.ndim(x)))
+    if jax.process_count() > 1 and isinstance(x, jax.Array) and x.is_fully_addressable:
+      x = np.asarray(x)  # this process's copy: every process holds the same weights
     if isinstance(x, np.ndarray):
       placed = _placed_leaf(name, x, shards)
       return jax.make_array_from_callback(placed.shape, sharding, lambda idx: placed[idx])
+    if (jax.eval_shape(lambda y: _placed_leaf(name, y, shards), x).shape == x.shape
+        and x.sharding.is_equivalent_to(sharding, x.ndim)):
+      return x  # read or drawn into its shards already: no copy (a 70B model has no room)
     return _placer(name, shards, sharding)(x)
 
-  return jax.tree_util.tree_map_with_path(one, params)
+  return jax.tree_util.tree_map_with_path(one, params, standard)
 
 
 def restore_shardings(cfg: LlamaConfig, mesh):
@@ -109,6 +118,8 @@ def random_on_mesh(cfg: LlamaConfig, mesh, seed: int = 0):
 
 def _fuse_heads(parts, shards: int):
   """[D, n_i, hd] weights -> [D, sum n_i, hd] with each shard's heads of every part together."""
+  if shards == 1:  # eagerly, each reshape below would be a copy of its weight
+    return jnp.concatenate(parts, axis=1)
   d, hd = parts[0].shape[0], parts[0].shape[2]
   split = [x.reshape(d, shards, x.shape[1] // shards, hd) for x in parts]
   return jnp.concatenate(split, axis=2).reshape(d, -1, hd)
@@ -116,6 +127,8 @@ def _fuse_heads(parts, shards: int):
 
 def _fuse_units(parts, shards: int):
   """[D, F] weights -> [D, 2F] with each shard's hidden units of every part together."""
+  if shards == 1:
+    return jnp.concatenate(parts, axis=1)
   d = parts[0].shape[0]
   split = [x.reshape(d, shards, x.shape[1] // shards) for x in parts]
   return jnp.concatenate(split, axis=2).reshape(d, -1)

@@ -212,7 +212,7 @@ def placed(params, cfg: LlamaConfig, mesh):
   """The weights as `model.place` lays them on `mesh`: as they are if they lie so already (a
   placed tree is passed from call to call), else placed now (once, leaf by leaf)."""
   mesh = make_mesh(mesh)
-  shapes = abstract_model(ModelShards.of(cfg, mesh).placed(cfg), is_fused(params))[1]
+  shapes = _placed_shapes(cfg, mesh, is_fused(params))
 
   def ready(x, spec, shape):
     return (isinstance(x, jax.Array) and x.shape == shape.shape
@@ -223,6 +223,11 @@ def placed(params, cfg: LlamaConfig, mesh):
                                       is_leaf=lambda x: isinstance(x, P)))):
     return params
   return place(params, cfg, mesh)
+
+
+@functools.lru_cache(maxsize=8)
+def _placed_shapes(cfg: LlamaConfig, mesh, fused: bool):
+  return abstract_model(ModelShards.of(cfg, mesh).placed(cfg), fused)[1]
 
 
 def pad_rows(rows: list, options: RunOptions) -> list:
