@@ -27,10 +27,11 @@ def _free_port() -> str:
     return str(s.getsockname()[1])
 
 
-@pytest.mark.parametrize("method", ["star", "reattention_mesh"])
+@pytest.mark.parametrize("method", ["star", "reattention_mesh", "tensor_parallel"])
 def test_mesh_method_across_two_processes_matches_one(tmp_path, method):
   """2 processes x 4 CPU devices (jax.distributed on localhost) give what 1 process x 8 does:
-  Star, and mesh ReAttention (its cache split over both processes' devices)."""
+  Star, mesh ReAttention (its cache split over both processes' devices), and SnapKV with rows
+  over data (each process two groups) and heads over model."""
   import numpy as np
   port = _free_port()
   env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu",

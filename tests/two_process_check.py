@@ -1,6 +1,7 @@
-"""Star Attention (or mesh ReAttention: METHOD reattention_mesh) across 2 processes x 4 CPU
-devices on localhost (jax.distributed, gloo collectives), against the same run in one process
-with 8 devices (tests/test_distributed.py):
+"""Star Attention (or mesh ReAttention: METHOD reattention_mesh; or SnapKV tensor and data
+parallel: METHOD tensor_parallel, rows over data=4 (two groups a process), heads over model=2)
+across 2 processes x 4 CPU devices on localhost (jax.distributed, gloo collectives), against the
+same run in one process with 8 devices (tests/test_distributed.py):
     python -m tests.two_process_check PORT PROCESS_ID OUT_FILE [METHOD]   (one per process)
     python -m tests.two_process_check single OUT_FILE [METHOD]           (8 devices, one process)
 """
@@ -27,6 +28,14 @@ def run(out_file, method="star"):
   if method == "star":
     rows, logits = generate_distributed(params, cfg, contexts, queries, mesh, block_size=8,
                                         max_new_tokens=5)
+  elif method == "tensor_parallel":  # 2 prompts padded to 4 rows; weights placed from the host
+    from jax_longctx.core.options import RunOptions
+    from jax_longctx.run.driver import generate, uncached_logits
+    prompts = [c + q for c, q in zip(contexts, queries)]
+    options = RunOptions(mesh="data=4,model=2")
+    rows = generate(params, cfg, prompts, get("snapkv", budget=16, window=4), max_new_tokens=5,
+                    cache_len=128, options=options).tokens
+    logits = uncached_logits(params, cfg, np.asarray([p[:32] for p in prompts]), options)
   else:  # a 128-token cache, 16 tokens a device, each process holding half of it
     settings = get(method, n_global=4, n_local=16, span=4, top_k=2, clip=3, chunk=8)
     prompts = [c + q for c, q in zip(contexts, queries)]

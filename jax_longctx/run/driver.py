@@ -151,9 +151,10 @@ def uncached_logits(params, cfg: LlamaConfig, ids, options: RunOptions = DEFAULT
 def _logits(params, ids, cache, *, cfg: LlamaConfig, method: Method, options: RunOptions):
   def body(params, ids, cache):
     positions = jnp.broadcast_to(jnp.arange(ids.shape[1], dtype=jnp.int32), ids.shape)
-    return forward(params, ids, positions, cache, method, cfg, options=options)[0]
+    return sharding.all_rows(forward(params, ids, positions, cache, method, cfg,
+                                     options=options)[0], options)
 
   specs = (None, None) if options.mesh is None else (
       sharding.params(params), sharding.cache_specs(cache, options.mesh))
-  return sharding.per_device(body, options, (specs[0], P("data"), specs[1]), P("data"))(
+  return sharding.per_device(body, options, (specs[0], P("data"), specs[1]), sharding.ALL)(
       params, ids, cache)

@@ -156,13 +156,13 @@ def decode_loop(params, cache: Cache, last_logits, stop_tokens, key, *, cfg: Lla
                 method: Method, max_new_tokens: int, sampling: Sampling,
                 options: RunOptions = DEFAULT):
   """Samples up to max_new_tokens per row on device. Returns (tokens [B, N], steps: the most
-  steps any row ran, cache)."""
+  steps any row ran, cache); on a mesh the tokens and steps are on every device (and process)."""
   DECODE_TRACES[0] += 1
   body = functools.partial(decode_rows, cfg=cfg, method=method, max_new_tokens=max_new_tokens,
                            sampling=sampling, options=options)
   specs = _loop_specs(params, cache, options)
   run = sharding.per_device(body, options, (*specs, P("data"), sharding.ALL, sharding.ALL),
-                            (P("data"), sharding.ALL, specs[1]))
+                            (sharding.ALL, sharding.ALL, specs[1]))
   return run(params, cache, last_logits, stop_tokens, key)
 
 
@@ -195,7 +195,7 @@ def decode_rows(params, cache: Cache, last_logits, stop_tokens, key, *, cfg: Lla
 
   step, cache, _, out, _, _ = decode_while(
       method, keep_going, one_token, (jnp.int32(1), cache, tok, out, done, key), lambda c: c[1])
-  return out, sharding.max_over_rows(step, options), cache
+  return sharding.all_rows(out, options), sharding.max_over_rows(step, options), cache
 
 
 def _loop_specs(params, cache, options: RunOptions):
@@ -209,7 +209,8 @@ def _loop_specs(params, cache, options: RunOptions):
                    donate_argnames=("cache",))
 def teacher_forced_nll(params, cache: Cache, last_logits, targets, *, cfg: LlamaConfig,
                        method: Method, options: RunOptions = DEFAULT):
-  """NLL [B, N] of `targets` fed one token per decode step after a prefill (teacher forcing)."""
+  """NLL [B, N] of `targets` fed one token per decode step after a prefill (teacher forcing);
+  on a mesh every device (and process) holds all of it, as the decode loop's tokens."""
 
   def nll(logits, tok):
     return -jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tok[:, None], axis=1)[:, 0]
@@ -228,11 +229,11 @@ def teacher_forced_nll(params, cache: Cache, last_logits, targets, *, cfg: Llama
     out = jnp.zeros(targets.shape, jnp.float32).at[:, 0].set(nll(last_logits, targets[:, 0]))
     _, cache, out = decode_while(method, lambda c: c[0] < n, one_token,
                                  (jnp.int32(1), cache, out), lambda c: c[1])
-    return out, cache
+    return sharding.all_rows(out, options), cache
 
   specs = _loop_specs(params, cache, options)
   run = sharding.per_device(body, options, (*specs, P("data"), P("data")),
-                            (P("data"), specs[1]))
+                            (sharding.ALL, specs[1]))
   return run(params, cache, last_logits, targets)
 
 

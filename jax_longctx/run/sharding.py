@@ -177,6 +177,14 @@ def row_offset(batch: int, options: RunOptions):
   return jax.lax.axis_index("data") * batch
 
 
+def all_rows(x, options: RunOptions):
+  """Inside a step: x [B_local, ...] of every `data` group joined, [B, ...] on every device: what
+  a step hands the host (tokens, NLL), readable by every process of a multi-host run."""
+  if axis_size(options.mesh, "data") == 1:
+    return x
+  return jax.lax.all_gather(x, "data", axis=0, tiled=True)
+
+
 def max_over_rows(x, options: RunOptions):
   """Inside a step: the largest x of every `data` group (one value on every device)."""
   return x if axis_size(options.mesh, "data") == 1 else jax.lax.pmax(x, "data")

@@ -296,13 +296,13 @@ def _phase2(params, context_kv, q_tok, q_len, lengths, stops, key, *, cfg, axis:
                             options=options)
     out, n, _ = decode_rows(params, cache, logits, stops, key, cfg=cfg, method=attn,
                             max_new_tokens=max_new_tokens, sampling=sampling, options=options)
-    return out, n, logits
+    return out, n, sharding.all_rows(logits, options)
 
   rows = P("data")
   return jax.shard_map(phase2, mesh=options.mesh,
                        in_specs=(sharding.params(params), _context_specs(cfg, axis), rows, rows,
                                  rows, P(), P()),
-                       out_specs=(rows, P(), rows), check_vma=False)(
+                       out_specs=(P(), P(), P()), check_vma=False)(
                            params, context_kv, q_tok, q_len, lengths, stops, key)
 
 
