@@ -119,23 +119,40 @@ def test_mesh_method_phases_export_for_tpu(name, mesh):
   tokens, so it cannot be traced whole). On the abstract mesh each device's kernels get their
   share of the context and ring's K/V go around 4 devices; that export says mhlo.num_partitions
   = 1 beside a 4-device sdy mesh, so it checks lowering, it is not an artifact to deploy."""
-  mesh, method, params = MESHES[mesh](), get(name), abstract_model(CFG)[1]
+  for phase, exported in _phase_exports(name, CFG, MESHES[mesh]()).items():
+    assert mosaic_calls(exported) > 0, f"{name} {phase}: no Mosaic kernel"
+
+
+def _laid(mesh, tree, specs):
+  """Abstract values as the steps take them on a mesh of devices (an abstract mesh: as given)."""
+  if not isinstance(mesh, Mesh):
+    return tree
+  return jax.tree.map(lambda x, p: S(x.shape, x.dtype, sharding=NamedSharding(mesh, p)), tree,
+                      specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def _phase_exports(name, cfg, mesh):
+  """Star's / ring's phase 1 and phase 2 exported on `mesh` (on a (ctx, model) mesh each
+  device's blocks of its heads, the weights placed)."""
+  options = RunOptions(mesh=mesh)
+  method, mesh = get(name), options.mesh
+  params = abstract_model(ModelShards.of(cfg, mesh).placed(cfg))[1]
+  params = _laid(mesh, params, sharding.params(params))
   rng = np.random.default_rng(0)
-  contexts = [rng.integers(0, CFG.vocab_size, n).tolist() for n in (CACHE_LEN, 111)]
+  contexts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (CACHE_LEN, 111)]
 
   def phase1(params):
-    return encode_context(params, CFG, contexts, mesh, method=name, **method.settings())
+    return encode_context(params, cfg, contexts, mesh, method=name, **method.settings())
 
-  exported = export_for_tpu(phase1, params)
-  assert mosaic_calls(exported) > 0, f"{name} phase 1: no Mosaic kernel"
-  context_kv = jax.eval_shape(phase1, params)
+  out = {"phase 1": export_for_tpu(phase1, params)}
+  context_kv = _laid(mesh, jax.eval_shape(phase1, params), star_lib._context_specs(cfg, "ctx"))
   q_w, new_tokens = 8, 4
-  phase2 = functools.partial(star_lib._phase2, cfg=CFG, axis="ctx", max_new_tokens=new_tokens,
-                             sampling=Sampling(), options=RunOptions(mesh=mesh))
+  phase2 = functools.partial(star_lib._phase2, cfg=cfg, axis="ctx", max_new_tokens=new_tokens,
+                             sampling=Sampling(), options=options)
   i32 = lambda *shape: S(shape, jnp.int32)  # noqa: E731
-  exported = export_for_tpu(phase2, params, context_kv, i32(BATCH, q_w), i32(BATCH), i32(BATCH),
-                            i32(1), jax.random.key(0))
-  assert mosaic_calls(exported) > 0, f"{name} phase 2: no Mosaic kernel"
+  out["phase 2"] = export_for_tpu(phase2, params, context_kv, i32(BATCH, q_w), i32(BATCH),
+                                  i32(BATCH), i32(1), jax.random.key(0))
+  return out
 
 
 def _mesh_steps(method, cfg, options, cache_len, chunk):
@@ -144,14 +161,7 @@ def _mesh_steps(method, cfg, options, cache_len, chunk):
   mesh of devices the inputs carry their shardings, so the export is the program for that many
   devices; an abstract mesh checks the lowering only."""
   mesh = options.mesh
-  concrete = isinstance(mesh, Mesh)
-
-  def laid(tree, specs):  # abstract values, on the mesh's devices as the steps take them
-    if not concrete:
-      return tree
-    return jax.tree.map(lambda x, p: S(x.shape, x.dtype, sharding=NamedSharding(mesh, p)), tree,
-                        specs, is_leaf=lambda x: isinstance(x, P))
-
+  laid = lambda tree, specs: _laid(mesh, tree, specs)  # noqa: E731
   rows = lambda x: laid(x, P("data"))  # noqa: E731
   cache = jax.eval_shape(lambda: sharding.empty_cache(cfg, method, BATCH, cache_len, chunk,
                                                        options))
@@ -203,7 +213,8 @@ def tensor_parallel_exports():
   """Every per-layer method's prefill chunk, end-of-prefill hook and decode loop as they run on a
   (data 2, model 4) mesh of this process's 8 (CPU) devices, each device's heads, weights and
   rows under shard_map: exported for TPU as 8-device programs, with the same kernels as on one
-  device (KERNEL_STEPS). Run by tests/tensor_parallel_checks.py `tpu_export`."""
+  device (KERNEL_STEPS); every mesh method's steps or phases on (ctx 2, model 4) likewise. Run
+  by tests/tensor_parallel_checks.py `tpu_export`."""
   options = RunOptions(mesh="data=2,model=4")
   for name in names("layer"):
     method = _method(name, BUDGET)
@@ -211,3 +222,16 @@ def tensor_parallel_exports():
     for step, e in exported.items():
       _expect(name, step, e)
       assert e.nr_devices == 8, (name, step, e.nr_devices)
+  # The mesh methods on (ctx 2, model 4): mesh ReAttention's steps, Star's and ring's phases.
+  from jax_longctx.run.distributed.reattention_mesh import sharded
+  options = RunOptions(mesh="ctx=2,model=4")
+  settings = tuple(_method("reattention", BUDGET).hparams().items())
+  for name in names("mesh"):
+    if get(name).layer_method() is None:
+      exported = _phase_exports(name, TP_CFG, options.mesh)
+    else:
+      method = sharded(get(name, **dict(settings)) if name == "reattention_mesh"
+                       else get(name, base_args=settings))
+      exported = _mesh_steps(method, TP_CFG, options, 320, method.prefill_chunk)
+    for step, e in exported.items():
+      assert mosaic_calls(e) > 0 and e.nr_devices == 8, (name, step, e.nr_devices)
