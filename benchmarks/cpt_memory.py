@@ -80,7 +80,8 @@ def child(args) -> None:
 
   from train_cpt import state as state_lib
   from train_cpt.config import load_config
-  from train_cpt.loop import jit_step, optimizer
+  from train_cpt.loop import jit_step
+  from train_cpt.optimizer import optimizer
 
   n = len(jax.devices())
   sets = dict(a.split("=", 1) for a in args.set)

@@ -7,7 +7,8 @@ The config's model (the paper's: random weights of the Llama-3.1-8B shape, L 809
 K 2048, remat per layer, chunked cross-entropy), fsdp over every device, one row per device per
 micro-batch and `--accumulation` micro-batches per step (default 1; the paper's 64 rows on 4
 devices are 16). The step runs `--warmup` times (compile included), then `--steps` times: the
-median is the step time. In the same process, a bf16 [8192 x 8192] x [8192 x 8192] matmul on
+median is the step time; a step that does not fit the devices' memory is recorded as
+`"fits": false` with the error's first line. In the same process, a bf16 [8192 x 8192] x [8192 x 8192] matmul on
 every device gives the measured GEMM rate MFU is also taken against (beside the data-sheet
 peak); FLOPs are `train_cpt.loop.flops_per_step` (3 x the forward; remat's recomputation is not
 counted). Peak memory: `memory_stats()` of each device after the steps. `--smoke` runs a 2-layer
@@ -46,6 +47,10 @@ def gemm_rate(n: int = 8192) -> float:
   return sum(mesh_rates)
 
 
+def _say(line: str) -> None:  # progress, so a run stopped at its time limit shows how far it got
+  print(line, file=sys.stderr, flush=True)
+
+
 def measure(args) -> dict:
   import jax
   import numpy as np
@@ -53,7 +58,8 @@ def measure(args) -> dict:
   from train_cpt import sharding
   from train_cpt import state as state_lib
   from train_cpt.config import load_config
-  from train_cpt.loop import _peak_flops, flops_per_step, jit_step, optimizer
+  from train_cpt.loop import _peak_flops, flops_per_step, jit_step
+  from train_cpt.optimizer import optimizer
 
   n = len(jax.devices())
   sets = dict(a.split("=", 1) for a in args.set)
@@ -62,7 +68,10 @@ def measure(args) -> dict:
   cfg = load_config(args.config, overrides)
   source = state_lib.Source(cfg)
   mesh, opt = state_lib.make_mesh(cfg), optimizer(cfg)
+  t0 = time.perf_counter()
   state = state_lib.init_state(source.params(mesh), opt, mesh)
+  jax.block_until_ready(state)
+  _say(f"state made in {time.perf_counter() - t0:.1f} s")
   step = jit_step(cfg, source.config, opt, state)
   rng = np.random.default_rng(0)
   batch = jax.device_put(rng.integers(0, source.config.vocab_size, (
@@ -75,12 +84,14 @@ def measure(args) -> dict:
     loss = float(loss)  # waits for the step
     if i >= args.warmup:
       times.append(time.perf_counter() - t0)
+    _say(f"step {i + 1}{' (warm-up)' if i < args.warmup else ''}: "
+         f"{time.perf_counter() - t0:.2f} s, loss {loss:.4f}")
     state = {"params": params, "opt_state": opt_state}
   step_s = statistics.median(times)
   flops = flops_per_step(cfg, source.config)
   rate, peak = gemm_rate(args.gemm_n), _peak_flops()
   stats = [d.memory_stats() or {} for d in jax.devices()]
-  return {"model": cfg.model, "devices": n, "row_len": cfg.row_len, "top_k": cfg.top_k,
+  return {"fits": True, "model": cfg.model, "devices": n, "moments_dtype": cfg.moments_dtype, "row_len": cfg.row_len, "top_k": cfg.top_k,
           "micro_batch": cfg.micro_batch, "accumulation": cfg.accumulation, "remat": cfg.remat,
           "loss_chunk": cfg.loss_chunk, "prefix_block": cfg.prefix_block,
           "compute_dtype": cfg.compute_dtype, "step_s": step_s, "step_s_all": times,
@@ -110,7 +121,13 @@ def main() -> None:
     from jax_longctx.core.config import PRESETS, preset
     PRESETS["smoke"] = preset("smollm2-135m", num_layers=2)
     args.warmup, args.steps, args.gemm_n = 1, 2, 256
-  rec = measure(args)
+  try:
+    rec = measure(args)
+  except Exception as e:  # out of device memory: recorded (what "does not fit" was measured as)
+    if "RESOURCE_EXHAUSTED" not in str(e) and "Out of memory" not in str(e):
+      raise
+    rec = {"fits": False, "error": str(e).strip().splitlines()[0][:500], "config": args.config,
+           "settings": dict(a.split("=", 1) for a in args.set), **device_facts()}
   write_json(args.out, rec)
   print(json.dumps({k: v for k, v in rec.items() if k != "step_s_all"}), flush=True)
 

@@ -88,6 +88,19 @@ def test_bad_settings_are_named(overrides, match):
     load_config(None, overrides)
 
 
+def test_module_entry_runs_without_the_package_installed_and_names_errors(tmp_path):
+  """`python -m train_cpt.cli` (no entry point needed: a source tree on a GPU machine): a bad
+  setting is one line and exit status 2."""
+  cfg = tmp_path / "job.json"
+  cfg.write_text(json.dumps({"model": "random:smollm2-135m", "learning_rate": 1}))
+  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+  done = subprocess.run([sys.executable, "-m", "train_cpt.cli", "--config", str(cfg)], cwd=ROOT,
+                        env=env, capture_output=True, text=True, timeout=120)
+  assert done.returncode == 2, done.stderr[-2000:]
+  assert done.stderr.strip().splitlines()[-1].startswith(
+      "train-cpt: error: unknown training settings ['learning_rate']")
+
+
 @pytest.fixture(scope="module")
 def tiny_job(default_lm, tmp_path_factory):
   """A tiny random model with the default model's tokenizer, prose files and a config."""

@@ -4,6 +4,7 @@ point (pyproject.toml), since the library's CLI sits below this package."""
 from __future__ import annotations
 
 import argparse
+import sys
 
 from jax_longctx.methods import parse_method_args
 from train_cpt.config import load_config
@@ -26,3 +27,17 @@ def run(args) -> int:
   print(f"last evaluation: {result}")
   print(f"log in {cfg.out_dir}/log.jsonl; trained model in {cfg.out_dir}/final")
   return 0
+
+
+def main(argv=None) -> int:
+  """`python -m train_cpt.cli --config ...`: the same command from a source tree that is not
+  pip-installed (no entry point: a checkout carried to a GPU machine)."""
+  from jax_longctx.app.cli import run_parsed
+  parser = argparse.ArgumentParser(prog="python -m train_cpt.cli")
+  add_command(parser.add_subparsers(dest="command", required=True))
+  return run_parsed(parser.parse_args(["train-cpt", *(sys.argv[1:] if argv is None else argv)]),
+                    prog="train-cpt")
+
+
+if __name__ == "__main__":
+  sys.exit(main())

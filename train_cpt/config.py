@@ -23,6 +23,7 @@ class TrainConfigError(LongctxError, ValueError):
 
 RANDOM = "random:"  # model = "random:llama-3.1-8b": random weights of that preset
 REMAT_CHOICES = ("none", *REMAT_POLICIES)
+MOMENTS_DTYPES = ("float32", "bfloat16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +48,10 @@ class TrainConfig:
   b2: float = 0.999
   eps: float = 1e-8
   grad_clip: float = 0.0  # global-norm clipping; 0: off (the paper does not mention any)
-  compute_dtype: str = "bfloat16"  # master weights and optimizer state stay fp32
+  compute_dtype: str = "bfloat16"  # master weights stay fp32
+  # AdamW's two moments: "float32", or "bfloat16" (half their memory; updates still computed in
+  # fp32, train_cpt/optimizer.py): what lets the 8B train on one H200.
+  moments_dtype: str = "float32"
   heldout: float = 0.05  # fraction of rows held out for evaluation
   seed: int = 0
   save_every: int = 50
@@ -79,6 +83,8 @@ class TrainConfig:
         (0 < self.heldout < 1, f"heldout={self.heldout} must be in (0, 1)"),
         (self.fsdp >= 0, "fsdp must be >= 1 (or 0: every device)"),
         (self.remat in REMAT_CHOICES, f"remat={self.remat!r} must be one of {REMAT_CHOICES}"),
+        (self.moments_dtype in MOMENTS_DTYPES,
+         f"moments_dtype={self.moments_dtype!r} must be one of {MOMENTS_DTYPES}"),
         (self.loss_chunk >= 0, f"loss_chunk={self.loss_chunk} must be >= 0 (0: unchunked)"),
         (self.prefix_block >= 0, f"prefix_block={self.prefix_block} must be >= 0 (0: one call)"),
         (self.random_preset is None or self.random_preset.lower() in PRESETS,

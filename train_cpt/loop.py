@@ -28,23 +28,11 @@ from train_cpt import state as state_lib
 from train_cpt.config import TrainConfig, TrainConfigError
 from train_cpt.evaluate import heldout_perplexity
 from train_cpt.loss import sequence_loss
+from train_cpt.optimizer import optimizer, schedule
 from train_cpt.pattern import CptAttention, attention_flops
 
 # bf16 dense peak of the GPUs this job is timed on (for model FLOPs utilization).
 _PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
-
-
-def schedule(cfg: TrainConfig):
-  """Linear warm-up to lr, then linear decay to 0 at the last step."""
-  return optax.join_schedules([
-      optax.linear_schedule(0.0, cfg.lr, max(cfg.warmup_steps, 1)),
-      optax.linear_schedule(cfg.lr, 0.0, cfg.steps - cfg.warmup_steps)], [cfg.warmup_steps])
-
-
-def optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
-  adamw = optax.adamw(schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
-                      weight_decay=cfg.weight_decay)
-  return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), adamw) if cfg.grad_clip else adamw
 
 
 def make_train_step(cfg: TrainConfig, model_cfg, opt):

@@ -8,8 +8,6 @@ shardings, nothing allocated) to compile a step and read its memory (benchmarks/
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -52,9 +50,8 @@ class Source:
   def params(self, mesh):
     """fp32 weights sharded over `mesh` (random ones made shard by shard where they live)."""
     shardings = sharding.shard_like_params(mesh, abstract_model(self.config)[1])
-    if self._lm is None:
-      make = functools.partial(random_params, self.config, self.cfg.seed)
-      return jax.jit(make, out_shardings=shardings)()
+    if self._lm is None:  # leaf by leaf (one small compile per shape), each into its shards
+      return random_params(self.config, self.cfg.seed, shardings=shardings)
     return jax.device_put(self._lm.params, shardings)
 
 

@@ -12,7 +12,7 @@ from jax_longctx import methods as methods_lib
 from jax_longctx.methods.refreshkv import CALIBRATION_THRESHOLDS
 
 # Errors a user can cause; they print one line instead of a traceback.
-_USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError)
+USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError)
 COMMANDS = "jax_longctx.commands"
 
 
@@ -233,13 +233,17 @@ def build_parser() -> argparse.ArgumentParser:
   return parser
 
 
-def main(argv=None) -> int:
-  args = build_parser().parse_args(argv)
+def run_parsed(args, prog: str = "jax-longctx") -> int:
+  """Runs a parsed command; a user's error is one line on stderr and exit status 2."""
   try:
     return args.func(args)
-  except _USER_ERRORS as e:
-    print(f"jax-longctx: error: {e}", file=sys.stderr)
+  except USER_ERRORS as e:
+    print(f"{prog}: error: {e}", file=sys.stderr)
     return 2
+
+
+def main(argv=None) -> int:
+  return run_parsed(build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -117,6 +117,10 @@ PRESETS: dict[str, LlamaConfig] = {
                                 131072, "bfloat16", 128000, (128001, 128008, 128009)),
     "llama-3.1-70b": LlamaConfig(128256, 8192, 80, 64, 8, 128, 28672, 1e-5, False, 500000.0, _L31,
                                  131072, "bfloat16", 128000, (128001, 128008, 128009)),
+    # Qwen2.5-Coder-1.5B's shape (its HF config.json): q/k/v biases, tied embeddings.
+    "qwen2.5-coder-1.5b": LlamaConfig(151936, 1536, 28, 12, 2, 128, 8960, 1e-6, True, 1000000.0,
+                                      RopeScaling(), 32768, "bfloat16", None, (151643,),
+                                      architecture="qwen2", attention_bias=True),
 }
 
 
