@@ -8,8 +8,8 @@ K 2048, remat per layer, chunked cross-entropy), fsdp over every device, one row
 micro-batch and `--accumulation` micro-batches per step (default 1; the paper's 64 rows on 4
 devices are 16). The step runs `--warmup` times (compile included), then `--steps` times: the
 median is the step time; a step that does not fit the devices' memory is recorded as
-`"fits": false` with the error's first line. In the same process, a bf16 [8192 x 8192] x [8192 x 8192] matmul on
-every device gives the measured GEMM rate MFU is also taken against (beside the data-sheet
+`"fits": false` with the error's first line. In the same process, a bf16 [8192 x 8192] x
+[8192 x 8192] matmul on every device gives the measured GEMM rate MFU is also taken against (beside the data-sheet
 peak); FLOPs are `train_cpt.loop.flops_per_step` (3 x the forward; remat's recomputation is not
 counted). Peak memory: `memory_stats()` of each device after the steps. `--smoke` runs a 2-layer
 model at L 64 on CPU to check the script.
@@ -91,7 +91,8 @@ def measure(args) -> dict:
   flops = flops_per_step(cfg, source.config)
   rate, peak = gemm_rate(args.gemm_n), _peak_flops()
   stats = [d.memory_stats() or {} for d in jax.devices()]
-  return {"fits": True, "model": cfg.model, "devices": n, "moments_dtype": cfg.moments_dtype, "row_len": cfg.row_len, "top_k": cfg.top_k,
+  return {"fits": True, "model": cfg.model, "devices": n, "moments_dtype": cfg.moments_dtype,
+          "row_len": cfg.row_len, "top_k": cfg.top_k,
           "micro_batch": cfg.micro_batch, "accumulation": cfg.accumulation, "remat": cfg.remat,
           "loss_chunk": cfg.loss_chunk, "prefix_block": cfg.prefix_block,
           "compute_dtype": cfg.compute_dtype, "step_s": step_s, "step_s_all": times,
