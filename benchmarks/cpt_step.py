@@ -9,8 +9,8 @@ micro-batch and `--accumulation` micro-batches per step (default 1; the paper's 
 devices are 16). The step runs `--warmup` times (compile included), then `--steps` times: the
 median is the step time; a step that does not fit the devices' memory is recorded as
 `"fits": false` with the error's first line. In the same process, a bf16 [8192 x 8192] x
-[8192 x 8192] matmul on every device gives the measured GEMM rate MFU is also taken against (beside the data-sheet
-peak); FLOPs are `train_cpt.loop.flops_per_step` (3 x the forward; remat's recomputation is not
+[8192 x 8192] matmul on every device gives the measured GEMM rate MFU is also taken against
+(beside the data-sheet peak); FLOPs are `train_cpt.loop.flops_per_step` (3 x the forward; remat's recomputation is not
 counted). Peak memory: `memory_stats()` of each device after the steps. `--smoke` runs a 2-layer
 model at L 64 on CPU to check the script.
 """

@@ -2,8 +2,8 @@
 
     python experiments/cpt_resume_check.py --out $OUT/cpt_resume.json [--set KEY=VALUE ...]
 
-Three `jax-longctx train-cpt` processes (`python -m train_cpt.cli`) on random weights of a named shape (default the 135M at
-L 2048; `--set` overrides): one runs the whole job; one is killed with SIGKILL once its log
+Three `jax-longctx train-cpt` processes (`python -m train_cpt.cli`) on random weights of a named
+shape (default the 135M at L 2048; `--set` overrides): one runs the whole job; one is killed with SIGKILL once its log
 passes a checkpoint (no chance to clean up), then started again with the same command and
 resumes from that checkpoint. Written: each step's loss in both runs, whether they are equal bit
 for bit, the largest difference, and the device. tests/test_train_cpt.py checks the same on CPU;
@@ -76,7 +76,8 @@ def main() -> None:
   from benchmarks.common import device_facts, write_json
   diffs = [abs(ref[s] - got[s]) for s in ref if s in got]
   rec = {"job": job, "killed_after_step": killed_at, "steps": sorted(ref),
-         "loss_whole": [ref[s] for s in sorted(ref)], "loss_resumed": [got.get(s) for s in sorted(ref)],
+         "loss_whole": [ref[s] for s in sorted(ref)],
+         "loss_resumed": [got.get(s) for s in sorted(ref)],
          "same_steps": sorted(ref) == sorted(got), "bit_for_bit": ref == got,
          "max_abs_diff": max(diffs, default=None), "whole_run_s": whole_s,
          "xla_flags": os.environ.get("XLA_FLAGS", ""), **device_facts()}
