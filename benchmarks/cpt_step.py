@@ -3,16 +3,16 @@
     python benchmarks/cpt_step.py --config train_cpt/configs/llama3.1-8b_refreshkv_paper.toml \
         --out $OUT/cpt_step.json [--set KEY=VALUE ...]
 
-The config's model (the paper's: random weights of the Llama-3.1-8B shape, L 8092 + S 50,
-K 2048, remat per layer, chunked cross-entropy), fsdp over every device, one row per device per
-micro-batch and `--accumulation` micro-batches per step (default 1; the paper's 64 rows on 4
-devices are 16). The step runs `--warmup` times (compile included), then `--steps` times: the
-median is the step time; a step that does not fit the devices' memory is recorded as
-`"fits": false` with the error's first line. In the same process, a bf16 [8192 x 8192] x
-[8192 x 8192] matmul on every device gives the measured GEMM rate MFU is also taken against
-(beside the data-sheet peak); FLOPs are `train_cpt.loop.flops_per_step` (3 x the forward; remat's recomputation is not
-counted). Peak memory: `memory_stats()` of each device after the steps. `--smoke` runs a 2-layer
-model at L 64 on CPU to check the script.
+The config's model (the paper's: random weights of the Llama-3.1-8B shape, L 8092 + S 50, K 2048,
+remat per layer, chunked cross-entropy), fsdp over every device, one row per device per micro-batch
+and `--accumulation` micro-batches per step (default 1; the paper's 64 rows on 4 devices are 16).
+The step runs `--warmup` times (compile included), then `--steps` times: the median is the step
+time; a step that does not fit the devices' memory is recorded as `"fits": false` with the error's
+first line. In the same process, a bf16 [8192 x 8192] x [8192 x 8192] matmul on every device gives
+the measured GEMM rate MFU is also taken against (beside the data-sheet peak); FLOPs are
+`train_cpt.loop.flops_per_step` (3 x the forward; remat's recomputation is not counted). Peak
+memory: `memory_stats()` of each device after the steps. `--smoke` runs a 2-layer model at L 64 on
+CPU to check the script.
 """
 
 from __future__ import annotations

@@ -3,12 +3,12 @@
     python experiments/cpt_resume_check.py --out $OUT/cpt_resume.json [--set KEY=VALUE ...]
 
 Three `jax-longctx train-cpt` processes (`python -m train_cpt.cli`) on random weights of a named
-shape (default the 135M at L 2048; `--set` overrides): one runs the whole job; one is killed with SIGKILL once its log
-passes a checkpoint (no chance to clean up), then started again with the same command and
-resumes from that checkpoint. Written: each step's loss in both runs, whether they are equal bit
-for bit, the largest difference, and the device. tests/test_train_cpt.py checks the same on CPU;
-this is for accelerators, whose reductions may differ run to run (`XLA_FLAGS` is recorded: run it
-once with `--xla_gpu_deterministic_ops=true` too when the first is not bit for bit).
+shape (default the 135M at L 2048; `--set` overrides): one runs the whole job; one is killed with
+SIGKILL once its log passes a checkpoint (no chance to clean up), then started again with the same
+command and resumes from that checkpoint. Written: each step's loss in both runs, whether they are
+equal bit for bit, the largest difference, and the device. tests/test_train_cpt.py checks the same
+on CPU; this is for accelerators, whose reductions may differ run to run (`XLA_FLAGS` is recorded:
+run it once with `--xla_gpu_deterministic_ops=true` too when the first is not bit for bit).
 """
 
 from __future__ import annotations
