@@ -6,8 +6,10 @@
 For one layer at the named shape (bf16, batch 1, a random full cache C_f filled to the
 context, K = context / 8): exact attention over C_f (`full_attend`); that attention and then the
 pooled scores of a refresh (`scores`); the top K of L scores by `lax.top_k` (`top_k_sort`) and by
-the radix select (`top_n_radix`; its counting passes alone: `radix_threshold`); a partial step
-(C_p add, gathered attention, eviction: `partial`). Each part runs once per layer inside one
+the radix select (`top_n_radix`; its counting passes alone: `radix_threshold`), and the radix
+select under each plan of RADIX_PLANS (`top_n[b<bits>_<counting>_<cumsums>]`: bits a pass, how
+a pass counts, one or two cumsums to pack; the same tokens under every plan); a partial step
+(C_p add, gathered attention, eviction: `partial`). --parts picks parts by name prefix. Each part runs once per layer inside one
 jitted loop, divided by the layer count, so host dispatch is not counted; `*_all_layers`
 multiplies back to a whole decode step.
 """
@@ -22,8 +24,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import device_facts, median_time, write_json  # noqa: E402
 
+# (bits, counting, one_cumsum) plans of `top_n` timed beside the default.
+RADIX_PLANS = [(4, "compare", False), (4, "compare", True), (8, "compare", True),
+               (8, "scatter", True), (11, "scatter", True), (16, "scatter", True),
+               (16, "scatter", False)]
 
-def measure(cfg, context: int) -> dict:
+
+def measure(cfg, context: int, parts: tuple[str, ...] = ("",)) -> dict:
   import jax
   import jax.numpy as jnp
 
@@ -82,10 +89,19 @@ def measure(cfg, context: int) -> dict:
     out = added.attend_rows(full, q)
     return jnp.sum(out[..., :8].astype(jnp.float32)) + jnp.sum(added.evict().pos[..., :8])
 
+  def radix_plan(bits, counting, one_cumsum):
+    def step(q, full, priority, part):
+      idx = top_n(priority, n_top, bits=bits, counting=counting, one_cumsum=one_cumsum)[1]
+      return jnp.sum(idx[..., :8]).astype(jnp.float32)
+    return (f"top_n[b{bits}_{counting}_{'one' if one_cumsum else 'two'}]", step)
+
   rec = {"context": context, "top_n": n_top, "layers": n}
-  for name, step in [("full_attend", attend), ("scores", scores), ("top_k_sort", sort_top),
-                     ("top_n_radix", radix_top), ("radix_threshold", threshold),
-                     ("partial", partial)]:
+  steps = [("full_attend", attend), ("scores", scores), ("top_k_sort", sort_top),
+           ("top_n_radix", radix_top), ("radix_threshold", threshold), ("partial", partial)]
+  steps += [radix_plan(*plan) for plan in RADIX_PLANS]
+  for name, step in steps:
+    if not any(name.startswith(p) for p in parts):
+      continue
     t, _ = median_time(looped(step), warmup=2, reps=10)
     rec[f"{name}_ms"] = t / n * 1e3
     rec[f"{name}_ms_all_layers"] = t * 1e3
@@ -96,6 +112,7 @@ def main() -> None:
   p = argparse.ArgumentParser(description=__doc__)
   p.add_argument("--model", default="llama-3.1-8b")
   p.add_argument("--contexts", default="32768,131072")
+  p.add_argument("--parts", default="", help="comma-separated name prefixes (default: all)")
   p.add_argument("--out", default="refreshkv_step.jsonl")
   args = p.parse_args()
 
@@ -103,7 +120,8 @@ def main() -> None:
 
   cfg = preset(args.model, dtype="bfloat16")
   for context in map(int, args.contexts.split(",")):
-    rec = {"model": args.model, **measure(cfg, context), **device_facts()}
+    rec = {"model": args.model, **measure(cfg, context, tuple(args.parts.split(","))),
+           **device_facts()}
     write_json(args.out, rec)
     print(rec, flush=True)
 
