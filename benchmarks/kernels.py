@@ -1,12 +1,20 @@
 """Pallas kernels against their anchors on one GPU, in one call.
 
-    python benchmarks/kernels.py --out $OUT/kernels.jsonl [--quick]
+    python benchmarks/kernels.py --out $OUT/kernels.jsonl [--quick] [--authors-topk PATH] [--smoke]
 
 Shapes follow issue 3 (32 query / 8 KV heads, d=128, bf16, batch 1). Each case first checks the
 GPU kernel against the jnp reference on the device, then times it: jitted, warmed up, median of
 `--reps` groups of back-to-back calls. Anchors in the same run: einsum + jax.lax.top_k, cuDNN
 attention, and the device-to-device copy bandwidth (torch copy_). Cases are independent: one that
 fails is recorded with its error and the rest still run.
+
+--authors-topk PATH: the ReAttention authors' Triton score + top-k (benchmarks/authors_topk.py
+says where it comes from; not vendored) timed beside ours in each top-1 / top-4 case, on the same
+inputs: authors_ms, authors_tflops, ours_over_authors (ms ratio) and the share of rows each
+kernel selects exactly (authors_rows_exact, ours_rows_exact). Without torch CUDA + triton or the
+file, one stderr line says so and those fields are absent.
+--smoke: the top-k cases at tiny shapes on a CPU, the kernels interpreted: checks the script
+before it spends device time; its times mean nothing.
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from benchmarks import common  # noqa: E402
+from benchmarks import authors_topk, common  # noqa: E402
 from pallas_kernels import flash_attention, gathered_attention, topk_scores  # noqa: E402
 from pallas_kernels.options import DEFAULT, KernelOptions  # noqa: E402
 
@@ -35,22 +43,23 @@ def _tiling(tiling) -> dict:
   return {} if tiling is None else {"tiling": {k: v for k, v in vars(tiling).items() if v is not None}}
 
 
-def timed(fn, *args, reps: int, inner: int) -> float:
+def timed(fn, *args, reps: int, inner: int, sync=jax.block_until_ready) -> float:
   """Median seconds per call of jitted fn over `reps` groups of back-to-back calls.
 
   A group is at least `inner` calls and at least ~20 ms, so that short kernels are timed with
-  the GPU busy and clocked up rather than dominated by launch gaps.
+  the GPU busy and clocked up rather than dominated by launch gaps. sync(out) waits for the
+  device (authors_topk.sync for torch calls).
   """
-  jax.block_until_ready(fn(*args))
+  sync(fn(*args))
   t = time.perf_counter()
-  jax.block_until_ready(fn(*args))
+  sync(fn(*args))
   inner = max(inner, int(0.02 / max(time.perf_counter() - t, 1e-6)))
   times = []
   for _ in range(reps):
     t = time.perf_counter()
     for _ in range(inner):
       out = fn(*args)
-    jax.block_until_ready(out)
+    sync(out)
     times.append((time.perf_counter() - t) / inner)
   return statistics.median(times)
 
@@ -109,9 +118,16 @@ def bench_topk(key, lq, t, top_k, args, anchor=True, tiling=None,
   ours = jax.jit(lambda q, k: topk_scores(q, k, top_k, backend="gpu", tiling=tiling,
                                           options=options))
   rec = {"case": "topk_scores", "q_len": lq, "kv_len": t, "top_k": top_k, **_tiling(tiling)}
+  flops = 2 * H * lq * t * D  # the products q.k alone, for every kernel timed here
   rec["ms"] = timed(ours, q, k, reps=args.reps, inner=args.inner) * 1e3
-  rec["tflops"] = 2 * H * lq * t * D / rec["ms"] / 1e9
-  rec["k_read_ms"] = k.size * 2 / args.bw * 1e3
+  rec["tflops"] = flops / rec["ms"] / 1e9
+  if args.bw:
+    rec["k_read_ms"] = k.size * 2 / args.bw * 1e3
+  if anchor and getattr(args, "authors", None) and top_k in authors_topk.TOP_KS:
+    rec.update(_versus_authors(args, q, k, top_k, ours(q, k)[1]))
+    if "authors_ms" in rec:
+      rec["authors_tflops"] = flops / rec["authors_ms"] / 1e9
+      rec["ours_over_authors"] = rec["ms"] / rec["authors_ms"]
   if anchor:
     def einsum_topk(q, k):
       s = jnp.einsum("bqkgd,btkd->bqkgt", q.reshape(1, lq, KV, H // KV, D), k,
@@ -120,6 +136,28 @@ def bench_topk(key, lq, t, top_k, args, anchor=True, tiling=None,
     rec["anchor_ms"] = timed(jax.jit(einsum_topk), q, k, reps=args.reps, inner=1) * 1e3
     rec["speedup"] = rec["anchor_ms"] / rec["ms"]
   return rec
+
+
+def _versus_authors(args, q, k, top_k, ours_indices) -> dict:
+  """authors_topk.measure's fields, or authors_error: their kernel failing keeps our numbers."""
+  timer = lambda call: timed(call, reps=args.reps, inner=args.inner, sync=authors_topk.sync)  # noqa
+  try:
+    return authors_topk.measure(args.authors, q, k, top_k, timer, ours_indices)
+  except Exception as e:  # noqa: BLE001 - an external kernel: recorded, the case goes on
+    return {"authors_error": f"{type(e).__name__}: {str(e)[:1000]}"}
+
+
+def topk_shapes(quick=False, smoke=False) -> dict[str, list[tuple[int, int, int]]]:
+  """(queries, keys, top_k) of the timed top-k cases by case name: issue 3's shapes, with top-1
+  beside top-4 (the two the authors' kernel does) and top-128 for decode. smoke: keys / 512 and
+  128 queries (the authors' query tile)."""
+  long = 1 << (18 if quick else 20)
+  shapes = {"topk_prefill": [(512, t, tk) for t in (131072, 524288) for tk in (4, 1)],
+            "topk_decode": [(1, long, tk) for tk in (4, 1, 128)]}
+  if smoke:
+    shapes = {name: [(min(lq, 128), t // 512, tk) for lq, t, tk in cases]
+              for name, cases in shapes.items()}
+  return shapes
 
 
 def bench_prefill(key, t, args, tiling=None, cudnn=True):
@@ -178,17 +216,24 @@ def main():
   p.add_argument("--quick", action="store_true", help="smaller shapes (smoke run)")
   p.add_argument("--only", default="", help="comma list of case names to run")
   p.add_argument("--sweep", action="store_true", help="time tiling variants (kernel_sweep.py)")
+  p.add_argument("--authors-topk", metavar="PATH", default="",
+                 help="the ReAttention authors' einsum_topk_fuse20240907.py (an anchor)")
+  p.add_argument("--smoke", action="store_true", help="top-k cases, tiny shapes, on CPU")
   args = p.parse_args()
-  args.bw = common.copy_bandwidth()
+  if args.smoke:
+    args.reps, args.inner = 1, 1
+  args.bw = None if args.smoke else common.copy_bandwidth()
+  args.authors = authors_topk.load(args.authors_topk) if args.authors_topk else None
   facts = {**common.device_facts(), "copy_bw": args.bw}
   print(json.dumps(facts), flush=True)
   key = jax.random.PRNGKey(0)
   long = 1 << (18 if args.quick else 20)
+  topk = {name: lambda shapes=shapes: [bench_topk(key, *shape, args) for shape in shapes]
+          for name, shapes in topk_shapes(args.quick, args.smoke).items()}
   cases = {
       "check_topk": lambda: {"case": "check_topk", **check_topk(key)},
       "check_attention": lambda: {"case": "check_attention", **check_attention(key)},
-      "topk_prefill": lambda: [bench_topk(key, 512, t, 4, args) for t in (131072, 524288)],
-      "topk_decode": lambda: [bench_topk(key, 1, long, tk, args) for tk in (4, 128)],
+      **topk,
       "flash_prefill": lambda: [bench_prefill(key, t, args) for t in (16384, 32768)],
       "flash_decode": lambda: [bench_decode(key, t, args) for t in (131072, long)],
       "gathered": lambda: [bench_gathered(key, long, 8192, args)],
@@ -196,6 +241,8 @@ def main():
   if args.sweep:
     from benchmarks.kernel_sweep import sweep_cases
     cases = sweep_cases(key, args)
+  if args.smoke:
+    cases = topk
 
   def record(rec):
     rec.update(facts)
