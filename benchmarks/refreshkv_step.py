@@ -5,11 +5,12 @@
 
 For one layer at the named shape (bf16, batch 1, a random full cache C_f filled to the
 context, K = context / 8): exact attention over C_f (`full_attend`); that attention and then the
-pooled scores of a refresh (`scores`); the top K of L scores by `lax.top_k` (`top_k_sort`) and by
-the radix select (`top_n_radix`; its counting passes alone: `radix_threshold`), and the radix
-select under each plan of RADIX_PLANS (`top_n[b<bits>_<counting>_<cumsums>]`: bits a pass, how
-a pass counts, one or two cumsums to pack; the same tokens under every plan); a partial step
-(C_p add, gathered attention, eviction: `partial`). --parts picks parts by name prefix. Each part runs once per layer inside one
+pooled scores of a refresh (`scores`); the same two from one QK^T in XLA einsums, K read once
+(`scores_one_pass`); the top K of L scores by `lax.top_k` (`top_k_sort`) and by the radix select
+(`top_n_radix`; its counting passes alone: `radix_threshold`; under each plan of RADIX_PLANS:
+`top_n[b<bits>_<counting>_<cumsums>]`, the same tokens under every plan); a partial step (C_p
+add, gathered attention, eviction: `partial`). --parts picks parts by name prefix. Each part
+runs once per layer inside one
 jitted loop, divided by the layer count, so host dispatch is not counted; `*_all_layers`
 multiplies back to a whole decode step.
 """
@@ -25,9 +26,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import device_facts, median_time, write_json  # noqa: E402
 
 # (bits, counting, one_cumsum) plans of `top_n` timed beside the default.
-RADIX_PLANS = [(4, "compare", False), (4, "compare", True), (8, "compare", True),
-               (8, "scatter", True), (11, "scatter", True), (16, "scatter", True),
-               (16, "scatter", False)]
+RADIX_PLANS = [(4, "compare", False), (4, "compare", True), (4, "rows", True), (8, "rows", True),
+               (2, "rows", True), (11, "scatter", True)]
 
 
 def measure(cfg, context: int, parts: tuple[str, ...] = ("",)) -> dict:
@@ -75,6 +75,19 @@ def measure(cfg, context: int, parts: tuple[str, ...] = ("",)) -> dict:
     s = pooled_scores(q, full.k, pos, k_pos, lse, ctx.valid, 7)
     return jnp.sum(s[..., :8]) - jnp.sum(lse)
 
+  def scores_one_pass(q, full, priority, part):  # out and pooled scores from one QK^T in XLA
+    b, _, h, d = q.shape
+    kvh = full.k.shape[1]
+    qg = q.reshape(b, kvh, h // kvh, d)
+    s = jnp.einsum("bkgd,bktd->bkgt", qg, full.k, preferred_element_type=jnp.float32) * d**-0.5
+    lse = jax.nn.logsumexp(s, axis=-1, keepdims=True)
+    p = jnp.exp(s - lse)
+    out = jnp.einsum("bkgt,bktd->bkgd", p.astype(full.v.dtype), full.v,
+                     preferred_element_type=jnp.float32)
+    pooled = jax.lax.reduce_window(jnp.max(p, axis=2), -jnp.inf, jax.lax.max, (1, 1, 7),
+                                   (1, 1, 1), "SAME")
+    return jnp.sum(out[..., :8]) + jnp.sum(pooled[..., :8])
+
   def sort_top(q, full, priority, part):
     return jnp.sum(jax.lax.top_k(priority, n_top)[1][..., :8]).astype(jnp.float32)
 
@@ -96,7 +109,8 @@ def measure(cfg, context: int, parts: tuple[str, ...] = ("",)) -> dict:
     return (f"top_n[b{bits}_{counting}_{'one' if one_cumsum else 'two'}]", step)
 
   rec = {"context": context, "top_n": n_top, "layers": n}
-  steps = [("full_attend", attend), ("scores", scores), ("top_k_sort", sort_top),
+  steps = [("full_attend", attend), ("scores", scores), ("scores_one_pass", scores_one_pass),
+           ("top_k_sort", sort_top),
            ("top_n_radix", radix_top), ("radix_threshold", threshold), ("partial", partial)]
   steps += [radix_plan(*plan) for plan in RADIX_PLANS]
   for name, step in steps:

@@ -87,9 +87,12 @@ def gathered_attention(q, k, v, indices, valid=None, *, scale: float | None = No
     span, splits = gpu.split_plan(b * kvh * (rows_padded // bm), max(n, bn), bn, tl.key_splits)
     pad = ((0, 0), (0, 0), (0, span * splits - n))
     table = _rope_table(key_rope_freqs, jnp.pad(key_positions, pad[1:]))
-    outs, lses = _gpu(qr, k, v, jnp.pad(safe, pad), jnp.pad(ok, pad).astype(jnp.int32), table,
-                      span=span, splits=splits, scale=scale, kv_layout=kv_layout, tiling=tl,
-                      interpret=variant.interpret_arg())
+    # Entries past the last valid one are never loaded: a (sequence, kv head) with none valid
+    # costs no reads (RefreshKV masks the partial step of the sequences taking a full step).
+    extent = jnp.max(jnp.where(ok, jnp.arange(1, n + 1, dtype=jnp.int32), 0), axis=-1)
+    outs, lses = _gpu(qr, k, v, jnp.pad(safe, pad), jnp.pad(ok, pad).astype(jnp.int32),
+                      extent[..., None], table, span=span, splits=splits, scale=scale,
+                      kv_layout=kv_layout, tiling=tl, interpret=variant.interpret_arg())
     out, lse = reference.merge_attention(jnp.moveaxis(outs, 2, 0), jnp.moveaxis(lses[..., 0], 2, 0))
   else:
     pad = ((0, 0), (0, 0), (0, layout.round_up(n, bn) - n))
@@ -120,15 +123,18 @@ def _table_row(rope_table, bh, kvh: int):
 
 @functools.partial(jax.jit, static_argnames=("span", "splits", "scale", "kv_layout", "tiling",
                                              "interpret"))
-def _gpu(qr, k, v, indices, ok, rope_table, *, span, splits, scale, kv_layout, tiling, interpret):
+def _gpu(qr, k, v, indices, ok, extent, rope_table, *, span, splits, scale, kv_layout, tiling,
+         interpret):
+  """extent [B, KV, 1]: entries at and past it are not visited."""
   b, kvh, rp, d = qr.shape
   bm, bn = tiling.block_rows, tiling.block_keys
   t = k.shape[1 if kv_layout == "BTHD" else 2]
   rope, half = rope_table is not None, d // 2
 
-  def kernel(idx_ref, ok_ref, q_ref, k_ref, v_ref, *refs):
+  def kernel(idx_ref, ok_ref, ext_ref, q_ref, k_ref, v_ref, *refs):
     r_ref, o_ref, lse_ref = refs if rope else (None, *refs)
     start0 = pl.program_id(2) * span
+    n_tiles = jnp.clip(pl.cdiv(ext_ref[0] - start0, bn), 0, span // bn)
     q = (q_ref[:, :half], q_ref[:, half:]) if rope else q_ref[...]
 
     def load(j):
@@ -143,7 +149,7 @@ def _gpu(qr, k, v, indices, ok, rope_table, *, span, splits, scale, kv_layout, t
       s = osm.rope_scores(*q, *kt, scale) if rope else osm.scores(q, kt, scale)
       return osm.update(*carry, jnp.where(ok[None, :] > 0, s, osm.NEG_INF), vt)
 
-    out, lse = osm.finish(*gpu.tile_loop(0, span // bn, load, step, osm.init(bm, d),
+    out, lse = osm.finish(*gpu.tile_loop(0, n_tiles, load, step, osm.init(bm, d),
                                          tiling.prefetch))
     o_ref[...] = out
     lse_ref[...] = lse
@@ -154,14 +160,16 @@ def _gpu(qr, k, v, indices, ok, rope_table, *, span, splits, scale, kv_layout, t
   return gpu.pallas_call(
       kernel, interpret, num_warps=tiling.num_warps, num_stages=tiling.num_stages,
       grid=(b * kvh, rp // bm, splits),
-      in_specs=[index_spec, index_spec, gpu.row_spec(kvh, bm, d), keys, keys] + (
+      in_specs=[index_spec, index_spec,
+                pl.BlockSpec((SQ, SQ, 1), lambda bh, r, s: (bh // kvh, bh % kvh, 0)),
+                gpu.row_spec(kvh, bm, d), keys, keys] + (
           [pl.BlockSpec((SQ, 2, span * splits, half),
                         lambda bh, r, s: (_table_row(rope_table, bh, kvh), 0, 0, 0))]
           if rope else []),
       out_specs=[pl.BlockSpec((SQ, SQ, SQ, bm, d), index), pl.BlockSpec((SQ, SQ, SQ, bm, 1), index)],
       out_shape=[jax.ShapeDtypeStruct((b, kvh, splits, rp, d), jnp.float32),
                  jax.ShapeDtypeStruct((b, kvh, splits, rp, 1), jnp.float32)],
-  )(indices, ok, qr, k, v, *([rope_table] if rope else []))
+  )(indices, ok, extent, qr, k, v, *([rope_table] if rope else []))
 
 
 @functools.partial(jax.jit, static_argnames=("bm", "bn", "scale", "interpret"))

@@ -24,10 +24,10 @@ def _case(seed):
   return x, int(rng.integers(1, t + 1))
 
 
-# (bits a pass, counting, one cumsum): the default, wide digits, a width that leaves a narrow last
-# digit (32 = 3 x 11 - 1), and 16-bit digits counted by scatter.
-PLANS = [(4, "compare", False), (8, "compare", True), (11, "scatter", True),
-         (16, "scatter", False), (5, "scatter", True)]
+# (bits a pass, counting, one cumsum): the default, wide digits counted as rows, widths that leave a
+# narrow last digit (32 = 3 x 11 - 1 = 7 x 5 - 3), and 16-bit digits counted by scatter.
+PLANS = [(4, "compare", False), (8, "rows", True), (11, "scatter", True),
+         (16, "scatter", False), (5, "compare", True)]
 
 
 # every seed under the default plan; the other plans each over a quarter of the first 16 seeds,
@@ -62,5 +62,5 @@ def test_n_out_of_range_is_named(n):
 def test_bad_radix_plan_is_named():
   with pytest.raises(ValueError, match="bits must be in 1..16"):
     top_n(jnp.ones((1, 10)), 4, bits=17)
-  with pytest.raises(ValueError, match="counting 'compare' or 'scatter'"):
+  with pytest.raises(ValueError, match="counting 'compare', 'rows' or 'scatter'"):
     top_n(jnp.ones((1, 10)), 4, counting="sort")

@@ -101,10 +101,16 @@ class PartialCache:
     b_idx, h_idx = jnp.indices(victim.shape)
     return self.replace(pos=self.pos.at[b_idx, h_idx, victim].set(-1, mode="drop"))
 
-  def attend_rows(self, full: KVCache, q_rot):
-    """q_rot [B, 1, H, d] over the C_f rows this cache names (each query head its kv head's)."""
+  def attend_rows(self, full: KVCache, q_rot, skip=None):
+    """q_rot [B, 1, H, d] over the C_f rows this cache names (each query head its kv head's).
+
+    skip [B] bool: sequences whose answer is not wanted (zeros); the kernel reads none of
+    their rows."""
+    valid = self.pos >= 0
+    if skip is not None:
+      valid = valid & ~skip[:, None, None]
     out, _ = pallas_kernels.gathered_attention(q_rot, full.k, full.v, jnp.maximum(self.pos, 0),
-                                               self.pos >= 0, kv_layout="BHTD")
+                                               valid, kv_layout="BHTD")
     return out
 
 
@@ -230,9 +236,9 @@ class RefreshKV(Method):
     q_rot = apply_rope(q, ctx.q_pos, ctx.freqs)
     # The partial step: attend over C_p and the step's token, then the lowest-scoring one leaves.
     added = state.part.add(ctx.q_pos[:, 0], ctx.valid[:, 0])
-    out_p, part_p = added.attend_rows(full, q_rot), added.evict()
+    part_p = added.evict()
     if not ctx.gate_open:  # no sequence is at a comparison step: a partial step, no conditional
-      return out_p, state.replace(full=full, part=part_p)
+      return added.attend_rows(full, q_rot), state.replace(full=full, part=part_p)
     due = self.due(state, q, ctx)
 
     def full_step(_):
@@ -241,11 +247,13 @@ class RefreshKV(Method):
       if not self.full_attention:
         out_f = part.attend_rows(full, q_rot)
       keep = jax.tree.map(lambda a, b: jnp.where(due[:, None, None], a, b), part, part_p)
+      out_p = added.attend_rows(full, q_rot, skip=due)  # only the sequences not due: none read
       return jnp.where(due[:, None, None, None], out_f.astype(out_p.dtype), out_p), keep
 
-    # Only small arrays cross the cond (positions and scores, not K/V), so the common partial
-    # step pays no copy for the branch it skips.
-    out, part = jax.lax.cond(jnp.any(due), full_step, lambda _: (out_p, part_p), None)
+    # Only positions and scores leave the branches (no K/V is updated inside them), so the
+    # common partial step pays no copy for the branch it skips.
+    out, part = jax.lax.cond(jnp.any(due), full_step,
+                             lambda _: (added.attend_rows(full, q_rot), part_p), None)
     q_ref = jnp.where(due[:, None], self._mean_query(q, ctx)[:, 0], state.q_ref)
     return out, state.replace(full=full, part=part, q_ref=q_ref,
                               n_full=state.n_full + due.astype(jnp.int32))

@@ -7,8 +7,10 @@ entries equal to it are packed in index order. The selected set is exactly `lax.
 to the lower index); only the order inside it differs.
 
 How a pass counts its digits (`counting`) is a speed choice, the result is the same:
-- "compare": every key against every digit value, summed ([rows, T, 2^bits] compares fused into
-  one reduction); cheap for 4 bits, wasteful for wide digits.
+- "compare": every key against every digit value, summed over the keys ([rows, T, 2^bits]
+  compares fused into one reduction, the digit axis minor);
+- "rows": the same compares with the digit axis major ([rows, 2^bits, T] reduced over its minor
+  axis: one long row reduction per (row, digit), which a GPU spreads over more blocks);
 - "scatter": a histogram by scatter-add ([rows, 2^bits] bins; keys outside the current prefix
   are dropped, not added as zeros), so wide digits (fewer passes) cost no more compares.
 On GPU the passes are latency-bound (a few small kernels each, not bandwidth), so fewer, wider
@@ -22,7 +24,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-Counting = Literal["compare", "scatter"]
+Counting = Literal["compare", "rows", "scatter"]
 # The radix select's default plan (bits a pass, counting, one cumsum or two for the packing);
 # measured in benchmarks/refreshkv_step.py.
 DEFAULT_BITS = 4
@@ -42,6 +44,11 @@ def _digit_counts(digit, matching, n_digits: int, counting: Counting) -> jnp.nda
   if counting == "compare":
     hits = digit[..., None] == jnp.arange(n_digits, dtype=digit.dtype)
     return jnp.sum(hits & jnp.asarray(matching)[..., None], axis=-2, dtype=jnp.int32)
+  if counting == "rows":
+    hits = digit[..., None, :] == jnp.arange(n_digits, dtype=digit.dtype)[:, None]
+    if matching is not True:
+      hits = hits & matching[..., None, :]
+    return jnp.sum(hits, axis=-1, dtype=jnp.int32)
   rows = digit.reshape(-1, digit.shape[-1])
   bins = jnp.where(jnp.broadcast_to(matching, digit.shape).reshape(rows.shape),
                    rows.astype(jnp.int32), n_digits)  # n_digits: outside the prefix, dropped
@@ -95,9 +102,9 @@ def top_n(x: jnp.ndarray, n: int, *, bits: int = DEFAULT_BITS,
   t = x.shape[-1]
   if not 0 < n <= t:
     raise ValueError(f"n={n} must be in 1..{t}")
-  if not 1 <= bits <= 16 or counting not in ("compare", "scatter"):
+  if not 1 <= bits <= 16 or counting not in ("compare", "rows", "scatter"):
     raise ValueError(f"radix plan bits={bits}, counting={counting!r}: bits must be in 1..16 and "
-                     "counting 'compare' or 'scatter'")
+                     "counting 'compare', 'rows' or 'scatter'")
   keys = _ordered_keys(x)
   kth = _nth_largest_key(keys, n, bits, counting)[..., None]
   above = keys > kth
