@@ -3,7 +3,8 @@
 import jax.numpy as jnp
 import numpy as np
 
-from jax_longctx.ops.attention import attention, attention_probs_sum, merge_attention
+from jax_longctx.ops.attention import (attention, attention_probs_sum, attention_with_probs,
+                                      merge_attention)
 
 B, S, H, KV, T, D = 2, 3, 6, 2, 40, 8
 
@@ -70,3 +71,16 @@ def test_attention_probs_sum_matches_naive():
   got = attention_probs_sum(jnp.asarray(q), jnp.asarray(k), jnp.asarray(q_pos), jnp.asarray(k_pos),
                             lse, jnp.ones((B, S), bool), group="sum")
   np.testing.assert_allclose(got, _naive(q, k, v, q_pos, k_pos)[2], atol=1e-5)
+
+
+def test_attention_with_probs_matches_naive_from_one_pass():
+  q, k, v, q_pos, k_pos = _data(4)
+  out, lse, probs = attention_with_probs(*map(jnp.asarray, (q, k, v, q_pos, k_pos)))
+  ref_out, ref_lse, ref_probs = _naive(q, k, v, q_pos, k_pos)
+  np.testing.assert_allclose(out, ref_out, atol=1e-5)
+  np.testing.assert_allclose(lse, ref_lse, atol=1e-5)
+  assert probs.shape == (B, KV, H // KV, S, T)
+  np.testing.assert_allclose(jnp.sum(probs, axis=(2, 3)), ref_probs, atol=1e-5)  # heads, queries
+  kp = k_pos[:, :, None, None, :]
+  visible = (kp >= 0) & (kp <= q_pos[:, None, None, :, None])
+  assert np.all(np.asarray(probs)[~np.broadcast_to(visible, probs.shape)] == 0)

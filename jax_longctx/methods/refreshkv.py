@@ -50,7 +50,8 @@ from jax_longctx.ops.cache import KVCache
 from jax_longctx.methods.base import (AttnContext, Budget, Method, MethodError, PrefillEnd,
                                       register)
 from jax_longctx.methods.full import Full
-from jax_longctx.methods.snapkv import SnapKV, SnapPrefill, pooled_scores
+from jax_longctx.methods.snapkv import SnapKV, SnapPrefill, max_pool
+from jax_longctx.ops.attention import attention_with_probs
 from jax_longctx.core.rope import apply_rope
 from jax_longctx.ops.top_n import top_n
 
@@ -217,16 +218,19 @@ class RefreshKV(Method):
       return None
     return jnp.any((q_pos[:, 0] - state.prompt_lengths + 1) % self._stride() == 0)
 
-  def refreshed(self, full: KVCache, q_rot, lse, ctx: AttnContext, n: int) -> PartialCache:
-    """C_p rebuilt from C_f: the current query's pooled attention, the latest n_local kept."""
+  def full_attention_step(self, full: KVCache, q_rot, ctx: AttnContext, n: int):
+    """(out [B, 1, H, d], C_p rebuilt): attention over C_f and, from the same scores (K read
+    once), the current query's attention max over its GQA group and max-pooled; the top n of
+    it, the latest n_local always, form the new C_p."""
     slots = jnp.arange(full.max_len, dtype=jnp.int32)[None, :]
     k_pos = jnp.where(slots <= ctx.q_pos, slots, -1)  # [B, T]: what the query sees
-    score = pooled_scores(q_rot, full.k, ctx.q_pos, k_pos, lse, ctx.valid, self.pool_kernel,
-                          ctx.heads)
+    out, _, probs = attention_with_probs(q_rot, full.k, full.v, ctx.q_pos, k_pos)
+    probs = jnp.where(ctx.valid[:, None, None, :, None], probs, 0.0)  # [B, KV, G, 1, T]
+    score = max_pool(ctx.heads.group(jnp.max(probs[:, :, :, 0], axis=2), "max"), self.pool_kernel)
     recent = (slots <= ctx.q_pos) & (slots > ctx.q_pos - self.n_local)
     priority = jnp.where(recent[:, None, :], jnp.inf, score)  # [B, KV, T]
     priority = jnp.where((k_pos >= 0)[:, None, :], priority, -jnp.inf)
-    return PartialCache.top(k_pos, priority, n, self.selection)
+    return out, PartialCache.top(k_pos, priority, n, self.selection)
 
   def decode(self, state: RefreshState, q, k, v, ctx: AttnContext):
     if q.shape[1] != 1:
@@ -242,8 +246,10 @@ class RefreshKV(Method):
     due = self.due(state, q, ctx)
 
     def full_step(_):
-      out_f, lse = Full().attend_cache(full, q_rot, ctx)
-      part = self.refreshed(full, q_rot, lse, ctx, part_p.budget) if self.refresh else part_p
+      if self.refresh:
+        out_f, part = self.full_attention_step(full, q_rot, ctx, part_p.budget)
+      else:
+        out_f, part = Full().attend_cache(full, q_rot, ctx)[0], part_p
       if not self.full_attention:
         out_f = part.attend_rows(full, q_rot)
       keep = jax.tree.map(lambda a, b: jnp.where(due[:, None, None], a, b), part, part_p)

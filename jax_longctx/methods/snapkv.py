@@ -33,6 +33,12 @@ def pooled_scores(q, k, q_pos, k_pos, lse, q_valid, pool_kernel: int,
   at the ends): [B, KV, T] fp32. `lse` is the queries' LSE over the same slots; `heads` the
   layer's (a group's heads may lie on several devices)."""
   score = heads.group(attention_probs_sum(q, k, q_pos, k_pos, lse, q_valid, group="max"), "max")
+  return max_pool(score, pool_kernel)
+
+
+def max_pool(score, pool_kernel: int) -> jnp.ndarray:
+  """score [B, KV, T] max-pooled over `pool_kernel` neighbouring slots (the window shrinks at
+  the ends)."""
   return jax.lax.reduce_window(score, -jnp.inf, jax.lax.max, (1, 1, pool_kernel), (1, 1, 1),
                                "SAME")
 

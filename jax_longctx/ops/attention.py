@@ -64,11 +64,21 @@ def _key_splits(t: int) -> int:
 
 
 def _dense(qg, k, v, q_pos, k_pos, scale):
+  p, m, l = _dense_probs(qg, k, q_pos, k_pos, scale)
+  return _pv(p, v), m, l
+
+
+def _dense_probs(qg, k, q_pos, k_pos, scale):
+  """Unnormalized probabilities p [B, KV, G, S, T] (exp(s - m)), running max m and sum l."""
   s = jnp.where(_visible(q_pos, k_pos), _scores(qg, k, scale), -jnp.inf)
   m = jnp.max(s, axis=-1)
   m = jnp.where(jnp.isfinite(m), m, 0.0)
   p = jnp.exp(s - m[..., None])
-  l = jnp.sum(p, axis=-1)
+  return p, m, jnp.sum(p, axis=-1)
+
+
+def _pv(p, v):
+  """sum_t p[..., t] v[t]: [B, KV, G, S, d] fp32."""
   # P.V reduces over the whole key axis; with few queries that is a handful of long reductions
   # that leave most of a GPU idle, so the key axis is split into parts summed afterwards.
   b, kvh, g, sq, t = p.shape
@@ -76,7 +86,7 @@ def _dense(qg, k, v, q_pos, k_pos, scale):
   pn = p.astype(v.dtype).reshape(b, kvh, g, sq, n, t // n)
   vn = v.reshape(b, kvh, n, t // n, v.shape[-1])
   acc = jnp.einsum("bkgsnt,bkntd->bkngsd", pn, vn, preferred_element_type=jnp.float32)
-  return jnp.sum(acc, axis=2), m, l
+  return jnp.sum(acc, axis=2)
 
 
 def _blocked(qg, k, v, q_pos, k_pos, scale, kv_extent, block):
@@ -131,6 +141,22 @@ def attention(q, k, v, q_pos, k_pos, *, scale=None, kv_extent=None, key_block=_K
     extent = t if kv_extent is None else kv_extent
     acc, m, l = _blocked(qg, k, v, q_pos, k_pos, scale, extent, key_block)
   return _finish(acc, m, l, q.shape, q.dtype)
+
+
+def attention_with_probs(q, k, v, q_pos, k_pos, *, scale=None):
+  """`attention`, and from the same scores each query head's attention probabilities over the
+  slots: (out [B, S, H, d], lse [B, S, H], probs [B, KV, G, S, T] fp32, zero where a slot is not
+  visible). K is read once (attention then `attention_probs_sum` read it twice: RefreshKV's
+  refresh, BENCHMARKS.md). Holds the [B, H, S, T] scores whole: for a decode step's few queries.
+  """
+  b, s, h, d = q.shape
+  kvh = k.shape[1]
+  if h % kvh:
+    raise ValueError(f"{h} query heads do not divide into {kvh} kv heads")
+  scale = d ** -0.5 if scale is None else scale
+  p, m, l = _dense_probs(_group(q, kvh), k, q_pos, _per_head(k_pos), scale)
+  out, lse = _finish(_pv(p, v), m, l, q.shape, q.dtype)
+  return out, lse, p / jnp.where(l > 0, l, 1.0)[..., None]
 
 
 def attention_probs_sum(q, k, q_pos, k_pos, lse, q_valid, *, scale=None, group="sum"):
