@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from jax_longctx.app.gap_stats import gap_closed, paired_gap, pooled_ppl
+from jax_longctx.app.gap_stats import gap_closed, paired_contrast, paired_gap, pooled_ppl
 from jax_longctx.app.report import effective_stride, stride_counts, summary_table
 
 
@@ -62,6 +62,29 @@ def test_paired_bootstrap_interval_on_known_records():
   assert paired_gap({}, base, full) is None
   # Fixed seed: the same interval twice.
   assert paired_gap(noisy, base, full) == g2
+
+
+def test_paired_contrast_of_before_and_after_and_of_two_gains():
+  rng = np.random.default_rng(2)
+  before = {s: rng.uniform(2, 4, 5) for s in range(40)}
+  after = {s: x - 0.05 for s, x in before.items()}  # 0.05 nats/token better on every text
+  change = paired_contrast([before, after], [-1, 1])
+  assert change.value == pytest.approx(-0.05) and change.n_texts == 40
+  assert change.low == pytest.approx(-0.05) == pytest.approx(change.high)
+  # Gains 0.05 and 0.02 on noisy texts: the difference of gains is 0.03 in every resample.
+  other = {s: x + rng.normal(0, 0.5, 5) for s, x in before.items()}
+  other_after = {s: x - 0.02 for s, x in other.items()}
+  more = paired_contrast([before, after, other, other_after], [1, -1, -1, 1])
+  assert more.value == pytest.approx(0.03) and more.low == pytest.approx(0.03)
+  # A gain on half the texts only: a wide interval; pairing over the texts all of them ran.
+  half = {s: x - (0.1 if s % 2 else 0.0) for s, x in before.items()}
+  wide = paired_contrast([before, half], [-1, 1])
+  assert wide.low < -0.06 < -0.04 < wide.high <= 0 and wide.value == pytest.approx(-0.05)
+  del half[3]
+  assert paired_contrast([before, half], [-1, 1]).n_texts == 39
+  assert paired_contrast([{}, after], [-1, 1]) is None
+  with pytest.raises(ValueError, match="different numbers of tokens"):
+    paired_contrast([before, {s: x[:4] for s, x in after.items()}], [-1, 1])
 
 
 def test_gap_table_in_the_summary():

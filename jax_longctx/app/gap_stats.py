@@ -57,15 +57,49 @@ def paired_gap(method: dict, base: dict, full: dict, *, resamples: int = RESAMPL
   seeds = sorted(set(method) & set(base) & set(full))
   if not seeds:
     return None
-  # Per text: NLL sums per method and the token count (the same text gives the same count).
-  sums = np.array([[np.sum(d[s]) for s in seeds] for d in (method, base, full)])  # [3, T]
-  counts = np.array([len(full[s]) for s in seeds], np.float64)  # [T]
-  ppl = np.exp(sums.sum(-1) / counts.sum())
-  share = gap_closed(*ppl)
-  idx = np.random.default_rng(seed).integers(0, len(seeds), (resamples, len(seeds)))
-  boot = np.exp(sums[:, idx].sum(-1) / counts[idx].sum(-1))  # [3, resamples]
+  nll, boot = _pooled_resampled([method, base, full], seeds, resamples, seed)
+  ppl, boot = np.exp(nll), np.exp(boot)
   with np.errstate(divide="ignore", invalid="ignore"):
     shares = (boot[1] - boot[0]) / (boot[1] - boot[2])
+  return Gap(float(gap_closed(*ppl)), *_interval(shares, level), len(seeds))
+
+
+@dataclasses.dataclass(frozen=True)
+class Contrast:
+  value: float  # nats/token, over the paired texts
+  low: float  # the paired bootstrap's interval at LEVEL
+  high: float
+  n_texts: int
+
+
+def paired_contrast(nlls: list[dict], weights: list[float], *, resamples: int = RESAMPLES,
+                    seed: int = SEED, level: float = LEVEL) -> Contrast | None:
+  """sum_i weights[i] x pooled NLL of nlls[i] ({seed: NLLs} each, scored on the same texts),
+  over the texts all ran, with its paired-bootstrap interval; None when they share no text.
+
+  [before, after] with weights [-1, 1]: the change a model update made (negative: better);
+  [a_before, a_after, b_before, b_after] with [1, -1, -1, 1]: how much more a gained than b."""
+  seeds = sorted(set.intersection(*(set(d) for d in nlls)))
+  if not seeds:
+    return None
+  if any(len(d[s]) != len(nlls[0][s]) for d in nlls for s in seeds):
+    raise ValueError("paired_contrast: the methods scored different numbers of tokens on a text")
+  w = np.asarray(weights, np.float64)[:, None]
+  nll, boot = _pooled_resampled(nlls, seeds, resamples, seed)
+  return Contrast(float(np.sum(w[:, 0] * nll)), *_interval(np.sum(w * boot, 0), level), len(seeds))
+
+
+def _pooled_resampled(nlls: list[dict], seeds: list, resamples: int, seed: int):
+  """(pooled NLL per method [M], the same over `resamples` draws of the texts [M, R]): each draw
+  takes len(seeds) texts with replacement, the same texts for every method. Token counts are the
+  last method's (the same text gives the same count)."""
+  counts = np.array([len(nlls[-1][s]) for s in seeds], np.float64)  # [T]
+  sums = np.array([[np.sum(d[s]) for s in seeds] for d in nlls])  # [M, T]
+  idx = np.random.default_rng(seed).integers(0, len(seeds), (resamples, len(seeds)))
+  return sums.sum(-1) / counts.sum(), sums[:, idx].sum(-1) / counts[idx].sum(-1)
+
+
+def _interval(draws: np.ndarray, level: float) -> tuple[float, float]:
   tail = 100 * (1 - level) / 2
-  low, high = np.nanpercentile(shares, [tail, 100 - tail])
-  return Gap(float(share), float(low), float(high), len(seeds))
+  low, high = np.nanpercentile(draws, [tail, 100 - tail])
+  return float(low), float(high)
