@@ -61,11 +61,16 @@ def _key(rec: dict) -> tuple:
 
 
 def load_results(out_dir: str, repair: bool = True) -> list[dict]:
-  """Finished samples. A last line without its newline is a record whose write was interrupted
-  (a killed sweep): it is dropped, with one line saying so, and its sample runs again; with
-  `repair` the file is cut back to the end of the line before, so the next record starts a line
-  of its own. Any other line that is not valid JSON is an error, never silently dropped."""
-  path = os.path.join(out_dir, RESULTS)
+  """Finished samples of the sweep in `out_dir` (`read_records`)."""
+  return read_records(os.path.join(out_dir, RESULTS), repair, _key)
+
+
+def read_records(path: str, repair: bool = True, key=lambda rec: rec) -> list[dict]:
+  """The records of a JSONL file that `append_record` writes. A last line without its newline
+  is a record whose write was interrupted (a killed run): it is dropped, with one line saying
+  so, and its sample runs again; with `repair` the file is cut back to the end of the line
+  before, so the next record starts a line of its own. Any other line that is not valid JSON
+  (or that `key` cannot read) is an error, never silently dropped."""
   if not os.path.exists(path):
     return []
   with open(path, "rb") as f:
@@ -84,16 +89,16 @@ def load_results(out_dir: str, repair: bool = True) -> list[dict]:
       continue
     try:
       rec = json.loads(line)
-      _key(rec)
+      key(rec)
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
       raise EvalError(f"{path} line {i} is corrupt ({e}); fix or move the file, then rerun") from e
     out.append(rec)
   return out
 
 
-def _append(path: str, rec: dict) -> None:
+def append_record(path: str, rec: dict) -> None:
   """One record as one line, in one write, on disk before the next sample starts: a kill leaves
-  at most the last line cut short, which load_results recognises."""
+  at most the last line cut short, which read_records recognises."""
   line = (json.dumps(rec) + "\n").encode()
   with open(path, "ab", buffering=0) as f:
     while line:  # a regular file takes it in one write; a short write only if interrupted
@@ -200,7 +205,7 @@ def run_sweep(lm, task_name: str, specs: list[MethodSpec], lengths: list[int],
     rec.update(run_sample(lm, task, spec, sample, options, cache_len))
     rec["peak_bytes"] = _peak_bytes()
     if writer:
-      _append(os.path.join(out_dir, RESULTS), rec)
+      append_record(os.path.join(out_dir, RESULTS), rec)
     done.append(rec)
   if writer:
     write_report(done, out_dir)
