@@ -97,3 +97,28 @@ def run_on_eight_devices(module: str, name: str) -> None:
   out = subprocess.run([sys.executable, "-m", module, name], cwd=root, capture_output=True,
                        text=True, env=env, timeout=600)
   assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-3000:]
+
+
+def write_cpt_job(root, tokenizer, **settings) -> str:
+  """A continued-pretraining job in `root` (a pathlib.Path): a tiny random model with
+  `tokenizer` (root/model), three prose files of 20,000 characters (root/text) and a config
+  naming them with `settings` (root/cpt.json, whose path it returns)."""
+  import json
+
+  from jax_longctx.app.tasks import text_sources
+  from jax_longctx.checkpoints.pipeline import save_orbax
+  from jax_longctx.core.config import save_config_file
+
+  model = root / "model"
+  model.mkdir()
+  cfg = tiny_config(vocab_size=tokenizer.vocab_size, max_position_embeddings=256)
+  save_orbax(random_params(cfg, seed=3), str(model))
+  save_config_file(cfg, str(model))
+  tokenizer.save(str(model))
+  (root / "text").mkdir()
+  prose = text_sources.prose()
+  for i in range(3):
+    (root / "text" / f"part{i}.txt").write_text(prose[i * 20000:(i + 1) * 20000])
+  path = root / "cpt.json"
+  path.write_text(json.dumps(dict(model=str(model), text_files=["text/*.txt"], **settings)))
+  return str(path)

@@ -104,29 +104,13 @@ def test_module_entry_runs_without_the_package_installed_and_names_errors(tmp_pa
 @pytest.fixture(scope="module")
 def tiny_job(default_lm, tmp_path_factory):
   """A tiny random model with the default model's tokenizer, prose files and a config."""
-  from jax_longctx.checkpoints.pipeline import save_orbax
-  from jax_longctx.core.config import save_config_file
-  from jax_longctx.model import random_params
-  from jax_longctx.app.tasks import text_sources
-  from tests.conftest import tiny_config
+  from tests.conftest import write_cpt_job
 
   root = tmp_path_factory.mktemp("cpt")
-  model = root / "model"
-  model.mkdir()
-  cfg = tiny_config(vocab_size=default_lm.tokenizer.vocab_size, max_position_embeddings=256)
-  save_orbax(random_params(cfg, seed=3), str(model))
-  save_config_file(cfg, str(model))
-  default_lm.tokenizer.save(str(model))
-  (root / "text").mkdir()
-  prose = text_sources.prose()
-  for i in range(3):
-    (root / "text" / f"part{i}.txt").write_text(prose[i * 20000:(i + 1) * 20000])
-  config = dict(model=str(model), text_files=["text/*.txt"], prefix_len=48, suffix_len=8,
-                top_k=12, steps=40, global_batch=4, micro_batch=2, lr=1e-3, warmup_steps=2,
-                save_every=2, eval_every=40, eval_rows=2, compute_dtype="float32")
-  path = root / "cpt.json"
-  path.write_text(json.dumps(config))
-  return root, str(path)
+  return root, write_cpt_job(
+      root, default_lm.tokenizer, prefix_len=48, suffix_len=8, top_k=12, steps=40,
+      global_batch=4, micro_batch=2, lr=1e-3, warmup_steps=2, save_every=2, eval_every=40,
+      eval_rows=2, compute_dtype="float32")
 
 
 def _cli(config, out_dir, *extra):
