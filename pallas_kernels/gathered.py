@@ -33,15 +33,16 @@ SQ = gpu.SQ
 
 def gathered_attention(q, k, v, indices, valid=None, *, scale: float | None = None,
                        kv_layout: str = "BTHD", key_rope_freqs=None, key_positions=None,
-                       backend: str = "auto", tiling: gpu.Tiling | None = None):
+                       extent=None, backend: str = "auto", tiling: gpu.Tiling | None = None):
   """q [B, Lq, H, d] over k, v (BTHD or BHTD) at indices [B, KV, n] (int, into the key axis).
 
   valid: bool [B, KV, n] (default: all); indices outside [0, T) count as invalid. Every query row
   sees the same selected keys (no causal mask: select accordingly). key_rope_freqs: None, or the
   RoPE inverse frequencies [d / 2] with which the key of entry j is rotated at position j (q comes
   rotated already), or at key_positions[b, j] (int [B, n], shared by a sequence's kv heads) when
-  given. Returns (out [B, Lq, H, d], lse [B, Lq, H] fp32); a row with no valid key
-  gives (0, -inf).
+  given. extent: None, or [B, KV] int: entries at and past it count as invalid and the GPU
+  kernel does not read them (0: the group costs no reads). Returns (out [B, Lq, H, d], lse
+  [B, Lq, H] fp32); a row with no valid key gives (0, -inf).
   """
   b, lq, h, kvh, t, d = layout.check_qk(q, k, kv_layout)
   if v.shape != k.shape:
@@ -82,14 +83,18 @@ def gathered_attention(q, k, v, indices, valid=None, *, scale: float | None = No
   rows_padded = layout.round_up(rows, bm)
   qr = layout.q_rows(q, kvh, rows_padded)
   ok = valid & (indices >= 0) & (indices < t)
+  if extent is not None:
+    if extent.shape != (b, kvh):
+      raise ValueError(f"extent must be [batch={b}, kv_heads={kvh}], got {extent.shape}")
+    extent = extent.astype(jnp.int32)
+    ok = ok & (jnp.arange(n, dtype=jnp.int32) < extent[..., None])
   safe = jnp.clip(indices, 0, t - 1)
   if variant.kind == "gpu":
     span, splits = gpu.split_plan(b * kvh * (rows_padded // bm), max(n, bn), bn, tl.key_splits)
     pad = ((0, 0), (0, 0), (0, span * splits - n))
     table = _rope_table(key_rope_freqs, jnp.pad(key_positions, pad[1:]))
-    # Entries past the last valid one are never loaded: a (sequence, kv head) with none valid
-    # costs no reads (RefreshKV masks the partial step of the sequences taking a full step).
-    extent = jnp.max(jnp.where(ok, jnp.arange(1, n + 1, dtype=jnp.int32), 0), axis=-1)
+    if extent is None:
+      extent = jnp.full((b, kvh), n, jnp.int32)
     outs, lses = _gpu(qr, k, v, jnp.pad(safe, pad), jnp.pad(ok, pad).astype(jnp.int32),
                       extent[..., None], table, span=span, splits=splits, scale=scale,
                       kv_layout=kv_layout, tiling=tl, interpret=variant.interpret_arg())

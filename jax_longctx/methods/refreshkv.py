@@ -107,11 +107,10 @@ class PartialCache:
 
     skip [B] bool: sequences whose answer is not wanted (zeros); the kernel reads none of
     their rows."""
-    valid = self.pos >= 0
-    if skip is not None:
-      valid = valid & ~skip[:, None, None]
+    extent = None if skip is None else jnp.broadcast_to(
+        jnp.where(skip, 0, self.pos.shape[-1])[:, None], self.pos.shape[:2])
     out, _ = pallas_kernels.gathered_attention(q_rot, full.k, full.v, jnp.maximum(self.pos, 0),
-                                               valid, kv_layout="BHTD")
+                                               self.pos >= 0, kv_layout="BHTD", extent=extent)
     return out
 
 

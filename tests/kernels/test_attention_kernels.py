@@ -73,19 +73,22 @@ def test_gathered_attention_matches_reference(variant, layout, lq, h, kvh, d, n)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_gathered_attention_stops_at_the_last_valid_entry(variant):
-  """Valid entries only near the start (the GPU kernel visits tiles up to the last valid entry
-  of each group, so later tiles and whole key splits are skipped): the reference's answer."""
+def test_gathered_attention_reads_entries_below_extent_only(variant):
+  """extent per group: entries past it count as invalid (the GPU kernel visits no tile past it,
+  so later tiles and whole key splits are skipped; 0: none): the reference's answer with those
+  entries masked."""
   rng = np.random.default_rng(7)
   b, t, kvh, h, d, n = 2, 300, 2, 4, 64, 256
   q = normal(rng, (b, 1, h, d))
   k, v = (normal(rng, (b, kvh, t, d)) for _ in range(2))
   idx = jnp.asarray(rng.integers(0, t, (b, kvh, n)))
-  last = np.array([[3, 70], [0, 200]])  # valid entries below these (0: none)
-  valid = jnp.asarray(np.arange(n)[None, None, :] < last[..., None])
+  valid = jnp.asarray(rng.random((b, kvh, n)) > 0.2)
+  extent = jnp.asarray([[3, 70], [0, 200]])
   tiling = Tiling(key_splits=2, block_keys=64) if variant == "gpu" else None
-  got = gathered_attention(q, k, v, idx, valid, kv_layout="BHTD", backend=variant, tiling=tiling)
-  ref = gathered_attention(q, k, v, idx, valid, kv_layout="BHTD", backend="reference")
+  got = gathered_attention(q, k, v, idx, valid, kv_layout="BHTD", extent=extent, backend=variant,
+                           tiling=tiling)
+  below = valid & (jnp.arange(n) < extent[..., None])
+  ref = gathered_attention(q, k, v, idx, below, kv_layout="BHTD", backend="reference")
   assert_close(got, ref, jnp.float32)
   assert np.all(np.isneginf(np.asarray(got[1])[1, :, :h // kvh]))
 
