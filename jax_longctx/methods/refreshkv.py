@@ -25,6 +25,8 @@ Decisions where the paper is silent (docs/METHODS.md):
   copies XLA made around its updates than the contiguous reads saved; BENCHMARKS.md). C_f always
   receives every token (the paper writes the tokens decoded with C_p at the next full step: the
   same cache when it is read);
+- a full step takes its attention and the refresh's pooled scores from one QK^T over C_f (K read
+  once), and the partial step's gathered attention reads nothing for the sequences refreshing;
 - like SnapKV's observation window, the scoring query's own token is always kept (`n_local`
   latest tokens: 1 by default); generated tokens score +inf until the next refresh scores them
   (the oldest of them leaves first);
