@@ -13,8 +13,8 @@ How a pass counts its digits (`counting`) is a speed choice, the result is the s
   axis: one long row reduction per (row, digit), which a GPU spreads over more blocks);
 - "scatter": a histogram by scatter-add ([rows, 2^bits] bins; keys outside the current prefix
   are dropped, not added as zeros), so wide digits (fewer passes) cost no more compares.
-On GPU the passes are latency-bound (a few small kernels each, not bandwidth), so fewer, wider
-passes are the lever (BENCHMARKS.md, "RefreshKV decode").
+On an H200 (BENCHMARKS.md, "RefreshKV decode") the default, 4-bit "compare", was the fastest
+measured: wider digits cost more compares or contended atomics than the passes they save.
 """
 
 from __future__ import annotations
