@@ -12,6 +12,7 @@ import dataclasses
 
 IMPLS = ("mosaic", "triton")
 TOPK_SELECTIONS = ("exact", "max_only")
+TOPK_FEW_ROWS = ("blocks", "kernel")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,11 +44,17 @@ class KernelOptions:
   # running max (in its top slot; the indices are not kept), so it times the kernel without its
   # selection, the ceiling of its loop (benchmarks/kernel_sweep.py, benchmarks/mgpu_topk.py).
   topk_selection: str = "exact"
+  # topk_scores on the GPU with at most topk_blocks.MAX_ROWS query rows per kv head (decode):
+  # "blocks" stores the scores and selects from the k best blocks' maxima (topk_blocks.py);
+  # "kernel" runs the fused Triton kernel's running set.
+  topk_few_rows: str = "blocks"
 
   def __post_init__(self):
     for field in ("prefill_impl", "topk_impl"):
       if getattr(self, field) not in IMPLS:
         raise ValueError(f"{field}={getattr(self, field)!r} must be one of {IMPLS}")
+    if self.topk_few_rows not in TOPK_FEW_ROWS:
+      raise ValueError(f"topk_few_rows={self.topk_few_rows!r} must be one of {TOPK_FEW_ROWS}")
     if self.topk_selection not in TOPK_SELECTIONS:
       raise ValueError(f"topk_selection={self.topk_selection!r} must be one of {TOPK_SELECTIONS}")
 

@@ -15,7 +15,7 @@ from pallas_kernels.layout import heads_first
 NEG_INF = float("-inf")
 
 
-def _grouped_scores(q, k, kv_layout: str, scale):
+def grouped_scores(q, k, kv_layout: str, scale):
   """[B, Lq, H, d] x keys -> fp32 scores [B, Lq, KV, G, T]."""
   b, lq, h, d = q.shape
   kh = heads_first(k, kv_layout)
@@ -28,7 +28,7 @@ def _grouped_scores(q, k, kv_layout: str, scale):
 def topk_scores(q, k, top_k: int, lo, hi, *, scale=None, kv_layout="BTHD"):
   """Exact top-k of q.k over keys lo[b] <= t < hi[b]; ties to the lowest index; unfilled -> (-inf, -1)."""
   b, lq, h, _ = q.shape
-  s = _grouped_scores(q, k, kv_layout, scale)
+  s = grouped_scores(q, k, kv_layout, scale)
   t = jnp.arange(s.shape[-1])
   ok = (t >= lo[:, None]) & (t < hi[:, None])
   s = jnp.where(ok[:, None, None, None, :], s, NEG_INF)
@@ -53,7 +53,7 @@ def _softmax_out(s, v_heads_first, dtype):
 
 def flash_attention(q, k, v, *, causal, q_offset, kv_len, scale, kv_layout="BTHD"):
   """Softmax attention; query i of sequence b sits at position q_offset[b] + i; keys < kv_len[b]."""
-  s = _grouped_scores(q, k, kv_layout, scale)
+  s = grouped_scores(q, k, kv_layout, scale)
   lq, t = s.shape[1], s.shape[-1]
   k_pos = jnp.arange(t)
   ok = k_pos[None, None, :] < kv_len[:, None, None]  # [B, 1, T]
@@ -81,7 +81,7 @@ def gathered_attention(q, k, v, indices, valid, *, scale, kv_layout="BTHD", key_
     k1, k2 = jnp.split(kg.astype(jnp.float32), 2, axis=-1)
     cos, sin = jnp.cos(angles), jnp.sin(angles)
     kg = jnp.concatenate([k1 * cos - k2 * sin, k2 * cos + k1 * sin], axis=-1).astype(kg.dtype)
-  s = _grouped_scores(q, kg, "BHTD", scale)
+  s = grouped_scores(q, kg, "BHTD", scale)
   s = jnp.where(ok[:, None, :, None, :], s, NEG_INF)
   return _softmax_out(s, vg, q.dtype)
 

@@ -6,8 +6,10 @@ a running top-k (topk_tile). Splitting the key axis keeps the GPU busy when ther
 queries (decode); the splits' candidates (kp per row each) are merged by a small sort after.
 TPU: the key tiles are the innermost grid axis and the running set lives in VMEM scratch.
 On Hopper, prefill chunks (at least MOSAIC_MIN_ROWS rows per kv head) can run the Mosaic GPU
-kernel of mgpu_topk.py instead (KernelOptions.topk_impl, or tiling.impl="mosaic" per call); its output has
-the Triton kernel's layout, so the splits are merged the same way. Decode stays on Triton.
+kernel of mgpu_topk.py instead (KernelOptions.topk_impl, or tiling.impl="mosaic" per call); its
+output has the Triton kernel's layout, so the splits are merged the same way. On the GPU, few
+rows (decode; no tiling asked) go to topk_blocks.py unless KernelOptions.topk_few_rows is
+"kernel": there the scores are stored, which a decode step can afford.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import backend as backend_lib
-from pallas_kernels import gpu, layout, mgpu_topk, online_softmax, reference, topk_tile, tpu
+from pallas_kernels import (gpu, layout, mgpu_topk, online_softmax, reference, topk_blocks,
+                            topk_tile, tpu)
 from pallas_kernels.options import DEFAULT, KernelOptions
 
 SQ = gpu.SQ
@@ -45,6 +48,8 @@ def topk_scores(q, k, top_k: int, *, scale: float | None = None, valid_len=None,
   kernels, the reference always selects exactly).
   """
   b, lq, h, kvh, t, d = layout.check_qk(q, k, kv_layout)
+  if scale is not None and float(scale) == 1.0:
+    scale = None  # a multiply per score the kernels need not do (ReAttention scores raw q.k)
   if not 1 <= top_k <= t:
     raise ValueError(f"top_k={top_k} must be between 1 and the number of keys ({t})")
   valid_len = layout.per_batch(valid_len, b, t)
@@ -56,6 +61,9 @@ def topk_scores(q, k, top_k: int, *, scale: float | None = None, valid_len=None,
 
   kp = max(4, layout.next_pow2(top_k))
   rows = lq * (h // kvh)
+  if (variant.kind == "gpu" and tiling is None and rows <= topk_blocks.MAX_ROWS
+      and options.topk_few_rows == "blocks" and options.topk_selection == "exact"):
+    return topk_blocks.topk_scores(q, k, top_k, lo, hi, scale=scale, kv_layout=kv_layout)
   bounds = jnp.stack([lo, hi], axis=1)  # [B, 2]
   mosaic = _mosaic_config(variant, q, k, rows, top_k, tiling, keys=t, options=options)
   if mosaic is not None:

@@ -9,11 +9,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import topk_scores
+from pallas_kernels import KernelOptions
+from pallas_kernels import topk_scores as _topk_scores
 from pallas_kernels.gpu import Tiling
 from tests.kernels.inputs import keys_shape, normal, small_ints
 
 VARIANTS = ["gpu", "tpu"]
+# The kernels themselves: few-row GPU calls would otherwise go to topk_blocks (test_topk_blocks).
+KERNEL = KernelOptions(topk_few_rows="kernel")
+
+
+def topk_scores(*args, **kw):
+  return _topk_scores(*args, options=KERNEL, **kw)
 
 # (batch, q_len, q_heads, kv_heads, kv_len, d, top_k, layout, valid, prefix, suffix, tiling)
 CASES = {

@@ -1,0 +1,55 @@
+"""Exact top-k for a few query rows (decode): the scores once, then a top-k of block maxima.
+
+A decode step's scores are small ([B, H, T] fp32: 1/16 of K's bytes at d 128), so they are
+computed by one matrix product and kept, and the selection needs no running set: the key axis
+is cut into blocks, each block's per-row maximum is taken, and only the k best blocks are read
+again. The fused kernel (topk.py) instead keeps a running set in registers, whose updates cost
+rounds at the start of every key split (measured ~3.5x the K read at 32K on an H200).
+
+Exact, ties included: order keys by (score desc, index asc) and blocks by (their maximum desc,
+block asc), which `lax.top_k` gives (it keeps the lower index first among equals). A key x of
+the true top-k lies in one of the k first blocks: otherwise each of those k blocks holds a key
+(its first maximum) with a higher score than x, or the same score at a lower index (an earlier
+block), so k keys would precede x. The chosen blocks are sorted by position before their scores
+are joined, so among equal scores the final `lax.top_k` again keeps the lowest index.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels import layout, reference
+
+NEG_INF = float("-inf")
+MAX_ROWS = 16  # query rows per kv head served here; more (prefill chunks) would store big scores
+
+
+def block_size(top_k: int) -> int:
+  """Keys per block: large blocks make the maxima cheap, the k blocks read again small."""
+  return 256 if top_k <= 8 else 64
+
+
+def topk_scores(q, k, top_k: int, lo, hi, *, scale=None, kv_layout: str = "BTHD",
+                block: int | None = None):
+  """topk.topk_scores for few rows: (scores fp32, indices int32) [B, Lq, H, top_k], best first,
+  ties to the lowest index, unfilled (-inf, -1); candidates lo[b] <= t < hi[b]."""
+  b, lq, h, _ = q.shape
+  s = reference.grouped_scores(q, k, kv_layout, scale)  # [B, Lq, KV, G, T] fp32
+  t = s.shape[-1]
+  block = min(block or block_size(top_k), layout.next_pow2(t))
+  key = jnp.arange(t, dtype=jnp.int32)
+  ok = (key >= lo[:, None]) & (key < hi[:, None])  # [B, T]
+  s = jnp.where(ok[:, None, None, None, :], s, NEG_INF)
+  n_blocks = -(-t // block)
+  if n_blocks * block != t:
+    s = jnp.pad(s, [(0, 0)] * 4 + [(0, n_blocks * block - t)], constant_values=NEG_INF)
+  s = s.reshape(*s.shape[:4], n_blocks, block)
+  kb = min(top_k, n_blocks)
+  _, blocks = lax.top_k(jnp.max(s, axis=-1), kb)  # [B, Lq, KV, G, kb]
+  blocks = jnp.sort(blocks, axis=-1)  # key order, so equal scores keep the lower index
+  cand = jnp.take_along_axis(s, blocks[..., None], axis=-2)  # [B, Lq, KV, G, kb, block]
+  v, pos = lax.top_k(cand.reshape(*cand.shape[:4], kb * block), top_k)
+  i = jnp.take_along_axis(blocks, pos // block, axis=-1) * block + pos % block
+  i = jnp.where(v == NEG_INF, -1, i)
+  return v.reshape(b, lq, h, top_k), i.reshape(b, lq, h, top_k).astype(jnp.int32)

@@ -1,0 +1,81 @@
+"""topk_blocks (decode's exact top-k from block maxima) against the jnp reference.
+
+Indices must equal the reference's exactly, ties included (integer inputs make every score
+exact and ties frequent); small blocks force many blocks, partial last blocks and top-k larger
+than the number of blocks.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import KernelOptions, reference, topk_blocks, topk_scores
+from tests.kernels.inputs import keys_shape, normal, small_ints
+
+# (batch, q_len, q_heads, kv_heads, kv_len, d, top_k, layout, lo, hi, block)
+CASES = {
+    "decode_g4": (2, 1, 8, 2, 1000, 64, 4, "BHTD", (3, 40), (995, 600), 256),
+    "decode_g1_partial_block": (1, 1, 4, 4, 777, 64, 4, "BTHD", (0,), (777,), 64),
+    "top_k_over_blocks": (2, 1, 6, 2, 300, 64, 16, "BHTD", (5, 0), (300, 290), 8),
+    "two_queries_g3": (2, 2, 6, 2, 520, 128, 1, "BTHD", (32, 0), (400, 520), 16),
+    "one_block": (1, 1, 2, 1, 100, 64, 8, "BHTD", (0,), (100,), 256),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_blocks_match_reference(case):
+  b, lq, h, kvh, t, d, top_k, kv_layout, lo, hi, block = CASES[case]
+  rng = np.random.default_rng(len(case))
+  q = small_ints(rng, (b, lq, h, d))
+  k = small_ints(rng, keys_shape(b, t, kvh, d, kv_layout))
+  lo, hi = jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32)
+  v, i = jax.jit(lambda q, k, lo, hi: topk_blocks.topk_scores(
+      q, k, top_k, lo, hi, kv_layout=kv_layout, block=block))(q, k, lo, hi)
+  rv, ri = reference.topk_scores(q, k, top_k, lo, hi, kv_layout=kv_layout)
+  assert v.shape == i.shape == (b, lq, h, top_k) and i.dtype == jnp.int32
+  np.testing.assert_array_equal(np.asarray(i), np.asarray(ri))
+  np.testing.assert_array_equal(np.asarray(v), np.asarray(rv))
+
+
+def test_blocks_ties_across_blocks_go_to_lowest_index():
+  """13 distinct keys repeated: every block holds the row's maximum, so the k blocks chosen are
+  the first ones and each score is tied within and across them."""
+  rng = np.random.default_rng(11)
+  k = jnp.tile(small_ints(rng, (1, 13, 2, 64)), (1, 40, 1, 1))  # [1, 520, 2, 64]
+  q = small_ints(rng, (1, 1, 4, 64))
+  lo, hi = jnp.array([0]), jnp.array([520])
+  v, i = topk_blocks.topk_scores(q, k, 8, lo, hi, block=32)
+  rv, ri = reference.topk_scores(q, k, 8, lo, hi)
+  np.testing.assert_array_equal(np.asarray(i), np.asarray(ri))
+  vv, ii = np.asarray(v), np.asarray(i)
+  tied = vv[..., 1:] == vv[..., :-1]
+  assert tied.any() and np.all(ii[..., 1:][tied] > ii[..., :-1][tied])
+
+
+def test_blocks_float_scores_and_holes():
+  rng = np.random.default_rng(2)
+  q, k = normal(rng, (2, 1, 8, 128)), normal(rng, (2, 2000, 2, 128))
+  lo, hi = jnp.array([4, 0]), jnp.array([2000, 6])  # sequence 1: 6 candidates for top 8
+  v, i = topk_blocks.topk_scores(q, k, 8, lo, hi, scale=0.125)
+  rv, ri = reference.topk_scores(q, k, 8, lo, hi, scale=0.125)
+  np.testing.assert_array_equal(np.asarray(i), np.asarray(ri))
+  np.testing.assert_allclose(np.asarray(v), np.asarray(rv), rtol=1e-6)
+  assert np.all(np.asarray(i)[1, ..., 6:] == -1) and np.all(np.isneginf(np.asarray(v)[1, ..., 6:]))
+
+
+def test_gpu_decode_routes_here_unless_asked():
+  """topk_scores(backend="gpu") sends few rows to the blocks (no pallas_call in the
+  traced graph)
+  and prefill-sized rows or topk_few_rows="kernel" to a kernel."""
+  q1 = jax.ShapeDtypeStruct((1, 1, 8, 64), jnp.bfloat16)
+  q64 = jax.ShapeDtypeStruct((1, 32, 8, 64), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((1, 1024, 2, 64), jnp.bfloat16)
+
+  def kernels(q, options=KernelOptions()):
+    jaxpr = jax.make_jaxpr(lambda q, k: topk_scores(q, k, 4, backend="gpu", options=options))
+    return "pallas_call" in str(jaxpr(q, k))
+
+  assert not kernels(q1)
+  assert kernels(q1, KernelOptions(topk_few_rows="kernel"))
+  assert kernels(q64)
