@@ -30,9 +30,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 
 from benchmarks import authors_topk, common  # noqa: E402
-from pallas_kernels import flash_attention, gathered_attention, topk_scores  # noqa: E402
+from pallas_kernels import flash_attention, gathered_attention, topk_blocks, topk_scores  # noqa: E402
 from pallas_kernels.options import DEFAULT, KernelOptions  # noqa: E402
 
 H, KV, D = 32, 8, 128
@@ -81,12 +82,29 @@ def check_topk(key):
   q, k = small_ints(kq, (2, 64, H, D)), small_ints(kk, (2, 20000, KV, D))
   kw = dict(valid_len=jnp.array([20000, 13001]), exclude_prefix=4, exclude_suffix=64)
   out = {}
-  for top_k in (1, 4, 128):
-    v, i = topk_scores(q, k, top_k, backend="gpu", **kw)
-    rv, ri = topk_scores(q, k, top_k, backend="reference", **kw)
-    out[f"top{top_k}_index_equal"] = float(jnp.mean(i == ri))
-    out[f"top{top_k}_score_maxdiff"] = float(jnp.max(jnp.abs(v - rv)))
+  for lq, case in ((64, "prefill"), (1, "decode")):  # decode: the blocks path (topk_blocks)
+    for top_k in (1, 4, 128):
+      v, i = topk_scores(q[:, :lq], k, top_k, backend="gpu", **kw)
+      rv, ri = topk_scores(q[:, :lq], k, top_k, backend="reference", **kw)
+      out[f"{case}_top{top_k}_index_equal"] = float(jnp.mean(i == ri))
+      out[f"{case}_top{top_k}_score_maxdiff"] = float(jnp.max(jnp.abs(v - rv)))
+  # Both above use XLA's top_k on this device; decode's blocks path relies on its order among
+  # equal scores, so it is also checked against numpy's (score desc, index asc).
+  i = topk_scores(q[:, :1], k, 4, backend="gpu", **kw)[1]
+  out["decode_top4_index_equal_numpy"] = float(np.mean(np.asarray(i) == _numpy_top4(q[:, :1], k)))
   return out
+
+
+def _numpy_top4(q, k):
+  """check_topk's candidates (keys 4 <= t < valid - 64) ranked by numpy: exact integer scores,
+  ties to the lower index (a stable sort of the negated scores)."""
+  qn, kn = np.asarray(q, np.float64), np.asarray(k, np.float64)
+  b, lq, h, d = qn.shape
+  s = np.einsum("bqkgd,btkd->bqkgt", qn.reshape(b, lq, KV, h // KV, d), kn).reshape(b, lq, h, -1)
+  t = np.arange(s.shape[-1])
+  for bi, valid in enumerate((20000, 13001)):
+    s[bi, ..., (t < 4) | (t >= valid - 64)] = -np.inf
+  return np.argsort(-s, axis=-1, kind="stable")[..., :4]
 
 
 def check_attention(key):
@@ -123,7 +141,15 @@ def bench_topk(key, lq, t, top_k, args, anchor=True, tiling=None,
   rec["tflops"] = flops / rec["ms"] / 1e9
   if args.bw:
     rec["k_read_ms"] = k.size * 2 / args.bw * 1e3
-  if anchor and getattr(args, "authors", None) and top_k in authors_topk.TOP_KS:
+  if lq * (H // KV) <= topk_blocks.MAX_ROWS:  # decode: the fused kernel beside the blocks path
+    kernel = jax.jit(lambda q, k: topk_scores(q, k, top_k, backend="gpu", tiling=tiling,
+                                              options=KernelOptions(topk_few_rows="kernel")))
+    rec["kernel_ms"] = timed(kernel, q, k, reps=args.reps, inner=args.inner) * 1e3
+    rec["kernel_over_ours"] = rec["kernel_ms"] / rec["ms"]
+    if rec.get("k_read_ms"):
+      rec["ours_over_k_read"] = rec["ms"] / rec["k_read_ms"]
+  if (anchor and getattr(args, "authors", None) and top_k in authors_topk.TOP_KS
+      and lq > 1):  # the authors' kernel pads a decode query to 128 rows: a prefill kernel
     rec.update(_versus_authors(args, q, k, top_k, ours(q, k)[1]))
     if "authors_ms" in rec:
       rec["authors_tflops"] = flops / rec["authors_ms"] / 1e9
@@ -149,11 +175,13 @@ def _versus_authors(args, q, k, top_k, ours_indices) -> dict:
 
 def topk_shapes(quick=False, smoke=False) -> dict[str, list[tuple[int, int, int]]]:
   """(queries, keys, top_k) of the timed top-k cases by case name: issue 3's shapes, with top-1
-  beside top-4 (the two the authors' kernel does) and top-128 for decode. smoke: keys / 512 and
+  beside top-4 (the two the authors' kernel does), decode at ReAttention's 32K / 128K and top-128
+  for decode. smoke: keys / 512 and
   128 queries (the authors' query tile)."""
   long = 1 << (18 if quick else 20)
   shapes = {"topk_prefill": [(512, t, tk) for t in (131072, 524288) for tk in (4, 1)],
-            "topk_decode": [(1, long, tk) for tk in (4, 1, 128)]}
+            "topk_decode": [(1, t, tk) for t in (32768, 131072) for tk in (4, 1)]
+                           + [(1, long, tk) for tk in (4, 1, 128)]}
   if smoke:
     shapes = {name: [(min(lq, 128), t // 512, tk) for lq, t, tk in cases]
               for name, cases in shapes.items()}
