@@ -155,3 +155,25 @@ def copy_bandwidth() -> float:
   del x, y
   torch.cuda.empty_cache()  # the children need the memory
   return bw
+
+
+# Entry instructions of a compiled XLA program that launch no work of their own.
+_NOT_LAUNCHED = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast"}
+
+
+def launched_ops(jitted, *args) -> list[str]:
+  """The top-level operations of `jitted` compiled for `args` that launch work on the device
+  (fusions named with their kind, custom calls with their target, sorts, copies...): how many
+  separate kernels one call runs, each costing a launch whatever its size."""
+  import re
+  text = jitted.lower(*args).compile().as_text()
+  entry = text[text.index("\nENTRY"):]
+  entry = entry[: entry.index("\n}")]
+  ops = []
+  for line in entry.splitlines()[1:]:
+    m = re.search(r"=\s*\S+(?:\[[^\]]*\])?(?:\{[^}]*\})?\s+([a-z][a-z0-9-]*)\(", line)
+    if not m or m.group(1) in _NOT_LAUNCHED:
+      continue
+    detail = re.search(r'(kind=\w+|custom_call_target="[^"]+")', line)
+    ops.append(m.group(1) + (f" {detail.group(1)}" if detail else ""))
+  return ops

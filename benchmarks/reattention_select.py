@@ -9,7 +9,9 @@ For one layer at the named shape (bf16, batch 1, random pre-RoPE cache filled to
 selection's stages cumulatively (score: the top-k kernel; vote: + vote counting and clip; spans:
 + span expansion; select: + the compacted scope), for a decode step (1 query) and a prefill
 chunk (512 queries). Each is run once per layer inside one jitted loop and divided by the layer
-count, so host dispatch is not counted. Multiply by the layer count and divide by the decode
+count, so host dispatch is not counted. `select_ms_topk_kernel`: the selection with the top-k
+on the fused Triton kernel (KernelOptions.topk_few_rows="kernel"; the same for 512 queries);
+`select_ops`: the kernels one selection launches (benchmarks.common.launched_ops). Multiply by the layer count and divide by the decode
 step that benchmarks/decode.py measures to get the share of the step spent selecting.
 """
 
@@ -22,7 +24,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import device_facts, median_time, write_json  # noqa: E402
+from benchmarks.common import device_facts, launched_ops, median_time, write_json  # noqa: E402
 
 
 def measure(cfg, method, context: int, n_q: int) -> dict:
@@ -33,6 +35,7 @@ def measure(cfg, method, context: int, n_q: int) -> dict:
   from jax_longctx.methods import AttnContext
   from jax_longctx.methods.reattention_scope import most_voted, select_scope, span_runs, vote
   from jax_longctx.core.rope import inv_freq
+  from pallas_kernels import KernelOptions
 
   keys = jax.random.split(jax.random.key(0), 5)
   shape = (1, cfg.num_kv_heads, context, cfg.head_dim)
@@ -71,6 +74,9 @@ def measure(cfg, method, context: int, n_q: int) -> dict:
     return run
 
   select = looped(stages["select"])
+  one_select = jax.jit(lambda q, kc: select_scope(q, kc, pos, valid, **hp).idx)
+  kernel_select = looped(lambda q, kc: jnp.sum(select_scope(  # decode's fused Triton top-k
+      q, kc, pos, valid, **hp, options=KernelOptions(topk_few_rows="kernel")).idx))
 
   @functools.partial(jax.jit, donate_argnums=0)  # the cache is updated in place, as in decoding
   def layer(state, q, k, v):
@@ -92,6 +98,8 @@ def measure(cfg, method, context: int, n_q: int) -> dict:
     jax.block_until_ready(acc)
 
   sel, _ = median_time(run_select, warmup=2, reps=10)
+  kernel_sel, _ = median_time(lambda: jax.block_until_ready(kernel_select(q, box["state"].k)),
+                              warmup=2, reps=10)
   full, _ = median_time(run_layer, warmup=2, reps=10)
   sel, full = sel / n, full / n
   prefix_ms = {}
@@ -101,7 +109,8 @@ def measure(cfg, method, context: int, n_q: int) -> dict:
                                   warmup=2, reps=10)[0] / n * 1e3
   return {"context": context, "queries": n_q, "select_ms": sel * 1e3, "layer_ms": full * 1e3,
           "layers": cfg.num_layers, "select_ms_all_layers": sel * 1e3 * cfg.num_layers,
-          "prefix_ms": prefix_ms}
+          "prefix_ms": prefix_ms, "select_ms_topk_kernel": kernel_sel / n * 1e3,
+          "select_ops": launched_ops(one_select, q, box["state"].k)}
 
 
 def main() -> None:

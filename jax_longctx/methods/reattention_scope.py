@@ -77,12 +77,25 @@ def vote(q, k_cache, lo, hi, q_valid, top_k: int, backend: str = "auto",
   return ballots(candidates(q, k_cache, lo, hi, top_k, backend, options)[1], q_valid)
 
 
+# Up to this many votes a row (a decode step: heads x top_k), most_voted compares every pair of
+# votes instead of sorting: a few fused reductions rather than three sorts and a scan.
+PAIRWISE_MAX_VOTES = 1024
+
+
 def most_voted(votes, clip: int):
   """The `clip` most voted token indices per row, ascending; ties to the lower index.
 
   votes [B, V] (-1 = none) -> kept [B, clip] int32, _NONE where fewer distinct tokens got votes.
-  O(V log V): a sort and run lengths, independent of the cache length.
+  Independent of the cache length: O(V log V) by sorting, or O(V^2) by comparing pairs when V
+  is small (both give the same tokens; tests/test_reattention.py).
   """
+  if votes.shape[1] <= PAIRWISE_MAX_VOTES:
+    return most_voted_pairwise(votes, clip)
+  return most_voted_sorted(votes, clip)
+
+
+def most_voted_sorted(votes, clip: int):
+  """most_voted by sorting the votes and counting runs."""
   b, v = votes.shape
   s = jnp.sort(jnp.where(votes >= 0, votes, _NONE), axis=-1)
   pos = jnp.arange(v)
@@ -101,6 +114,26 @@ def most_voted(votes, clip: int):
   if n < clip:
     kept = jnp.concatenate([kept, jnp.full((b, clip - n), _NONE, kept.dtype)], axis=1)
   return kept
+
+
+def most_voted_pairwise(votes, clip: int):
+  """most_voted by comparing all pairs of votes [B, V]: each distinct token (its first vote)
+  is ranked by (count desc, token asc) against the others, and the kept ones are placed by how
+  many kept tokens are smaller."""
+  v = votes.shape[1]
+  live = votes >= 0
+  a, c = votes[:, :, None], votes[:, None, :]  # [B, V, 1] this vote, [B, 1, V] the others
+  same = (a == c) & live[:, None, :]
+  count = jnp.sum(same, axis=2)  # [B, V]
+  earlier = jnp.arange(v)[None, :] < jnp.arange(v)[:, None]  # [V, V]: other before this
+  first = live & ~jnp.any(same & earlier[None], axis=2)  # one vote stands for each token
+  ahead = (count[:, None, :] > count[:, :, None]) | ((count[:, None, :] == count[:, :, None])
+                                                      & (c < a))
+  kept = first & (jnp.sum(ahead & first[:, None, :], axis=2) < clip)
+  slot = jnp.sum(kept[:, None, :] & (c < a), axis=2)  # kept tokens below this one
+  at = kept[:, None, :] & (slot[:, None, :] == jnp.arange(clip)[None, :, None])  # [B, clip, V]
+  out = jnp.max(jnp.where(at, votes[:, None, :], -1), axis=2)
+  return jnp.where(out >= 0, out, _NONE).astype(jnp.int32)
 
 
 def span_runs(kept, lo, hi, span: int):
@@ -133,7 +166,10 @@ def assemble(first, count, n_global: int, n_local: int, size: int, seq_end, firs
   n_glob = jnp.minimum(n_global, seq_end)[:, None]  # [B, 1]
   local_start = jnp.maximum(n_global, seq_end - n_local)[:, None]
   n_loc = jnp.clip(seq_end[:, None] - local_start, 0, n_local)
-  offset = jnp.cumsum(count, axis=1) - count  # [B, c] each run's first slot after the global part
+  c = count.shape[1]
+  before = jnp.arange(c)[None, :] < jnp.arange(c)[:, None]  # [c, c]: run i before run j
+  # [B, c] each run's first slot after the global part (a masked sum: no scan kernel)
+  offset = jnp.sum(jnp.where(before[None], count[:, None, :], 0), axis=2)
   n_sel = jnp.sum(count, axis=1, keepdims=True)
   r = jnp.arange(size, dtype=jnp.int32)[None, :]  # [1, N]
   in_sel = r - n_glob  # slot within the selected part
