@@ -140,43 +140,42 @@ def _block_maxima(qr, k, bounds, *, scale, kv_layout, interpret):
                                              "interpret"))
 def _rescore(qr, k, bounds, blocks, *, top_k, rows, kb, scale, kv_layout, interpret):
   """Each real row's kb blocks scored again, its top_k by rounds (max, then the lowest key
-  holding it, then that key masked): (scores, keys) [B, KV, rp, kp], unfilled (-inf, -1); rows
-  past `rows` are not written. One program per (sequence x kv head, row)."""
+  holding it, then that key masked): (scores, keys) [B, KV, rp, kp], unfilled (-inf, -1).
+  One program per (sequence x kv head)."""
   b, kvh, rp, d = qr.shape
   t = k.shape[1 if kv_layout == "BTHD" else 2]
   kp = layout.next_pow2(top_k)
 
   def kernel(bounds_ref, q_ref, k_ref, blocks_ref, v_out, i_out):
     q = q_ref[...]
-    mine = lax.broadcasted_iota(jnp.int32, (rp, 1), 0) == pl.program_id(1)
+    row = lax.broadcasted_iota(jnp.int32, (rp, 1), 0)
     slot = lax.broadcasted_iota(jnp.int32, (1, kp), 1)
-    cands = []
-    for c in range(kb):
-      nominal = blocks_ref[0, c] * GPU_BLOCK
-      tile, key = gpu.key_tile(nominal, GPU_BLOCK, t)
-      s = online_softmax.scores(q, k_ref[tile, :], scale)  # the product _block_maxima made
-      ok = mine & (key >= nominal) & (key >= bounds_ref[0]) & (key < bounds_ref[1])
-      cands.append((jnp.max(jnp.where(ok, s, NEG_INF), axis=0, keepdims=True), key))
-    vals = jnp.full((1, kp), NEG_INF, jnp.float32)
-    keys = jnp.full((1, kp), -1, jnp.int32)
-    for j in range(top_k):
-      best = functools.reduce(jnp.maximum, [jnp.max(s) for s, _ in cands])
-      at = functools.reduce(jnp.minimum, [jnp.min(jnp.where(s == best, key, BIG_INDEX))
-                                          for s, key in cands])
-      vals = jnp.where(slot == j, best, vals)
-      keys = jnp.where(slot == j, jnp.where(best == NEG_INF, -1, at), keys)
-      cands = [(jnp.where(key == at, NEG_INF, s), key) for s, key in cands]
-    v_out[...] = vals
-    i_out[...] = keys
-
-  def row(n):
-    return pl.BlockSpec((SQ, SQ, 1, n), lambda bh, r: (bh // kvh, bh % kvh, r, 0))
+    for r in range(rows):
+      cands = []
+      for c in range(kb):
+        nominal = blocks_ref[r, c] * GPU_BLOCK
+        tile, key = gpu.key_tile(nominal, GPU_BLOCK, t)
+        s = online_softmax.scores(q, k_ref[tile, :], scale)
+        ok = (row == r) & (key >= nominal) & (key >= bounds_ref[0]) & (key < bounds_ref[1])
+        cands.append((jnp.max(jnp.where(ok, s, NEG_INF), axis=0, keepdims=True), key))
+      vals = jnp.full((1, kp), NEG_INF, jnp.float32)
+      keys = jnp.full((1, kp), -1, jnp.int32)
+      for j in range(top_k):
+        best = functools.reduce(jnp.maximum, [jnp.max(s) for s, _ in cands])
+        at = functools.reduce(jnp.minimum, [jnp.min(jnp.where(s == best, key, BIG_INDEX))
+                                            for s, key in cands])
+        vals = jnp.where(slot == j, best, vals)
+        keys = jnp.where(slot == j, jnp.where(best == NEG_INF, -1, at), keys)
+        cands = [(jnp.where(key == at, NEG_INF, s), key) for s, key in cands]
+      v_out[pl.ds(r, 1), :] = vals
+      i_out[pl.ds(r, 1), :] = keys
 
   out = jax.ShapeDtypeStruct((b, kvh, rp, kp), jnp.float32)
   return gpu.pallas_call(
-      kernel, interpret, num_warps=4, num_stages=1, grid=(b * kvh, rows),
+      kernel, interpret, num_warps=4, num_stages=1, grid=(b * kvh,),
       in_specs=[gpu.per_batch_spec(kvh, 2), _heads_rows_spec(kvh, rp, d),
-                gpu.whole_keys_spec(kv_layout, t, d, kvh), row(blocks.shape[-1])],
-      out_specs=[row(kp)] * 2,
+                gpu.whole_keys_spec(kv_layout, t, d, kvh),
+                _heads_rows_spec(kvh, rp, blocks.shape[-1])],
+      out_specs=[_heads_rows_spec(kvh, rp, kp)] * 2,
       out_shape=[out, out.update(dtype=jnp.int32)],
   )(bounds, qr, k, blocks)
