@@ -63,9 +63,6 @@ def topk_scores(q, k, top_k: int, *, scale: float | None = None, valid_len=None,
   rows = lq * (h // kvh)
   if (variant.kind == "gpu" and tiling is None and rows <= topk_blocks.MAX_ROWS
       and options.topk_few_rows == "blocks" and options.topk_selection == "exact"):
-    if top_k <= topk_blocks.GPU_MAX_TOP_K:
-      return topk_blocks.gpu_topk_scores(q, k, top_k, lo, hi, scale=scale, kv_layout=kv_layout,
-                                         interpret=variant.interpret_arg())
     return topk_blocks.topk_scores(q, k, top_k, lo, hi, scale=scale, kv_layout=kv_layout)
   bounds = jnp.stack([lo, hi], axis=1)  # [B, 2]
   mosaic = _mosaic_config(variant, q, k, rows, top_k, tiling, keys=t, options=options)
