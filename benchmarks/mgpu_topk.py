@@ -11,9 +11,7 @@ Shapes of one layer: 32 query / 8 KV heads, d=128, bf16, batch 1, unless a case 
 2. prefill_128k / prefill_512k: 512 queries x 128K / 512K keys, top-4: median ms after warm-up
    of the Mosaic kernel beside the Triton kernel and einsum + lax.top_k, in the same run.
    TFLOP/s count 2 * queries * keys * d * H. Decode (1 query) stays on the Triton kernel.
-3. variants_{128k,512k}_top{1,4}: the kernel's exact selection variants (mgpu_topk._SELECTIONS)
-   beside its default on the same inputs, each checked equal to it, and the running max.
-4. gemm_only_128k: the kernel with a running max in place of the selection
+3. gemm_only_128k: the kernel with a running max in place of the selection
    (KernelOptions(topk_selection="max_only"): pipeline + products alone, the bound for what a
    cheaper selection could gain; its results are meaningless).
 --sweep: 512 x 128K over block_kv 64/128/256, stages 2-4, key splits and lowering semantics (each
@@ -154,33 +152,6 @@ def gemm_only(key, args, t=131072):
   return {**rec, "case": "gemm_only"}
 
 
-VARIANTS = {1: ("exact", "exact_rounds", "exact_one_branchless", "max_only"),
-            4: ("exact", "exact_first_free", "max_only")}
-
-
-def variants(key, args, t, top_k):
-  """The exact selection variants of mgpu_topk (_SELECTIONS) on one shape, each checked equal to
-  "exact" (the kernel's default for this top_k), with the running max (max_only) as the floor."""
-  lq, t = (16, n(t)) if SMOKE else (512, t)
-  kq, kk = jax.random.split(key)
-  q, k = normal(kq, (1, lq, H, D)), normal(kk, (1, t, KV, D))
-  config = mgpu_topk.DEFAULT_CONFIG
-  require_mosaic(q, k, top_k, mosaic())
-  bounds = jnp.array([[0, t]], jnp.int32)
-  rec = {"case": "variants", "q_len": lq, "kv_len": t, "top_k": top_k}
-  outs = {}
-  for selection in VARIANTS[top_k]:
-    fn = jax.jit(lambda q, k, sel=selection: ts_module._finish(*ts_module._mosaic(
-        q, k, bounds, top_k, config, scale=None, kv_layout="BTHD", key_splits=None,
-        selection=sel, interpret=resolve("gpu").interpret), top_k, lq, H))
-    outs[selection] = fn(q, k)
-    rec[f"{selection}_ms"] = timed(fn, q, k, reps=args.reps, inner=args.inner) * 1e3
-    rec[f"{selection}_tflops"] = 2 * lq * t * D * H / rec[f"{selection}_ms"] / 1e9
-    if selection.startswith("exact_"):
-      rec[f"{selection}_equal"] = bool(jnp.all(outs[selection][1] == outs["exact"][1]))
-  return rec
-
-
 def sweep(key, args):
   points = [(mgpu_topk.Config(64, bk, st), None) for bk in (64, 128, 256) for st in (2, 3, 4)]
   points = [(c, s) for c, s in points if mgpu_topk.smem_bytes(c, D, 4) <= mgpu_topk.SMEM_LIMIT]
@@ -203,9 +174,7 @@ def cases(key, args) -> dict:
   }
   if args.sweep:
     return {"check_top4_bthd_d128_g4": checks["check_top4_bthd_d128_g4"], **sweep(key, args)}
-  variant_cases = {f"variants_{t // 1024}k_top{tk}": (lambda t=t, tk=tk: variants(key, args, t, tk))
-                   for t in (131072, 524288) for tk in (1, 4)}
-  return {**checks, **variant_cases, "prefill_128k": lambda: bench(key, 131072, args),
+  return {**checks, "prefill_128k": lambda: bench(key, 131072, args),
           "prefill_512k": lambda: bench(key, 524288, args),
           "gemm_only_128k": lambda: gemm_only(key, args)}
 

@@ -234,10 +234,9 @@ def _step(g, state, *, masked: bool, first, q_tile, k_smem, k_loaded, k_free, sy
   return state
 
 
-def _select(state, s, key, *, first_free: bool = False):
+def _select(state, s, key):
   """The running sets ([kp] row vectors of scores, of keys) after the tile s [bq, bk] of keys
-  `key` (all above those kept): see the module doc. first_free: the first round runs without
-  the "some row" test (a row that gains nothing keeps its set), the rest as usual."""
+  `key` (all above those kept): see the module doc."""
   def threshold(vals):
     return functools.reduce(jnp.minimum, vals)
 
@@ -259,18 +258,15 @@ def _select(state, s, key, *, first_free: bool = False):
     return s, vals, keys, s.max(axis=1)
 
   vals, keys = state
-  carry = (s, vals, keys, s.max(axis=1))
-  if first_free:
-    carry = take_best(carry)
-  _, vals, keys, _ = lax.while_loop(pending, take_best, carry)
+  _, vals, keys, _ = lax.while_loop(pending, take_best, (s, vals, keys, s.max(axis=1)))
   return vals, keys
 
 
-def _select_one(state, s, key, *, branch: bool = True):
+def _select_one(state, s, key):
   """kp = 1, a running argmax: a row changes only where the tile's max beats its kept score
-  strictly, to the lowest key among the tile's equal maxima. At most one round, so no masking
-  and no second max; branch: the round only when some row gains (a test across the warpgroup
-  per tile), else on every tile."""
+  strictly, to the lowest key among the tile's equal maxima. At most one round, so no masking,
+  no second max and no second test across the warpgroup; the round runs only when some row
+  gains (running it on every tile measured slower at 512K keys: BENCHMARKS.md)."""
   (val,), (kept,) = state
   best = s.max(axis=1)
   take = best > val
@@ -279,8 +275,6 @@ def _select_one(state, s, key, *, branch: bool = True):
     best_key = jnp.min(jnp.where(s == rows(best, s.shape), key, BIG_INDEX), axis=1)
     return [jnp.where(take, best, val)], [jnp.where(take, best_key, kept)]
 
-  if not branch:
-    return update(None)
   return lax.cond(jnp.max(jnp.where(take, 1, 0)) > 0, update, lambda _: ([val], [kept]), None)
 
 
@@ -292,16 +286,12 @@ def _running_max(state, s, key):
   return [jnp.maximum(vals[0], s.max(axis=1)), *vals[1:]], keys
 
 
-# Selections by name; "exact" picks by kp (_selection). The others are exact variants timed
-# against it on an H200 by benchmarks/mgpu_topk.py's `variants` cases (BENCHMARKS.md).
-_SELECTIONS = {"exact_rounds": _select, "exact_first_free": functools.partial(_select, first_free=True),
-               "exact_one_branchless": functools.partial(_select_one, branch=False),
-               "max_only": _running_max}
+_SELECTIONS = {"max_only": _running_max}
 
 
 def _selection(selection: str, kp: int):
+  """The tile update: "exact" is the running argmax for kp = 1 (measured 1.19x faster than
+  the rounds at 128K keys, H200), the rounds otherwise."""
   if selection == "exact":
     return _select_one if kp == 1 else _select
-  if selection.startswith("exact_one") and kp != 1:
-    raise ValueError(f"selection {selection!r} is for top 1, not kp={kp}")
   return _SELECTIONS[selection]
