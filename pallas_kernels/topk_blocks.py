@@ -4,7 +4,9 @@ A decode step's scores are small ([B, H, T] fp32: 1/16 of K's bytes at d 128), s
 computed by one matrix product and kept, and the selection needs no running set: the key axis
 is cut into blocks, each block's per-row maximum is taken, and only the k best blocks are read
 again. The fused kernel (topk.py) instead keeps a running set in registers, whose updates cost
-rounds at the start of every key split (measured ~3.5x the K read at 32K on an H200).
+rounds at the start of every key split. On an H200 this graph selected faster than the fused
+kernel in ReAttention's decode at 32K-1M (BENCHMARKS.md "ReAttention"); the same scheme as two
+Triton kernels (block maxima; the chosen blocks scored again) measured slower, so it stays jnp.
 
 Exact, ties included: order keys by (score desc, index asc) and blocks by (their maximum desc,
 block asc), which `lax.top_k` gives (it keeps the lower index first among equals). A key x of
