@@ -177,3 +177,31 @@ def launched_ops(jitted, *args) -> list[str]:
     detail = re.search(r'(kind=\w+|custom_call_target="[^"]+")', line)
     ops.append(m.group(1) + (f" {detail.group(1)}" if detail else ""))
   return ops
+
+
+def device_kernel_times(run, calls: int, per_call: int = 1) -> list[dict]:
+  """Device kernels that `run()` launches, from a profiler trace of `calls` runs: name, launches
+  and microseconds per unit (a run does `per_call` units, e.g. layers), longest first."""
+  import glob
+  import gzip
+  import tempfile
+
+  import jax
+  run()  # compiled and warm before tracing
+  with tempfile.TemporaryDirectory() as d:
+    with jax.profiler.trace(d, create_perfetto_trace=True):
+      for _ in range(calls):
+        run()
+    path = glob.glob(f"{d}/**/perfetto_trace.json.gz", recursive=True)[0]
+    events = json.load(gzip.open(path))
+  events = events["traceEvents"] if isinstance(events, dict) else events
+  device = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+            and str(e["args"].get("name", "")).startswith("/device:")}
+  total: dict[str, list[float]] = {}
+  for e in events:
+    if e.get("ph") == "X" and e.get("pid") in device and "dur" in e:
+      total.setdefault(e["name"], []).append(float(e["dur"]))
+  units = calls * per_call
+  rows = [{"kernel": name[:120], "launches": len(d) / units, "us": sum(d) / units}
+          for name, d in total.items()]
+  return sorted(rows, key=lambda r: -r["us"])

@@ -11,7 +11,9 @@ selection's stages cumulatively (score: the top-k kernel; vote: + vote counting 
 chunk (512 queries). Each is run once per layer inside one jitted loop and divided by the layer
 count, so host dispatch is not counted. `select_ms_topk_kernel`: the selection with the top-k
 on the fused Triton kernel (KernelOptions.topk_few_rows="kernel"; the same for 512 queries);
-`select_ops`: the kernels one selection launches (benchmarks.common.launched_ops). Multiply by the layer count and divide by the decode
+`select_ops`: the kernels one selection launches (benchmarks.common.launched_ops); with
+--profile, `select_kernels`: each device kernel's microseconds per selection from a profiler
+trace (benchmarks.common.device_kernel_times). Multiply by the layer count and divide by the decode
 step that benchmarks/decode.py measures to get the share of the step spent selecting.
 """
 
@@ -24,10 +26,11 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import device_facts, launched_ops, median_time, write_json  # noqa: E402
+from benchmarks.common import (device_facts, device_kernel_times, launched_ops,  # noqa: E402
+                               median_time, write_json)
 
 
-def measure(cfg, method, context: int, n_q: int) -> dict:
+def measure(cfg, method, context: int, n_q: int, profile: bool = False) -> dict:
   import jax
   import jax.numpy as jnp
 
@@ -107,10 +110,11 @@ def measure(cfg, method, context: int, n_q: int) -> dict:
     fn = looped(stage)
     prefix_ms[name] = median_time(lambda: jax.block_until_ready(fn(q, box["state"].k)),
                                   warmup=2, reps=10)[0] / n * 1e3
+  kernels = device_kernel_times(run_select, calls=3, per_call=n) if profile else None
   return {"context": context, "queries": n_q, "select_ms": sel * 1e3, "layer_ms": full * 1e3,
           "layers": cfg.num_layers, "select_ms_all_layers": sel * 1e3 * cfg.num_layers,
           "prefix_ms": prefix_ms, "select_ms_topk_kernel": kernel_sel / n * 1e3,
-          "select_ops": launched_ops(one_select, q, box["state"].k)}
+          "select_ops": launched_ops(one_select, q, box["state"].k), "select_kernels": kernels}
 
 
 def main() -> None:
@@ -119,6 +123,8 @@ def main() -> None:
   p.add_argument("--contexts", default="32768,131072")
   p.add_argument("--queries", default="1,512")
   p.add_argument("--out", default="reattention_select.jsonl")
+  p.add_argument("--profile", action="store_true",
+                 help="select_kernels: each device kernel's time per selection (profiler trace)")
   args = p.parse_args()
 
   from jax_longctx import preset
@@ -130,7 +136,7 @@ def main() -> None:
     for n_q in map(int, args.queries.split(",")):
       rec = {"model": args.model, "hparams": method.hparams()}
       try:
-        rec.update(measure(cfg, method, context, n_q))
+        rec.update(measure(cfg, method, context, n_q, args.profile))
       except Exception as e:  # a failed configuration is a result to record
         rec.update(context=context, queries=n_q, error=f"{type(e).__name__}: {str(e)[:300]}")
       rec.update(device_facts())
