@@ -10,7 +10,7 @@ Shapes of one layer: 32 query / 8 KV heads, d=128, bf16, batch 1, unless a case 
    repeated); fp16 with a scale. A mismatch fails loudly (the case records it; exit status 1).
 2. prefill_128k / prefill_512k: 512 queries x 128K / 512K keys, top-4: median ms after warm-up
    of the Mosaic kernel beside the Triton kernel and einsum + lax.top_k, in the same run.
-   TFLOP/s count 2 * queries * keys * d * H. Decode (1 query) stays on the Triton kernel.
+   TFLOP/s count 2 * queries * keys * d * H. Decode (1 query) never runs the Mosaic kernel.
 3. gemm_only_128k: the kernel with a running max in place of the selection
    (KernelOptions(topk_selection="max_only"): pipeline + products alone, the bound for what a
    cheaper selection could gain; its results are meaningless).

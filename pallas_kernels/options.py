@@ -25,7 +25,7 @@ class KernelOptions:
   prefill_impl: str = "mosaic"
   # Whether "auto" gives cuDNN-expressible calls to the Mosaic kernel rather than to cuDNN.
   mosaic_before_cudnn: bool = True
-  # The same choice for topk_scores' prefill chunks (decode rows stay on Triton).
+  # The same choice for topk_scores' prefill chunks (decode rows: topk_few_rows below).
   topk_impl: str = "mosaic"
   # Whether a prefill chunk the Mosaic kernel does not serve runs as two cuDNN calls merged by
   # LSE (`chunk_attention`) rather than one flash-attention call with the offset (measured

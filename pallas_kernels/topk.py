@@ -30,7 +30,7 @@ SQ = gpu.SQ
 
 # Mosaic (KernelOptions.topk_impl): on an H200 512 queries x 128K / 512K keys, top-4, ran 1.26x /
 # 1.69x the Triton kernel with equal indices (benchmarks/results/mgpu_topk_h200.json).
-MOSAIC_MIN_ROWS = 64  # query rows (queries x group) per kv head: fewer (decode) stay on Triton
+MOSAIC_MIN_ROWS = 64  # query rows (queries x group) per kv head: fewer (decode) never run Mosaic
 
 
 def topk_scores(q, k, top_k: int, *, scale: float | None = None, valid_len=None,
