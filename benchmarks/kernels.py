@@ -33,7 +33,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks import authors_topk, common  # noqa: E402
-from pallas_kernels import flash_attention, gathered_attention, topk_blocks, topk_scores  # noqa: E402
+from pallas_kernels import (flash_attention, gathered_attention, topk_blocks,  # noqa: E402
+                            topk_scores)
 from pallas_kernels.options import DEFAULT, KernelOptions  # noqa: E402
 
 H, KV, D = 32, 8, 128

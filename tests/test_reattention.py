@@ -81,7 +81,8 @@ def test_vote_counting_by_pairs_equals_by_sorting(seed):
   the same kept tokens, including count ties (to the lower token), holes (-1) and rows with
   fewer distinct tokens than clip."""
   rng = np.random.default_rng(seed)
-  v, clip, tokens = [(128, 127, 40), (300, 20, 25), (96, 50, 500), (PAIRWISE_MAX_VOTES, 127, 900)][seed]
+  v, clip, tokens = [(128, 127, 40), (300, 20, 25), (96, 50, 500),
+                     (PAIRWISE_MAX_VOTES, 127, 900)][seed]
   votes = jnp.asarray(rng.integers(-1, tokens, (3, v)), jnp.int32)
   pairs, sorted_ = most_voted_pairwise(votes, clip), most_voted_sorted(votes, clip)
   assert pairs.shape == (3, clip)
