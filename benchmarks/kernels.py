@@ -92,19 +92,20 @@ def check_topk(key):
   # Both above use XLA's top_k on this device; decode's blocks path relies on its order among
   # equal scores, so it is also checked against numpy's (score desc, index asc).
   i = topk_scores(q[:, :1], k, 4, backend="gpu", **kw)[1]
-  out["decode_top4_index_equal_numpy"] = float(np.mean(np.asarray(i) == _numpy_top4(q[:, :1], k)))
+  numpy_i = _numpy_top4(q[:, :1], k, kw["exclude_prefix"], kw["valid_len"] - kw["exclude_suffix"])
+  out["decode_top4_index_equal_numpy"] = float(np.mean(np.asarray(i) == numpy_i))
   return out
 
 
-def _numpy_top4(q, k):
-  """check_topk's candidates (keys 4 <= t < valid - 64) ranked by numpy: exact integer scores,
-  ties to the lower index (a stable sort of the negated scores)."""
+def _numpy_top4(q, k, lo: int, hi):
+  """The top 4 of keys lo <= t < hi[b] ranked by numpy: exact integer scores, ties to the lower
+  index (a stable sort of the negated scores)."""
   qn, kn = np.asarray(q, np.float64), np.asarray(k, np.float64)
   b, lq, h, d = qn.shape
   s = np.einsum("bqkgd,btkd->bqkgt", qn.reshape(b, lq, KV, h // KV, d), kn).reshape(b, lq, h, -1)
   t = np.arange(s.shape[-1])
-  for bi, valid in enumerate((20000, 13001)):
-    s[bi, ..., (t < 4) | (t >= valid - 64)] = -np.inf
+  for bi, end in enumerate(np.asarray(hi)):
+    s[bi, ..., (t < lo) | (t >= end)] = -np.inf
   return np.argsort(-s, axis=-1, kind="stable")[..., :4]
 
 
