@@ -94,6 +94,9 @@ def check_topk(key):
   i = topk_scores(q[:, :1], k, 4, backend="gpu", **kw)[1]
   numpy_i = _numpy_top4(q[:, :1], k, kw["exclude_prefix"], kw["valid_len"] - kw["exclude_suffix"])
   out["decode_top4_index_equal_numpy"] = float(np.mean(np.asarray(i) == numpy_i))
+  i = topk_scores(q, k, 4, backend="gpu", **kw)[1]  # prefill rows: the segments path
+  numpy_i = _numpy_top4(q, k, kw["exclude_prefix"], kw["valid_len"] - kw["exclude_suffix"])
+  out["prefill_top4_index_equal_numpy"] = float(np.mean(np.asarray(i) == numpy_i))
   return out
 
 
@@ -143,9 +146,13 @@ def bench_topk(key, lq, t, top_k, args, anchor=True, tiling=None,
   rec["tflops"] = flops / rec["ms"] / 1e9
   if args.bw:
     rec["k_read_ms"] = k.size * 2 / args.bw * 1e3
-  if lq * (H // KV) <= topk_blocks.MAX_ROWS:  # decode: the fused kernel beside the blocks path
+  # The kernel's own running set beside the default: the fused Triton kernel for decode rows
+  # (default: topk_blocks), the Mosaic kernel's rounds for prefill chunks (default: segments).
+  beside = (KernelOptions(topk_few_rows="kernel") if lq * (H // KV) <= topk_blocks.MAX_ROWS
+            else KernelOptions(topk_many_rows="kernel") if top_k > 1 else None)
+  if beside is not None and options == DEFAULT:
     kernel = jax.jit(lambda q, k: topk_scores(q, k, top_k, backend="gpu", tiling=tiling,
-                                              options=KernelOptions(topk_few_rows="kernel")))
+                                              options=beside))
     rec["kernel_ms"] = timed(kernel, q, k, reps=args.reps, inner=args.inner) * 1e3
     rec["kernel_over_ours"] = rec["kernel_ms"] / rec["ms"]
     if rec.get("k_read_ms"):
@@ -181,7 +188,8 @@ def topk_shapes(quick=False, smoke=False) -> dict[str, list[tuple[int, int, int]
   for decode. smoke: keys / 512 and
   128 queries (the authors' query tile)."""
   long = 1 << (18 if quick else 20)
-  shapes = {"topk_prefill": [(512, t, tk) for t in (131072, 524288) for tk in (4, 1)],
+  shapes = {"topk_prefill": [(512, t, tk) for t in (131072, 524288) for tk in (4, 1)]
+                           + [(512, 32768, 4)],
             "topk_decode": [(1, t, tk) for t in (32768, 131072) for tk in (4, 1)]
                            + [(1, long, tk) for tk in (4, 1, 128)]}
   if smoke:

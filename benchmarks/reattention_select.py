@@ -10,7 +10,8 @@ selection's stages cumulatively (score: the top-k kernel; vote: + vote counting 
 + span expansion; select: + the compacted scope), for a decode step (1 query) and a prefill
 chunk (512 queries). Each is run once per layer inside one jitted loop and divided by the layer
 count, so host dispatch is not counted. `select_ms_topk_kernel`: the selection with the top-k
-on the fused Triton kernel (KernelOptions.topk_few_rows="kernel"; the same for 512 queries);
+kernels' own running sets (KernelOptions topk_few_rows / topk_many_rows = "kernel": the fused
+Triton kernel for 1 query, the Mosaic kernel's rounds for 512);
 `select_ops`: the kernels one selection launches (benchmarks.common.launched_ops); with
 --profile, `select_kernels`: each device kernel's microseconds per selection from a profiler
 trace (benchmarks.common.device_kernel_times). Multiply by the layer count and divide by the decode
@@ -79,7 +80,7 @@ def measure(cfg, method, context: int, n_q: int, profile: bool = False) -> dict:
   select = looped(stages["select"])
   one_select = jax.jit(lambda q, kc: select_scope(q, kc, pos, valid, **hp).idx)
   kernel_select = looped(lambda q, kc: jnp.sum(select_scope(  # decode's fused Triton top-k
-      q, kc, pos, valid, **hp, options=KernelOptions(topk_few_rows="kernel")).idx))
+      q, kc, pos, valid, **hp, options=KernelOptions(topk_few_rows="kernel", topk_many_rows="kernel")).idx))
 
   @functools.partial(jax.jit, donate_argnums=0)  # the cache is updated in place, as in decoding
   def layer(state, q, k, v):

@@ -89,28 +89,32 @@ class _Dims:
 
 
 @functools.partial(jax.jit, static_argnames=("kp", "span", "splits", "scale", "kv_layout",
-                                             "config", "selection", "interpret", "native"))
+                                             "config", "selection", "segment", "interpret",
+                                             "native"))
 def mgpu_topk_scores(qr, k, bounds, *, kp: int, span: int, splits: int, scale: float | None,
                      kv_layout: str = "BTHD", config: Config = DEFAULT_CONFIG,
-                     selection: str = "exact", interpret=False, native: bool | None = None):
+                     selection: str = "exact", segment: int = 16, interpret=False,
+                     native: bool | None = None):
   """qr [B, KV, R, d] (R a multiple of 2 * block_q); k [B, T, KV, d] or [B, KV, T, d] with
   T >= block_kv; bounds int32 [B, 2]: candidates lo <= t < hi (hi <= T). span * splits >= T.
   Returns (scores fp32, keys int32) [B, KV, splits, R, kp]: each split's best kp per row,
   unordered; (-inf, a negative key) where a split has fewer candidates. scale multiplies q.k
   (None: not at all). selection: KernelOptions.topk_selection ("max_only", a benchmark
-  diagnostic: slot 0 holds the row's running max, the rest stays empty). interpret / native as
-  in mgpu_flash."""
+  diagnostic: slot 0 holds the row's running max, the rest stays empty; "segments": each split's
+  kp best segments of `segment` keys, as (max score, first key) sorted best first, T a multiple
+  of `segment`: stage 1 of topk_segments.py). interpret / native as in mgpu_flash."""
   native = (interpret is False) if native is None else native
   b, kvh, rp, d = qr.shape
   t = k.shape[1 if kv_layout == "BTHD" else 2]
   cta_rows = COMPUTE_WGS * config.block_q
-  if rp % cta_rows or t < config.block_kv or span % config.block_kv or span * splits < t:
+  if (rp % cta_rows or t < config.block_kv or span % config.block_kv or span * splits < t
+      or (selection == "segments" and (t % segment or config.block_kv % segment))):
     raise ValueError(f"mgpu_topk_scores: rows {rp} / keys {t} / span {span} x {splits} do not fit "
-                     f"{config}")
+                     f"{config} (selection {selection!r}, segment {segment})")
   dims = _Dims(t=t, d=d, kvh=kvh, span=span, kp=kp)
   body = functools.partial(_entry, dims=dims, cfg=config, scale=scale, kv_layout=kv_layout,
                            native=native, dtype=qr.dtype,
-                           select=_selection(selection, kp))
+                           select=_selection(selection, kp, segment))
   shape = (b, kvh, splits, kp, rp)  # rows minor: one TMA box per warpgroup and set slot
   vals, idx = plgpu.kernel(
       body,
@@ -226,15 +230,16 @@ def _step(g, state, *, masked: bool, first, q_tile, k_smem, k_loaded, k_free, sy
   plgpu.barrier_arrive(k_free.at[slot])
   if scale is not None:
     s = s * scale
-  key = tile_start(g, cfg.block_kv, t) + ops.iota(1)
+  start = tile_start(g, cfg.block_kv, t)
+  key = start + ops.iota(1)
   if masked:  # outside [lo, hi), or seen already (the clamped last tile)
     s = jnp.where((key >= g * cfg.block_kv) & (key >= lo) & (key < hi), s, NEG_INF)
-  state = select(state, s, key)
+  state = select(state, s, key, start, ops)
   sync_turn()  # selection done: the other warpgroup's turn
   return state
 
 
-def _select(state, s, key):
+def _select(state, s, key, start, ops):
   """The running sets ([kp] row vectors of scores, of keys) after the tile s [bq, bk] of keys
   `key` (all above those kept): see the module doc."""
   def threshold(vals):
@@ -257,16 +262,18 @@ def _select(state, s, key):
     s = jnp.where(key == rows(best_key, s.shape), NEG_INF, s)
     return s, vals, keys, s.max(axis=1)
 
+  del start, ops
   vals, keys = state
   _, vals, keys, _ = lax.while_loop(pending, take_best, (s, vals, keys, s.max(axis=1)))
   return vals, keys
 
 
-def _select_one(state, s, key):
+def _select_one(state, s, key, start, ops):
   """kp = 1, a running argmax: a row changes only where the tile's max beats its kept score
   strictly, to the lowest key among the tile's equal maxima. At most one round, so no masking,
   no second max and no second test across the warpgroup; the round runs only when some row
   gains (running it on every tile measured slower at 512K keys: BENCHMARKS.md)."""
+  del start, ops
   (val,), (kept,) = state
   best = s.max(axis=1)
   take = best > val
@@ -278,10 +285,62 @@ def _select_one(state, s, key):
   return lax.cond(jnp.max(jnp.where(take, 1, 0)) > 0, update, lambda _: ([val], [kept]), None)
 
 
-def _running_max(state, s, key):
+def _select_segments(state, s, key, start, ops, *, segment: int):
+  """selection="segments" (topk_segments.py, stage 1): each row keeps its kp best segments of
+  `segment` consecutive keys, ranked by their max score, as a sorted set: (maxima descending,
+  first keys), equal maxima in key order. Per tile: every segment's row max (slices of S, about
+  one row reduction's work). If some row's best segment beats its worst kept one, that segment
+  (the first of equal maxima) goes in; if then some row's next best also beats its worst kept
+  one, the tile's other segments go in one by one in key order (rare once the sets fill). A
+  segment goes in after the kept ones it does not beat strictly, so of equal maxima the earlier
+  segment stays ahead. Row-vector work, no rounds over S. The clamped last tile starts on a
+  segment boundary (topk_segments needs T % segment == 0); its masked part holds -inf, which
+  never goes in."""
+  del key
+  row = plgpu.Layout.WGMMA.reduce(1)
+  maxima = [s[:, j:j + segment].max(axis=1) for j in range(0, s.shape[1], segment)]
+  best = functools.reduce(jnp.maximum, maxima)
+  n = len(maxima)
+
+  def some_row(gains):  # across the warpgroup
+    return jnp.max(jnp.where(gains, 1, 0)) > 0
+
+  def keep(state):
+    return tuple(list(x) for x in state)
+
+  def insert_best(state):
+    j_best = functools.reduce(jnp.minimum, [jnp.where(m == best, j, n)
+                                            for j, m in enumerate(maxima)])
+    vals, firsts = _insert(*state, best, start + j_best * segment)
+    rest = [jnp.where(j_best == j, NEG_INF, m) for j, m in enumerate(maxima)]
+
+    def insert_rest(state):
+      for j, m in enumerate(rest):
+        state = _insert(*state, m, ops.layout(jnp.full(m.shape, start + j * segment, jnp.int32),
+                                              row))
+      return state
+
+    gains = some_row(functools.reduce(jnp.maximum, rest) > vals[-1])
+    return lax.cond(gains, insert_rest, keep, (vals, firsts))
+
+  return lax.cond(some_row(best > state[0][-1]), insert_best, keep, state)
+
+
+def _insert(vals, firsts, m, first):
+  """The sorted set (vals descending, their firsts) with (m, first) after every kept value >= m,
+  the last one dropped."""
+  stays = [x >= m for x in vals]  # a prefix
+  def shifted(xs, new):
+    return [jnp.where(stays[0], xs[0], new)] + [
+        jnp.where(stays[i], xs[i], jnp.where(stays[i - 1], new, xs[i - 1]))
+        for i in range(1, len(xs))]
+  return shifted(vals, m), shifted(firsts, first)
+
+
+def _running_max(state, s, key, start, ops):
   """selection="max_only" (a benchmark diagnostic, results meaningless): slot 0 of each row's set
   keeps the running max of s; no keys, no rounds."""
-  del key
+  del key, start, ops
   vals, keys = state
   return [jnp.maximum(vals[0], s.max(axis=1)), *vals[1:]], keys
 
@@ -289,9 +348,11 @@ def _running_max(state, s, key):
 _SELECTIONS = {"max_only": _running_max}
 
 
-def _selection(selection: str, kp: int):
+def _selection(selection: str, kp: int, segment: int):
   """The tile update: "exact" is the running argmax for kp = 1 (measured 1.19x faster than
-  the rounds at 128K keys, H200), the rounds otherwise."""
+  the rounds at 128K keys, H200), the rounds otherwise; "segments": see _select_segments."""
   if selection == "exact":
     return _select_one if kp == 1 else _select
+  if selection == "segments":
+    return functools.partial(_select_segments, segment=segment)
   return _SELECTIONS[selection]

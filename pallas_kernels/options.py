@@ -13,6 +13,7 @@ import dataclasses
 IMPLS = ("mosaic", "triton")
 TOPK_SELECTIONS = ("exact", "max_only")
 TOPK_FEW_ROWS = ("blocks", "kernel")
+TOPK_MANY_ROWS = ("segments", "kernel")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +49,11 @@ class KernelOptions:
   # "blocks" stores the scores and selects from the k best blocks' maxima (topk_blocks.py);
   # "kernel" runs the fused Triton kernel's running set.
   topk_few_rows: str = "blocks"
+  # topk_scores' prefill chunks on the Mosaic kernel, top_k > 1: "segments" keeps each row's k
+  # best segments of 16 keys and scores their keys again (topk_segments.py); "kernel" keeps the
+  # k best keys in the kernel's running set (its selection rounds). top_k = 1 keeps its running
+  # argmax either way.
+  topk_many_rows: str = "segments"
 
   def __post_init__(self):
     for field in ("prefill_impl", "topk_impl"):
@@ -55,6 +61,8 @@ class KernelOptions:
         raise ValueError(f"{field}={getattr(self, field)!r} must be one of {IMPLS}")
     if self.topk_few_rows not in TOPK_FEW_ROWS:
       raise ValueError(f"topk_few_rows={self.topk_few_rows!r} must be one of {TOPK_FEW_ROWS}")
+    if self.topk_many_rows not in TOPK_MANY_ROWS:
+      raise ValueError(f"topk_many_rows={self.topk_many_rows!r} must be one of {TOPK_MANY_ROWS}")
     if self.topk_selection not in TOPK_SELECTIONS:
       raise ValueError(f"topk_selection={self.topk_selection!r} must be one of {TOPK_SELECTIONS}")
 

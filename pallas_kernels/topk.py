@@ -23,7 +23,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import backend as backend_lib
 from pallas_kernels import (gpu, layout, mgpu_topk, online_softmax, reference, topk_blocks,
-                            topk_tile, tpu)
+                            topk_segments, topk_tile, tpu)
 from pallas_kernels.options import DEFAULT, KernelOptions
 
 SQ = gpu.SQ
@@ -67,9 +67,11 @@ def topk_scores(q, k, top_k: int, *, scale: float | None = None, valid_len=None,
   bounds = jnp.stack([lo, hi], axis=1)  # [B, 2]
   mosaic = _mosaic_config(variant, q, k, rows, top_k, tiling, keys=t, options=options)
   if mosaic is not None:
+    segments = (options.topk_many_rows == "segments" and options.topk_selection == "exact"
+                and top_k > 1)
     vals, idx = _mosaic(q, k, bounds, top_k, mosaic, scale=scale, kv_layout=kv_layout,
                         key_splits=tiling.key_splits if tiling else None,
-                        selection=options.topk_selection, interpret=variant.interpret)
+                        selection=options.topk_selection, segments=segments, variant=variant)
     return _finish(vals, idx, top_k, lq, h)
   # The running set is kp registers per row: fewer rows per program when k is large. GPU
   # defaults measured on an H200 (BENCHMARKS.md): 64 x 64 tiles for chunks, 256-key tiles for
@@ -116,19 +118,33 @@ def _mosaic_config(variant, q, k, rows: int, top_k: int, tiling, keys: int | Non
   return None if mgpu_topk.unsupported(q, k, top_k, config=config, keys=keys) else config
 
 
-def _mosaic(q, k, bounds, top_k, config, *, scale, kv_layout, key_splits, selection, interpret):
+def _mosaic(q, k, bounds, top_k, config, *, scale, kv_layout, key_splits, selection, segments,
+            variant):
+  """The Mosaic kernel's candidates [B, KV, S, R, top_k]; with `segments` (and keys that fit)
+  its segments, resolved to keys by topk_segments (one part)."""
   b, _, h, _ = q.shape
   kvh = k.shape[2 if kv_layout == "BTHD" else 1]
   bk = config.block_kv
   rows_padded = layout.round_up(q.shape[1] * (h // kvh), 2 * config.block_q)
   kk = layout.pad_keys(k, kv_layout, bk)
   tk = kk.shape[1 if kv_layout == "BTHD" else 2]
-  # One CTA per SM at a time (SMEM): about one CTA per SM in all, unless asked.
-  span, splits = gpu.split_plan(b * kvh * rows_padded // (2 * config.block_q), tk, bk,
-                                key_splits, per_core=1)
-  return mgpu_topk.mgpu_topk_scores(layout.q_rows(q, kvh, rows_padded), kk, bounds, kp=top_k,
-                                    span=span, splits=splits, scale=scale, kv_layout=kv_layout,
-                                    config=config, selection=selection, interpret=interpret)
+  # One CTA per SM at a time (SMEM), and at most one wave of them unless asked: key splits
+  # that make a second, partial wave ran slower on an H200 (512 queries x 32K-512K keys, 8 kv
+  # heads: 128 CTAs, 1 split 1.08-1.19x faster than 2), and each split's set starts empty.
+  programs = b * kvh * rows_padded // (2 * config.block_q)
+  span, splits = gpu.split_plan(programs, tk, bk,
+                                key_splits or max(1, backend_lib.num_cores() // programs),
+                                per_core=1)
+  qr = layout.q_rows(q, kvh, rows_padded)
+  segments = segments and topk_segments.fits(tk, bk)
+  vals, idx = mgpu_topk.mgpu_topk_scores(
+      qr, kk, bounds, kp=top_k, span=span, splits=splits, scale=scale, kv_layout=kv_layout,
+      config=config, selection="segments" if segments else selection,
+      segment=topk_segments.SEGMENT, interpret=variant.interpret)
+  if not segments:
+    return vals, idx
+  return topk_segments.keys_of_segments(qr, kk, bounds, vals, idx, top_k, scale=scale,
+                                        kv_layout=kv_layout, interpret=variant.interpret_arg())
 
 
 @functools.partial(jax.jit, static_argnames=("kp", "span", "splits", "scale", "kv_layout",

@@ -12,11 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import layout, mgpu_common, mgpu_topk, topk_scores
+from pallas_kernels import layout, mgpu_common, mgpu_topk, topk_scores, topk_segments
 from pallas_kernels import topk as ts_module
 from pallas_kernels.backend import Variant
 from pallas_kernels.gpu import Tiling
-from pallas_kernels.options import KernelOptions
+from pallas_kernels.options import TOPK_MANY_ROWS, KernelOptions
 from tests.kernels.inputs import keys_shape, normal, small_ints
 
 NO_INTERPRETER = mgpu_common.interpreter_available()
@@ -37,13 +37,13 @@ def mosaic(block_kv=64, stages=2, key_splits=None):
                 key_splits=key_splits)
 
 
-def assert_exact(q, k, top_k, tiling, **kw):
+def assert_exact(q, k, top_k, tiling, options=KernelOptions(), **kw):
   keys = k.shape[2 if kw.get("kv_layout") == "BHTD" else 1]
   rows = q.shape[1] * q.shape[2] // k.shape[1 if kw.get("kv_layout") == "BHTD" else 2]
   # Mosaic takes the call (a shape it refuses would silently run the Triton kernel instead)
   assert ts_module._mosaic_config(Variant("gpu", True), q, k, rows, top_k, tiling,
                                   keys=keys) is not None
-  v, i = topk_scores(q, k, top_k, backend="gpu", tiling=tiling, **kw)
+  v, i = topk_scores(q, k, top_k, backend="gpu", tiling=tiling, options=options, **kw)
   rv, ri = topk_scores(q, k, top_k, backend="reference", **kw)
   assert v.shape == i.shape == rv.shape and v.dtype == jnp.float32 and i.dtype == jnp.int32
   np.testing.assert_array_equal(np.asarray(i), np.asarray(ri))
@@ -53,26 +53,46 @@ def assert_exact(q, k, top_k, tiling, **kw):
 
 # name: (batch, q_len, q_heads, kv_heads, keys, d, top_k, layout, valid, prefix, suffix, tiling)
 CASES = {
-    # 2 sequences of different lengths, prefix / suffix excluded, 296 keys (a multiple of 8, as
-    # Mosaic's TMA needs): a clamped last tile
-    "g4_d64_top4_bthd": (2, 16, 4, 1, 296, 64, 4, "BTHD", (296, 171), 5, 17, mosaic()),
+    # 2 sequences of different lengths, prefix / suffix excluded, 304 keys (a multiple of 16, as
+    # segments need; of 8, as Mosaic's TMA needs): a clamped last tile
+    "g4_d64_top4_bthd": (2, 16, 4, 1, 304, 64, 4, "BTHD", (304, 171), 5, 17, mosaic()),
+    # 296 keys: the segments do not fit, so "segments" runs the kernel's running set
+    "g4_d64_top4_bthd_296": (2, 16, 4, 1, 296, 64, 4, "BTHD", (296, 171), 5, 17, mosaic()),
     # top 16 over 2 key splits, the other layout, a 3-slot ring; 64 rows padded to a CTA's 128
-    "g4_d128_top16_bhtd_split": (1, 16, 4, 1, 328, 128, 16, "BHTD", None, 70, 0,
+    "g4_d128_top16_bhtd_split": (1, 16, 4, 1, 336, 128, 16, "BHTD", None, 70, 0,
                                  mosaic(stages=3, key_splits=2)),
     # no GQA; top 1; 128-key tiles; the second sequence has a single candidate
     "g1_d64_top1": (2, 64, 2, 2, 200, 64, 1, "BTHD", (200, 6), 5, 0, mosaic(block_kv=128)),
 }
 
 
+def segment_stages(monkeypatch):
+  """Counts the calls of topk_segments' stage 2 (so a test knows which selection ran)."""
+  calls = []
+  stage2 = topk_segments.keys_of_segments
+
+  def spy(*args, **kw):
+    calls.append(1)
+    return stage2(*args, **kw)
+
+  monkeypatch.setattr(topk_segments, "keys_of_segments", spy)
+  return calls
+
+
 @needs_interpreter
+@pytest.mark.parametrize("many_rows", TOPK_MANY_ROWS)
 @pytest.mark.parametrize("case", list(CASES))
-def test_mgpu_topk_matches_reference_in_interpreter(case):
+def test_mgpu_topk_matches_reference_in_interpreter(case, many_rows, monkeypatch):
   b, lq, h, kvh, t, d, top_k, kv_layout, valid, prefix, suffix, tiling = CASES[case]
   rng = np.random.default_rng(len(case))
   q = small_ints(rng, (b, lq, h, d))
   k = small_ints(rng, keys_shape(b, t, kvh, d, kv_layout))
-  v, i = assert_exact(q, k, top_k, tiling, valid_len=None if valid is None else jnp.asarray(valid),
+  calls = segment_stages(monkeypatch)
+  v, i = assert_exact(q, k, top_k, tiling, KernelOptions(topk_many_rows=many_rows),
+                      valid_len=None if valid is None else jnp.asarray(valid),
                       exclude_prefix=prefix, exclude_suffix=suffix, kv_layout=kv_layout)
+  # segments run where asked, for top_k > 1, when the keys are a multiple of 16
+  assert bool(calls) == (many_rows == "segments" and top_k > 1 and t % 16 == 0)
   hi = (t if valid is None else np.asarray(valid)[:, None, None, None]) - suffix
   assert np.all((i == -1) | ((i >= prefix) & (i < hi))), "an excluded key was selected"
   if case == "g1_d64_top1":  # sequence 1 has the single candidate key 5
@@ -80,12 +100,14 @@ def test_mgpu_topk_matches_reference_in_interpreter(case):
 
 
 @needs_interpreter
-def test_mgpu_topk_ties_go_to_lowest_index():
-  """37 distinct keys repeated: every score is tied many times over, across tiles and splits."""
+@pytest.mark.parametrize("many_rows", TOPK_MANY_ROWS)
+def test_mgpu_topk_ties_go_to_lowest_index(many_rows):
+  """37 distinct keys repeated: every score is tied many times over, across tiles, segments
+  and splits."""
   rng = np.random.default_rng(7)
   k = jnp.tile(small_ints(rng, (1, 37, 1, 64)), (1, 12, 1, 1))[:, :416]
   q = small_ints(rng, (1, 16, 4, 64))
-  v, i = assert_exact(q, k, 16, mosaic(key_splits=2))
+  v, i = assert_exact(q, k, 16, mosaic(key_splits=2), KernelOptions(topk_many_rows=many_rows))
   tied = v[..., 1:] == v[..., :-1]
   assert tied.any() and np.all(i[..., 1:][tied] > i[..., :-1][tied])
 
@@ -93,14 +115,26 @@ def test_mgpu_topk_ties_go_to_lowest_index():
 @needs_interpreter
 def test_mgpu_topk_float_inputs():
   rng = np.random.default_rng(3)
-  q, k = normal(rng, (1, 16, 4, 128), jnp.bfloat16), normal(rng, (1, 264, 1, 128), jnp.bfloat16)
+  q, k = normal(rng, (1, 16, 4, 128), jnp.bfloat16), normal(rng, (1, 272, 1, 128), jnp.bfloat16)
   assert ts_module._mosaic_config(Variant("gpu", True), q, k, 64, 8, mosaic(),
-                                  keys=264) is not None
+                                  keys=272) is not None
   v, i = topk_scores(q, k, 8, scale=0.125, backend="gpu", tiling=mosaic())
   rv, ri = topk_scores(q, k, 8, scale=0.125, backend="reference")
   np.testing.assert_allclose(np.asarray(v), np.asarray(rv), rtol=1e-5, atol=1e-5)
   gap = np.abs(np.diff(np.asarray(rv), axis=-1)).min(axis=-1) > 1e-4
   np.testing.assert_array_equal(np.asarray(i)[gap], np.asarray(ri)[gap])
+
+
+@needs_interpreter
+def test_segments_give_several_keys_of_one_segment():
+  """Every row's 4 best keys in one 16-key segment (and its 5th in another): the segments'
+  stage 2 must take all four from it, whichever segments come next."""
+  rng = np.random.default_rng(5)
+  q = jnp.abs(small_ints(rng, (1, 16, 4, 64))) + 1  # positive: larger keys score higher
+  k = small_ints(rng, (1, 320, 1, 64))
+  k = k.at[:, 200:204].add(40).at[:, 37].add(30)
+  v, i = assert_exact(q, k, 4, mosaic())
+  assert np.all(np.sort(i, axis=-1) == np.arange(200, 204))
 
 
 @needs_interpreter
@@ -152,11 +186,13 @@ def test_routing_on_a_hopper_gpu(monkeypatch):
   assert ts_module._mosaic_config(native, q, k, 64, 4, Tiling(impl="triton")) is None
 
 
-LOWERINGS = [(128, "BTHD", 4, None), (64, "BHTD", 16, "warpgroup"), (128, "BHTD", 1, "lane")]
+LOWERINGS = [(128, "BTHD", 4, None, "exact"), (64, "BHTD", 16, "warpgroup", "exact"),
+             (128, "BHTD", 1, "lane", "exact"), (128, "BTHD", 4, "warpgroup", "segments"),
+             (128, "BHTD", 4, "lane", "segments")]
 
 
-@pytest.mark.parametrize("d,kv_layout,kp,semantics", LOWERINGS)
-def test_native_kernel_lowers_to_mosaic_gpu(d, kv_layout, kp, semantics):
+@pytest.mark.parametrize("d,kv_layout,kp,semantics,selection", LOWERINGS)
+def test_native_kernel_lowers_to_mosaic_gpu(d, kv_layout, kp, semantics, selection):
   """The GPU code (WGMMA, layout casts, the cross-warp "any" reduction in the while loop) lowers
   to a Mosaic GPU custom call on this CPU-only jaxlib, at the benchmark's shapes; Mosaic's own
   SMEM check runs too."""
@@ -168,7 +204,7 @@ def test_native_kernel_lowers_to_mosaic_gpu(d, kv_layout, kp, semantics):
 
   def f(qr, k, bounds):
     return mgpu_topk.mgpu_topk_scores(qr, k, bounds, kp=kp, span=t // 2, splits=2, scale=d ** -0.5,
-                               kv_layout=kv_layout, config=config)
+                               kv_layout=kv_layout, config=config, selection=selection)
 
   text = jax.jit(f).trace(qr, k, bounds).lower(lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text

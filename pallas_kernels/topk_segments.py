@@ -1,0 +1,102 @@
+"""Exact top-k for prefill chunks in two stages: each row's k best segments, then their keys.
+
+The Mosaic kernel's running set of keys (mgpu_topk's rounds) costs passes over every score tile
+whenever some row of a warpgroup gains a key, which on a short or fresh cache is nearly every
+tile. Here stage 1 (mgpu_topk, selection "segments") keeps for each row its k best segments of
+SEGMENT consecutive keys, ranked by the segment's max score: per tile, each segment's max is a
+slice of one row reduction, and inserting it into a sorted set of k is row-vector work, not a
+pass over the tile. Stage 2 (this module, `best_keys`: one Pallas kernel) scores the k
+segments' k * SEGMENT keys again, gathered from the cache, and takes the top k among them.
+
+Exact, ties included (the argument of topk_blocks.py): order keys by (score desc, index asc) and
+segments by (max desc, first key asc), which stage 1 keeps (segments enter in key order, after
+the kept ones they do not beat strictly) and the merge of key splits keeps (topk_tile.finish
+sorts by both). A key x of the true top-k lies in one of the k first segments: otherwise each
+of them holds a key that precedes x (a higher score, or the same score in an earlier segment),
+k keys in all. Stage 2 takes of equal scores the lowest key. Its product runs in fp32 like the
+kernel's WGMMA but in another order: on scores equal to the last bit (integer inputs, the
+tests) the result is the reference's; elsewhere it is exact up to that summation order.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels import gpu, layout, topk_tile
+
+SQ = gpu.SQ
+NEG_INF = float("-inf")
+BIG_INDEX = 2**31 - 1
+# Keys per segment: stage 2 reads top_k * SEGMENT keys per row. On an H200 (512 queries, top-4)
+# 16 beat 8 at 128K keys and 32 at 32K keys; 32 was faster from 128K keys up.
+SEGMENT = 16
+RESCORE_ROWS = 8  # query rows per program of stage 2 (4 and 16 timed the same)
+
+
+def fits(keys: int, block_kv: int) -> bool:
+  """Whether stage 1 can cut these keys into segments: its tiles (and the clamped last one)
+  must start on segment boundaries."""
+  return keys % SEGMENT == 0 and block_kv % SEGMENT == 0
+
+
+def keys_of_segments(qr, k, bounds, seg_vals, seg_firsts, top_k: int, *, scale, kv_layout: str,
+                     interpret):
+  """Stage 2. qr [B, KV, R, d]; k (kv_layout); bounds [B, 2] (lo, hi); seg_vals / seg_firsts
+  [B, KV, S, R, kp]: stage 1's segments per key split. Returns (scores fp32, keys int32)
+  [B, KV, 1, R, top_k] best first, unfilled (-inf, -1): one "split" for topk._finish."""
+  b, kvh, splits, rp, kp = seg_vals.shape
+  firsts = jnp.moveaxis(seg_firsts, 2, 3).reshape(b, kvh, rp, splits * kp)
+  if splits > 1:  # the kp best of all splits' segments, (max desc, first asc)
+    vals = jnp.moveaxis(seg_vals, 2, 3).reshape(b, kvh, rp, splits * kp)
+    _, firsts = topk_tile.finish(vals, firsts, kp)
+  keys = (firsts[..., None] + jnp.arange(SEGMENT, dtype=jnp.int32)).reshape(b, kvh, rp, -1)
+  lo, hi = bounds[:, 0, None, None, None], bounds[:, 1, None, None, None]
+  ok = jnp.repeat(firsts >= 0, SEGMENT, axis=-1) & (keys >= lo) & (keys < hi)
+  v, i = best_keys(qr, k, jnp.where(ok, keys, -1), top_k, scale=scale, kv_layout=kv_layout,
+                   interpret=interpret)
+  return v[:, :, None], i[:, :, None]
+
+
+@functools.partial(jax.jit, static_argnames=("top_k", "scale", "kv_layout", "interpret"))
+def best_keys(qr, k, keys, top_k: int, *, scale, kv_layout: str, interpret):
+  """The top_k of each row's own candidate keys by q.k (times scale): qr [B, KV, R, d], keys
+  int32 [B, KV, R, n] (distinct; -1: no candidate) -> (scores fp32, keys int32) [B, KV, R,
+  top_k], best first, equal scores by lower key, unfilled (-inf, -1). One program per
+  RESCORE_ROWS rows; each row's keys are gathered from the cache by pointer loads, reduced
+  against its query in fp32 and selected in registers (top_k passes over n scores)."""
+  b, kvh, rp, d = qr.shape
+  n = keys.shape[-1]
+  t = k.shape[1 if kv_layout == "BTHD" else 2]
+  rows, width = RESCORE_ROWS, layout.next_pow2(top_k)  # Triton blocks: powers of 2
+
+  def kernel(q_ref, keys_ref, k_ref, v_out, i_out):
+    slot = lax.broadcasted_iota(jnp.int32, (width,), 0)
+    for r in range(rows):
+      key = keys_ref[r, :]
+      kt = k_ref[jnp.clip(key, 0, t - 1), :].astype(jnp.float32)  # [n, d]: a gather
+      s = jnp.sum(kt * q_ref[r, :].astype(jnp.float32)[None, :], axis=1)
+      s = jnp.where(key >= 0, s if scale is None else s * scale, NEG_INF)
+      vals, idx = jnp.full((width,), NEG_INF, jnp.float32), jnp.full((width,), -1, jnp.int32)
+      for j in range(top_k):
+        best = jnp.max(s)
+        at = jnp.min(jnp.where(s == best, key, BIG_INDEX))
+        vals = jnp.where(slot == j, best, vals)
+        idx = jnp.where(slot == j, jnp.where(best == NEG_INF, -1, at), idx)
+        s = jnp.where(key == at, NEG_INF, s)
+      v_out[r, :] = vals
+      i_out[r, :] = idx
+
+  block = lambda m: pl.BlockSpec((SQ, SQ, rows, m), lambda bh, r: (bh // kvh, bh % kvh, r, 0))  # noqa: E731
+  v, i = gpu.pallas_call(
+      kernel, interpret, num_warps=4, num_stages=1, grid=(b * kvh, rp // rows),
+      in_specs=[gpu.row_spec(kvh, rows, d), block(n), gpu.whole_keys_spec(kv_layout, t, d, kvh)],
+      out_specs=[block(width), block(width)],
+      out_shape=[jax.ShapeDtypeStruct((b, kvh, rp, width), jnp.float32),
+                 jax.ShapeDtypeStruct((b, kvh, rp, width), jnp.int32)],
+  )(qr, keys, k)
+  return v[..., :top_k], i[..., :top_k]
