@@ -79,8 +79,9 @@ def measure(cfg, method, context: int, n_q: int, profile: bool = False) -> dict:
 
   select = looped(stages["select"])
   one_select = jax.jit(lambda q, kc: select_scope(q, kc, pos, valid, **hp).idx)
-  kernel_select = looped(lambda q, kc: jnp.sum(select_scope(  # decode's fused Triton top-k
-      q, kc, pos, valid, **hp, options=KernelOptions(topk_few_rows="kernel", topk_many_rows="kernel")).idx))
+  kernel_select = looped(lambda q, kc: jnp.sum(select_scope(  # the kernels' own running sets
+      q, kc, pos, valid, **hp,
+      options=KernelOptions(topk_few_rows="kernel", topk_many_rows="kernel")).idx))
 
   @functools.partial(jax.jit, donate_argnums=0)  # the cache is updated in place, as in decoding
   def layer(state, q, k, v):

@@ -7,7 +7,9 @@ queries (decode); the splits' candidates (kp per row each) are merged by a small
 TPU: the key tiles are the innermost grid axis and the running set lives in VMEM scratch.
 On Hopper, prefill chunks (at least MOSAIC_MIN_ROWS rows per kv head) can run the Mosaic GPU
 kernel of mgpu_topk.py instead (KernelOptions.topk_impl, or tiling.impl="mosaic" per call); its
-output has the Triton kernel's layout, so the splits are merged the same way. On the GPU, few
+output has the Triton kernel's layout, so the splits are merged the same way. For top_k > 1 it
+keeps each row's best segments of keys rather than keys, which topk_segments.py resolves
+(KernelOptions.topk_many_rows). On the GPU, few
 rows (decode; no tiling asked) go to topk_blocks.py unless KernelOptions.topk_few_rows is
 "kernel": there the scores are stored, which a decode step can afford.
 """

@@ -219,3 +219,57 @@ def test_unsupported():
   assert mgpu_topk.unsupported(q, k, 4, config=config, keys=1000) is None
   assert "head dim" in mgpu_topk.unsupported(q[..., :32], k[..., :32], 4, config=config)
   assert "SMEM" in mgpu_topk.unsupported(q, k, 4, config=mgpu_topk.Config(64, 256, 8))
+
+
+def test_segments_stage2_selects_like_numpy():
+  """topk_segments.best_keys (Pallas interpret mode): each row's own candidate keys, some
+  missing (-1), top 3 (a block of 4 in the kernel), a row with fewer candidates than 3."""
+  rng = np.random.default_rng(13)
+  b, kvh, rows, d, t, n = 1, 2, 16, 64, 96, 32
+  qr, k = small_ints(rng, (b, kvh, rows, d)), small_ints(rng, (b, t, kvh, d))
+  keys = np.stack([rng.permutation(t)[:n] for _ in range(b * kvh * rows)]).reshape(b, kvh, rows, n)
+  keys[..., 5:9] = -1
+  keys[0, 1, 3, 2:] = -1  # two candidates only
+  v, i = topk_segments.best_keys(qr, k, jnp.asarray(keys, jnp.int32), 3, scale=0.5,
+                                 kv_layout="BTHD", interpret=True)
+  s = np.einsum("bhrd,bthd->bhrt", np.asarray(qr, np.float64), np.asarray(k, np.float64)) * 0.5
+  for idx in np.ndindex(b, kvh, rows):
+    cand = keys[idx][keys[idx] >= 0]
+    order = cand[np.lexsort((cand, -s[idx][cand]))][:3]  # score desc, key asc
+    want_i = np.full(3, -1)
+    want_i[:len(order)] = order
+    np.testing.assert_array_equal(np.asarray(i)[idx], want_i)
+    np.testing.assert_array_equal(np.asarray(v)[idx][:len(order)], s[idx][order])
+    assert np.all(np.asarray(v)[idx][len(order):] == -np.inf)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("test_first", [True, False])
+def test_segments_with_and_without_the_warpgroup_test(test_first):
+  """Stage 1 inserts each tile's best segment after a test across the warpgroup (long splits)
+  or without it (short ones): the same segments either way, so the reference's top-k."""
+  rng = np.random.default_rng(17)
+  q, k = small_ints(rng, (1, 32, 4, 64)), small_ints(rng, (1, 512, 1, 64))
+  bounds = jnp.array([[3, 500]], jnp.int32)
+  qr = layout.q_rows(q, 1, 128)
+  vals, firsts = mgpu_topk.mgpu_topk_scores(qr, k, bounds, kp=4, span=256, splits=2, scale=None,
+                                            config=mgpu_topk.Config(64, 64, 2),
+                                            selection="segments", test_first=test_first,
+                                            interpret=True)
+  vals, idx = topk_segments.keys_of_segments(qr, k, bounds, vals, firsts, 4, scale=None,
+                                             kv_layout="BTHD", interpret=True)
+  v, i = ts_module._finish(vals, idx, 4, 32, 4)
+  rv, ri = topk_scores(q, k, 4, exclude_prefix=3, valid_len=500, backend="reference")
+  np.testing.assert_array_equal(np.asarray(i), np.asarray(ri))
+  np.testing.assert_array_equal(np.asarray(v), np.asarray(rv))
+
+
+def test_segments_with_the_warpgroup_test_lower_to_mosaic_gpu():
+  qr = jax.ShapeDtypeStruct((1, 8, 2048, 128), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((1, 131072, 8, 128), jnp.bfloat16)
+  bounds = jax.ShapeDtypeStruct((1, 2), jnp.int32)
+  f = lambda qr, k, bounds: mgpu_topk.mgpu_topk_scores(  # noqa: E731
+      qr, k, bounds, kp=4, span=131072, splits=1, scale=None, selection="segments",
+      test_first=True)
+  assert "mosaic_gpu" in jax.jit(f).trace(qr, k, bounds).lower(
+      lowering_platforms=("cuda",)).as_text()

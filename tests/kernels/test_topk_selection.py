@@ -90,3 +90,5 @@ def test_topk_selection_is_validated():
   assert KernelOptions().topk_selection == "exact"
   with pytest.raises(ValueError, match="topk_selection"):
     KernelOptions(topk_selection="max")
+  with pytest.raises(ValueError, match="topk_many_rows"):
+    KernelOptions(topk_many_rows="rounds")
