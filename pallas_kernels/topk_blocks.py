@@ -32,7 +32,7 @@ def block_size(top_k: int) -> int:
   return 256 if top_k <= 8 else 64
 
 
-def sort_few(x):
+def _sort_few(x):
   """Ascending along the last axis; for a few entries by compare-exchanges (odd-even
   transposition), which fuse with their neighbours where a sort would be its own kernel."""
   n = x.shape[-1]
@@ -62,7 +62,7 @@ def topk_scores(q, k, top_k: int, lo, hi, *, scale=None, kv_layout: str = "BTHD"
   s = s.reshape(*s.shape[:4], n_blocks, block)
   kb = min(top_k, n_blocks)
   _, blocks = lax.top_k(jnp.max(s, axis=-1), kb)  # [B, Lq, KV, G, kb]
-  blocks = sort_few(blocks)  # key order, so equal scores keep the lower index
+  blocks = _sort_few(blocks)  # key order, so equal scores keep the lower index
   cand = jnp.take_along_axis(s, blocks[..., None], axis=-2)  # [B, Lq, KV, G, kb, block]
   v, pos = lax.top_k(cand.reshape(*cand.shape[:4], kb * block), top_k)
   i = jnp.take_along_axis(blocks, pos // block, axis=-1) * block + pos % block

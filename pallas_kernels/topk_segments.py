@@ -9,9 +9,9 @@ pass over the tile. Stage 2 (this module, `best_keys`: one Pallas kernel) scores
 segments' k * SEGMENT keys again, gathered from the cache, and takes the top k among them.
 
 Exact, ties included (the argument of topk_blocks.py): order keys by (score desc, index asc) and
-segments by (max desc, first key asc), which stage 1 keeps (segments enter in key order, after
-the kept ones they do not beat strictly) and the merge of key splits keeps (topk_tile.finish
-sorts by both). A key x of the true top-k lies in one of the k first segments: otherwise each
+segments by (max desc, first key asc), which stage 1 keeps (a segment enters after the kept ones
+it does not beat strictly, and of a tile's equal maxima the first enters first) and the merge of
+key splits keeps (topk_tile.finish sorts by both). A key x of the true top-k lies in one of the k first segments: otherwise each
 of them holds a key that precedes x (a higher score, or the same score in an earlier segment),
 k keys in all. Stage 2 takes of equal scores the lowest key. Its product runs in fp32 like the
 kernel's WGMMA but in another order: on scores equal to the last bit (integer inputs, the
