@@ -12,6 +12,7 @@ both (`jax._src.pallas.mosaic_gpu.interpret`), and 0.11's also checks SMEM proxy
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -112,6 +113,21 @@ def _interpreter_params_class():
 def interpreter_available() -> str | None:
   """None if jax's Mosaic GPU interpreter (private in JAX 0.10/0.11) imports, else why not."""
   return _interpreter_params_class()[1]
+
+
+def returns_when_done_if_interpreted(kernel):
+  """A kernel entry (jitted, with an `interpret` argument) that, interpreted and called eagerly,
+  returns only once the interpreter is done. jax's Mosaic GPU interpreter dispatches jax
+  computations from inside its callbacks (`jnp.array` in its SMEM allocation callback); under
+  the CPU client's asynchronous dispatch, a computation the caller dispatched next, on the
+  kernel's outputs, could block in its dispatch while that callback waited behind it, forever
+  (a CI run hung so; py-spy showed the two threads). Under an outer jit the wait is a no-op."""
+  @functools.wraps(kernel)
+  def call(*args, interpret=False, **kw):
+    out = kernel(*args, interpret=interpret, **kw)
+    return out if interpret is False else jax.block_until_ready(out)
+
+  return call
 
 
 def interpret_params(interpret):

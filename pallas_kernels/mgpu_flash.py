@@ -39,8 +39,9 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.mgpu_common import (COMPUTE_WGS, LOG2E, NEG_INF, Config, Ops,
                                         compiler_params, fill_ring, interpret_params,
-                                        interpreter_available, keyrows, plgpu, rendezvous, rows,
-                                        smem_bytes, tile_start, unsupported)
+                                        interpreter_available, keyrows, plgpu, rendezvous,
+                                        returns_when_done_if_interpreted, rows, smem_bytes,
+                                        tile_start, unsupported)
 
 __all__ = ["Config", "DEFAULT_CONFIG", "interpreter_available", "mgpu_flash_attention",
            "smem_bytes", "unsupported"]
@@ -48,6 +49,7 @@ __all__ = ["Config", "DEFAULT_CONFIG", "interpreter_available", "mgpu_flash_atte
 DEFAULT_CONFIG = Config()  # what flash_attention uses (set from the device sweep's best)
 
 
+@returns_when_done_if_interpreted
 @functools.partial(jax.jit, static_argnames=("causal", "scale", "kv_layout", "config",
                                              "interpret", "native"))
 def mgpu_flash_attention(q, k, v, q_offset, kv_len, *, causal: bool, scale: float,

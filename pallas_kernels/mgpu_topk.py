@@ -42,7 +42,8 @@ from jax.experimental import pallas as pl
 from pallas_kernels.mgpu_common import (COMPUTE_WGS, DTYPES, HEAD_DIMS, NEG_INF, SMEM_LIMIT,
                                         Config, Ops, compiler_params, fill_ring,
                                         interpret_params, interpreter_available, keyrows, plgpu,
-                                        rendezvous, rows, tile_start)
+                                        rendezvous, returns_when_done_if_interpreted, rows,
+                                        tile_start)
 
 __all__ = ["Config", "DEFAULT_CONFIG", "MAX_TOP_K", "interpreter_available", "mgpu_topk_scores",
            "smem_bytes", "unsupported"]
@@ -89,6 +90,7 @@ class _Dims:
   kp: int  # running set size (= top_k)
 
 
+@returns_when_done_if_interpreted
 @functools.partial(jax.jit, static_argnames=("kp", "span", "splits", "scale", "kv_layout",
                                              "config", "selection", "segment", "test_first",
                                              "interpret", "native"))
