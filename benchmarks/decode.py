@@ -56,6 +56,20 @@ def _stage(msg: str) -> None:
   print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
+def kernel_options(pairs):
+  """KernelOptions from KEY=VALUE strings (--kernel-option), each value read as its field's
+  type (booleans: true / false)."""
+  import pallas_kernels
+  fields = {}
+  for pair in pairs:
+    key, _, value = pair.partition("=")
+    if not hasattr(pallas_kernels.KernelOptions, key):
+      raise SystemExit(f"--kernel-option {pair}: KernelOptions has no field {key!r}")
+    kind = type(getattr(pallas_kernels.KernelOptions(), key))
+    fields[key] = value.lower() in ("1", "true", "yes") if kind is bool else kind(value)
+  return pallas_kernels.KernelOptions(**fields)
+
+
 def run_jax(args) -> dict:
   import jax
   import jax.numpy as jnp
@@ -71,7 +85,7 @@ def run_jax(args) -> dict:
 
   cfg = preset(args.model, dtype="bfloat16")
   method = get(args.method, **parse_method_args(args.method_arg))
-  options = RunOptions(mesh=args.mesh or None)
+  options = RunOptions(mesh=args.mesh or None, kernels=kernel_options(args.kernel_option))
   mesh = options.mesh
   _stage("random params")
   # as `load(serving=True)`: fused on GPU
@@ -216,7 +230,8 @@ def _has_cuda() -> bool:
 def child(args) -> None:
   rec = {"impl": args.impl, "model": args.model, "context": args.context, "batch": args.batch,
          "new_tokens": args.new_tokens, "method": args.method, "method_args": args.method_arg,
-         "label": args.label or args.method, "mesh": args.mesh or None}
+         "label": args.label or args.method, "mesh": args.mesh or None,
+         "kernel_options": args.kernel_option}
   try:
     rec.update(run_jax(args) if args.impl == "jax" else run_hf(args))
   except Exception as e:  # out of memory at large batch x context is a result, not a crash
@@ -234,6 +249,9 @@ def main() -> None:
   p.add_argument("--methods", default="full",
                  help="jax-longctx methods to time (jax impl only); label:name for variants")
   p.add_argument("--method-arg", action="append", default=[], metavar="METHOD.KEY=VALUE")
+  p.add_argument("--kernel-option", action="append", default=[], metavar="METHOD.KEY=VALUE",
+                 help="a KernelOptions field for one method label's runs, e.g. "
+                      "scope.scope_kernel=true with --methods scope:reattention")
   p.add_argument("--skip", default="131072x8", help="context x batch pairs that cannot fit")
   p.add_argument("--meshes", default="none",
                  help="';'-separated device meshes for the jax impl, e.g. 'none;model=2;data=2' "
@@ -267,6 +285,7 @@ def main() -> None:
     label, _, method = entry.rpartition(":")
     label = label or method
     margs = [a.split(".", 1)[1] for a in args.method_arg if a.startswith(label + ".")]
+    kopts = [a.split(".", 1)[1] for a in args.kernel_option if a.startswith(label + ".")]
     for ctx in map(int, args.contexts.split(",")):
       for b in map(int, args.batches.split(",")):
         if f"{ctx}x{b}" in skip:
@@ -277,6 +296,7 @@ def main() -> None:
                "--warmup-prefill" if args.warmup_prefill else "--no-warmup-prefill",
                "--label", label, "--mesh", mesh]
         cmd += [x for a in margs for x in ("--method-arg", a)]
+        cmd += [x for a in kopts for x in ("--kernel-option", a)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
         rec = json.loads(lines[-1][7:]) if lines else {
