@@ -251,7 +251,7 @@ def main() -> None:
   p.add_argument("--method-arg", action="append", default=[], metavar="METHOD.KEY=VALUE")
   p.add_argument("--kernel-option", action="append", default=[], metavar="METHOD.KEY=VALUE",
                  help="a KernelOptions field for one method label's runs, e.g. "
-                      "scope.scope_kernel=true with --methods scope:reattention")
+                      "blocks.topk_few_rows=kernel with --methods blocks:reattention")
   p.add_argument("--skip", default="131072x8", help="context x batch pairs that cannot fit")
   p.add_argument("--meshes", default="none",
                  help="';'-separated device meshes for the jax impl, e.g. 'none;model=2;data=2' "

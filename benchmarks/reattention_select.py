@@ -11,10 +11,7 @@ selection's stages cumulatively (score: the top-k kernel; vote: + vote counting 
 chunk (512 queries). Each is run once per layer inside one jitted loop and divided by the layer
 count, so host dispatch is not counted. `select_ms_topk_kernel`: the selection with the top-k
 kernels' own running sets (KernelOptions topk_few_rows / topk_many_rows = "kernel": the fused
-Triton kernel for 1 query, the Mosaic kernel's rounds for 512); `select_ms_scope_kernel`: the
-selection with KernelOptions(scope_kernel=True) (a decode step's scope in one kernel,
-pallas_kernels/vote_scope.py; prefill chunks' votes are too many for it and stay jnp), and
-`scope_kernel_same` whether both gave the same scope (indices, lengths, query offsets);
+Triton kernel for 1 query, the Mosaic kernel's rounds for 512);
 `select_ops`: the kernels one selection launches (benchmarks.common.launched_ops); with
 --profile, `select_kernels`: each device kernel's microseconds per selection from a profiler
 trace (benchmarks.common.device_kernel_times). Multiply by the layer count and divide by the decode
@@ -82,17 +79,9 @@ def measure(cfg, method, context: int, n_q: int, profile: bool = False) -> dict:
 
   select = looped(stages["select"])
   one_select = jax.jit(lambda q, kc: select_scope(q, kc, pos, valid, **hp).idx)
-
-  def one_scope(q, kc, scope_kernel):
-    sc = select_scope(q, kc, pos, valid, **hp, options=KernelOptions(scope_kernel=scope_kernel))
-    return sc.idx, sc.length, sc.q_offset
-
   kernel_select = looped(lambda q, kc: jnp.sum(select_scope(  # the kernels' own running sets
       q, kc, pos, valid, **hp,
       options=KernelOptions(topk_few_rows="kernel", topk_many_rows="kernel")).idx))
-
-  scope_kernel_select = looped(lambda q, kc: jnp.sum(select_scope(  # the scope in one kernel
-      q, kc, pos, valid, **hp, options=KernelOptions(scope_kernel=True)).idx))
 
   @functools.partial(jax.jit, donate_argnums=0)  # the cache is updated in place, as in decoding
   def layer(state, q, k, v):
@@ -113,14 +102,9 @@ def measure(cfg, method, context: int, n_q: int, profile: bool = False) -> dict:
     box["state"], acc = layer(box["state"], q, k, v)
     jax.block_until_ready(acc)
 
-  scopes = [jax.jit(functools.partial(one_scope, scope_kernel=on))(q, box["state"].k)
-            for on in (False, True)]
-  same_scope = all(bool(jnp.array_equal(a, b)) for a, b in zip(*scopes))
   sel, _ = median_time(run_select, warmup=2, reps=10)
   kernel_sel, _ = median_time(lambda: jax.block_until_ready(kernel_select(q, box["state"].k)),
                               warmup=2, reps=10)
-  scope_sel, _ = median_time(
-      lambda: jax.block_until_ready(scope_kernel_select(q, box["state"].k)), warmup=2, reps=10)
   full, _ = median_time(run_layer, warmup=2, reps=10)
   sel, full = sel / n, full / n
   prefix_ms = {}
@@ -129,15 +113,10 @@ def measure(cfg, method, context: int, n_q: int, profile: bool = False) -> dict:
     prefix_ms[name] = median_time(lambda: jax.block_until_ready(fn(q, box["state"].k)),
                                   warmup=2, reps=10)[0] / n * 1e3
   kernels = device_kernel_times(run_select, calls=3, per_call=n) if profile else None
-  scope_kernels = device_kernel_times(
-      lambda: jax.block_until_ready(scope_kernel_select(q, box["state"].k)), calls=3,
-      per_call=n) if profile else None
   return {"context": context, "queries": n_q, "select_ms": sel * 1e3, "layer_ms": full * 1e3,
           "layers": cfg.num_layers, "select_ms_all_layers": sel * 1e3 * cfg.num_layers,
           "prefix_ms": prefix_ms, "select_ms_topk_kernel": kernel_sel / n * 1e3,
-          "select_ms_scope_kernel": scope_sel / n * 1e3, "scope_kernel_same": same_scope,
-          "select_ops": launched_ops(one_select, q, box["state"].k), "select_kernels": kernels,
-          "select_kernels_scope_kernel": scope_kernels}
+          "select_ops": launched_ops(one_select, q, box["state"].k), "select_kernels": kernels}
 
 
 def main() -> None:

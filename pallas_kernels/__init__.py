@@ -14,8 +14,6 @@ hides behind a function of its name (`from pallas_kernels import flash` is the m
   merged by LSE on NVIDIA GPUs, flash_attention elsewhere).
 - gathered.py, gathered_attention: attention over keys at given indices per KV group (sparse
   decoding).
-- vote_scope.py, voted_scope: ReAttention's scope from a decode step's votes (most voted tokens,
-  their spans merged, the index list) in one kernel (GPU; jnp elsewhere, in jax_longctx).
 
 `lowering_for("tpu")` traces the TPU kernels for real (not interpreted) on any machine, for
 `jax.export` with `platforms=["tpu"]`: how CI checks their Mosaic lowering without a TPU.

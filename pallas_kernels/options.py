@@ -54,10 +54,6 @@ class KernelOptions:
   # k best keys in the kernel's running set (its selection rounds). top_k = 1 keeps its running
   # argmax either way.
   topk_many_rows: str = "segments"
-  # ReAttention's scope from a step's votes (at most vote_scope.MAX_VOTES: decode) on the GPU:
-  # one Pallas kernel (vote_scope.py) instead of jnp's ranking, spans and assembly (about a
-  # dozen small XLA kernels per layer). Off until measured on an H200.
-  scope_kernel: bool = False
 
   def __post_init__(self):
     for field in ("prefill_impl", "topk_impl"):

@@ -16,7 +16,6 @@ import jax.numpy as jnp
 from flax import struct
 
 import pallas_kernels
-from pallas_kernels import vote_scope
 from jax_longctx.methods.base import Heads
 
 _NONE = jnp.iinfo(jnp.int32).max  # sorts after every real token index
@@ -196,23 +195,12 @@ def step_bounds(q_pos, q_valid, n_local: int):
 
 
 def scope_from_votes(votes, q_pos, seq_end, hi, *, n_global: int, n_local: int, span: int,
-                     clip: int, backend: str = "auto",
-                     options: pallas_kernels.KernelOptions = pallas_kernels.KernelOptions()
-                     ) -> Scope:
+                     clip: int) -> Scope:
   """The `clip` most voted tokens as spans, between the global and the local part (votes
-  [B, V], from `vote` or from the devices' candidates merged). On the GPU with
-  options.scope_kernel, a decode step's few votes go to one kernel (pallas_kernels/
-  vote_scope.py) that gives the same scope."""
-  size = n_global + clip * span + n_local
-  variant = pallas_kernels.resolve(backend)
-  if options.scope_kernel and variant.kind == "gpu" and votes.shape[1] <= vote_scope.MAX_VOTES:
-    bounds = jnp.stack([hi, seq_end, q_pos[:, 0]], axis=1)
-    idx, length, q_offset = vote_scope.voted_scope(
-        votes, bounds, n_global=n_global, n_local=n_local, span=span, clip=clip, size=size,
-        interpret=variant.interpret_arg())
-    return Scope(idx, length, q_offset)
+  [B, V], from `vote` or from the devices' candidates merged)."""
   first, count = span_runs(most_voted(votes, clip), jnp.int32(n_global), hi, span)
-  return assemble(first, count, n_global, n_local, size, seq_end, q_pos[:, 0])
+  return assemble(first, count, n_global, n_local, n_global + clip * span + n_local, seq_end,
+                  q_pos[:, 0])
 
 
 def select_scope(q, k_cache, q_pos, q_valid, *, n_global: int, n_local: int, span: int,
@@ -228,4 +216,4 @@ def select_scope(q, k_cache, q_pos, q_valid, *, n_global: int, n_local: int, spa
   seq_end, hi = step_bounds(q_pos, q_valid, n_local)
   votes = heads.concat(vote(q, k_cache, n_global, hi, q_valid, top_k, backend, options), axis=1)
   return scope_from_votes(votes, q_pos, seq_end, hi, n_global=n_global, n_local=n_local,
-                          span=span, clip=clip, backend=backend, options=options)
+                          span=span, clip=clip)
