@@ -62,9 +62,9 @@ def measure(cfg, method, context: int, n_q: int, profile: bool = False) -> dict:
   stages = {  # prefixes of the selection, each reduced to a scalar XLA cannot skip
       "score": lambda q, kc: jnp.sum(vote(q, kc, lo, hi, valid, method.top_k, method.backend)),
       "vote": lambda q, kc: jnp.sum(most_voted(
-          vote(q, kc, lo, hi, valid, method.top_k, method.backend), method.clip)),
+          vote(q, kc, lo, hi, valid, method.top_k, method.backend), method.clip, kc.shape[2])),
       "spans": lambda q, kc: jnp.sum(span_runs(most_voted(
-          vote(q, kc, lo, hi, valid, method.top_k, method.backend), method.clip),
+          vote(q, kc, lo, hi, valid, method.top_k, method.backend), method.clip, kc.shape[2]),
           jnp.int32(lo), hi, method.span)[0]),
       "select": lambda q, kc: jnp.sum(select_scope(q, kc, pos, valid, **hp).idx),
   }

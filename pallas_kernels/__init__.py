@@ -14,6 +14,8 @@ hides behind a function of its name (`from pallas_kernels import flash` is the m
   merged by LSE on NVIDIA GPUs, flash_attention elsewhere).
 - gathered.py, gathered_attention: attention over keys at given indices per KV group (sparse
   decoding).
+- topk_blocks.py, top_k_by_blocks: `lax.top_k` through block maxima (jnp; decode's top-k and
+  ReAttention's vote count use it).
 
 `lowering_for("tpu")` traces the TPU kernels for real (not interpreted) on any machine, for
 `jax.export` with `platforms=["tpu"]`: how CI checks their Mosaic lowering without a TPU.
@@ -28,6 +30,7 @@ from pallas_kernels.gathered import gathered_attention
 from pallas_kernels.gpu import Tiling
 from pallas_kernels.options import KernelOptions
 from pallas_kernels.topk import topk_scores
+from pallas_kernels.topk_blocks import top_k_by_blocks
 
 __all__ = ["BACKENDS", "lowering_for", "platform", "resolve", "chunk_attention", "flash_attention",
-           "gathered_attention", "topk_scores", "KernelOptions", "Tiling"]
+           "gathered_attention", "topk_scores", "top_k_by_blocks", "KernelOptions", "Tiling"]

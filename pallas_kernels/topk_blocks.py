@@ -45,6 +45,35 @@ def _sort_few(x):
   return jnp.stack(cols, axis=-1)
 
 
+def top_k_by_blocks(x, k: int, block: int, *, direct_max: int = 0):
+  """`lax.top_k(x, k)` over the last axis through block maxima: the same entries, best first,
+  equal values by lower index. The key axis is cut into blocks of `block` (the last padded with
+  the dtype's lowest value, so a pad is chosen only when the row holds fewer than k entries:
+  its index is then >= the axis length); the k best blocks by their maxima are read again.
+  Rows of at most `direct_max` entries (and the block maxima, recursively, when there are more
+  than that) go to `lax.top_k` directly: its sort is one kernel for short rows."""
+  low = NEG_INF if jnp.issubdtype(x.dtype, jnp.floating) else jnp.iinfo(x.dtype).min
+  if x.shape[-1] < k:
+    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, k - x.shape[-1])], constant_values=low)
+  t = x.shape[-1]
+  if t <= max(direct_max, block):
+    return lax.top_k(x, k)
+  n_blocks = -(-t // block)
+  if n_blocks * block != t:
+    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, n_blocks * block - t)], constant_values=low)
+  xb = x.reshape(*x.shape[:-1], n_blocks, block)
+  kb = min(k, n_blocks)
+  maxima = jnp.max(xb, axis=-1)
+  if direct_max and n_blocks > direct_max:
+    _, blocks = top_k_by_blocks(maxima, kb, block, direct_max=direct_max)
+  else:
+    _, blocks = lax.top_k(maxima, kb)
+  blocks = _sort_few(blocks)  # position order, so equal values keep the lower index
+  cand = jnp.take_along_axis(xb, blocks[..., None], axis=-2)  # [..., kb, block]
+  v, pos = lax.top_k(cand.reshape(*cand.shape[:-2], kb * block), k)
+  return v, jnp.take_along_axis(blocks, pos // block, axis=-1) * block + pos % block
+
+
 def topk_scores(q, k, top_k: int, lo, hi, *, scale=None, kv_layout: str = "BTHD",
                 block: int | None = None):
   """topk.topk_scores for few rows: (scores fp32, indices int32) [B, Lq, H, top_k], best first,
@@ -52,19 +81,10 @@ def topk_scores(q, k, top_k: int, lo, hi, *, scale=None, kv_layout: str = "BTHD"
   b, lq, h, _ = q.shape
   s = reference.grouped_scores(q, k, kv_layout, scale)  # [B, Lq, KV, G, T] fp32
   t = s.shape[-1]
-  block = min(block or block_size(top_k), layout.next_pow2(t))
   key = jnp.arange(t, dtype=jnp.int32)
   ok = (key >= lo[:, None]) & (key < hi[:, None])  # [B, T]
   s = jnp.where(ok[:, None, None, None, :], s, NEG_INF)
-  n_blocks = -(-t // block)
-  if n_blocks * block != t:
-    s = jnp.pad(s, [(0, 0)] * 4 + [(0, n_blocks * block - t)], constant_values=NEG_INF)
-  s = s.reshape(*s.shape[:4], n_blocks, block)
-  kb = min(top_k, n_blocks)
-  _, blocks = lax.top_k(jnp.max(s, axis=-1), kb)  # [B, Lq, KV, G, kb]
-  blocks = _sort_few(blocks)  # key order, so equal scores keep the lower index
-  cand = jnp.take_along_axis(s, blocks[..., None], axis=-2)  # [B, Lq, KV, G, kb, block]
-  v, pos = lax.top_k(cand.reshape(*cand.shape[:4], kb * block), top_k)
-  i = jnp.take_along_axis(blocks, pos // block, axis=-1) * block + pos % block
+  block = min(block or block_size(top_k), layout.next_pow2(t))
+  v, i = top_k_by_blocks(s, top_k, block)
   i = jnp.where(v == NEG_INF, -1, i)
   return v.reshape(b, lq, h, top_k), i.reshape(b, lq, h, top_k).astype(jnp.int32)

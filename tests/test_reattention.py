@@ -10,8 +10,9 @@ import pytest
 from jax_longctx.ops.cache import KVCache
 from jax_longctx.methods import AttnContext, MethodError, get
 from jax_longctx.methods.reattention import ReAttention
-from jax_longctx.methods.reattention_scope import (PAIRWISE_MAX_VOTES, most_voted_pairwise,
-                                                   most_voted_sorted, select_scope)
+from jax_longctx.methods.reattention_scope import (PAIRWISE_MAX_VOTES, most_voted_counted,
+                                                   most_voted_pairwise, most_voted_sorted,
+                                                   select_scope)
 from jax_longctx.core.rope import inv_freq
 from tests.conftest import tiny_config
 
@@ -76,10 +77,11 @@ def test_selection_equals_the_paper_reference(n_q, seq_ends, backend):
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_vote_counting_by_pairs_equals_by_sorting(seed):
-  """Decode steps count votes pairwise (V <= PAIRWISE_MAX_VOTES), prefill chunks by sorting:
-  the same kept tokens, including count ties (to the lower token), holes (-1) and rows with
-  fewer distinct tokens than clip."""
+def test_vote_counting_by_pairs_or_histogram_equals_by_sorting(seed):
+  """Decode steps count votes pairwise (V <= PAIRWISE_MAX_VOTES), prefill chunks over a short
+  cache in a histogram of its slots (through block maxima, also recursing over them), longer
+  ones by sorting: the same kept tokens, including count ties (to the lower token), holes (-1)
+  and rows with fewer distinct tokens than clip."""
   rng = np.random.default_rng(seed)
   v, clip, tokens = [(128, 127, 40), (300, 20, 25), (96, 50, 500),
                      (PAIRWISE_MAX_VOTES, 127, 900)][seed]
@@ -87,6 +89,9 @@ def test_vote_counting_by_pairs_equals_by_sorting(seed):
   pairs, sorted_ = most_voted_pairwise(votes, clip), most_voted_sorted(votes, clip)
   assert pairs.shape == (3, clip)
   np.testing.assert_array_equal(np.asarray(pairs), np.asarray(sorted_))
+  for slots, block, direct in [(tokens, 16, 2048), (tokens + 37, 4, 8), (2 * tokens, 8, 0)]:
+    counted = most_voted_counted(votes, clip, slots, block=block, direct_max=direct)
+    np.testing.assert_array_equal(np.asarray(counted), np.asarray(sorted_))
 
 
 def test_upstream_gqa_pairing_would_select_other_tokens():

@@ -82,16 +82,49 @@ def vote(q, k_cache, lo, hi, q_valid, top_k: int, backend: str = "auto",
 PAIRWISE_MAX_VOTES = 1024
 
 
-def most_voted(votes, clip: int):
+# With more votes, and tokens below n_tokens (the cache's slots) where n_tokens is at most this
+# many times the votes, most_voted counts them in a histogram over the slots: a scatter-add and
+# one top_k instead of sorting the votes (a prefill chunk's 65,536 votes: BENCHMARKS.md).
+HISTOGRAM_MAX_SLOTS_PER_VOTE = 64
+
+
+def most_voted(votes, clip: int, n_tokens: int | None = None):
   """The `clip` most voted token indices per row, ascending; ties to the lower index.
 
-  votes [B, V] (-1 = none) -> kept [B, clip] int32, _NONE where fewer distinct tokens got votes.
-  Independent of the cache length: O(V log V) by sorting, or O(V^2) by comparing pairs when V
-  is small (both give the same tokens; tests/test_reattention.py).
+  votes [B, V] (-1 = none; else < n_tokens when that is given) -> kept [B, clip] int32, _NONE
+  where fewer distinct tokens got votes. O(V^2) by comparing pairs when V is small, a histogram
+  over n_tokens slots when the cache is short against the votes, else O(V log V) by sorting
+  (all give the same tokens; tests/test_reattention.py).
   """
   if votes.shape[1] <= PAIRWISE_MAX_VOTES:
     return most_voted_pairwise(votes, clip)
+  if n_tokens is not None and n_tokens <= HISTOGRAM_MAX_SLOTS_PER_VOTE * votes.shape[1]:
+    return most_voted_counted(votes, clip, n_tokens)
   return most_voted_sorted(votes, clip)
+
+
+# most_voted_counted's top-k over the histogram: blocks of this many slots, and rows of at most
+# COUNT_DIRECT_MAX entries sorted whole (pallas_kernels.top_k_by_blocks).
+COUNT_BLOCK = 16
+COUNT_DIRECT_MAX = 2048
+
+
+def most_voted_counted(votes, clip: int, n_tokens: int, *, block: int = COUNT_BLOCK,
+                       direct_max: int = COUNT_DIRECT_MAX):
+  """most_voted by a histogram: each slot's votes counted by a scatter-add, then the `clip`
+  largest counts, equal counts by lower slot (`lax.top_k`'s order, through block maxima so no
+  sort runs over all slots)."""
+  b = votes.shape[0]
+  slot = jnp.where(votes >= 0, votes, n_tokens)  # holes land in a slot past the cache's
+  rows = jnp.arange(b)[:, None]
+  counts = jnp.zeros((b, n_tokens + 1), jnp.int32).at[rows, slot].add(1, mode="drop")
+  n = min(clip, n_tokens)
+  top_count, kept = pallas_kernels.top_k_by_blocks(counts[:, :n_tokens], n, block,
+                                                   direct_max=direct_max)
+  kept = jnp.sort(jnp.where(top_count > 0, kept, _NONE), axis=-1)
+  if n < clip:
+    kept = jnp.concatenate([kept, jnp.full((b, clip - n), _NONE, kept.dtype)], axis=1)
+  return kept.astype(jnp.int32)
 
 
 def most_voted_sorted(votes, clip: int):
@@ -195,10 +228,11 @@ def step_bounds(q_pos, q_valid, n_local: int):
 
 
 def scope_from_votes(votes, q_pos, seq_end, hi, *, n_global: int, n_local: int, span: int,
-                     clip: int) -> Scope:
+                     clip: int, n_tokens: int | None = None) -> Scope:
   """The `clip` most voted tokens as spans, between the global and the local part (votes
-  [B, V], from `vote` or from the devices' candidates merged)."""
-  first, count = span_runs(most_voted(votes, clip), jnp.int32(n_global), hi, span)
+  [B, V], from `vote` or from the devices' candidates merged; every vote < n_tokens, the
+  cache's slots, when that is given)."""
+  first, count = span_runs(most_voted(votes, clip, n_tokens), jnp.int32(n_global), hi, span)
   return assemble(first, count, n_global, n_local, n_global + clip * span + n_local, seq_end,
                   q_pos[:, 0])
 
@@ -216,4 +250,4 @@ def select_scope(q, k_cache, q_pos, q_valid, *, n_global: int, n_local: int, spa
   seq_end, hi = step_bounds(q_pos, q_valid, n_local)
   votes = heads.concat(vote(q, k_cache, n_global, hi, q_valid, top_k, backend, options), axis=1)
   return scope_from_votes(votes, q_pos, seq_end, hi, n_global=n_global, n_local=n_local,
-                          span=span, clip=clip)
+                          span=span, clip=clip, n_tokens=k_cache.shape[2])
