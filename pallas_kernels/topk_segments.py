@@ -35,7 +35,11 @@ BIG_INDEX = 2**31 - 1
 # Keys per segment: stage 2 reads top_k * SEGMENT keys per row. On an H200 (512 queries, top-4)
 # 16 beat 8 at 128K keys and 32 at 32K keys; 32 was faster from 128K keys up.
 SEGMENT = 16
-RESCORE_ROWS = 8  # query rows per program of stage 2 (4 and 16 timed the same)
+# Stage 2's programs: one query row each, one warp (on an H200, benchmarks/topk_rescore.py:
+# 0.070 / 0.090 / 0.092 ms at 8K / 32K / 128K keys against 0.087 / 0.107 / 0.112 with 8 rows
+# and 4 warps, the fastest of 9 settings: more programs in flight hide the gathers' latency).
+RESCORE_ROWS = 1
+RESCORE_WARPS = 1
 
 
 def fits(keys: int, block_kv: int) -> bool:
@@ -62,17 +66,19 @@ def keys_of_segments(qr, k, bounds, seg_vals, seg_firsts, top_k: int, *, scale, 
   return v[:, :, None], i[:, :, None]
 
 
-@functools.partial(jax.jit, static_argnames=("top_k", "scale", "kv_layout", "interpret"))
-def best_keys(qr, k, keys, top_k: int, *, scale, kv_layout: str, interpret):
+@functools.partial(jax.jit, static_argnames=("top_k", "scale", "kv_layout", "interpret", "rows",
+                                             "warps"))
+def best_keys(qr, k, keys, top_k: int, *, scale, kv_layout: str, interpret,
+              rows: int = RESCORE_ROWS, warps: int = RESCORE_WARPS):
   """The top_k of each row's own candidate keys by q.k (times scale): qr [B, KV, R, d], keys
   int32 [B, KV, R, n] (distinct; -1: no candidate) -> (scores fp32, keys int32) [B, KV, R,
-  top_k], best first, equal scores by lower key, unfilled (-inf, -1). One program per
-  RESCORE_ROWS rows; each row's keys are gathered from the cache by pointer loads, reduced
+  top_k], best first, equal scores by lower key, unfilled (-inf, -1). One program per `rows`
+  rows (`warps` warps); each row's keys are gathered from the cache by pointer loads, reduced
   against its query in fp32 and selected in registers (top_k passes over n scores)."""
   b, kvh, rp, d = qr.shape
   n = keys.shape[-1]
   t = k.shape[1 if kv_layout == "BTHD" else 2]
-  rows, width = RESCORE_ROWS, layout.next_pow2(top_k)  # Triton blocks: powers of 2
+  width = layout.next_pow2(top_k)  # Triton blocks: powers of 2
 
   def kernel(q_ref, keys_ref, k_ref, v_out, i_out):
     slot = lax.broadcasted_iota(jnp.int32, (width,), 0)
@@ -93,7 +99,7 @@ def best_keys(qr, k, keys, top_k: int, *, scale, kv_layout: str, interpret):
 
   block = lambda m: pl.BlockSpec((SQ, SQ, rows, m), lambda bh, r: (bh // kvh, bh % kvh, r, 0))  # noqa: E731
   v, i = gpu.pallas_call(
-      kernel, interpret, num_warps=4, num_stages=1, grid=(b * kvh, rp // rows),
+      kernel, interpret, num_warps=warps, num_stages=1, grid=(b * kvh, rp // rows),
       in_specs=[gpu.row_spec(kvh, rows, d), block(n), gpu.whole_keys_spec(kv_layout, t, d, kvh)],
       out_specs=[block(width), block(width)],
       out_shape=[jax.ShapeDtypeStruct((b, kvh, rp, width), jnp.float32),
