@@ -37,7 +37,8 @@ def measure(cfg, method, context: int, n_q: int, profile: bool = False) -> dict:
 
   from jax_longctx.ops.cache import KVCache
   from jax_longctx.methods import AttnContext
-  from jax_longctx.methods.reattention_scope import most_voted, select_scope, span_runs, vote
+  from jax_longctx.methods.reattention_scope import (most_voted, pairwise_items, select_scope,
+                                                     span_runs, vote)
   from jax_longctx.core.rope import inv_freq
   from pallas_kernels import KernelOptions
 
@@ -62,9 +63,11 @@ def measure(cfg, method, context: int, n_q: int, profile: bool = False) -> dict:
   stages = {  # prefixes of the selection, each reduced to a scalar XLA cannot skip
       "score": lambda q, kc: jnp.sum(vote(q, kc, lo, hi, valid, method.top_k, method.backend)),
       "vote": lambda q, kc: jnp.sum(most_voted(
-          vote(q, kc, lo, hi, valid, method.top_k, method.backend), method.clip, kc.shape[2])),
+          vote(q, kc, lo, hi, valid, method.top_k, method.backend), method.clip, kc.shape[2],
+          pairwise_items(method.backend))),
       "spans": lambda q, kc: jnp.sum(span_runs(most_voted(
-          vote(q, kc, lo, hi, valid, method.top_k, method.backend), method.clip, kc.shape[2]),
+          vote(q, kc, lo, hi, valid, method.top_k, method.backend), method.clip, kc.shape[2],
+          pairwise_items(method.backend)),
           jnp.int32(lo), hi, method.span)[0]),
       "select": lambda q, kc: jnp.sum(select_scope(q, kc, pos, valid, **hp).idx),
   }

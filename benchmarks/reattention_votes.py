@@ -8,8 +8,9 @@ A 512-query chunk of a 32-head model with top-4 casts 65,536 votes (token indice
 (`spread`: votes uniform over the candidates, as random weights give; `clustered`: drawn from
 512 tokens, as real attention's repeated choices) this times, per layer (32 calls in one jitted
 loop), `most_voted_sorted` (sort, runs, top_k over the counts), `most_voted_counted` (a
-scatter-add histogram over the cache's slots, its top-k through block maxima; `_top_k`: by one
-`lax.top_k` over all slots; `_b32`: 32-slot blocks; `_d4096`: rows up to 4,096 sorted whole)
+scatter-add histogram over the cache's slots, its best blocks and slots picked by comparing
+pairs; `_blocks`: by `lax.top_k` through block maxima instead; `_top_k`: by one `lax.top_k`
+over all slots; `_b32`: 32-slot blocks; `_d4096`: rows up to 4,096 sorted whole)
 and the same histogram with the radix select (`ops.top_n`), and checks that all keep the same
 tokens.
 """
@@ -57,10 +58,13 @@ def measure(n_tokens: int, spread: str, n_votes: int, clip: int) -> dict:
     votes = pool[jax.random.randint(jax.random.key(1), (1, n_votes), 0, 512)]
   variants = {"sorted": lambda v: most_voted_sorted(v, clip),
               "counted": lambda v: most_voted_counted(v, clip, n_tokens),
-              "counted_top_k": lambda v: most_voted_counted(v, clip, n_tokens,
+              "counted_blocks": lambda v: most_voted_counted(v, clip, n_tokens, pairwise_max=0),
+              "counted_top_k": lambda v: most_voted_counted(v, clip, n_tokens, pairwise_max=0,
                                                             direct_max=n_tokens),
-              "counted_b32": lambda v: most_voted_counted(v, clip, n_tokens, block=32),
-              "counted_d4096": lambda v: most_voted_counted(v, clip, n_tokens, direct_max=4096),
+              "counted_b32": lambda v: most_voted_counted(v, clip, n_tokens, block=32,
+                                                          pairwise_max=0),
+              "counted_d4096": lambda v: most_voted_counted(v, clip, n_tokens, direct_max=4096,
+                                                            pairwise_max=0),
               "counted_radix": lambda v: radix_counted(v, clip, n_tokens)}
   rec = {"n_tokens": n_tokens, "votes": n_votes, "spread": spread, "clip": clip}
   kept = {}

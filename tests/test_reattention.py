@@ -79,8 +79,8 @@ def test_selection_equals_the_paper_reference(n_q, seq_ends, backend):
 @pytest.mark.parametrize("seed", range(4))
 def test_vote_counting_by_pairs_or_histogram_equals_by_sorting(seed):
   """Decode steps count votes pairwise (V <= PAIRWISE_MAX_VOTES), prefill chunks over a short
-  cache in a histogram of its slots (through block maxima, also recursing over them), longer
-  ones by sorting: the same kept tokens, including count ties (to the lower token), holes (-1)
+  cache in a histogram of its slots (its best blocks and slots picked by comparing pairs, or by
+  top_k through block maxima, also recursing over them), longer ones by sorting: the same kept tokens, including count ties (to the lower token), holes (-1)
   and rows with fewer distinct tokens than clip."""
   rng = np.random.default_rng(seed)
   v, clip, tokens = [(128, 127, 40), (300, 20, 25), (96, 50, 500),
@@ -89,8 +89,10 @@ def test_vote_counting_by_pairs_or_histogram_equals_by_sorting(seed):
   pairs, sorted_ = most_voted_pairwise(votes, clip), most_voted_sorted(votes, clip)
   assert pairs.shape == (3, clip)
   np.testing.assert_array_equal(np.asarray(pairs), np.asarray(sorted_))
-  for slots, block, direct in [(tokens, 16, 2048), (tokens + 37, 4, 8), (2 * tokens, 8, 0)]:
-    counted = most_voted_counted(votes, clip, slots, block=block, direct_max=direct)
+  for slots, block, direct, pairs_max in [(tokens, 16, 2048, 4096), (tokens + 37, 4, 8, 4096),
+                                          (2 * tokens, 8, 0, 64), (tokens + 5, 4, 8, 0)]:
+    counted = most_voted_counted(votes, clip, slots, block=block, direct_max=direct,
+                                 pairwise_max=pairs_max)
     np.testing.assert_array_equal(np.asarray(counted), np.asarray(sorted_))
 
 

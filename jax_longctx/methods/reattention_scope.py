@@ -88,43 +88,88 @@ PAIRWISE_MAX_VOTES = 1024
 HISTOGRAM_MAX_SLOTS_PER_VOTE = 64
 
 
-def most_voted(votes, clip: int, n_tokens: int | None = None):
+def most_voted(votes, clip: int, n_tokens: int | None = None, pairwise_max: int = 0):
   """The `clip` most voted token indices per row, ascending; ties to the lower index.
 
   votes [B, V] (-1 = none; else < n_tokens when that is given) -> kept [B, clip] int32, _NONE
   where fewer distinct tokens got votes. O(V^2) by comparing pairs when V is small, a histogram
   over n_tokens slots when the cache is short against the votes, else O(V log V) by sorting
-  (all give the same tokens; tests/test_reattention.py).
+  (all give the same tokens; tests/test_reattention.py). pairwise_max: most_voted_counted's
+  (`pairwise_items(backend)`).
   """
   if votes.shape[1] <= PAIRWISE_MAX_VOTES:
     return most_voted_pairwise(votes, clip)
   if n_tokens is not None and n_tokens <= HISTOGRAM_MAX_SLOTS_PER_VOTE * votes.shape[1]:
-    return most_voted_counted(votes, clip, n_tokens)
+    return most_voted_counted(votes, clip, n_tokens, pairwise_max=pairwise_max)
   return most_voted_sorted(votes, clip)
 
 
-# most_voted_counted's top-k over the histogram: blocks of this many slots, and rows of at most
-# COUNT_DIRECT_MAX entries sorted whole (pallas_kernels.top_k_by_blocks).
+# most_voted_counted's top-k over the histogram: blocks of at least this many slots (more where
+# the blocks would outnumber PAIRWISE_MAX_ITEMS), the `clip` best blocks by their maxima, then the
+# best slots of those; both picks compare all pairs when at most PAIRWISE_MAX_ITEMS take part
+# (fused reductions over many thread blocks, where a short sort is one thread block's work),
+# else `lax.top_k` through block maxima, sorting rows of up to COUNT_DIRECT_MAX whole.
 COUNT_BLOCK = 16
 COUNT_DIRECT_MAX = 2048
+PAIRWISE_MAX_ITEMS = 4096
 
 
 def most_voted_counted(votes, clip: int, n_tokens: int, *, block: int = COUNT_BLOCK,
-                       direct_max: int = COUNT_DIRECT_MAX):
+                       direct_max: int = COUNT_DIRECT_MAX,
+                       pairwise_max: int = PAIRWISE_MAX_ITEMS):
   """most_voted by a histogram: each slot's votes counted by a scatter-add, then the `clip`
-  largest counts, equal counts by lower slot (`lax.top_k`'s order, through block maxima so no
-  sort runs over all slots)."""
+  largest counts, equal counts by lower slot, through block maxima (no sort over all slots)."""
   b = votes.shape[0]
   slot = jnp.where(votes >= 0, votes, n_tokens)  # holes land in a slot past the cache's
   rows = jnp.arange(b)[:, None]
   counts = jnp.zeros((b, n_tokens + 1), jnp.int32).at[rows, slot].add(1, mode="drop")
+  counts = counts[:, :n_tokens]
   n = min(clip, n_tokens)
-  top_count, kept = pallas_kernels.top_k_by_blocks(counts[:, :n_tokens], n, block,
-                                                   direct_max=direct_max)
-  kept = jnp.sort(jnp.where(top_count > 0, kept, _NONE), axis=-1)
+  # Blocks few enough to compare in pairs (block stays a power of 2).
+  pair_block = max(block, 1 << (-(-n_tokens // max(pairwise_max, 1)) - 1).bit_length())
+  n_blocks = -(-n_tokens // pair_block)
+  kb = min(n, n_blocks)
+  if n_blocks > pairwise_max or kb * pair_block > pairwise_max:
+    top_count, kept = pallas_kernels.top_k_by_blocks(counts, n, block, direct_max=direct_max)
+    kept = jnp.sort(jnp.where(top_count > 0, kept, _NONE), axis=-1)
+  else:
+    # Zero counts pad the last block: they are never kept.
+    block = pair_block
+    blocked = jnp.pad(counts, ((0, 0), (0, n_blocks * block - n_tokens))).reshape(b, n_blocks,
+                                                                                  block)
+    maxima = jnp.max(blocked, axis=2)  # [B, n_blocks]
+    ids = jnp.broadcast_to(jnp.arange(n_blocks, dtype=jnp.int32), maxima.shape)
+    blocks = best_in_order(maxima, ids, maxima > 0, kb)  # [B, kb] ascending, _NONE padded
+    some = blocks != _NONE
+    blocks = jnp.where(some, blocks, 0)
+    cand = jnp.take_along_axis(blocked, blocks[:, :, None], axis=1)  # [B, kb, block]
+    slots = blocks[:, :, None] * block + jnp.arange(block, dtype=jnp.int32)
+    live = (cand > 0) & some[:, :, None]
+    kept = best_in_order(cand.reshape(b, -1), slots.reshape(b, -1), live.reshape(b, -1), n)
   if n < clip:
     kept = jnp.concatenate([kept, jnp.full((b, clip - n), _NONE, kept.dtype)], axis=1)
   return kept.astype(jnp.int32)
+
+
+def pairwise_items(backend: str) -> int:
+  """most_voted_counted's pairwise_max for a backend: on a GPU the pairs' reductions were the
+  fastest measured (BENCHMARKS.md); on the CPU they ran far slower than top_k (20,000 votes
+  over 8K-100K slots: 19-138 ms against 0.3-0.5), and the TPU is not measured: both take top_k."""
+  return PAIRWISE_MAX_ITEMS if pallas_kernels.resolve(backend).kind == "gpu" else 0
+
+
+def best_in_order(value, item, live, n: int):
+  """Of the live entries [B, M] (`item`: distinct ids), the n ranked first by (value desc, item
+  asc), as their ids ascending [B, n], _NONE where fewer are live: every pair compared (O(M^2)
+  in a few fused reductions, no sort)."""
+  this_v, other_v = value[:, :, None], value[:, None, :]
+  this_i, other_i = item[:, :, None], item[:, None, :]
+  ahead = ((other_v > this_v) | ((other_v == this_v) & (other_i < this_i))) & live[:, None, :]
+  kept = live & (jnp.sum(ahead, axis=2) < n)
+  slot = jnp.sum(kept[:, None, :] & (other_i < this_i), axis=2)  # kept ids below this one
+  at = kept[:, None, :] & (slot[:, None, :] == jnp.arange(n)[None, :, None])  # [B, n, M]
+  out = jnp.max(jnp.where(at, item[:, None, :], -1), axis=2)
+  return jnp.where(out >= 0, out, _NONE).astype(jnp.int32)
 
 
 def most_voted_sorted(votes, clip: int):
@@ -160,13 +205,7 @@ def most_voted_pairwise(votes, clip: int):
   count = jnp.sum(same, axis=2)  # [B, V]
   earlier = jnp.arange(v)[None, :] < jnp.arange(v)[:, None]  # [V, V]: other before this
   first = live & ~jnp.any(same & earlier[None], axis=2)  # one vote stands for each token
-  ahead = (count[:, None, :] > count[:, :, None]) | ((count[:, None, :] == count[:, :, None])
-                                                      & (c < a))
-  kept = first & (jnp.sum(ahead & first[:, None, :], axis=2) < clip)
-  slot = jnp.sum(kept[:, None, :] & (c < a), axis=2)  # kept tokens below this one
-  at = kept[:, None, :] & (slot[:, None, :] == jnp.arange(clip)[None, :, None])  # [B, clip, V]
-  out = jnp.max(jnp.where(at, votes[:, None, :], -1), axis=2)
-  return jnp.where(out >= 0, out, _NONE).astype(jnp.int32)
+  return best_in_order(count, votes, first, clip)
 
 
 def span_runs(kept, lo, hi, span: int):
@@ -228,11 +267,12 @@ def step_bounds(q_pos, q_valid, n_local: int):
 
 
 def scope_from_votes(votes, q_pos, seq_end, hi, *, n_global: int, n_local: int, span: int,
-                     clip: int, n_tokens: int | None = None) -> Scope:
+                     clip: int, n_tokens: int | None = None, backend: str = "auto") -> Scope:
   """The `clip` most voted tokens as spans, between the global and the local part (votes
   [B, V], from `vote` or from the devices' candidates merged; every vote < n_tokens, the
   cache's slots, when that is given)."""
-  first, count = span_runs(most_voted(votes, clip, n_tokens), jnp.int32(n_global), hi, span)
+  kept = most_voted(votes, clip, n_tokens, pairwise_items(backend))
+  first, count = span_runs(kept, jnp.int32(n_global), hi, span)
   return assemble(first, count, n_global, n_local, n_global + clip * span + n_local, seq_end,
                   q_pos[:, 0])
 
@@ -250,4 +290,4 @@ def select_scope(q, k_cache, q_pos, q_valid, *, n_global: int, n_local: int, spa
   seq_end, hi = step_bounds(q_pos, q_valid, n_local)
   votes = heads.concat(vote(q, k_cache, n_global, hi, q_valid, top_k, backend, options), axis=1)
   return scope_from_votes(votes, q_pos, seq_end, hi, n_global=n_global, n_local=n_local,
-                          span=span, clip=clip, n_tokens=k_cache.shape[2])
+                          span=span, clip=clip, n_tokens=k_cache.shape[2], backend=backend)

@@ -142,7 +142,8 @@ class ShardedReAttention(ReAttention):
     return scope_from_votes(ctx.heads.concat(ballots(idx, ctx.valid), axis=1), ctx.q_pos,
                             seq_end, hi,
                             n_global=self.n_global, n_local=self.n_local, span=self.span,
-                            clip=self.clip, n_tokens=state.max_len * layout.n_dev)
+                            clip=self.clip, n_tokens=state.max_len * layout.n_dev,
+                            backend=self.backend)
 
   def attend_scope(self, q, state: KVCache, sc: Scope, ctx: AttnContext):
     part = device_part(sc, *here(self.axis, state, self.block))
