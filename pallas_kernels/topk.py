@@ -71,10 +71,11 @@ def topk_scores(q, k, top_k: int, *, scale: float | None = None, valid_len=None,
   if mosaic is not None:
     segments = (options.topk_many_rows == "segments" and options.topk_selection == "exact"
                 and top_k > 1)
-    vals, idx = _mosaic(q, k, bounds, top_k, mosaic, scale=scale, kv_layout=kv_layout,
-                        key_splits=tiling.key_splits if tiling else None,
-                        selection=options.topk_selection, segments=segments, variant=variant)
-    return _finish(vals, idx, top_k, lq, h)
+    vals, idx, ordered = _mosaic(q, k, bounds, top_k, mosaic, scale=scale, kv_layout=kv_layout,
+                                 key_splits=tiling.key_splits if tiling else None,
+                                 selection=options.topk_selection, segments=segments,
+                                 variant=variant)
+    return _finish(vals, idx, top_k, lq, h, ordered)
   # The running set is kp registers per row: fewer rows per program when k is large. GPU
   # defaults measured on an H200 (BENCHMARKS.md): 64 x 64 tiles for chunks, 256-key tiles for
   # decode, where a program has few rows and checks its set once per tile.
@@ -101,13 +102,16 @@ def topk_scores(q, k, top_k: int, *, scale: float | None = None, valid_len=None,
   return _finish(vals, idx, top_k, lq, h)
 
 
-def _finish(vals, idx, top_k: int, lq: int, h: int):
+def _finish(vals, idx, top_k: int, lq: int, h: int, ordered: bool = False):
   """[B, KV, S, R, kp] per split -> [B, KV, R, S * kp]: every split's candidates for a row, then
-  the best top_k of them, back to [B, Lq, H, top_k]."""
+  the best top_k of them, back to [B, Lq, H, top_k]. ordered: one split already holding exactly
+  that (best first, ties by index, holes (-inf, -1)), which is not sorted again (on an H200 the
+  sort of 2,048 rows of 4 a kv head took 11 us)."""
   b, kvh, _, rows_padded, _ = vals.shape
   vals = jnp.moveaxis(vals, 2, 3).reshape(b, kvh, rows_padded, -1)
   idx = jnp.moveaxis(idx, 2, 3).reshape(b, kvh, rows_padded, -1)
-  vals, idx = topk_tile.finish(vals, idx, top_k)
+  if not (ordered and vals.shape[-1] == top_k):
+    vals, idx = topk_tile.finish(vals, idx, top_k)
   return layout.from_rows(vals, lq, h), layout.from_rows(idx, lq, h)
 
 
@@ -122,8 +126,9 @@ def _mosaic_config(variant, q, k, rows: int, top_k: int, tiling, keys: int | Non
 
 def _mosaic(q, k, bounds, top_k, config, *, scale, kv_layout, key_splits, selection, segments,
             variant):
-  """The Mosaic kernel's candidates [B, KV, S, R, top_k]; with `segments` (and keys that fit)
-  its segments, resolved to keys by topk_segments (one part)."""
+  """The Mosaic kernel's candidates [B, KV, S, R, top_k] and whether they are already the
+  final order; with `segments` (and keys that fit) its segments, resolved to keys by
+  topk_segments (one part, best first)."""
   b, _, h, _ = q.shape
   kvh = k.shape[2 if kv_layout == "BTHD" else 1]
   bk = config.block_kv
@@ -144,9 +149,11 @@ def _mosaic(q, k, bounds, top_k, config, *, scale, kv_layout, key_splits, select
       config=config, selection="segments" if segments else selection,
       segment=topk_segments.SEGMENT, interpret=variant.interpret)
   if not segments:
-    return vals, idx
-  return topk_segments.keys_of_segments(qr, kk, bounds, vals, idx, top_k, scale=scale,
-                                        kv_layout=kv_layout, interpret=variant.interpret_arg())
+    return vals, idx, False
+  vals, idx = topk_segments.keys_of_segments(qr, kk, bounds, vals, idx, top_k, scale=scale,
+                                             kv_layout=kv_layout,
+                                             interpret=variant.interpret_arg())
+  return vals, idx, True
 
 
 @functools.partial(jax.jit, static_argnames=("kp", "span", "splits", "scale", "kv_layout",
