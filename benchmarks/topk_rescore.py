@@ -5,7 +5,8 @@
 A 512-query chunk of the 8B shape (32 query / 8 kv heads, d 128, bf16; 2,048 rows a kv head)
 with top-4: each row scores its 4 segments' 64 keys again, gathered from a BHTD cache of
 `context` keys (random segments among the candidates). For each (rows a program, warps) this
-times the kernel (20 calls in one jitted loop, median of 10 after warm-up) and checks it returns what the default returns.
+times the kernel (20 calls in one jitted loop, median of 10 after warm-up) and checks it
+returns the keys the first setting returns.
 """
 
 from __future__ import annotations

@@ -80,8 +80,9 @@ def test_selection_equals_the_paper_reference(n_q, seq_ends, backend):
 def test_vote_counting_by_pairs_or_histogram_equals_by_sorting(seed):
   """Decode steps count votes pairwise (V <= PAIRWISE_MAX_VOTES), prefill chunks over a short
   cache in a histogram of its slots (its best blocks and slots picked by comparing pairs, or by
-  top_k through block maxima, also recursing over them), longer ones by sorting: the same kept tokens, including count ties (to the lower token), holes (-1)
-  and rows with fewer distinct tokens than clip."""
+  top_k through block maxima, also recursing over them), longer ones by sorting: the same kept
+  tokens, including count ties (to the lower token), holes (-1) and rows with fewer distinct
+  tokens than clip."""
   rng = np.random.default_rng(seed)
   v, clip, tokens = [(128, 127, 40), (300, 20, 25), (96, 50, 500),
                      (PAIRWISE_MAX_VOTES, 127, 900)][seed]
