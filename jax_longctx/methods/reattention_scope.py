@@ -84,7 +84,8 @@ PAIRWISE_MAX_VOTES = 1024
 
 # With more votes, and tokens below n_tokens (the cache's slots) where n_tokens is at most this
 # many times the votes, most_voted counts them in a histogram over the slots: a scatter-add and
-# one top_k instead of sorting the votes (a prefill chunk's 65,536 votes: BENCHMARKS.md).
+# a pick of the most counted instead of sorting the votes (a prefill chunk's 65,536 votes on an
+# H200: 29-99 us against 129-175; BENCHMARKS.md).
 HISTOGRAM_MAX_SLOTS_PER_VOTE = 64
 
 
@@ -153,8 +154,9 @@ def most_voted_counted(votes, clip: int, n_tokens: int, *, block: int = COUNT_BL
 
 def pairwise_items(backend: str) -> int:
   """most_voted_counted's pairwise_max for a backend: on a GPU the pairs' reductions were the
-  fastest measured (BENCHMARKS.md); on the CPU they ran far slower than top_k (20,000 votes
-  over 8K-100K slots: 19-138 ms against 0.3-0.5), and the TPU is not measured: both take top_k."""
+  fastest measured (BENCHMARKS.md); on a 2-core CPU they ran far slower than top_k (20,000
+  votes over 8K-100K slots: 19-138 ms, another job running, against 0.3-0.5 ms), and the TPU
+  is not measured: both take top_k."""
   return PAIRWISE_MAX_ITEMS if pallas_kernels.resolve(backend).kind == "gpu" else 0
 
 
