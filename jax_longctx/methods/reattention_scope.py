@@ -85,7 +85,7 @@ PAIRWISE_MAX_VOTES = 1024
 # With more votes, and tokens below n_tokens (the cache's slots) where n_tokens is at most this
 # many times the votes, most_voted counts them in a histogram over the slots: a scatter-add and
 # a pick of the most counted instead of sorting the votes (a prefill chunk's 65,536 votes on an
-# H200: 29-99 us against 129-175; BENCHMARKS.md).
+# H200: 29-99 us against 129-175 up to 1M slots, 16 a vote, the most measured; BENCHMARKS.md).
 HISTOGRAM_MAX_SLOTS_PER_VOTE = 64
 
 
