@@ -39,7 +39,6 @@ from pallas_kernels.gpu import Tiling  # noqa: E402
 from pallas_kernels.options import DEFAULT, KernelOptions  # noqa: E402
 
 H, KV, D = 32, 8, 128
-KEPT = KernelOptions(topk_many_rows="segment_scores")
 BF = jnp.bfloat16
 SMOKE = False  # --smoke: lengths divided by SHRINK, fewer heads
 SHRINK = 256
@@ -76,8 +75,7 @@ def require_mosaic(q, k, top_k, tiling, kv_layout="BTHD"):
                        f"{mgpu_topk.unsupported(q, k, top_k, config=mgpu_topk.DEFAULT_CONFIG)}")
 
 
-def check(key, *, top_k, kv_layout="BTHD", d=D, kv=None, lq=64, ties=False, dtype=None,
-          options: KernelOptions = DEFAULT):
+def check(key, *, top_k, kv_layout="BTHD", d=D, kv=None, lq=64, ties=False, dtype=None):
   """Mosaic vs reference, indices and scores equal (integer inputs; fp16: scores to 1e-5)."""
   kq, kk = jax.random.split(key)
   kv = kv or KV
@@ -93,10 +91,10 @@ def check(key, *, top_k, kv_layout="BTHD", d=D, kv=None, lq=64, ties=False, dtyp
   if dtype is not None:
     q, k, kw["scale"] = q.astype(dtype), k.astype(dtype), 0.125
   require_mosaic(q, k, top_k, mosaic(), kv_layout)
-  got = topk_scores(q, k, top_k, backend="gpu", tiling=mosaic(), options=options, **kw)
+  got = topk_scores(q, k, top_k, backend="gpu", tiling=mosaic(), **kw)
   want = topk_scores(q, k, top_k, backend="reference", **kw)
   rec = {"case": "check", "top_k": top_k, "kv_layout": kv_layout, "d": d, "group": H // kv,
-         "ties": ties, "dtype": jnp.dtype(q.dtype).name, "many_rows": options.topk_many_rows,
+         "ties": ties, "dtype": jnp.dtype(q.dtype).name,
          "index_equal": float(jnp.mean(got[1] == want[1])),
          "score_max_abs": float(jnp.max(jnp.where(jnp.isfinite(want[0]),
                                                   jnp.abs(got[0] - want[0]), 0.0))),
@@ -114,8 +112,7 @@ def bench(key, t, args, *, top_k=4, lq=512, config=None, key_splits=None, anchor
   kq, kk = jax.random.split(key)
   q, k = normal(kq, (1, lq, H, D)), normal(kk, (1, t, KV, D))
   flops = 2 * lq * t * D * H
-  rec = {"case": f"prefill_{t // 1024}k", "q_len": lq, "kv_len": t, "top_k": top_k,
-         "many_rows": options.topk_many_rows}
+  rec = {"case": f"prefill_{t // 1024}k", "q_len": lq, "kv_len": t, "top_k": top_k}
   if config is not None or key_splits is not None:
     rec.update(config=vars(config or mgpu_topk.DEFAULT_CONFIG), key_splits=key_splits)
   require_mosaic(q, k, top_k, mosaic(config, key_splits))
@@ -174,20 +171,12 @@ def cases(key, args) -> dict:
       "check_top16_bthd_d64_g1": lambda: check(key, top_k=16, d=64, kv=H, lq=256),
       "check_ties_top16_bhtd": lambda: check(key, top_k=16, kv_layout="BHTD", ties=True),
       "check_fp16_scaled_top4": lambda: check(key, top_k=4, dtype=jnp.float16),
-      "check_top4_bthd_d128_g4_kept": lambda: check(key, top_k=4, options=KEPT),
-      "check_ties_top16_bhtd_kept": lambda: check(key, top_k=16, kv_layout="BHTD", ties=True,
-                                                  options=KEPT),
   }
-  # the prefill top-4 with stage 1 keeping its segments' scores, beside the default (segments
-  # scored again), at a chunk's key counts: each timed alone, no anchors
-  by_stage2 = {f"stage2_{t // 1024}k_{o.topk_many_rows}":
-               (lambda t=t, o=o: bench(key, t, args, anchors=False, options=o))
-               for t in (8192, 32768, 131072) for o in (DEFAULT, KEPT)}
   if args.sweep:
     return {"check_top4_bthd_d128_g4": checks["check_top4_bthd_d128_g4"], **sweep(key, args)}
   return {**checks, "prefill_128k": lambda: bench(key, 131072, args),
           "prefill_512k": lambda: bench(key, 524288, args),
-          "gemm_only_128k": lambda: gemm_only(key, args), **by_stage2}
+          "gemm_only_128k": lambda: gemm_only(key, args)}
 
 
 def _smoke():

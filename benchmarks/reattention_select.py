@@ -85,10 +85,6 @@ def measure(cfg, method, context: int, n_q: int, profile: bool = False) -> dict:
   kernel_select = looped(lambda q, kc: jnp.sum(select_scope(  # the kernels' own running sets
       q, kc, pos, valid, **hp,
       options=KernelOptions(topk_few_rows="kernel", topk_many_rows="kernel")).idx))
-  kept = KernelOptions(topk_many_rows="segment_scores")  # prefill: stage 1 keeps the scores
-  kept_select = looped(lambda q, kc: jnp.sum(select_scope(q, kc, pos, valid, **hp,
-                                                          options=kept).idx))
-  one_kept = jax.jit(lambda q, kc: select_scope(q, kc, pos, valid, **hp, options=kept).idx)
 
   @functools.partial(jax.jit, donate_argnums=0)  # the cache is updated in place, as in decoding
   def layer(state, q, k, v):
@@ -112,12 +108,6 @@ def measure(cfg, method, context: int, n_q: int, profile: bool = False) -> dict:
   sel, _ = median_time(run_select, warmup=2, reps=10)
   kernel_sel, _ = median_time(lambda: jax.block_until_ready(kernel_select(q, box["state"].k)),
                               warmup=2, reps=10)
-  kept_sel = None
-  if n_q > 1:
-    kept_sel, _ = median_time(lambda: jax.block_until_ready(kept_select(q, box["state"].k)),
-                              warmup=2, reps=10)
-    kept_sel /= n
-    kept_same = bool(jnp.all(one_kept(q, box["state"].k) == one_select(q, box["state"].k)))
   full, _ = median_time(run_layer, warmup=2, reps=10)
   sel, full = sel / n, full / n
   prefix_ms = {}
@@ -129,8 +119,6 @@ def measure(cfg, method, context: int, n_q: int, profile: bool = False) -> dict:
   return {"context": context, "queries": n_q, "select_ms": sel * 1e3, "layer_ms": full * 1e3,
           "layers": cfg.num_layers, "select_ms_all_layers": sel * 1e3 * cfg.num_layers,
           "prefix_ms": prefix_ms, "select_ms_topk_kernel": kernel_sel / n * 1e3,
-          **({"select_ms_segment_scores": kept_sel * 1e3, "segment_scores_same_scope": kept_same}
-             if kept_sel is not None else {}),
           "select_ops": launched_ops(one_select, q, box["state"].k), "select_kernels": kernels}
 
 

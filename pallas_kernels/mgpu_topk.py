@@ -56,18 +56,14 @@ TEST_FIRST_SPAN = 262144  # keys per split past which "segments" tests before in
 REDUCTION_SCRATCH = 128
 
 
-def smem_bytes(config: Config, d: int, kp: int, itemsize: int = 2, kept_scores: int = 0) -> int:
-  """Q of both compute warpgroups, the K ring, the output sets (and kept_scores fp32 scores per
-  set entry: selection "segment_scores"), barriers and scratch."""
+def smem_bytes(config: Config, d: int, kp: int, itemsize: int = 2) -> int:
+  """Q of both compute warpgroups, the K ring, the output sets, barriers and scratch."""
   tiles = COMPUTE_WGS * config.block_q * d + config.stages * config.block_kv * d
-  sets = COMPUTE_WGS * kp * config.block_q * 4 * (2 + kept_scores)
-  return tiles * itemsize + sets + 1024 + REDUCTION_SCRATCH
+  return tiles * itemsize + 2 * COMPUTE_WGS * kp * config.block_q * 4 + 1024 + REDUCTION_SCRATCH
 
 
-def unsupported(q, k, top_k: int, *, config: Config, keys: int | None = None,
-                kept_scores: int = 0) -> str | None:
-  """Why this kernel cannot run the call (None: it can); keys: the key count, when known;
-  kept_scores: the segment a set entry keeps the scores of (selection "segment_scores")."""
+def unsupported(q, k, top_k: int, *, config: Config, keys: int | None = None) -> str | None:
+  """Why this kernel cannot run the call (None: it can); keys: the key count, when known."""
   d = q.shape[3]
   if plgpu is None:
     return "this jaxlib has no Mosaic GPU"
@@ -80,9 +76,8 @@ def unsupported(q, k, top_k: int, *, config: Config, keys: int | None = None,
     return f"{keys} keys: needs a multiple of 8"
   if top_k > MAX_TOP_K:
     return f"top_k {top_k} > {MAX_TOP_K} (the running set lives in registers)"
-  need = smem_bytes(config, d, top_k, kept_scores=kept_scores)
-  if need > SMEM_LIMIT:
-    return f"{config} needs {need} bytes of SMEM at d={d}"
+  if smem_bytes(config, d, top_k) > SMEM_LIMIT:
+    return f"{config} needs {smem_bytes(config, d, top_k)} bytes of SMEM at d={d}"
   return None
 
 
@@ -93,7 +88,6 @@ class _Dims:
   kvh: int
   span: int  # keys per split, a multiple of block_kv
   kp: int  # running set size (= top_k)
-  kept: int  # scores kept per set entry: the segment ("segment_scores"), else 0
 
 
 @returns_when_done_if_interpreted
@@ -112,30 +106,26 @@ def mgpu_topk_scores(qr, k, bounds, *, kp: int, span: int, splits: int, scale: f
   (None: not at all). selection: KernelOptions.topk_selection ("max_only", a benchmark
   diagnostic: slot 0 holds the row's running max, the rest stays empty; "segments": each split's
   kp best segments of `segment` keys, as (max score, first key) sorted best first, T a multiple
-  of `segment`: stage 1 of topk_segments.py; "segment_scores": the same segments, returned as
-  (their scores fp32 [B, KV, splits, R, kp, segment], first keys [B, KV, splits, R, kp]);
-  test_first: see _selection, None: by span). interpret / native as in mgpu_flash."""
+  of `segment`: stage 1 of topk_segments.py; test_first: see _selection, None: by span).
+  interpret / native as in mgpu_flash."""
   native = (interpret is False) if native is None else native
   b, kvh, rp, d = qr.shape
   t = k.shape[1 if kv_layout == "BTHD" else 2]
   cta_rows = COMPUTE_WGS * config.block_q
-  by_segment = selection in ("segments", "segment_scores")
   if (rp % cta_rows or t < config.block_kv or span % config.block_kv or span * splits < t
-      or (by_segment and (t % segment or config.block_kv % segment))):
+      or (selection == "segments" and (t % segment or config.block_kv % segment))):
     raise ValueError(f"mgpu_topk_scores: rows {rp} / keys {t} / span {span} x {splits} do not fit "
                      f"{config} (selection {selection!r}, segment {segment})")
-  kept = segment if selection == "segment_scores" else 0
-  dims = _Dims(t=t, d=d, kvh=kvh, span=span, kp=kp, kept=kept)
+  dims = _Dims(t=t, d=d, kvh=kvh, span=span, kp=kp)
   body = functools.partial(_entry, dims=dims, cfg=config, scale=scale, kv_layout=kv_layout,
                            native=native, dtype=qr.dtype,
                            select=_selection(selection, kp, segment,
-                                             span > TEST_FIRST_SPAN or bool(kept)
-                                             if test_first is None else test_first))
+                                             span > TEST_FIRST_SPAN if test_first is None
+                                             else test_first))
   shape = (b, kvh, splits, kp, rp)  # rows minor: one TMA box per warpgroup and set slot
-  vals_type = jax.ShapeDtypeStruct((*shape, kept) if kept else shape, jnp.float32)
   vals, idx = plgpu.kernel(
       body,
-      out_type=[vals_type, jax.ShapeDtypeStruct(shape, jnp.int32)],
+      out_type=[jax.ShapeDtypeStruct(shape, jnp.float32), jax.ShapeDtypeStruct(shape, jnp.int32)],
       grid=(b * kvh, rp // cta_rows, splits), grid_names=("bh", "rblock", "split"),
       num_threads=COMPUTE_WGS + 1, thread_name="wg",
       compiler_params=(None if interpret is not False
@@ -150,8 +140,7 @@ def _entry(bounds_ref, q_ref, k_ref, v_out, i_out, *, dims, cfg, dtype, **kw):
   tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))  # WGMMA operand layout
   smem = (plgpu.SMEM((COMPUTE_WGS, cfg.block_q, dims.d), dtype, transforms=tiled),  # Q
           plgpu.SMEM((cfg.stages, cfg.block_kv, dims.d), dtype, transforms=tiled),  # K ring
-          plgpu.SMEM((COMPUTE_WGS, dims.kp, cfg.block_q, *(dims.kept,) * bool(dims.kept)),
-                     jnp.float32),  # output scores
+          plgpu.SMEM((COMPUTE_WGS, dims.kp, cfg.block_q), jnp.float32),  # output scores
           plgpu.SMEM((COMPUTE_WGS, dims.kp, cfg.block_q), jnp.int32))  # output keys
   barriers = (plgpu.Barrier(num_barriers=COMPUTE_WGS),  # Q of each compute warpgroup
               plgpu.Barrier(num_barriers=cfg.stages),  # K slot filled
@@ -216,9 +205,6 @@ def _consumer(refs, smem, barriers, *, wg, row0, b, h, lo, hi, tiles, dims, cfg,
   state = ([ops.layout(jnp.full((cfg.block_q,), NEG_INF, jnp.float32), row)] * dims.kp,
            [ops.layout(jnp.full((cfg.block_q,), -1 - j, jnp.int32), row)
             for j in range(dims.kp)])  # empty: distinct negative keys, so one slot is the worst
-  if dims.kept:  # each kept segment's scores, [bq, segment] in the product's layout
-    state += ([ops.layout(jnp.full((cfg.block_q, dims.kept), NEG_INF, jnp.float32),
-                          plgpu.Layout.WGMMA)] * dims.kp,)
   sync_turn = functools.partial(rendezvous, turn)
   pl.when(wg == 1)(sync_turn)  # warpgroup 0 goes first; from here on they alternate
   first, plain_lo, plain_hi, last = tiles
@@ -233,7 +219,7 @@ def _consumer(refs, smem, barriers, *, wg, row0, b, h, lo, hi, tiles, dims, cfg,
                      lambda s: s, state)
   pl.when(wg == 0)(sync_turn)
   for j in range(dims.kp):
-    v_smem.at[wg, j][...] = state[-1][j] if dims.kept else state[0][j]
+    v_smem.at[wg, j][...] = state[0][j]
     i_smem.at[wg, j][...] = state[1][j]
   plgpu.commit_smem()
   split = lax.axis_index("split")
@@ -316,16 +302,12 @@ def _select_segments(state, s, key, start, ops, *, segment: int, test_first: boo
   segment goes in after the kept ones it does not beat strictly, so of equal maxima the earlier
   segment stays ahead. Row-vector work, no rounds over S. The clamped last tile starts on a
   segment boundary (topk_segments needs T % segment == 0); its masked part holds -inf, which
-  never goes in. With a third part in the state ("segment_scores": kp [bq, segment] arrays),
-  each kept segment's scores move with it: the best segment's are picked per row from the tile
-  by a select over its segments."""
+  never goes in."""
   del key
   row = plgpu.Layout.WGMMA.reduce(1)
-  pieces = [s[:, j:j + segment] for j in range(0, s.shape[1], segment)]
-  maxima = [p.max(axis=1) for p in pieces]
+  maxima = [s[:, j:j + segment].max(axis=1) for j in range(0, s.shape[1], segment)]
   best = functools.reduce(jnp.maximum, maxima)
   n = len(maxima)
-  kept = len(state) == 3
 
   def some_row(gains):  # across the warpgroup
     return jnp.max(jnp.where(gains, 1, 0)) > 0
@@ -336,44 +318,32 @@ def _select_segments(state, s, key, start, ops, *, segment: int, test_first: boo
   def insert_best(state):
     j_best = functools.reduce(jnp.minimum, [jnp.where(m == best, j, n)
                                             for j, m in enumerate(maxima)])
-    scores = None
-    if kept:
-      at = rows(j_best, pieces[0].shape)
-      scores = functools.reduce(lambda acc, j: jnp.where(at == j, pieces[j], acc),
-                                range(1, n), pieces[0])
-    state = _insert(state, best, start + j_best * segment, scores)
+    vals, firsts = _insert(*state, best, start + j_best * segment)
     rest = [jnp.where(j_best == j, NEG_INF, m) for j, m in enumerate(maxima)]
 
     def insert_rest(state):
       for j, m in enumerate(rest):
-        state = _insert(state, m, ops.layout(jnp.full(m.shape, start + j * segment, jnp.int32),
-                                             row), pieces[j] if kept else None)
+        state = _insert(*state, m, ops.layout(jnp.full(m.shape, start + j * segment, jnp.int32),
+                                              row))
       return state
 
-    gains = some_row(functools.reduce(jnp.maximum, rest) > state[0][-1])
-    return lax.cond(gains, insert_rest, keep, state)
+    gains = some_row(functools.reduce(jnp.maximum, rest) > vals[-1])
+    return lax.cond(gains, insert_rest, keep, (vals, firsts))
 
   if not test_first:
     return insert_best(state)
   return lax.cond(some_row(best > state[0][-1]), insert_best, keep, state)
 
 
-def _insert(state, m, first, scores=None):
-  """The sorted set (vals descending, their firsts[, their scores]) with (m, first[, scores])
-  after every kept value >= m, the last one dropped."""
-  vals = state[0]
+def _insert(vals, firsts, m, first):
+  """The sorted set (vals descending, their firsts) with (m, first) after every kept value >= m,
+  the last one dropped."""
   stays = [x >= m for x in vals]  # a prefix
-
   def shifted(xs, new):
-    if xs[0].ndim == 1:
-      st = stays
-    else:  # the rows' tests along the segment's columns
-      st = [rows(jnp.where(x, 1, 0), xs[0].shape) > 0 for x in stays]
-    return [jnp.where(st[0], xs[0], new)] + [
-        jnp.where(st[i], xs[i], jnp.where(st[i - 1], new, xs[i - 1]))
+    return [jnp.where(stays[0], xs[0], new)] + [
+        jnp.where(stays[i], xs[i], jnp.where(stays[i - 1], new, xs[i - 1]))
         for i in range(1, len(xs))]
-  news = (m, first) if scores is None else (m, first, scores)
-  return tuple(shifted(xs, new) for xs, new in zip(state, news))
+  return shifted(vals, m), shifted(firsts, first)
 
 
 def _running_max(state, s, key, start, ops):
@@ -395,6 +365,6 @@ def _selection(selection: str, kp: int, segment: int, test_first: bool):
   faster at 512K keys, where most tiles no longer gain)."""
   if selection == "exact":
     return _select_one if kp == 1 else _select
-  if selection in ("segments", "segment_scores"):
+  if selection == "segments":
     return functools.partial(_select_segments, segment=segment, test_first=test_first)
   return _SELECTIONS[selection]

@@ -13,7 +13,7 @@ import dataclasses
 IMPLS = ("mosaic", "triton")
 TOPK_SELECTIONS = ("exact", "max_only")
 TOPK_FEW_ROWS = ("blocks", "kernel")
-TOPK_MANY_ROWS = ("segments", "segment_scores", "kernel")
+TOPK_MANY_ROWS = ("segments", "kernel")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,8 +50,7 @@ class KernelOptions:
   # "kernel" runs the fused Triton kernel's running set.
   topk_few_rows: str = "blocks"
   # topk_scores' prefill chunks on the Mosaic kernel, top_k > 1: "segments" keeps each row's k
-  # best segments of 16 keys and scores their keys again (topk_segments.py); "segment_scores"
-  # keeps those segments' scores in the kernel and selects among them; "kernel" keeps the
+  # best segments of 16 keys and scores their keys again (topk_segments.py); "kernel" keeps the
   # k best keys in the kernel's running set (its selection rounds). top_k = 1 keeps its running
   # argmax either way.
   topk_many_rows: str = "segments"

@@ -69,8 +69,8 @@ def topk_scores(q, k, top_k: int, *, scale: float | None = None, valid_len=None,
   bounds = jnp.stack([lo, hi], axis=1)  # [B, 2]
   mosaic = _mosaic_config(variant, q, k, rows, top_k, tiling, keys=t, options=options)
   if mosaic is not None:
-    segments = (options.topk_many_rows if options.topk_many_rows != "kernel"
-                and options.topk_selection == "exact" and top_k > 1 else None)
+    segments = (options.topk_many_rows == "segments" and options.topk_selection == "exact"
+                and top_k > 1)
     vals, idx, ordered = _mosaic(q, k, bounds, top_k, mosaic, scale=scale, kv_layout=kv_layout,
                                  key_splits=tiling.key_splits if tiling else None,
                                  selection=options.topk_selection, segments=segments,
@@ -121,16 +121,14 @@ def _mosaic_config(variant, q, k, rows: int, top_k: int, tiling, keys: int | Non
   if not gpu.mosaic_asked(variant, tiling, options.topk_impl) or rows < MOSAIC_MIN_ROWS:
     return None
   config = gpu.mosaic_tiling(mgpu_topk.DEFAULT_CONFIG, tiling)
-  kept = topk_segments.SEGMENT if options.topk_many_rows == "segment_scores" else 0
-  return None if mgpu_topk.unsupported(q, k, top_k, config=config, keys=keys,
-                                       kept_scores=kept) else config
+  return None if mgpu_topk.unsupported(q, k, top_k, config=config, keys=keys) else config
 
 
 def _mosaic(q, k, bounds, top_k, config, *, scale, kv_layout, key_splits, selection, segments,
             variant):
   """The Mosaic kernel's candidates [B, KV, S, R, top_k] and whether they are already the
-  final order; with `segments` ("segments" / "segment_scores", and keys that fit) its
-  segments, resolved to keys by topk_segments (one part, best first)."""
+  final order; with `segments` (and keys that fit) its segments, resolved to keys by
+  topk_segments (one part, best first)."""
   b, _, h, _ = q.shape
   kvh = k.shape[2 if kv_layout == "BTHD" else 1]
   bk = config.block_kv
@@ -145,15 +143,13 @@ def _mosaic(q, k, bounds, top_k, config, *, scale, kv_layout, key_splits, select
                                 key_splits or max(1, backend_lib.num_cores() // programs),
                                 per_core=1)
   qr = layout.q_rows(q, kvh, rows_padded)
-  segments = segments if segments and topk_segments.fits(tk, bk) else None
+  segments = segments and topk_segments.fits(tk, bk)
   vals, idx = mgpu_topk.mgpu_topk_scores(
       qr, kk, bounds, kp=top_k, span=span, splits=splits, scale=scale, kv_layout=kv_layout,
-      config=config, selection=segments or selection, segment=topk_segments.SEGMENT,
-      interpret=variant.interpret)
-  if segments is None:
+      config=config, selection="segments" if segments else selection,
+      segment=topk_segments.SEGMENT, interpret=variant.interpret)
+  if not segments:
     return vals, idx, False
-  if segments == "segment_scores":
-    return (*topk_segments.keys_of_kept_scores(vals, idx, top_k), True)
   vals, idx = topk_segments.keys_of_segments(qr, kk, bounds, vals, idx, top_k, scale=scale,
                                              kv_layout=kv_layout,
                                              interpret=variant.interpret_arg())

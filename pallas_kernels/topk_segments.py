@@ -66,21 +66,6 @@ def keys_of_segments(qr, k, bounds, seg_vals, seg_firsts, top_k: int, *, scale, 
   return v[:, :, None], i[:, :, None]
 
 
-def keys_of_kept_scores(scores, firsts, top_k: int):
-  """Stage 2 when stage 1 kept its segments' scores (mgpu_topk selection "segment_scores"):
-  scores fp32 [B, KV, S, R, kp, SEGMENT], firsts [B, KV, S, R, kp] -> (scores fp32, keys int32)
-  [B, KV, 1, R, top_k] best first (score desc, key asc), unfilled (-inf, -1). No key is read
-  again: the scores are the product's own. The keys of every split's segments compete at once
-  (each split's top_k keys lie in its kp best segments, so the row's lie among them all); keys
-  the kernel masked (outside [lo, hi)) hold -inf and come out as holes."""
-  b, kvh, splits, rp, kp, seg = scores.shape
-  keys = firsts[..., None] + jnp.arange(seg, dtype=jnp.int32)
-  keys = jnp.where((firsts[..., None] >= 0) & (scores > NEG_INF), keys, -1)
-  flat = lambda x: jnp.moveaxis(x, 2, 3).reshape(b, kvh, rp, splits * kp * seg)  # noqa: E731
-  v, i = topk_tile.finish(flat(scores), flat(keys), top_k)
-  return v[:, :, None], i[:, :, None]
-
-
 @functools.partial(jax.jit, static_argnames=("top_k", "scale", "kv_layout", "interpret", "rows",
                                              "warps"))
 def best_keys(qr, k, keys, top_k: int, *, scale, kv_layout: str, interpret,

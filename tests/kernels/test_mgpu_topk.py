@@ -67,14 +67,15 @@ CASES = {
 
 
 def segment_stages(monkeypatch):
-  """Records the calls of topk_segments' stage 2, either form (so a test knows which selection
-  ran)."""
+  """Counts the calls of topk_segments' stage 2 (so a test knows which selection ran)."""
   calls = []
-  for name in ("keys_of_segments", "keys_of_kept_scores"):
-    def spy(*args, _stage2=getattr(topk_segments, name), _name=name, **kw):
-      calls.append(_name)
-      return _stage2(*args, **kw)
-    monkeypatch.setattr(topk_segments, name, spy)
+  stage2 = topk_segments.keys_of_segments
+
+  def spy(*args, **kw):
+    calls.append(1)
+    return stage2(*args, **kw)
+
+  monkeypatch.setattr(topk_segments, "keys_of_segments", spy)
   return calls
 
 
@@ -91,9 +92,7 @@ def test_mgpu_topk_matches_reference_in_interpreter(case, many_rows, monkeypatch
                       valid_len=None if valid is None else jnp.asarray(valid),
                       exclude_prefix=prefix, exclude_suffix=suffix, kv_layout=kv_layout)
   # segments run where asked, for top_k > 1, when the keys are a multiple of 16
-  by_segments = many_rows != "kernel" and top_k > 1 and t % 16 == 0
-  stage2 = {"segments": "keys_of_segments", "segment_scores": "keys_of_kept_scores"}
-  assert calls == ([stage2[many_rows]] if by_segments else [])
+  assert bool(calls) == (many_rows == "segments" and top_k > 1 and t % 16 == 0)
   hi = (t if valid is None else np.asarray(valid)[:, None, None, None]) - suffix
   assert np.all((i == -1) | ((i >= prefix) & (i < hi))), "an excluded key was selected"
   if case == "g1_d64_top1":  # sequence 1 has the single candidate key 5
@@ -127,15 +126,14 @@ def test_mgpu_topk_float_inputs():
 
 
 @needs_interpreter
-@pytest.mark.parametrize("many_rows", ["segments", "segment_scores"])
-def test_segments_give_several_keys_of_one_segment(many_rows):
+def test_segments_give_several_keys_of_one_segment():
   """Every row's 4 best keys in one 16-key segment (and its 5th in another): the segments'
   stage 2 must take all four from it, whichever segments come next."""
   rng = np.random.default_rng(5)
   q = jnp.abs(small_ints(rng, (1, 16, 4, 64))) + 1  # positive: larger keys score higher
   k = small_ints(rng, (1, 320, 1, 64))
   k = k.at[:, 200:204].add(40).at[:, 37].add(30)
-  v, i = assert_exact(q, k, 4, mosaic(), KernelOptions(topk_many_rows=many_rows))
+  v, i = assert_exact(q, k, 4, mosaic())
   assert np.all(np.sort(i, axis=-1) == np.arange(200, 204))
 
 
@@ -190,8 +188,7 @@ def test_routing_on_a_hopper_gpu(monkeypatch):
 
 LOWERINGS = [(128, "BTHD", 4, None, "exact"), (64, "BHTD", 16, "warpgroup", "exact"),
              (128, "BHTD", 1, "lane", "exact"), (128, "BTHD", 4, "warpgroup", "segments"),
-             (128, "BHTD", 4, "lane", "segments"), (128, "BHTD", 4, "lane", "segment_scores"),
-             (64, "BTHD", 8, "warpgroup", "segment_scores")]
+             (128, "BHTD", 4, "lane", "segments")]
 
 
 @pytest.mark.parametrize("d,kv_layout,kp,semantics,selection", LOWERINGS)
@@ -247,9 +244,8 @@ def test_segments_stage2_selects_like_numpy():
 
 
 @needs_interpreter
-@pytest.mark.parametrize("selection", ["segments", "segment_scores"])
 @pytest.mark.parametrize("test_first", [True, False])
-def test_segments_with_and_without_the_warpgroup_test(test_first, selection):
+def test_segments_with_and_without_the_warpgroup_test(test_first):
   """Stage 1 inserts each tile's best segment after a test across the warpgroup (long splits)
   or without it (short ones): the same segments either way, so the reference's top-k."""
   rng = np.random.default_rng(17)
@@ -258,13 +254,10 @@ def test_segments_with_and_without_the_warpgroup_test(test_first, selection):
   qr = layout.q_rows(q, 1, 128)
   vals, firsts = mgpu_topk.mgpu_topk_scores(qr, k, bounds, kp=4, span=256, splits=2, scale=None,
                                             config=mgpu_topk.Config(64, 64, 2),
-                                            selection=selection, test_first=test_first,
+                                            selection="segments", test_first=test_first,
                                             interpret=True)
-  if selection == "segment_scores":
-    vals, idx = topk_segments.keys_of_kept_scores(vals, firsts, 4)
-  else:
-    vals, idx = topk_segments.keys_of_segments(qr, k, bounds, vals, firsts, 4, scale=None,
-                                               kv_layout="BTHD", interpret=True)
+  vals, idx = topk_segments.keys_of_segments(qr, k, bounds, vals, firsts, 4, scale=None,
+                                             kv_layout="BTHD", interpret=True)
   v, i = ts_module._finish(vals, idx, 4, 32, 4)
   rv, ri = topk_scores(q, k, 4, exclude_prefix=3, valid_len=500, backend="reference")
   np.testing.assert_array_equal(np.asarray(i), np.asarray(ri))
