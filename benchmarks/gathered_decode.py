@@ -47,7 +47,7 @@ def scope_indices(key, t: int, n_global=32, n_local=4096, spans=127, span=32):
   return jnp.stack(rows)[None].astype(jnp.int32)
 
 
-def measure(context: int, bw: float | None, profile: bool = False,
+def measure(context: int, bw: float | None, settings=SETTINGS, profile: bool = False,
             no_rope: bool = False) -> list[dict]:
   import jax
   import jax.numpy as jnp
@@ -83,7 +83,7 @@ def measure(context: int, bw: float | None, profile: bool = False,
                                           backend="gpu", kv_layout="BHTD")[0]
   dense_us = timed(dense)
   base = None
-  for bk, splits, warps, stages, prefetch in SETTINGS:
+  for bk, splits, warps, stages, prefetch in settings:
     kw = {name: val for name, val in (("block_keys", bk), ("key_splits", splits),
                                       ("num_warps", warps), ("num_stages", stages),
                                       ("prefetch", prefetch)) if val is not None}
@@ -119,11 +119,10 @@ def main() -> None:
   p.add_argument("--no-rope", action="store_true",
                  help="keys taken as rotated already (no RoPE in the kernel): what RoPE costs")
   args = p.parse_args()
-  if args.only_default:
-    del SETTINGS[1:]
   import jax
   bw = copy_bandwidth() if jax.default_backend() == "gpu" else None
-  for rec in measure(args.context, bw, args.profile, args.no_rope):
+  settings = SETTINGS[:1] if args.only_default else SETTINGS
+  for rec in measure(args.context, bw, settings, args.profile, args.no_rope):
     rec.update(device_facts(), copy_bw=bw)
     write_json(args.out, rec)
     print(rec, flush=True)
