@@ -11,7 +11,10 @@ With `key_rope_freqs` the keys are taken as cached before RoPE and each is rotat
 kernel at its place in the index list (entry j at position j), or at the position given for it
 (`key_positions`: one device's part of a scope split over a mesh, whose entries are not
 contiguous in it): a list of keys attended at their scope positions (ReAttention) without a
-rotated copy of them in HBM.
+rotated copy of them in HBM. Keys are rotated in their own dtype, as the models rotate them
+(jax_longctx.core.rope.rotate, like transformers), and on the GPU in 64-key tiles: on an H200
+(8K scope entries of a 32K cache, 32 query / 8 kv heads, bf16) that kernel took 12.2 us where
+the rotation in fp32 took 19.1 with 128-key tiles and 17.8 with 64 (BENCHMARKS.md, ReAttention).
 """
 
 from __future__ import annotations
@@ -76,7 +79,9 @@ def gathered_attention(q, k, v, indices, valid=None, *, scale: float | None = No
 
   rows = lq * (h // kvh)
   bm = min(max(16, layout.next_pow2(rows)), 128)
-  bn = gpu.fitting_block_keys(128, block_rows=bm, d=d, itemsize=q.dtype.itemsize, num_stages=2)
+  rotating_gpu = key_rope_freqs is not None and variant.kind == "gpu"  # TPU tiles: 128 lanes
+  bn = gpu.fitting_block_keys(64 if rotating_gpu else 128, block_rows=bm, d=d,
+                              itemsize=q.dtype.itemsize, num_stages=2)
   tl = (tiling or gpu.Tiling()).pick(block_rows=bm, block_keys=bn, num_warps=4, num_stages=2,
                                      prefetch=False)
   bm, bn = tl.block_rows, tl.block_keys
@@ -92,7 +97,7 @@ def gathered_attention(q, k, v, indices, valid=None, *, scale: float | None = No
   if variant.kind == "gpu":
     span, splits = gpu.split_plan(b * kvh * (rows_padded // bm), max(n, bn), bn, tl.key_splits)
     pad = ((0, 0), (0, 0), (0, span * splits - n))
-    table = _rope_table(key_rope_freqs, jnp.pad(key_positions, pad[1:]))
+    table = _rope_table(key_rope_freqs, jnp.pad(key_positions, pad[1:]), k.dtype)
     if extent is None:
       extent = jnp.full((b, kvh), n, jnp.int32)
     outs, lses = _gpu(qr, k, v, jnp.pad(safe, pad), jnp.pad(ok, pad).astype(jnp.int32),
@@ -101,7 +106,7 @@ def gathered_attention(q, k, v, indices, valid=None, *, scale: float | None = No
     out, lse = reference.merge_attention(jnp.moveaxis(outs, 2, 0), jnp.moveaxis(lses[..., 0], 2, 0))
   else:
     pad = ((0, 0), (0, 0), (0, layout.round_up(n, bn) - n))
-    table = _rope_table(key_rope_freqs, jnp.pad(key_positions, pad[1:]))
+    table = _rope_table(key_rope_freqs, jnp.pad(key_positions, pad[1:]), k.dtype)
     out, lse = _tpu(qr, layout.heads_first(k, kv_layout), layout.heads_first(v, kv_layout),
                     jnp.pad(safe, pad), jnp.pad(ok, pad).astype(jnp.int32), table, bm=bm, bn=bn,
                     scale=scale, interpret=variant.interpret_arg())
@@ -110,14 +115,14 @@ def gathered_attention(q, k, v, indices, valid=None, *, scale: float | None = No
   return out, layout.from_rows(lse, lq, h)
 
 
-def _rope_table(freqs, positions):
-  """None, or [B or 1, 2, n, d / 2] fp32: cos and sin of entry j's angles at positions [B or 1,
-  n] (computed once per call here; each kernel program would otherwise repeat them for its kv
-  head)."""
+def _rope_table(freqs, positions, dtype):
+  """None, or [B or 1, 2, n, d / 2] in the keys' dtype, in which osm.rope_scores then rotates
+  (as the models do): cos and sin of entry j's angles at positions [B or 1, n], computed in fp32
+  once per call here (each kernel program would otherwise repeat them for its kv head)."""
   if freqs is None:
     return None
   angles = positions.astype(jnp.float32)[..., None] * freqs
-  return jnp.stack([jnp.cos(angles), jnp.sin(angles)], axis=1)
+  return jnp.stack([jnp.cos(angles), jnp.sin(angles)], axis=1).astype(dtype)
 
 
 def _table_row(rope_table, bh, kvh: int):

@@ -18,9 +18,14 @@ def scores(q, kt, scale):
 def rope_scores(q1, q2, k1, k2, cos, sin, scale):
   """Scores of q = [q1 | q2] against keys [k1 | k2] rotated (RoPE, rotate-half) by cos, sin
   [n, d/2] here, not in HBM; halves come apart because a GPU kernel cannot slice its registers.
-  The rotation runs in fp32, then the keys go back to their dtype for the product."""
-  k1f, k2f = k1.astype(jnp.float32), k2.astype(jnp.float32)
-  r1, r2 = (k1f * cos - k2f * sin).astype(k1.dtype), (k2f * cos + k1f * sin).astype(k1.dtype)
+  The rotation runs in the dtype of cos and sin: the keys' own (as transformers rotates, cos and
+  sin cast to the model's dtype), or fp32, after which the keys go back to their dtype for the
+  product."""
+  if cos.dtype != jnp.float32:
+    r1, r2 = k1 * cos - k2 * sin, k2 * cos + k1 * sin
+  else:
+    k1f, k2f = k1.astype(jnp.float32), k2.astype(jnp.float32)
+    r1, r2 = (k1f * cos - k2f * sin).astype(k1.dtype), (k2f * cos + k1f * sin).astype(k1.dtype)
   return (scores(q1, r1, None) + scores(q2, r2, None)) * scale
 
 

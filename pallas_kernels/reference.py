@@ -68,7 +68,8 @@ def gathered_attention(q, k, v, indices, valid, *, scale, kv_layout="BTHD", key_
                        key_positions=None):
   """Attention of each query head over keys indices[b, kv_head, :] of its group, where valid;
   with key_rope_freqs [d / 2], the key of entry j rotated (rotate-half RoPE) at position j, or
-  at key_positions[b, j] ([B or 1, n]) when given."""
+  at key_positions[b, j] ([B or 1, n]) when given, in the keys' dtype as the models rotate
+  (jax_longctx.core.rope.rotate, transformers: cos and sin cast to it)."""
   kh, vh = heads_first(k, kv_layout), heads_first(v, kv_layout)
   t = kh.shape[2]
   ok = valid & (indices >= 0) & (indices < t)
@@ -78,9 +79,9 @@ def gathered_attention(q, k, v, indices, valid, *, scale, kv_layout="BTHD", key_
   if key_rope_freqs is not None:
     pos = (jnp.arange(kg.shape[2])[None, :] if key_positions is None else key_positions)
     angles = pos.astype(jnp.float32)[:, None, :, None] * key_rope_freqs  # [B or 1, 1, n, d/2]
-    k1, k2 = jnp.split(kg.astype(jnp.float32), 2, axis=-1)
-    cos, sin = jnp.cos(angles), jnp.sin(angles)
-    kg = jnp.concatenate([k1 * cos - k2 * sin, k2 * cos + k1 * sin], axis=-1).astype(kg.dtype)
+    k1, k2 = jnp.split(kg, 2, axis=-1)
+    cos, sin = jnp.cos(angles).astype(kg.dtype), jnp.sin(angles).astype(kg.dtype)
+    kg = jnp.concatenate([k1 * cos - k2 * sin, k2 * cos + k1 * sin], axis=-1)
   s = grouped_scores(q, kg, "BHTD", scale)
   s = jnp.where(ok[:, None, :, None, :], s, NEG_INF)
   return _softmax_out(s, vg, q.dtype)
