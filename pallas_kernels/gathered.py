@@ -24,19 +24,22 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import backend as backend_lib
-from pallas_kernels import gpu, layout, tpu
+from pallas_kernels import gpu, layout, split_merge, tpu
 from pallas_kernels import online_softmax as osm
 from pallas_kernels import reference
+from pallas_kernels.options import DEFAULT, KernelOptions
 
 SQ = gpu.SQ
 
 
 def gathered_attention(q, k, v, indices, valid=None, *, scale: float | None = None,
                        kv_layout: str = "BTHD", key_rope_freqs=None, key_positions=None,
-                       extent=None, backend: str = "auto", tiling: gpu.Tiling | None = None):
+                       extent=None, backend: str = "auto", tiling: gpu.Tiling | None = None,
+                       options: KernelOptions = DEFAULT):
   """q [B, Lq, H, d] over k, v (BTHD or BHTD) at indices [B, KV, n] (int, into the key axis).
 
   valid: bool [B, KV, n] (default: all); indices outside [0, T) count as invalid. Every query row
@@ -44,8 +47,9 @@ def gathered_attention(q, k, v, indices, valid=None, *, scale: float | None = No
   RoPE inverse frequencies [d / 2] with which the key of entry j is rotated at position j (q comes
   rotated already), or at key_positions[b, j] (int [B, n], shared by a sequence's kv heads) when
   given. extent: None, or [B, KV] int: entries at and past it count as invalid and the GPU
-  kernel does not read them (0: the group costs no reads). Returns (out [B, Lq, H, d], lse
-  [B, Lq, H] fp32); a row with no valid key gives (0, -inf).
+  kernel does not read them (0: the group costs no reads). options: the run's kernel choices
+  (decode_q_in_kernel, decode_merge_kernel as for flash_attention's decode). Returns (out
+  [B, Lq, H, d], lse [B, Lq, H] fp32); a row with no valid key gives (0, -inf).
   """
   b, lq, h, kvh, t, d = layout.check_qk(q, k, kv_layout)
   if v.shape != k.shape:
@@ -86,7 +90,8 @@ def gathered_attention(q, k, v, indices, valid=None, *, scale: float | None = No
                                      prefetch=False)
   bm, bn = tl.block_rows, tl.block_keys
   rows_padded = layout.round_up(rows, bm)
-  qr = layout.q_rows(q, kvh, rows_padded)
+  q_in_kernel = options.decode_q_in_kernel and variant.kind == "gpu" and lq == 1 and rows < bm
+  qr = layout.q_rows(q, kvh, rows if q_in_kernel else rows_padded)
   ok = valid & (indices >= 0) & (indices < t)
   if extent is not None:
     if extent.shape != (b, kvh):
@@ -100,10 +105,18 @@ def gathered_attention(q, k, v, indices, valid=None, *, scale: float | None = No
     table = _rope_table(key_rope_freqs, jnp.pad(key_positions, pad[1:]), k.dtype)
     if extent is None:
       extent = jnp.full((b, kvh), n, jnp.int32)
+    merge_kernel = options.decode_merge_kernel and lq == 1
     outs, lses = _gpu(qr, k, v, jnp.pad(safe, pad), jnp.pad(ok, pad).astype(jnp.int32),
-                      extent[..., None], table, span=span, splits=splits, scale=scale,
+                      extent[..., None], table, span=span, splits=splits,
+                      parts=layout.next_pow2(splits) if merge_kernel else splits, scale=scale,
                       kv_layout=kv_layout, tiling=tl, interpret=variant.interpret_arg())
-    out, lse = reference.merge_attention(jnp.moveaxis(outs, 2, 0), jnp.moveaxis(lses[..., 0], 2, 0))
+    if merge_kernel:
+      out, lse = split_merge.merge_splits(outs, lses, splits=splits, rows=rows, dtype=q.dtype,
+                                          interpret=variant.interpret_arg())
+      lse = lse[..., 0]
+    else:
+      out, lse = reference.merge_attention(jnp.moveaxis(outs, 2, 0),
+                                           jnp.moveaxis(lses[..., 0], 2, 0))
   else:
     pad = ((0, 0), (0, 0), (0, layout.round_up(n, bn) - n))
     table = _rope_table(key_rope_freqs, jnp.pad(key_positions, pad[1:]), k.dtype)
@@ -131,13 +144,15 @@ def _table_row(rope_table, bh, kvh: int):
   return jax.lax.div(bh, kvh) if rope_table.shape[0] > 1 else 0
 
 
-@functools.partial(jax.jit, static_argnames=("span", "splits", "scale", "kv_layout", "tiling",
-                                             "interpret"))
-def _gpu(qr, k, v, indices, ok, extent, rope_table, *, span, splits, scale, kv_layout, tiling,
-         interpret):
-  """extent [B, KV, 1]: entries at and past it are not visited."""
-  b, kvh, rp, d = qr.shape
+@functools.partial(jax.jit, static_argnames=("span", "splits", "parts", "scale", "kv_layout",
+                                             "tiling", "interpret"))
+def _gpu(qr, k, v, indices, ok, extent, rope_table, *, span, splits, parts, scale, kv_layout,
+         tiling, interpret):
+  """extent [B, KV, 1]: entries at and past it are not visited. Per-split (out, lse) as
+  flash._gpu's: parts >= splits entries, qr of fewer rows than a block repeated to fill it."""
+  b, kvh, rq, d = qr.shape
   bm, bn = tiling.block_rows, tiling.block_keys
+  rp = layout.round_up(rq, bm)
   t = k.shape[1 if kv_layout == "BTHD" else 2]
   rope, half = rope_table is not None, d // 2
 
@@ -145,7 +160,9 @@ def _gpu(qr, k, v, indices, ok, extent, rope_table, *, span, splits, scale, kv_l
     r_ref, o_ref, lse_ref = refs if rope else (None, *refs)
     start0 = pl.program_id(2) * span
     n_tiles = jnp.clip(pl.cdiv(ext_ref[0] - start0, bn), 0, span // bn)
-    q = (q_ref[:, :half], q_ref[:, half:]) if rope else q_ref[...]
+    rows = (slice(None) if rq >= bm
+            else lax.broadcasted_iota(jnp.int32, (bm,), 0) % rq)  # the real rows, repeated
+    q = (q_ref[rows, :half], q_ref[rows, half:]) if rope else q_ref[rows, :]
 
     def load(j):
       tile = pl.ds(start0 + j * bn, bn)
@@ -172,13 +189,13 @@ def _gpu(qr, k, v, indices, ok, extent, rope_table, *, span, splits, scale, kv_l
       grid=(b * kvh, rp // bm, splits),
       in_specs=[index_spec, index_spec,
                 pl.BlockSpec((SQ, SQ, 1), lambda bh, r, s: (bh // kvh, bh % kvh, 0)),
-                gpu.row_spec(kvh, bm, d), keys, keys] + (
+                gpu.row_spec(kvh, min(bm, rq), d), keys, keys] + (
           [pl.BlockSpec((SQ, 2, span * splits, half),
                         lambda bh, r, s: (_table_row(rope_table, bh, kvh), 0, 0, 0))]
           if rope else []),
       out_specs=[pl.BlockSpec((SQ, SQ, SQ, bm, d), index), pl.BlockSpec((SQ, SQ, SQ, bm, 1), index)],
-      out_shape=[jax.ShapeDtypeStruct((b, kvh, splits, rp, d), jnp.float32),
-                 jax.ShapeDtypeStruct((b, kvh, splits, rp, 1), jnp.float32)],
+      out_shape=[jax.ShapeDtypeStruct((b, kvh, parts, rp, d), jnp.float32),
+                 jax.ShapeDtypeStruct((b, kvh, parts, rp, 1), jnp.float32)],
   )(indices, ok, extent, qr, k, v, *([rope_table] if rope else []))
 
 

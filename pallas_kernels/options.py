@@ -12,7 +12,7 @@ import dataclasses
 
 IMPLS = ("mosaic", "triton")
 TOPK_SELECTIONS = ("exact", "max_only")
-TOPK_FEW_ROWS = ("blocks", "kernel")
+TOPK_FEW_ROWS = ("blocks", "blocks_jnp", "kernel")
 TOPK_MANY_ROWS = ("segments", "kernel")
 
 
@@ -32,13 +32,14 @@ class KernelOptions:
   # LSE (`chunk_attention`) rather than one flash-attention call with the offset (measured
   # faster on an H200; False is the benchmarks' "before").
   chunk_cudnn: bool = True
-  # Decode on the GPU kernel: merge its key splits in one Pallas kernel (split_merge: one
-  # launch, real rows only) instead of jnp's merge and the padding rows' slice (three small XLA
-  # kernels per call). Off until measured on an H200 (decode_profile variant `merge_kernel`).
+  # Decode on the GPU kernels (flash_attention, gathered_attention): merge their key splits in
+  # one Pallas kernel (split_merge: one launch, real rows only) instead of jnp's merge and the
+  # padding rows' slice (three small XLA kernels per call). With the next switch, ReAttention's
+  # decode at 32K on an H200 took 5.992 against 5.993 ms without them: off.
   decode_merge_kernel: bool = False
-  # Decode on the GPU kernel with fewer query rows per kv group than a row block (Llama-8B: 4 of
-  # 16): the kernel reads the real rows and repeats them to fill the block, instead of an XLA
-  # pad kernel per call. Off until measured (decode_profile variant `q_in_kernel`).
+  # Decode on the GPU kernels with fewer query rows per kv group than a row block (Llama-8B: 4
+  # of 16): the kernel reads the real rows and repeats them to fill the block, instead of an XLA
+  # pad kernel per call. Off (above; flash decode: decode_profile variant `q_in_kernel`).
   decode_q_in_kernel: bool = False
   # What topk_scores' GPU / TPU kernels do with each score tile. "exact" keeps the running top-k.
   # "max_only" is a benchmark diagnostic whose results are meaningless: it keeps only each row's
@@ -46,8 +47,10 @@ class KernelOptions:
   # selection, the ceiling of its loop (benchmarks/kernel_sweep.py, benchmarks/mgpu_topk.py).
   topk_selection: str = "exact"
   # topk_scores on the GPU with at most topk_blocks.MAX_ROWS query rows per kv head (decode):
-  # "blocks" stores the scores and selects from the k best blocks' maxima (topk_blocks.py);
-  # "kernel" runs the fused Triton kernel's running set.
+  # "blocks" stores the scores and selects from the k best blocks' maxima (topk_blocks.py), the
+  # selection after XLA's block maxima in one Pallas kernel; "blocks_jnp" the same selection as
+  # jnp (a sort, a gather and a CUB top-k: the decode step at 32K 6.34 against 5.99 ms on an
+  # H200); "kernel" runs the fused Triton kernel's running set.
   topk_few_rows: str = "blocks"
   # topk_scores' prefill chunks on the Mosaic kernel, top_k > 1: "segments" keeps each row's k
   # best segments of 16 keys and scores their keys again (topk_segments.py); "kernel" keeps the

@@ -64,8 +64,10 @@ def topk_scores(q, k, top_k: int, *, scale: float | None = None, valid_len=None,
   kp = max(4, layout.next_pow2(top_k))
   rows = lq * (h // kvh)
   if (variant.kind == "gpu" and tiling is None and rows <= topk_blocks.MAX_ROWS
-      and options.topk_few_rows == "blocks" and options.topk_selection == "exact"):
-    return topk_blocks.topk_scores(q, k, top_k, lo, hi, scale=scale, kv_layout=kv_layout)
+      and options.topk_few_rows != "kernel" and options.topk_selection == "exact"):
+    return topk_blocks.topk_scores(q, k, top_k, lo, hi, scale=scale, kv_layout=kv_layout,
+                                   pick="jnp" if options.topk_few_rows == "blocks_jnp"
+                                   else "kernel", interpret=variant.interpret_arg())
   bounds = jnp.stack([lo, hi], axis=1)  # [B, 2]
   mosaic = _mosaic_config(variant, q, k, rows, top_k, tiling, keys=t, options=options)
   if mosaic is not None:

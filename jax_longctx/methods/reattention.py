@@ -147,7 +147,7 @@ class ReAttention(ReAttentionSettings, Method):
     return pallas_kernels.gathered_attention(
         apply_rope(q, q_rank[:, None], ctx.freqs), state.k, state.v, idx, valid,
         kv_layout="BHTD", key_rope_freqs=ctx.freqs, key_positions=sc.k_rank,
-        backend=self.backend)
+        backend=self.backend, options=ctx.options.kernels)
 
   def _attend(self, q, k, v, q_rank, k_rank, sc: Scope, options: pallas_kernels.KernelOptions):
     """Causal attention over the compacted scope: slot j < sc.length sits at rank k_rank[j]

@@ -1,6 +1,6 @@
-"""split_merge (split-K decode's merge in one kernel) and flash_attention's decode through it
-(KernelOptions.decode_merge_kernel) and/or with the query rows read unpadded
-(KernelOptions.decode_q_in_kernel): interpret
+"""split_merge (split-K decode's merge in one kernel) and flash_attention's and
+gathered_attention's decode through it (KernelOptions.decode_merge_kernel) and/or with the query
+rows read unpadded (KernelOptions.decode_q_in_kernel): interpret
 mode against the jnp references, and lowered to Triton for CUDA.
 
 Tolerances: fp32 2e-5 (another summation order), bf16 outputs 2e-2 (one rounding), LSE 1e-4.
@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import KernelOptions, Tiling, flash_attention, reference, split_merge
+from pallas_kernels import (KernelOptions, Tiling, flash_attention, gathered_attention, reference,
+                            split_merge)
 from pallas_kernels import flash as fa_module
 from tests.kernels.cuda_lowering import cuda_text
 from tests.kernels.inputs import normal
@@ -67,6 +68,26 @@ def test_decode_switches_match_reference(case, switches):
   kw = dict(causal=True, q_offset=pos, kv_len=pos + 1, kv_layout="BHTD")
   got = flash_attention(q, k, v, backend="gpu", tiling=tiling, options=options, **kw)
   assert_close(got, flash_attention(q, k, v, backend="reference", **kw), dtype)
+
+
+@pytest.mark.parametrize("switches", [("decode_merge_kernel",), ("decode_q_in_kernel",),
+                                      ("decode_merge_kernel", "decode_q_in_kernel")])
+@pytest.mark.parametrize("rope,dtype", [(False, jnp.float32), (True, jnp.bfloat16)])
+def test_gathered_decode_switches_match_reference(switches, rope, dtype):
+  """Gathered decode (ReAttention's: keys rotated in the kernel) through the same switches, with
+  invalid entries, 3 key splits (merged in a power-of-two buffer of 4) and 4 rows of 16."""
+  options = KernelOptions(**{name: True for name in switches})
+  rng = np.random.default_rng(7)
+  b, t, h, kvh, d, n = 2, 300, 8, 2, 128, 150
+  q = normal(rng, (b, 1, h, d), dtype)
+  k, v = (normal(rng, (b, kvh, t, d), dtype) for _ in range(2))
+  idx = jnp.asarray(rng.integers(0, t, (b, kvh, n)))
+  valid = jnp.asarray(rng.random((b, kvh, n)) > 0.2)
+  kw = dict(kv_layout="BHTD", key_rope_freqs=(
+      jnp.asarray(1.0 / 10000.0 ** (np.arange(0, d, 2) / d), jnp.float32) if rope else None))
+  got = gathered_attention(q, k, v, idx, valid, backend="gpu", options=options,
+                           tiling=Tiling(key_splits=3, block_keys=32), **kw)
+  assert_close(got, gathered_attention(q, k, v, idx, valid, backend="reference", **kw), dtype)
 
 
 def test_decode_switches_see_rows_with_no_key():

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import KernelOptions, reference, topk_blocks, topk_scores
+from tests.kernels.cuda_lowering import cuda_text
 from tests.kernels.inputs import keys_shape, normal, small_ints
 
 # (batch, q_len, q_heads, kv_heads, kv_len, d, top_k, layout, lo, hi, block)
@@ -38,14 +39,15 @@ def test_blocks_match_reference(case):
   np.testing.assert_array_equal(np.asarray(v), np.asarray(rv))
 
 
-def test_blocks_ties_across_blocks_go_to_lowest_index():
+@pytest.mark.parametrize("pick", ["jnp", "kernel"])
+def test_blocks_ties_across_blocks_go_to_lowest_index(pick):
   """13 distinct keys repeated: every block holds the row's maximum, so the k blocks chosen are
   the first ones and each score is tied within and across them."""
   rng = np.random.default_rng(11)
   k = jnp.tile(small_ints(rng, (1, 13, 2, 64)), (1, 40, 1, 1))  # [1, 520, 2, 64]
   q = small_ints(rng, (1, 1, 4, 64))
   lo, hi = jnp.array([0]), jnp.array([520])
-  v, i = topk_blocks.topk_scores(q, k, 8, lo, hi, block=32)
+  v, i = topk_blocks.topk_scores(q, k, 8, lo, hi, block=32, pick=pick, interpret=True)
   rv, ri = reference.topk_scores(q, k, 8, lo, hi)
   np.testing.assert_array_equal(np.asarray(i), np.asarray(ri))
   vv, ii = np.asarray(v), np.asarray(i)
@@ -53,29 +55,46 @@ def test_blocks_ties_across_blocks_go_to_lowest_index():
   assert tied.any() and np.all(ii[..., 1:][tied] > ii[..., :-1][tied])
 
 
-def test_blocks_float_scores_and_holes():
+@pytest.mark.parametrize("pick", ["jnp", "kernel"])
+def test_blocks_float_scores_and_holes(pick):
   rng = np.random.default_rng(2)
   q, k = normal(rng, (2, 1, 8, 128)), normal(rng, (2, 2000, 2, 128))
   lo, hi = jnp.array([4, 0]), jnp.array([2000, 6])  # sequence 1: 6 candidates for top 8
-  v, i = topk_blocks.topk_scores(q, k, 8, lo, hi, scale=0.125)
+  v, i = topk_blocks.topk_scores(q, k, 8, lo, hi, scale=0.125, pick=pick, interpret=True)
   rv, ri = reference.topk_scores(q, k, 8, lo, hi, scale=0.125)
   np.testing.assert_array_equal(np.asarray(i), np.asarray(ri))
   np.testing.assert_allclose(np.asarray(v), np.asarray(rv), rtol=1e-6)
   assert np.all(np.asarray(i)[1, ..., 6:] == -1) and np.all(np.isneginf(np.asarray(v)[1, ..., 6:]))
 
 
-def test_gpu_decode_routes_here_unless_asked():
-  """topk_scores(backend="gpu") sends few rows to the blocks (no pallas_call in the
-  traced graph)
-  and prefill-sized rows or topk_few_rows="kernel" to a kernel."""
+def test_gpu_decode_routes_here_unless_asked(monkeypatch):
+  """topk_scores(backend="gpu") sends few rows to the blocks, their pick in the kernel unless
+  "blocks_jnp" is asked, and prefill-sized rows or topk_few_rows="kernel" to a fused kernel."""
   q1 = jax.ShapeDtypeStruct((1, 1, 8, 64), jnp.bfloat16)
   q64 = jax.ShapeDtypeStruct((1, 32, 8, 64), jnp.bfloat16)
   k = jax.ShapeDtypeStruct((1, 1024, 2, 64), jnp.bfloat16)
+  picks = []
+  routed = topk_blocks.topk_scores
+  monkeypatch.setattr(topk_blocks, "topk_scores",
+                      lambda *a, pick, **kw: picks.append(pick) or routed(*a, pick=pick, **kw))
 
-  def kernels(q, options=KernelOptions()):
-    jaxpr = jax.make_jaxpr(lambda q, k: topk_scores(q, k, 4, backend="gpu", options=options))
-    return "pallas_call" in str(jaxpr(q, k))
+  def route(q, options=KernelOptions()):
+    picks.clear()
+    jaxpr = str(jax.make_jaxpr(lambda q, k: topk_scores(q, k, 4, backend="gpu",
+                                                        options=options))(q, k))
+    return picks[0] if picks else "fused" if "pallas_call" in jaxpr else "none"
 
-  assert not kernels(q1)
-  assert kernels(q1, KernelOptions(topk_few_rows="kernel"))
-  assert kernels(q64)
+  assert route(q1) == "kernel"
+  assert route(q1, KernelOptions(topk_few_rows="blocks_jnp")) == "jnp"
+  assert route(q1, KernelOptions(topk_few_rows="kernel")) == "fused"
+  assert route(q64) == "fused"
+
+
+def test_pick_kernel_lowers_to_triton():
+  """The pick kernel at a decode step's shapes (8 kv heads x 4 rows, 32K keys in 128 blocks)."""
+  x, maxima = jnp.ones((8, 4 * 32768), jnp.float32), jnp.ones((8, 4, 128), jnp.float32)
+
+  def call(x, maxima, bounds):
+    return topk_blocks._pick(x, maxima, bounds, k=4, kb=4, block=256, kvh=8, t=32768,
+                             interpret=False)
+  assert "triton" in cuda_text(call, x, maxima, jnp.ones((1, 2), jnp.int32))
