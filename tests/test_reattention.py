@@ -76,6 +76,29 @@ def test_selection_equals_the_paper_reference(n_q, seq_ends, backend):
     assert int(scope.q_offset[b]) == want.index(int(pos[b, 0]))
 
 
+@pytest.mark.parametrize("stride,n_q", [(2, 8), (3, 8), (3, 1)])
+@pytest.mark.parametrize("backend", ["reference", "gpu"])
+def test_vote_stride_takes_every_stride_th_query_from_the_last(stride, n_q, backend):
+  """vote_stride (not the paper's rule): the scope is the reference's over the voting queries
+  alone (every stride-th counted back from the step's last; padded ones never vote), and the
+  bounds still come from every query; one query (decode) always votes."""
+  seq_ends = (150, 97)
+  q, k = _inputs(3, len(seq_ends), n_q)
+  pos, valid = _step(seq_ends, n_q)
+  valid[1, -1] &= n_q == 1  # sequence 1's last slot is padding: the one before it is its last
+  scope = select_scope(jnp.asarray(q), jnp.asarray(k), jnp.asarray(pos), jnp.asarray(valid),
+                       vote_stride=stride, backend=backend, **HP)
+  votes = np.zeros(n_q, bool)
+  votes[(n_q - 1) % stride::stride] = True
+  for b in range(len(seq_ends)):
+    end = int(pos[b][valid[b]].max()) + 1
+    want = reference_scope(q[b][valid[b] & votes], k[b], end, **HP)
+    assert np.asarray(scope.idx[b, :int(scope.length[b])]).tolist() == want
+    assert int(scope.q_offset[b]) == want.index(int(pos[b, 0]))
+  with pytest.raises(MethodError, match="vote_stride=0 must be >= 1"):
+    get("reattention", vote_stride=0, **HP).init_state(tiny_config(), 1, 96, jnp.float32, 8)
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_vote_counting_by_pairs_or_histogram_equals_by_sorting(seed):
   """Decode steps count votes pairwise (V <= PAIRWISE_MAX_VOTES), prefill chunks over a short

@@ -34,7 +34,9 @@ class ReAttentionSettings:
   """ReAttention's hyper-parameters, shared by the one-device method and its registry entry over
   a device mesh (`reattention_mesh`). Defaults are the paper's §3.1 settings (OpenMOSS/
   ReAttention uses per-query top-1; the paper's runs top-4). `backend` picks the kernels'
-  variant (pallas_kernels: "auto" by platform)."""
+  variant (pallas_kernels: "auto" by platform). vote_stride (not the paper's): in a step of
+  several queries, only every vote_stride-th query, counted back from the step's last, scores
+  the cache and votes; 1 (the default) is the paper's rule, where every query votes."""
 
   n_global: int = 32
   n_local: int = 4096
@@ -42,6 +44,7 @@ class ReAttentionSettings:
   top_k: int = 4
   clip: int = 127
   chunk: int = 512
+  vote_stride: int = 1
   backend: Literal["auto", "reference", "gpu", "tpu"] = "auto"  # pallas_kernels.BACKENDS
 
   @property
@@ -79,7 +82,7 @@ class ReAttention(ReAttentionSettings, Method):
   name = "reattention"
 
   def init_state(self, cfg, batch, max_len, dtype, chunk) -> KVCache:
-    for field in ("n_local", "span", "top_k", "clip", "chunk"):
+    for field in ("n_local", "span", "top_k", "clip", "chunk", "vote_stride"):
       if getattr(self, field) < 1:
         raise MethodError(f"{field}={getattr(self, field)} must be >= 1")
     if self.n_global < 0:
@@ -100,7 +103,8 @@ class ReAttention(ReAttentionSettings, Method):
   def scope(self, state: KVCache, q, ctx: AttnContext) -> Scope:
     return select_scope(q, state.k, ctx.q_pos, ctx.valid, n_global=self.n_global,
                         n_local=self.n_local, span=self.span, top_k=self.top_k, clip=self.clip,
-                        backend=self.backend, options=ctx.options.kernels, heads=ctx.heads)
+                        vote_stride=self.vote_stride, backend=self.backend,
+                        options=ctx.options.kernels, heads=ctx.heads)
 
   def step(self, state: KVCache, q, k, v, ctx: AttnContext):
     """One step: (out [B, S, H, d], lse [B, S, H] fp32, state, the scope attended)."""

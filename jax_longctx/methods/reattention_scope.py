@@ -64,6 +64,17 @@ def candidates(q, k_cache, lo, hi, top_k: int, backend: str = "auto",
   return score()
 
 
+def voters(q, q_valid, stride: int):
+  """The step's queries that vote (q [B, S, ...], q_valid [B, S]): all of them for stride 1 (the
+  paper), else every stride-th slot counted back from the step's last slot (a sequence's padded
+  slots hold no vote); the others neither score the cache nor vote
+  (ReAttentionSettings.vote_stride)."""
+  if stride == 1:
+    return q, q_valid
+  first = (q.shape[1] - 1) % stride
+  return q[:, first::stride], q_valid[:, first::stride]
+
+
 def ballots(idx, q_valid):
   """Candidates idx [B, S, H, k] -> votes [B, S * H * k] int32 (-1: no vote; padding queries
   and candidate sets smaller than k leave holes)."""
@@ -280,7 +291,7 @@ def scope_from_votes(votes, q_pos, seq_end, hi, *, n_global: int, n_local: int, 
 
 
 def select_scope(q, k_cache, q_pos, q_valid, *, n_global: int, n_local: int, span: int,
-                 top_k: int, clip: int, backend: str = "auto",
+                 top_k: int, clip: int, vote_stride: int = 1, backend: str = "auto",
                  options: pallas_kernels.KernelOptions = pallas_kernels.KernelOptions(),
                  heads: Heads = Heads()) -> Scope:
   """The whole selection for one layer and step (Algorithm 1 for a chunk, 2 for one token).
@@ -288,8 +299,11 @@ def select_scope(q, k_cache, q_pos, q_valid, *, n_global: int, n_local: int, spa
   q [B, S, H, d] before RoPE, k_cache [B, KV, T, d] before RoPE already holding this step's
   keys; q_pos / q_valid [B, S]. Candidates of sequence b: n_global <= t < seq_end - n_local.
   heads: the layer's (every head votes; the count is order-free, so shards' votes just join).
+  vote_stride: which queries vote (`voters`).
   """
   seq_end, hi = step_bounds(q_pos, q_valid, n_local)
-  votes = heads.concat(vote(q, k_cache, n_global, hi, q_valid, top_k, backend, options), axis=1)
+  q_vote, valid_vote = voters(q, q_valid, vote_stride)
+  votes = heads.concat(vote(q_vote, k_cache, n_global, hi, valid_vote, top_k, backend, options),
+                       axis=1)
   return scope_from_votes(votes, q_pos, seq_end, hi, n_global=n_global, n_local=n_local,
                           span=span, clip=clip, n_tokens=k_cache.shape[2], backend=backend)

@@ -43,7 +43,7 @@ from jax_longctx.core.options import DEFAULT, RunOptions
 from jax_longctx.methods.base import AttnContext, MeshMethod
 from jax_longctx.methods.reattention import ReAttention, ReAttentionSettings
 from jax_longctx.methods.reattention_scope import (Scope, ballots, candidates, scope_from_votes,
-                                                   step_bounds)
+                                                   step_bounds, voters)
 from jax_longctx.methods.resa import MeshRESA, RESA
 from jax_longctx.ops.cache import Cache, KVCache
 from jax_longctx.run import sharding
@@ -133,13 +133,14 @@ class ShardedReAttention(ReAttention):
   def scope(self, state: KVCache, q, ctx: AttnContext) -> Scope:
     layout, p = here(self.axis, state, self.block)
     seq_end, hi = step_bounds(ctx.q_pos, ctx.valid, self.n_local)
+    q, valid = voters(q, ctx.valid, self.vote_stride)
     scores, idx = candidates(q, state.k, layout.held_below(self.n_global, p),
                              layout.held_below(hi, p), self.top_k, self.backend,
                              ctx.options.kernels)
     idx = jnp.where(idx >= 0, layout.position(idx, p), -1)
     idx = global_top_k(scores, idx, min(self.top_k, state.max_len * layout.n_dev), self.axis,
                        contiguous=not self.block)
-    return scope_from_votes(ctx.heads.concat(ballots(idx, ctx.valid), axis=1), ctx.q_pos,
+    return scope_from_votes(ctx.heads.concat(ballots(idx, valid), axis=1), ctx.q_pos,
                             seq_end, hi,
                             n_global=self.n_global, n_local=self.n_local, span=self.span,
                             clip=self.clip, n_tokens=state.max_len * layout.n_dev,
