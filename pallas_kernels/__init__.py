@@ -14,8 +14,8 @@ hides behind a function of its name (`from pallas_kernels import flash` is the m
   merged by LSE on NVIDIA GPUs, flash_attention elsewhere).
 - gathered.py, gathered_attention: attention over keys at given indices per KV group (sparse
   decoding).
-- topk_blocks.py, top_k_by_blocks: `lax.top_k` through block maxima (jnp; decode's top-k and
-  ReAttention's vote count use it).
+- topk_blocks.py, top_k_by_blocks: `lax.top_k` through block maxima (jnp; ReAttention's vote
+  count uses it; decode's top-k takes its GPU pick after the maxima in a small kernel).
 
 `lowering_for("tpu")` traces the TPU kernels for real (not interpreted) on any machine, for
 `jax.export` with `platforms=["tpu"]`: how CI checks their Mosaic lowering without a TPU.
