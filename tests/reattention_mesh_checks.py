@@ -95,8 +95,8 @@ def model(one_name="reattention", mesh_name="reattention_mesh", **kw):
   """The tiny model (GQA 6/2) end to end, prompts of 93 and 52 tokens over a 128-token cache:
   the last-token logits after the chunked prefill, the per-token NLL of 6 teacher-forced decode
   steps, and greedy tokens through the driver (the mesh entry routes to the sharded cache)
-  equal the one-device method's: ReAttention, or RESA over it (`kw`: its settings; its prior
-  then sums and attends over every shard)."""
+  equal the one-device method's: ReAttention (`kw`: settings beyond HP), or RESA over it (`kw`:
+  its settings; its prior then sums and attends over every shard)."""
   from jax_longctx.run import driver
   from jax_longctx.run.chunked_prefill import prefill_step
   from jax_longctx.run.distributed.reattention_mesh import decode_sharded, prefill_sharded
@@ -112,7 +112,7 @@ def model(one_name="reattention", mesh_name="reattention_mesh", **kw):
     one = get("resa", base="reattention", base_args=tuple(HP.items()), **kw)
     mesh_entry = get("resa_mesh", base_args=tuple(HP.items()), shard_block=block, **kw)
   else:
-    one, mesh_entry = get(one_name, **HP), get(mesh_name, shard_block=block, **HP)
+    one, mesh_entry = get(one_name, **HP, **kw), get(mesh_name, shard_block=block, **HP, **kw)
   cache, last = prefill(params, cfg, prompts, one, cache_len=128)
   nll, _ = teacher_forced_nll(params, cache, last, targets, cfg=cfg, method=one)
   compiled = prefill_step._cache_size()
@@ -160,6 +160,8 @@ CHECKS = {"layer": lambda: layer(False), "layer_tied": lambda: layer(True),
           # The GPU kernels interpreted: decode's gathered kernel and the flash kernel, given
           # parts whose query ranks are negative or that are empty.
           "layer_gpu_kernels": lambda: layer(False, "gpu"), "model": model, "errors": errors,
+          # Every 2nd query of a prefill chunk votes (vote_stride): the devices agree on which.
+          "stride_model": lambda: model(vote_stride=2),
           "resa_model": lambda: model("resa", "resa_mesh", lam=0.7),
           # Block-cyclic: the tied case (ties across devices no longer in index order), the GPU
           # kernels (ranked parts through the flash kernel), the model and RESA end to end.

@@ -9,7 +9,7 @@ from tests.conftest import run_on_eight_devices
 
 
 @pytest.mark.parametrize("name", ["layer", "layer_tied", "layer_gpu_kernels", "model",
-                                  "resa_model", "errors", "cyclic_layer_tied",
+                                  "stride_model", "resa_model", "errors", "cyclic_layer_tied",
                                   "cyclic_layer_gpu_kernels", "cyclic_model",
                                   "cyclic_resa_model"])
 def test_on_eight_devices(name):
