@@ -37,6 +37,9 @@ MAX_ROWS = 16  # query rows per kv head served here; more (prefill chunks) would
 # Warps of pick_from_blocks' one-row programs: on an H200 (32 rows, top-4) 4 warps took 5.5 us
 # at 1M keys against 10.5 with 1, and the same 3.2-3.6 us at 32K and 128K.
 PICK_WARPS = 4
+# The kernel's passes are unrolled (k + k_blocks of them) over k_blocks * block candidates held
+# in registers: larger k take the jnp pick.
+PICK_MAX_K = 16
 
 
 def block_size(top_k: int) -> int:
@@ -91,9 +94,10 @@ def topk_scores(q, k, top_k: int, lo, hi, *, scale=None, kv_layout: str = "BTHD"
   """topk.topk_scores for few rows: (scores fp32, indices int32) [B, Lq, H, top_k], best first,
   ties to the lowest index, unfilled (-inf, -1); candidates lo[b] <= t < hi[b]. pick: how the
   k best blocks and their keys are chosen from the block maxima, "jnp" (`top_k_by_blocks`) or
-  "kernel" (`pick_from_blocks`: one small Pallas kernel; `interpret` for its pallas_call)."""
+  "kernel" (`pick_from_blocks`: one small Pallas kernel, up to PICK_MAX_K; `interpret` for its
+  pallas_call)."""
   b, lq, h, _ = q.shape
-  if pick == "kernel":
+  if pick == "kernel" and top_k <= PICK_MAX_K:
     v, i = pick_from_blocks(q, k, top_k, lo, hi, scale=scale, kv_layout=kv_layout, block=block,
                             interpret=interpret)
   else:

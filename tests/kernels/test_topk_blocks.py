@@ -98,3 +98,34 @@ def test_pick_kernel_lowers_to_triton():
     return topk_blocks._pick(x, maxima, bounds, k=4, kb=4, block=256, kvh=8, t=32768,
                              interpret=False)
   assert "triton" in cuda_text(call, x, maxima, jnp.ones((1, 2), jnp.int32))
+
+
+def test_pick_kernel_leaves_large_k_to_jnp(monkeypatch):
+  """A top-k past PICK_MAX_K (its passes unroll) takes the jnp pick, with the same result."""
+  picked = []
+  monkeypatch.setattr(topk_blocks, "pick_from_blocks", lambda *a, **kw: picked.append(1))
+  rng = np.random.default_rng(5)
+  q, k = small_ints(rng, (1, 1, 4, 64)), small_ints(rng, (1, 600, 2, 64))
+  lo, hi = jnp.array([0]), jnp.array([600])
+  k_large = topk_blocks.PICK_MAX_K + 1
+  v, i = topk_blocks.topk_scores(q, k, k_large, lo, hi, pick="kernel", interpret=True)
+  np.testing.assert_array_equal(np.asarray(i), np.asarray(reference.topk_scores(q, k, k_large,
+                                                                                 lo, hi)[1]))
+  assert not picked
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_pick_kernel_matches_reference(case):
+  """The pick after the block maxima in one Pallas kernel (interpret mode): the same indices and
+  scores as the reference, ties included (top_k 16 over blocks of 8: 16 blocks picked)."""
+  b, lq, h, kvh, t, d, top_k, kv_layout, lo, hi, block = CASES[case]
+  rng = np.random.default_rng(len(case))
+  q = small_ints(rng, (b, lq, h, d))
+  k = small_ints(rng, keys_shape(b, t, kvh, d, kv_layout))
+  lo, hi = jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32)
+  v, i = jax.jit(lambda q, k, lo, hi: topk_blocks.topk_scores(
+      q, k, top_k, lo, hi, kv_layout=kv_layout, block=block, pick="kernel", interpret=True))(
+          q, k, lo, hi)
+  rv, ri = reference.topk_scores(q, k, top_k, lo, hi, kv_layout=kv_layout)
+  np.testing.assert_array_equal(np.asarray(i), np.asarray(ri))
+  np.testing.assert_array_equal(np.asarray(v), np.asarray(rv))
