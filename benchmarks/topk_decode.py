@@ -2,6 +2,7 @@
 ReAttention caches them) by each GPU route of `topk_scores` (KernelOptions.topk_few_rows).
 
     python benchmarks/topk_decode.py --out $OUT/topk_decode.jsonl [--contexts 32768,131072,1048576]
+        [--top-k 4]   # a comma list: each k against every context
 
 "blocks": XLA's product and block maxima, then the pick in one Pallas kernel (topk_blocks.py);
 "blocks_jnp": the same with the pick as jnp (a sort, a gather, a CUB top-k); "kernel": the fused
@@ -64,10 +65,11 @@ def measure(keys: int, top_k: int = 4) -> list[dict]:
 def main() -> None:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--contexts", default="32768,131072,1048576")
+  p.add_argument("--top-k", default="4")
   p.add_argument("--out", default="topk_decode.jsonl")
   args = p.parse_args()
   for keys in map(int, args.contexts.split(",")):
-    for rec in measure(keys):
+    for rec in (r for k in map(int, args.top_k.split(",")) for r in measure(keys, k)):
       rec.update(device_facts())
       write_json(args.out, rec)
       print({k: v for k, v in rec.items() if k != "kernels"}, flush=True)
