@@ -83,16 +83,11 @@ def flash_attention(q, k, v, *, causal: bool = True, q_offset=0, kv_len=None,
                                   tl.key_splits or (1 if causal and lq > 1 else None))
     merge_kernel = options.decode_merge_kernel and lq == 1
     outs, lses = _gpu(qr, kk, vv, meta, group=h // kvh, span=span, splits=splits,
-                      parts=layout.next_pow2(splits) if merge_kernel else splits, causal=causal,
+                      parts=split_merge.parts(splits, merge_kernel), causal=causal,
                       scale=scale, kv_layout=kv_layout, tiling=tl,
                       interpret=variant.interpret_arg())
-    if merge_kernel:
-      out, lse = split_merge.merge_splits(outs, lses, splits=splits, rows=rows, dtype=q.dtype,
-                                          interpret=variant.interpret_arg())
-      lse = lse[..., 0]
-    else:
-      out, lse = reference.merge_attention(jnp.moveaxis(outs, 2, 0),
-                                           jnp.moveaxis(lses[..., 0], 2, 0))
+    out, lse = split_merge.merge(outs, lses, splits=splits, rows=rows, dtype=q.dtype,
+                                 kernel=merge_kernel, interpret=variant.interpret_arg())
   else:
     out, lse = _tpu(qr, layout.heads_first(k, kv_layout), layout.heads_first(v, kv_layout), meta,
                     group=h // kvh, bm=bm, bk=bk, causal=causal, scale=scale,

@@ -108,15 +108,10 @@ def gathered_attention(q, k, v, indices, valid=None, *, scale: float | None = No
     merge_kernel = options.decode_merge_kernel and lq == 1
     outs, lses = _gpu(qr, k, v, jnp.pad(safe, pad), jnp.pad(ok, pad).astype(jnp.int32),
                       extent[..., None], table, span=span, splits=splits,
-                      parts=layout.next_pow2(splits) if merge_kernel else splits, scale=scale,
+                      parts=split_merge.parts(splits, merge_kernel), scale=scale,
                       kv_layout=kv_layout, tiling=tl, interpret=variant.interpret_arg())
-    if merge_kernel:
-      out, lse = split_merge.merge_splits(outs, lses, splits=splits, rows=rows, dtype=q.dtype,
-                                          interpret=variant.interpret_arg())
-      lse = lse[..., 0]
-    else:
-      out, lse = reference.merge_attention(jnp.moveaxis(outs, 2, 0),
-                                           jnp.moveaxis(lses[..., 0], 2, 0))
+    out, lse = split_merge.merge(outs, lses, splits=splits, rows=rows, dtype=q.dtype,
+                                 kernel=merge_kernel, interpret=variant.interpret_arg())
   else:
     pad = ((0, 0), (0, 0), (0, layout.round_up(n, bn) - n))
     table = _rope_table(key_rope_freqs, jnp.pad(key_positions, pad[1:]), k.dtype)

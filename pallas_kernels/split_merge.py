@@ -21,10 +21,26 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels import gpu
+from pallas_kernels import gpu, layout, reference
 
 SQ = gpu.SQ
 NEG_INF = float("-inf")
+
+
+def parts(splits: int, kernel: bool) -> int:
+  """The split axis a split-K kernel allocates: a power of two for the merge kernel."""
+  return layout.next_pow2(splits) if kernel else splits
+
+
+def merge(outs, lses, *, splits: int, rows: int, dtype, kernel: bool, interpret):
+  """A split-K decode's partials (outs, lses as merge_splits takes them, `parts(splits,
+  kernel)` of them) -> (out [B, KV, R, d], lse [B, KV, R] fp32), by merge_splits (kernel: the
+  real rows, in dtype) or by jnp (every padded row, fp32: the caller drops the padding)."""
+  if kernel:
+    out, lse = merge_splits(outs, lses, splits=splits, rows=rows, dtype=dtype,
+                            interpret=interpret)
+    return out, lse[..., 0]
+  return reference.merge_attention(jnp.moveaxis(outs, 2, 0), jnp.moveaxis(lses[..., 0], 2, 0))
 
 
 def merge_splits(outs, lses, *, splits: int, rows: int, dtype, interpret):

@@ -24,15 +24,19 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("pick", ["jnp", "kernel"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_blocks_match_reference(case):
+def test_blocks_match_reference(case, pick):
+  """Both picks after the block maxima (the kernel in interpret mode; top_k 16 over blocks of 8:
+  16 blocks picked) give the reference's indices and scores, ties included."""
   b, lq, h, kvh, t, d, top_k, kv_layout, lo, hi, block = CASES[case]
   rng = np.random.default_rng(len(case))
   q = small_ints(rng, (b, lq, h, d))
   k = small_ints(rng, keys_shape(b, t, kvh, d, kv_layout))
   lo, hi = jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32)
   v, i = jax.jit(lambda q, k, lo, hi: topk_blocks.topk_scores(
-      q, k, top_k, lo, hi, kv_layout=kv_layout, block=block))(q, k, lo, hi)
+      q, k, top_k, lo, hi, kv_layout=kv_layout, block=block, pick=pick, interpret=True))(
+          q, k, lo, hi)
   rv, ri = reference.topk_scores(q, k, top_k, lo, hi, kv_layout=kv_layout)
   assert v.shape == i.shape == (b, lq, h, top_k) and i.dtype == jnp.int32
   np.testing.assert_array_equal(np.asarray(i), np.asarray(ri))
@@ -113,19 +117,3 @@ def test_pick_kernel_leaves_large_k_to_jnp(monkeypatch):
                                                                                  lo, hi)[1]))
   assert not picked
 
-
-@pytest.mark.parametrize("case", list(CASES))
-def test_pick_kernel_matches_reference(case):
-  """The pick after the block maxima in one Pallas kernel (interpret mode): the same indices and
-  scores as the reference, ties included (top_k 16 over blocks of 8: 16 blocks picked)."""
-  b, lq, h, kvh, t, d, top_k, kv_layout, lo, hi, block = CASES[case]
-  rng = np.random.default_rng(len(case))
-  q = small_ints(rng, (b, lq, h, d))
-  k = small_ints(rng, keys_shape(b, t, kvh, d, kv_layout))
-  lo, hi = jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32)
-  v, i = jax.jit(lambda q, k, lo, hi: topk_blocks.topk_scores(
-      q, k, top_k, lo, hi, kv_layout=kv_layout, block=block, pick="kernel", interpret=True))(
-          q, k, lo, hi)
-  rv, ri = reference.topk_scores(q, k, top_k, lo, hi, kv_layout=kv_layout)
-  np.testing.assert_array_equal(np.asarray(i), np.asarray(ri))
-  np.testing.assert_array_equal(np.asarray(v), np.asarray(rv))
