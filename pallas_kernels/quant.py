@@ -1,0 +1,134 @@
+"""8-bit storage with a scale per row: the quantized KV cache's one format, shared by every kernel.
+
+A `Quantized` holds `values` [..., d] in int8 or float8_e4m3fn and `scale` [...] fp32, one per
+row (a KV cache row is one token of one KV head), symmetric: x ~= values * scale[..., None].
+int8 rounds x / scale to the nearest integer in [-127, 127] (clipped; -128 is never used, so
+the grid is symmetric); fp8 (E4M3, no infinities) casts x / scale, whose largest magnitude is
+448, the format's largest finite value. A row of zeros gets scale 1 (values 0): a scale is never
+zero, inf or NaN for finite input, so dequantizing never divides by zero or spreads a NaN.
+
+Why a scale per (token, KV head) and not per tensor: a token's keys are written once, when the
+token is, and never rescaled, so a token may be quantized alone (a one-token decode write needs
+no other token's values); one fp32 scale per 128-value row costs 3% of the 8-bit bytes.
+
+Kernels take `k` and `v` either as arrays in the model's dtype or as `Quantized` (the same
+shapes as the arrays would have: `Quantized.shape` is the values' shape), read the 8-bit values
+and the scales from HBM and dequantize in registers: the key scale multiplies each key's scores
+(q . (s k) = s (q . k)), the value scale each key's probability before P.V (sum p s v); the
+product and the softmax accumulate in fp32. The jnp references dequantize first
+(`dequantize`), which is the definition the kernels are tested against.
+
+`per_row(fn, *xs)` applies an indexing op (a gather of slots, a scatter of new tokens, a
+concatenation along the token axis) to values and scales alike, so an eviction or a write moves
+a token's scale with it; it never touches the last axis (the head dim).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# The stored dtypes of a KV cache: the model's own dtype (no scales) or one of the 8-bit ones.
+KV_DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn", "int8")
+EIGHT_BIT = ("float8_e4m3fn", "int8")
+_QMAX = {"int8": 127.0, "float8_e4m3fn": 448.0}
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Quantized:
+  """values [..., d] int8 / float8_e4m3fn, scale [...] fp32: x ~= values * scale[..., None]."""
+
+  values: jax.Array
+  scale: jax.Array
+
+  @property
+  def shape(self) -> tuple:
+    return self.values.shape
+
+  @property
+  def ndim(self) -> int:
+    return self.values.ndim
+
+  @property
+  def dtype(self):
+    """The stored (8-bit) dtype."""
+    return self.values.dtype
+
+  def dequantize(self, dtype=jnp.float32) -> jax.Array:
+    return dequantize(self, dtype)
+
+
+def is_quantized(x) -> bool:
+  return isinstance(x, Quantized)
+
+
+def check_kv_dtype(dtype) -> str:
+  """A KV-cache dtype (a name or a dtype) as its name, checked: one of KV_DTYPES."""
+  name = dtype if isinstance(dtype, str) else getattr(jnp.dtype(dtype), "name", str(dtype))
+  if name not in KV_DTYPES:
+    raise ValueError(f"kv dtype {name!r} is not one of {', '.join(KV_DTYPES)}")
+  return name
+
+
+def quantize(x, dtype) -> Quantized:
+  """x [..., d] (any float dtype) -> Quantized in `dtype` (int8 or float8_e4m3fn), one scale per
+  row over the last axis, computed in fp32."""
+  name = jnp.dtype(dtype).name
+  if name not in _QMAX:
+    raise ValueError(f"cannot quantize to {name!r}: one of {', '.join(EIGHT_BIT)}")
+  qmax = _QMAX[name]
+  xf = x.astype(jnp.float32)
+  amax = jnp.max(jnp.abs(xf), axis=-1)
+  scale = jnp.where(amax > 0, amax / qmax, 1.0)
+  # A magnitude past fp32's range (amax inf) would make inf scales: clip to the largest finite.
+  scale = jnp.minimum(scale, np.finfo(np.float32).max / qmax)
+  y = jnp.clip(xf / scale[..., None], -qmax, qmax)
+  values = jnp.round(y).astype(jnp.int8) if name == "int8" else y.astype(jnp.float8_e4m3fn)
+  return Quantized(values, scale.astype(jnp.float32))
+
+
+def dequantize(x, dtype=jnp.float32):
+  """Quantized -> values * scale in `dtype` (computed in fp32); an array is only cast."""
+  if not isinstance(x, Quantized):
+    return x.astype(dtype)
+  return (x.values.astype(jnp.float32) * x.scale[..., None]).astype(dtype)
+
+
+def store_like(x, like):
+  """x [..., d] in the storage of `like`: quantized as `like` is, or cast to its dtype."""
+  if isinstance(like, Quantized):
+    return quantize(x, like.dtype)
+  return x.astype(like.dtype)
+
+
+def zeros_like_storage(shape, dtype) -> jax.Array | Quantized:
+  """An empty buffer of `shape` [..., d] stored as `dtype` (a KV_DTYPES name or dtype): an
+  array, or for an 8-bit dtype a Quantized of zeros with scales 1."""
+  name = jnp.dtype(dtype).name
+  if name in _QMAX:
+    return Quantized(jnp.zeros(shape, name), jnp.ones(shape[:-1], jnp.float32))
+  return jnp.zeros(shape, dtype)
+
+
+def per_row(fn: Callable, *xs):
+  """fn applied to the arrays xs, or, where the first is Quantized, to every x's values and
+  (as [..., 1]) to its scales: an indexing op over the leading axes (a gather, a scatter, a
+  slice, a concatenation, a swap of leading axes) moves each row's scale with its values.
+  A plain array among quantized ones must already be Quantized (use `store_like`)."""
+  if not isinstance(xs[0], Quantized):
+    return fn(*xs)
+  if not all(isinstance(x, Quantized) for x in xs):
+    raise TypeError("per_row: mix of Quantized and plain arrays (store_like the new rows first)")
+  values = fn(*(x.values for x in xs))
+  scale = fn(*(x.scale[..., None] for x in xs))
+  return Quantized(values, scale[..., 0])
+
+
+def nbytes(x) -> int:
+  """Bytes a stored buffer holds (values and scales)."""
+  return sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(x))
