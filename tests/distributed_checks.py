@@ -11,7 +11,7 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 import pallas_kernels
-from jax_longctx.run.distributed import merge_across, ring_attention
+from jax_longctx.ops.mesh_attention import merge_across, ring_attention
 from jax_longctx.core.options import RunOptions
 
 N = 8
@@ -87,19 +87,27 @@ def _full_reference(cfg, params, contexts, queries, new):
   return np.asarray(last), tokens.tokens
 
 
+def star_run(params, cfg, contexts, queries, n_dev, name="star", new=4, **settings):
+  """(greedy tokens, the query's last-token logits) of Star (or ring) over `n_dev` devices, by
+  the one driver."""
+  from jax_longctx.methods import get
+  from jax_longctx.run.driver import generate
+  run = generate(params, cfg, contexts, get(name, **settings), max_new_tokens=new,
+                 instructions=queries, options=RunOptions(mesh=f"ctx={n_dev}"))
+  return run.tokens, run.logits
+
+
 def end_to_end(method, block_size=None, shared_anchor=True):
   """Equal to full attention (logits, greedy tokens) for a batch of contexts of different
   lengths on 8 devices: ring prefill; Star with one block; Star with two blocks, the second
   anchored by the first, which is then exactly causal attention (6 of the 8 blocks are empty)."""
-  from jax_longctx.run.distributed.star import generate_distributed
   cfg, params = _tiny()
   rng = np.random.default_rng(0)
   contexts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (37, 50)]
   queries = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (5, 3)]
-  mesh = Mesh(np.array(jax.devices()[:N]), ("ctx",))
-  rows, logits = generate_distributed(params, cfg, contexts, queries, mesh, method=method,
-                                      block_size=block_size, shared_anchor=shared_anchor,
-                                      max_new_tokens=6)
+  settings = {} if method == "ring" else dict(block_size=block_size or 0,
+                                              shared_anchor=shared_anchor)
+  rows, logits = star_run(params, cfg, contexts, queries, N, method, 6, **settings)
   want_logits, want_rows = _full_reference(cfg, params, contexts, queries, 6)
   np.testing.assert_allclose(np.asarray(logits), want_logits, atol=1e-4, rtol=0)
   assert rows == want_rows
@@ -108,14 +116,11 @@ def end_to_end(method, block_size=None, shared_anchor=True):
 def star_blocks():
   """Several blocks per device (block 4 -> 13 blocks padded to 16 on 8 devices): runs, differs
   from full attention (the blocks do not see each other), and a batch equals each alone."""
-  from jax_longctx.run.distributed.star import generate_distributed
   cfg, params = _tiny()
   rng = np.random.default_rng(1)
   contexts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (50, 29)]
   queries = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (4, 6)]
-  mesh = Mesh(np.array(jax.devices()[:N]), ("ctx",))
-  run = functools.partial(generate_distributed, params, cfg, mesh=mesh, block_size=4,
-                          max_new_tokens=4)
+  run = functools.partial(star_run, params, cfg, n_dev=N, block_size=4)
   rows, logits = run(contexts, queries)
   for i in range(2):
     alone_rows, alone_logits = run(contexts[i:i + 1], queries[i:i + 1])
@@ -134,7 +139,6 @@ def star_vs_transformers():
   from transformers import LlamaForCausalLM
 
   from checkpoints_convert import export_hf
-  from jax_longctx.run.distributed.star import generate_distributed
   from tests.hf_reference import hf_star
   cfg, params = _tiny()
   rng = np.random.default_rng(2)
@@ -146,9 +150,8 @@ def star_vs_transformers():
                                            attn_implementation="eager").eval()
   want = [hf_star(model, c, q, 8, 5, 4) for c, q in zip(contexts, queries)]
   for n_dev, shared in ((N, True), (N, False), (4, True)):
-    mesh = Mesh(np.array(jax.devices()[:n_dev]), ("ctx",))
-    rows, logits = generate_distributed(params, cfg, contexts, queries, mesh, block_size=8,
-                                        anchor_size=5, shared_anchor=shared, max_new_tokens=4)
+    rows, logits = star_run(params, cfg, contexts, queries, n_dev, block_size=8, anchor_size=5,
+                            shared_anchor=shared)
     for i, (want_logits, want_rows) in enumerate(want):
       np.testing.assert_allclose(np.asarray(logits)[i], want_logits, atol=1e-4, rtol=0)
       assert rows[i] == want_rows, (n_dev, shared, rows[i], want_rows)

@@ -12,9 +12,8 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from jax_longctx.ops.cache import KVCache
 from jax_longctx.core.mesh import make_mesh
-from jax_longctx.run.distributed.reattention_mesh import sharded
-from jax_longctx.run.distributed.shard_layout import TokenLayout
-from jax_longctx.methods import AttnContext, get
+from jax_longctx.methods.token_layout import TokenLayout
+from jax_longctx.methods import AttnContext, TokenShards, get
 from jax_longctx.methods.reattention_scope import Scope
 from jax_longctx.core.options import RunOptions
 from jax_longctx.core.rope import inv_freq
@@ -46,8 +45,9 @@ def layer(tied: bool, backend: str = "reference", block: int = 0):
   devices exactly as one device's top-k does). `block` 8: the block-cyclic layout (each device
   holds tokens 8p..8p+7 and 64+8p..64+8p+7), whose parts of a scope are not contiguous."""
   cfg = tiny_config(**TINY_LLAMA3)
-  one = get("reattention", backend=backend, **HP)
-  mesh_method = sharded(get("reattention_mesh", backend=backend, shard_block=block, **HP))
+  one = get("reattention", **HP)
+  mesh_method = get("reattention_mesh", shard_block=block, **HP)
+  options = RunOptions(kernel_backend=backend)
   b, t, h, kvh, d = 2, 128, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
   rng = np.random.default_rng(5)
   keys = rng.normal(size=(3 if tied else b * t, kvh, d)).astype(np.float32)
@@ -57,14 +57,16 @@ def layer(tied: bool, backend: str = "reference", block: int = 0):
   kv = P(None, None, "ctx")
 
   def mesh_step(state, q, k, v, q_pos, valid):
-    ctx = AttnContext(layer=0, q_pos=q_pos, valid=valid, freqs=freqs, cfg=cfg)
+    ctx = AttnContext(layer=0, q_pos=q_pos, valid=valid, freqs=freqs, cfg=cfg, options=options,
+                      tokens=TokenShards("ctx", N))
     return mesh_method.step(state, q, k, v, ctx)
 
   run_mesh = jax.jit(jax.shard_map(
       mesh_step, mesh=MESH, in_specs=(KVCache(kv, kv),) + (P(),) * 5,
       out_specs=(P(), P(), KVCache(kv, kv), Scope(P(), P(), P())), check_vma=False))
   run_one = jax.jit(lambda state, q, k, v, q_pos, valid: one.step(
-      state, q, k, v, AttnContext(layer=0, q_pos=q_pos, valid=valid, freqs=freqs, cfg=cfg)))
+      state, q, k, v, AttnContext(layer=0, q_pos=q_pos, valid=valid, freqs=freqs, cfg=cfg,
+                                  options=options)))
   one_state = KVCache.zeros(cfg, b, t, jnp.float32)
   mesh_state = one_state
   selected = 0
@@ -97,9 +99,8 @@ def model(one_name="reattention", mesh_name="reattention_mesh", **kw):
   steps, and greedy tokens through the driver (the mesh entry routes to the sharded cache)
   equal the one-device method's: ReAttention (`kw`: settings beyond HP), or RESA over it (`kw`:
   its settings; its prior then sums and attends over every shard)."""
-  from jax_longctx.run import driver
+  from jax_longctx.run import driver, sharding
   from jax_longctx.run.chunked_prefill import prefill_step
-  from jax_longctx.run.distributed.reattention_mesh import decode_sharded, prefill_sharded
   from jax_longctx.run.generation import prefill, teacher_forced_nll
   from jax_longctx.model import random_params
   cfg = tiny_config(**TINY_LLAMA3)
@@ -116,41 +117,41 @@ def model(one_name="reattention", mesh_name="reattention_mesh", **kw):
   cache, last = prefill(params, cfg, prompts, one, cache_len=128)
   nll, _ = teacher_forced_nll(params, cache, last, targets, cfg=cfg, method=one)
   compiled = prefill_step._cache_size()
-  m_cache, m_last = prefill_sharded(params, cfg, prompts, mesh_entry, MESH, cache_len=128)
+  options = RunOptions(mesh=make_mesh(MESH))
+  placed = sharding.placed(params, cfg, options.mesh)
+  m_cache, m_last = prefill(placed, cfg, prompts, mesh_entry, cache_len=128, options=options)
   np.testing.assert_allclose(np.asarray(m_last), np.asarray(last), atol=1e-4, rtol=0)
   # Every chunk ran one compiled step (a single-device `last` at chunk 1 once compiled a second)
   assert prefill_step._cache_size() == compiled + 1, (compiled, prefill_step._cache_size())
-  nll_on_mesh, _ = teacher_forced_nll(params, m_cache, m_last, targets, cfg=cfg,
-                                      method=sharded(mesh_entry),
-                                      options=RunOptions(mesh=make_mesh(MESH)))
+  nll_on_mesh, _ = teacher_forced_nll(placed, m_cache, m_last, targets, cfg=cfg,
+                                      method=mesh_entry, options=options)
   np.testing.assert_allclose(np.asarray(nll_on_mesh), np.asarray(nll), atol=1e-4, rtol=0)
   if one_name == "resa":  # the prior did change the decode steps
     plain = get("reattention", **HP)
     c, l = prefill(params, cfg, prompts, plain, cache_len=128)
     assert np.max(np.abs(np.asarray(teacher_forced_nll(params, c, l, targets, cfg=cfg,
                                                        method=plain)[0]) - nll)) > 1e-3
-  rows, _ = decode_sharded(params, cfg, *prefill_sharded(params, cfg, prompts, mesh_entry, MESH,
-                                                         cache_len=128),
-                           mesh_entry, MESH, max_new_tokens=5)
   want = driver.generate(params, cfg, prompts, one, max_new_tokens=5, cache_len=128)
+  # Without a mesh the mesh entry spreads over every device on ctx.
   got = driver.generate(params, cfg, prompts, mesh_entry, max_new_tokens=5, cache_len=128)
-  assert rows == want.tokens and got.tokens == want.tokens and got.report == {"devices": N}
+  assert got.tokens == want.tokens and got.report == {"devices": N}
 
 
 def errors():
   """A cache that does not split into equal shards or whole blocks, and blocks that would split
   a prefill chunk, are refused in one line."""
-  from jax_longctx.run.distributed.reattention_mesh import prefill_sharded
-  from jax_longctx.run.generation import GenerationError
+  from jax_longctx.core.errors import LongctxError
+  from jax_longctx.run.generation import prefill
   cfg = tiny_config(**TINY_LLAMA3)
+  options = RunOptions(mesh=make_mesh(MESH))
   for block, cache_len, message in [
-      (0, 100, "cache_len=100 is not divisible by the 8 devices"),
-      (8, 96, "cache_len=96 is not divisible by 8 devices x shard_block=8"),
+      (0, 100, "cache_len=100 is not a multiple of 8, the unit 'reattention_mesh' splits"),
+      (8, 96, "cache_len=96 is not a multiple of 64, the unit 'reattention_mesh' splits"),
       (12, 192, "shard_block=12 must be 0 (contiguous shards) or a multiple of the chunk (8)")]:
     entry = get("reattention_mesh", shard_block=block, **HP)
     try:
-      prefill_sharded({}, cfg, [[1, 2, 3]], entry, MESH, cache_len=cache_len)
-    except GenerationError as e:
+      prefill({}, cfg, [[1, 2, 3]], entry, cache_len=cache_len, options=options)
+    except LongctxError as e:
       assert message in str(e) and "\n" not in str(e), e
     else:
       raise AssertionError(f"no error for {block}, {cache_len}")

@@ -15,6 +15,7 @@ where, to keep CI short (each mesh compiles every step anew):
   `meshes_gqa`;
 - a Qwen2-style model (q/k/v biases, tied embeddings, a vocabulary of 101 padded to 104) on
   (2, 4) and a 9-head / 3-KV model (the default model's layout) on (2, 3): `qwen`, `nine`;
+  every method with a budget given as a fraction of the cache on the latter: `ratio_budgets`;
 - the mesh methods on (ctx 2, model 4) and (ctx 4, model 2) against ctx alone: `mesh_methods`;
 - no all-gather of a cache's size in any method's compiled prefill chunk or decode loop:
   `hlo_no_cache_gather`; bad meshes: `errors`; fused projections per shard: `fused`;
@@ -72,7 +73,7 @@ def same_state(one, many, what: str):
       np.testing.assert_allclose(a, b, atol=2e-4, rtol=2e-4, err_msg=what)
 
 
-def compare(model: str, mesh: str, methods) -> None:
+def compare(model: str, mesh: str, methods, budget=BUDGET) -> None:
   """Each method on `mesh` against one device (module doc)."""
   cfg, params = _model(model)
   one_opts = RunOptions(prefill_chunk=8)
@@ -81,7 +82,7 @@ def compare(model: str, mesh: str, methods) -> None:
   docs, ins = _apart(_prompts(cfg, (13, 21, 17, 26), seed=3))
   targets = np.random.default_rng(4).integers(0, cfg.vocab_size, (4, NEW)).astype(np.int32)
   for name in methods:
-    m = _method(name, BUDGET)
+    m = _method(name, budget)
     what = f"{name} on {model} {mesh}"
     run = lambda p, o: generate(p, cfg, docs, m, max_new_tokens=NEW, cache_len=CACHE_LEN,  # noqa
                                 instructions=ins, options=o)
@@ -116,6 +117,17 @@ def qwen():
 
 def nine():
   compare("nine", "data=2,model=3", ("full", "snapkv", "h2o", "tova"))
+
+
+RATIO = ("snapkv", "h2o", "tova", "streaming_llm", "refreshkv", "quest", "topk", "resa",
+         "citrus_standard", "citrus_shared", "citrus_individual", "h2o_shared")
+
+
+def ratio_budgets():
+  """Every method with a budget, given as a fraction of the cache (`budget=0.25`, how the papers
+  and kvpress set budgets) on the default model's layout (9 heads, 3 KV heads) over
+  (data 2, model 3), as one device."""
+  compare("nine", "data=2,model=3", RATIO, budget=0.25)
 
 
 def mesh_methods():
@@ -179,14 +191,15 @@ def hlo_no_cache_gather():
     sizes = _gathers(prefill.compile().as_text())
     ended = jax.eval_shape(lambda c: chunked_prefill.end_prefill(c, cfg, m, 8, opts), cache)
     decode = gen.decode_loop.lower(placed, ended, last, jnp.zeros((1,), jnp.int32),
-                                   jax.random.key(0), cfg=cfg, method=m, max_new_tokens=4,
+                                   gen.row_keys(0, batch), cfg=cfg, method=m, max_new_tokens=4,
                                    sampling=gen.Sampling(), options=opts)
     sizes += _gathers(decode.compile().as_text())
     assert max(sizes, default=0) < limit, (name, sorted(sizes)[-3:], limit)
   # The check sees what it must refuse: a step that gathers one layer's K over the heads.
-  bad = jax.jit(sharding.per_device(
-      lambda c: jax.lax.all_gather(c, "model", axis=1, tiled=True), opts,
-      (jax.sharding.PartitionSpec("data", "model"),), jax.sharding.PartitionSpec("data")))
+  bad = jax.jit(jax.shard_map(
+      lambda c: jax.lax.all_gather(c, "model", axis=1, tiled=True), mesh=opts.mesh,
+      in_specs=(jax.sharding.PartitionSpec("data", "model"),),
+      out_specs=jax.sharding.PartitionSpec("data"), check_vma=False))
   kv = jnp.zeros((batch, 2 * 4, cache_len, cfg.head_dim), jnp.float32)
   assert max(_gathers(bad.lower(kv).compile().as_text())) >= limit
 
@@ -215,7 +228,7 @@ def errors():
     generate(params, cfg, [[1, 2, 3]], get("full"), max_new_tokens=1,
              options=RunOptions(mesh="ctx=2,model=2"))
   except MeshError as e:
-    assert "ctx=2 is for the mesh methods" in str(e), e
+    assert "ctx=2 is for the methods that split the context" in str(e), e
   else:
     raise AssertionError("ctx")
 
@@ -243,7 +256,7 @@ CHECKS = {"tpu_export": tpu_export, "all_methods": all_methods,
           "meshes_mha": lambda: meshes("mha", "model=8"),
           "meshes_gqa": lambda: meshes("gqa", "data=4,model=2"), "qwen": qwen, "nine": nine,
           "mesh_methods": mesh_methods, "hlo_no_cache_gather": hlo_no_cache_gather,
-          "errors": errors, "fused": fused}
+          "errors": errors, "fused": fused, "ratio_budgets": ratio_budgets}
 
 if __name__ == "__main__":
   CHECKS[sys.argv[1]]()

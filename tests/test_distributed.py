@@ -79,16 +79,14 @@ def test_eval_as_two_processes(tmp_path, default_lm):
 def test_star_on_one_device_matches_transformers(tmp_path, shared_anchor):
   """Every block on one device (5 rows: several per device, in this process): Star equals Star
   written over transformers' Llama (tests/hf_reference.hf_star)."""
-  import jax
   import numpy as np
   import torch
-  from jax.sharding import Mesh
   from transformers import LlamaForCausalLM
 
   from checkpoints_convert import export_hf
-  from jax_longctx.run.distributed import generate_distributed
   from jax_longctx.model import random_params
   from tests.conftest import TINY_LLAMA3, tiny_config
+  from tests.distributed_checks import star_run
   from tests.hf_reference import hf_star
   cfg = tiny_config(**TINY_LLAMA3)
   params = random_params(cfg, seed=4)
@@ -98,37 +96,32 @@ def test_star_on_one_device_matches_transformers(tmp_path, shared_anchor):
   rng = np.random.default_rng(3)
   context = rng.integers(0, cfg.vocab_size, 33).tolist()
   query = rng.integers(0, cfg.vocab_size, 4).tolist()
-  mesh = Mesh(np.array(jax.devices()[:1]), ("ctx",))
-  rows, logits = generate_distributed(params, cfg, [context], [query], mesh, block_size=7,
-                                      anchor_size=7, shared_anchor=shared_anchor,
-                                      max_new_tokens=3)
+  rows, logits = star_run(params, cfg, [context], [query], 1, new=3, block_size=7,
+                          anchor_size=7, shared_anchor=shared_anchor)
   want_logits, want_rows = hf_star(model, context, query, 7, 7, 3)
   np.testing.assert_allclose(np.asarray(logits)[0], want_logits, atol=1e-4, rtol=0)
   assert rows[0] == want_rows
 
 
-def test_star_layout_and_errors():
+def test_star_layout_and_errors(tiny):
   """The default block is a quarter of the context, rounded to 128 tokens from 4K on (so
   nearby lengths share one compile); bad settings are refused with the setting named."""
-  import jax
-  import numpy as np
-  from jax.sharding import Mesh
-
-  from jax_longctx.run.distributed import encode_context, generate_distributed
-  from jax_longctx.run.distributed.star import Layout
+  from jax_longctx.methods import MethodError, get
+  from jax_longctx.run.driver import generate
   from jax_longctx.run.generation import GenerationError
-  assert Layout.star(8177, 4, None, None) == Layout.star(8100, 4, None, None)
-  assert Layout.star(8177, 4, None, None).block == 2048
-  assert Layout.star(8177, 4, None, None).n_blocks == 4
-  assert Layout.star(50, 8, None, None).block == 13  # short contexts: exactly a quarter
-  assert Layout.star(50, 8, 64, None).anchor == 0  # one block: full attention
-  assert Layout.star(50, 8, 4, None).n_blocks == 16  # 13 blocks padded to the mesh
-  mesh = Mesh(np.array(jax.devices()[:1]), ("ctx",))
-  with pytest.raises(GenerationError, match="anchor_size=9"):
-    Layout.star(40, 1, 8, 9)
-  with pytest.raises(GenerationError, match="unknown context encoding 'tree'"):
-    encode_context({}, None, [[1, 2]], mesh, method="tree")
-  with pytest.raises(GenerationError, match="empty context"):
-    encode_context({}, None, [[]], mesh)
-  with pytest.raises(GenerationError, match="one non-empty query per context"):
-    generate_distributed({}, None, [[1, 2]], [[]], mesh)
+  star = get("star")
+  assert star.context_layout(8177, 4) == star.context_layout(8100, 4)
+  assert star.context_layout(8177, 4).block == 2048
+  assert star.context_layout(8177, 4).n_blocks == 4
+  assert star.context_layout(50, 8).block == 13  # short contexts: exactly a quarter
+  assert get("star", block_size=64).context_layout(50, 8).anchor == 0  # one block: full
+  assert get("star", block_size=4).context_layout(50, 8).n_blocks == 16  # 13 padded to 16
+  with pytest.raises(MethodError, match="anchor_size=9"):
+    get("star", block_size=8, anchor_size=9).context_layout(40, 1)
+  cfg, params = tiny
+  with pytest.raises(GenerationError, match="empty prompt"):
+    generate(params, cfg, [[]], star, max_new_tokens=2, instructions=[[1]])
+  with pytest.raises(GenerationError, match="empty instruction"):
+    generate(params, cfg, [[1, 2]], star, max_new_tokens=2, instructions=[[]])
+  with pytest.raises(GenerationError, match="needs the instruction apart"):
+    generate(params, cfg, [[1, 2]], star, max_new_tokens=2)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from jax_longctx.methods import MeshMethod, Method, get, names
+from jax_longctx.methods import Method, get, names
 
 
 def test_the_registry_lists_two_kinds():
@@ -10,23 +10,24 @@ def test_the_registry_lists_two_kinds():
   assert names("mesh") == ["reattention_mesh", "resa_mesh", "ring", "star"]
   for n in names("mesh"):
     method = get(n)
-    assert isinstance(method, MeshMethod)
-    # Either the context and the query are encoded apart (Star, ring), or the whole prompt
-    # streams through a per-layer method over a sharded cache (mesh ReAttention, RESA over it).
-    layer = method.layer_method()
-    assert method.needs_instruction == (layer is None)
-    assert layer is None or (isinstance(layer, Method) and not layer.needs_instruction)
+    assert method.splits_tokens
+    # Either the context and the query are encoded apart in blocks (Star, ring), or the whole
+    # prompt streams through the chunked road over a sharded cache (mesh ReAttention, RESA).
+    assert method.needs_instruction == method.encodes_context
 
 
-@pytest.mark.parametrize("name", names("layer"))
+@pytest.mark.parametrize("name", names())
 def test_declared_capabilities_match_the_code(name):
   cls = type(get(name))
   assert issubclass(cls, Method)
   # The drivers run end_of_prefill only for methods that declare it.
   assert cls.ends_prefill == (cls.end_of_prefill is not Method.end_of_prefill)
-  if cls.needs_instruction:  # instructed.py calls both
+  if cls.needs_instruction and not cls.encodes_context:  # instructed.py calls both
     assert cls.score_instruction is not Method.score_instruction
     assert cls.evict_by_instruction is not Method.evict_by_instruction
+  if cls.encodes_context:  # context_encoding.py calls both
+    assert cls.context_layout is not Method.context_layout
+    assert cls.context_encoder is not Method.context_encoder
 
 
 def test_every_method_class_is_exported_under_its_own_name():

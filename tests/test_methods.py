@@ -17,7 +17,7 @@ from jax_longctx.core.options import RunOptions
 from pallas_kernels import chunk
 
 EVICTING = ("h2o", "streaming_llm", "tova", "snapkv")
-# Star and ring run over a device mesh, not as per-layer steps: tests/test_distributed.py.
+# The methods that split the context over a mesh: tests/test_distributed.py and others.
 PER_LAYER = names("layer")
 CACHE_LEN = 48
 
@@ -205,13 +205,20 @@ def test_full_decode_through_the_kernel_equals_the_jnp_path(tiny, monkeypatch):
   np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("name", ["star", "ring", "reattention_mesh"])
-def test_mesh_methods_say_how_to_run(tiny, name):
-  """The per-layer road refuses a mesh method and names the entry that runs it (the public
-  `generate`, which spreads it over the devices)."""
+def test_mesh_methods_run_on_one_device(tiny):
+  """A method that splits the context over a mesh takes the one road on one device too (the
+  mesh's ctx axis of size 1): mesh ReAttention gives ReAttention's tokens, ring attention
+  (exact) full attention's."""
   cfg, params = tiny
-  with pytest.raises(MethodError, match=f"'{name}' runs over a device mesh: use jax_longctx.generate"):
-    gen.prefill(params, cfg, [[1, 2, 3]], get(name), cache_len=16)
+  docs, ins = _apart(_prompts(cfg, (30, 21)))
+  hp = dict(n_global=2, n_local=8, span=2, clip=3, top_k=2, chunk=8)
+
+  def run(method):
+    return generate(params, cfg, docs, method, max_new_tokens=4, cache_len=CACHE_LEN,
+                    instructions=ins).tokens
+
+  assert run(get("reattention_mesh", **hp)) == run(get("reattention", **hp))
+  assert run(get("ring")) == run(get("full"))
 
 
 def test_an_end_of_prefill_hook_must_be_declared():

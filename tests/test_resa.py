@@ -244,6 +244,6 @@ def test_the_base_as_an_object_or_by_name_is_built_once():
   assert rec["base"] == obj.hparams()["base"] == "quest"
   assert (rec["base_args"]["page_size"], rec["base_args"]["budget"]) == (8, 256)
   mesh = get("resa_mesh", base_args=(("n_local", 16),))
-  assert mesh.layer_method() is mesh.layer_method() and mesh.layer_method().inner.n_local == 16
+  assert mesh.inner is mesh.inner and mesh.inner.n_local == 16 and mesh.inner.splits_tokens
   with pytest.raises(MethodError, match="quest' has no hyper-parameter 'nope'"):
     RESA(base=Quest(), base_args=(("nope", 1),))

@@ -7,9 +7,9 @@ an export does and does not prove).
 Per-layer methods: a prefill chunk, a decode step (each gate value when the method has a decode
 gate), and the end-of-prefill hook where there is one (RESA's prior runs flash_attention there).
 Mesh methods: Star's / ring's phase 1 (the context encoded over the mesh axis) and phase 2 (the
-query and the decode loop), on a real 1-device mesh and on an abstract 4-device one. Tensor
-parallel: every per-layer method's prefill chunk, end-of-prefill hook and decode loop on an
-abstract (data 2, model 4) mesh.
+query and the decode loop), mesh ReAttention's (and RESA's over it) steps, on a real 1-device
+mesh and on an abstract 4-device one. Tensor parallel: every method's steps on (data 2, model 4)
+of this process's 8 CPU devices (tests/tensor_parallel_checks.py `tpu_export`).
 
 KERNEL_STEPS is exact both ways: a step that should reach a kernel but exports without a Mosaic
 call (silently on the jnp reference) fails, and so does a new or changed method whose step
@@ -28,11 +28,12 @@ from jax_longctx.core.mesh import ModelShards
 from jax_longctx.core.options import RunOptions
 from jax_longctx.methods import Method, get, names
 from jax_longctx.model import abstract_model, forward, new_cache
+from jax_longctx.core.mesh import specs
+from jax_longctx.model import param_specs
 from jax_longctx.run import sharding
 from jax_longctx.run.chunked_prefill import end_prefill, prefill_step
-from jax_longctx.run.distributed import encode_context
-from jax_longctx.run.distributed import star as star_lib
-from jax_longctx.run.generation import Sampling, decode_loop
+from jax_longctx.run.context_encoding import _rows, encode_blocks
+from jax_longctx.run.generation import Sampling, decode_loop, row_keys
 from tests.conftest import tiny_config
 from tests.test_methods import _method
 from tests.tpu_export import export_for_tpu, mosaic_calls
@@ -112,13 +113,12 @@ def test_decode_step_exports_for_tpu(name):
 
 
 @pytest.mark.parametrize("mesh", list(MESHES))
-@pytest.mark.parametrize("name", [n for n in names("mesh") if get(n).layer_method() is None])
+@pytest.mark.parametrize("name", [n for n in names("mesh") if get(n).encodes_context])
 def test_mesh_method_phases_export_for_tpu(name, mesh):
-  """Phase 1 through the public encode_context, its tokens baked in as constants. Phase 2 is
-  star_lib._phase2, the compiled part of `answer` (which then syncs with the host to trim the
-  tokens, so it cannot be traced whole). On the abstract mesh each device's kernels get their
-  share of the context and ring's K/V go around 4 devices; that export says mhlo.num_partitions
-  = 1 beside a 4-device sdy mesh, so it checks lowering, it is not an artifact to deploy."""
+  """Phase 1 (the context's blocks encoded over the mesh axis) and phase 2 (the decode loop over
+  them). On the abstract mesh each device's kernels get their share of the context and ring's
+  K/V go around 4 devices; that export says mhlo.num_partitions = 1 beside a 4-device sdy mesh,
+  so it checks lowering, it is not an artifact to deploy."""
   for phase, exported in _phase_exports(name, CFG, MESHES[mesh]()).items():
     assert mosaic_calls(exported) > 0, f"{name} {phase}: no Mosaic kernel"
 
@@ -137,21 +137,27 @@ def _phase_exports(name, cfg, mesh):
   options = RunOptions(mesh=mesh)
   method, mesh = get(name), options.mesh
   params = abstract_model(ModelShards.of(cfg, mesh).placed(cfg))[1]
-  params = _laid(mesh, params, sharding.params(params))
-  rng = np.random.default_rng(0)
-  contexts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (CACHE_LEN, 111)]
+  params = _laid(mesh, params, param_specs(params))
+  lengths = np.asarray([CACHE_LEN, 111], np.int32)
+  lay = method.context_layout(CACHE_LEN, mesh.shape["ctx"])
+  rows = [S(x.shape, x.dtype) for x in _rows(np.zeros((BATCH, lay.n_blocks * lay.block),
+                                                     np.int32), lengths, lay)]
+  rows = [_laid(mesh, x, P(None, "ctx") if mesh.shape["ctx"] > 1 else P()) for x in rows]
 
-  def phase1(params):
-    return encode_context(params, cfg, contexts, mesh, method=name, **method.settings())
+  def phase1(params, *rows):
+    return encode_blocks(params, *rows, cfg=cfg, method=method, layout=lay, room=12,
+                         options=options)
 
-  out = {"phase 1": export_for_tpu(phase1, params)}
-  context_kv = _laid(mesh, jax.eval_shape(phase1, params), star_lib._context_specs(cfg, "ctx"))
-  q_w, new_tokens = 8, 4
-  phase2 = functools.partial(star_lib._phase2, cfg=cfg, axis="ctx", max_new_tokens=new_tokens,
-                             sampling=Sampling(), options=options)
-  i32 = lambda *shape: S(shape, jnp.int32)  # noqa: E731
-  out["phase 2"] = export_for_tpu(phase2, params, context_kv, i32(BATCH, q_w), i32(BATCH),
-                                  i32(BATCH), i32(1), jax.random.key(0))
+  rows.append(_laid(mesh, S((BATCH,), jnp.int32), P()))  # the context lengths
+  out = {"phase 1": export_for_tpu(phase1, params, *rows)}
+  cache = jax.eval_shape(phase1, params, *rows)
+  cache = _laid(mesh, cache, specs(cache, mesh))
+  out["phase 2"] = export_for_tpu(
+      lambda p, c, last, stops, keys: decode_loop(p, c, last, stops, keys, cfg=cfg,
+                                                  method=method, max_new_tokens=4,
+                                                  sampling=Sampling(), options=options),
+      params, cache, S((BATCH, cfg.vocab_size), jnp.float32), S((1,), jnp.int32),
+      jax.eval_shape(lambda: row_keys(0, BATCH)))
   return out
 
 
@@ -165,9 +171,9 @@ def _mesh_steps(method, cfg, options, cache_len, chunk):
   rows = lambda x: laid(x, P("data"))  # noqa: E731
   cache = jax.eval_shape(lambda: sharding.empty_cache(cfg, method, BATCH, cache_len, chunk,
                                                        options))
-  cache = laid(cache, sharding.cache_specs(cache, mesh))
+  cache = laid(cache, specs(cache, mesh))
   params = abstract_model(ModelShards.of(cfg, mesh).placed(cfg))[1]
-  params = laid(params, sharding.params(params))
+  params = laid(params, param_specs(params))
   i32 = lambda *shape: S(shape, jnp.int32)  # noqa: E731
   last = rows(S((BATCH, cfg.vocab_size), jnp.float32))
   out = {"prefill": export_for_tpu(
@@ -178,26 +184,29 @@ def _mesh_steps(method, cfg, options, cache_len, chunk):
   if method.ends_prefill:
     out["end_of_prefill"] = export_for_tpu(end, cache)
   ended = jax.eval_shape(end, cache)
-  ended = laid(ended, sharding.cache_specs(ended, mesh))
+  ended = laid(ended, specs(ended, mesh))
   out["decode"] = export_for_tpu(
-      lambda p, c, last, stops, key: decode_loop(p, c, last, stops, key, cfg=cfg, method=method,
-                                                 max_new_tokens=4, sampling=Sampling(),
-                                                 options=options),
-      params, ended, last, i32(1), jax.random.key(0))
+      lambda p, c, last, stops, keys: decode_loop(p, c, last, stops, keys, cfg=cfg,
+                                                  method=method, max_new_tokens=4,
+                                                  sampling=Sampling(), options=options),
+      params, ended, last, i32(1), rows(jax.eval_shape(lambda: row_keys(0, BATCH))))
   return out
 
 
+def _sharded_settings(name):
+  settings = tuple(_method("reattention", BUDGET).hparams().items())
+  return (get(name, **dict(settings)) if name == "reattention_mesh"
+          else get(name, base_args=settings))
+
+
 @pytest.mark.parametrize("mesh", list(MESHES))
-@pytest.mark.parametrize("name", [n for n in names("mesh") if get(n).layer_method() is not None])
+@pytest.mark.parametrize("name", [n for n in names("mesh") if not get(n).encodes_context])
 def test_sharded_steps_export_for_tpu(name, mesh):
   """Mesh ReAttention's (and RESA over it) chunk and decode steps per device under shard_map, the
   cache split along the tokens over the mesh axis: their kernels (topk_scores on the shard,
   flash / gathered attention on the shard's part of the scope; RESA's prior over each shard at
   the end of prefill) lower for TPU with the shard's shapes."""
-  from jax_longctx.run.distributed.reattention_mesh import sharded
-  settings = tuple(_method("reattention", BUDGET).hparams().items())
-  method = sharded(get(name, **dict(settings)) if name == "reattention_mesh"
-                   else get(name, base_args=settings))
+  method = _sharded_settings(name)
   options = RunOptions(mesh=MESHES[mesh]())
   # 80 slots per device on the abstract mesh
   for step, exported in _mesh_steps(method, CFG, options, 320, method.prefill_chunk).items():
@@ -223,15 +232,12 @@ def tensor_parallel_exports():
       _expect(name, step, e)
       assert e.nr_devices == 8, (name, step, e.nr_devices)
   # The mesh methods on (ctx 2, model 4): mesh ReAttention's steps, Star's and ring's phases.
-  from jax_longctx.run.distributed.reattention_mesh import sharded
   options = RunOptions(mesh="ctx=2,model=4")
-  settings = tuple(_method("reattention", BUDGET).hparams().items())
   for name in names("mesh"):
-    if get(name).layer_method() is None:
+    if get(name).encodes_context:
       exported = _phase_exports(name, TP_CFG, options.mesh)
     else:
-      method = sharded(get(name, **dict(settings)) if name == "reattention_mesh"
-                       else get(name, base_args=settings))
+      method = _sharded_settings(name)
       exported = _mesh_steps(method, TP_CFG, options, 320, method.prefill_chunk)
     for step, e in exported.items():
       assert mosaic_calls(e) > 0 and e.nr_devices == 8, (name, step, e.nr_devices)

@@ -13,10 +13,9 @@ import numpy as np
 
 
 def run(out_file, method="star"):
-  from jax.sharding import Mesh
-
-  from jax_longctx.run.distributed import decode_sharded, generate_distributed, prefill_sharded
+  from jax_longctx.core.options import RunOptions
   from jax_longctx.methods import get
+  from jax_longctx.run.driver import generate
   from jax_longctx.model import random_params
   from tests.conftest import TINY_LLAMA3, tiny_config
   cfg = tiny_config(**TINY_LLAMA3)
@@ -24,13 +23,13 @@ def run(out_file, method="star"):
   rng = np.random.default_rng(2)
   contexts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (45, 30)]
   queries = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (4, 6)]
-  mesh = Mesh(np.array(jax.devices()).reshape(8), ("ctx",))
+  ctx = RunOptions(mesh="ctx=8")
   if method == "star":
-    rows, logits = generate_distributed(params, cfg, contexts, queries, mesh, block_size=8,
-                                        max_new_tokens=5)
+    run = generate(params, cfg, contexts, get("star", block_size=8), max_new_tokens=5,
+                   instructions=queries, options=ctx)
+    rows, logits = run.tokens, run.logits
   elif method == "tensor_parallel":  # 2 prompts padded to 4 rows; weights placed from the host
-    from jax_longctx.core.options import RunOptions
-    from jax_longctx.run.driver import generate, uncached_logits
+    from jax_longctx.run.driver import uncached_logits
     prompts = [c + q for c, q in zip(contexts, queries)]
     options = RunOptions(mesh="data=4,model=2")
     rows = generate(params, cfg, prompts, get("snapkv", budget=16, window=4), max_new_tokens=5,
@@ -39,8 +38,8 @@ def run(out_file, method="star"):
   else:  # a 128-token cache, 16 tokens a device, each process holding half of it
     settings = get(method, n_global=4, n_local=16, span=4, top_k=2, clip=3, chunk=8)
     prompts = [c + q for c, q in zip(contexts, queries)]
-    cache, logits = prefill_sharded(params, cfg, prompts, settings, mesh, cache_len=128)
-    rows, _ = decode_sharded(params, cfg, cache, logits, settings, mesh, max_new_tokens=5)
+    run = generate(params, cfg, prompts, settings, max_new_tokens=5, cache_len=128, options=ctx)
+    rows, logits = run.tokens, run.logits
   np.savez(out_file, tokens=np.asarray(rows), logits=np.asarray(logits))
   print("OK")
 

@@ -11,6 +11,10 @@ then run per device under `jax.shard_map` (run/sharding.py): every device holds 
 heads and its part of every weight, and the model inserts the few collectives a layer needs
 (one all-reduce after the attention output and one after the MLP, the vocabulary's).
 
+`RULES` maps the logical axes that weights, caches and method states declare (core/axes.py) to
+mesh axes, and `specs` turns a declared tree into the PartitionSpecs of a step on a mesh: the one
+table of how data splits.
+
 `ModelShards` says how a model lies over the `model` axis: each device holds num_heads / model
 query heads and the KV heads they read (with fewer KV heads than shards, each shard holds a copy
 of its group's KV head, as vLLM does), intermediate_size / model hidden units and a slice of a
@@ -25,10 +29,15 @@ import re
 
 import numpy as np
 
+from jax_longctx.core import axes as logical
 from jax_longctx.core.config import LlamaConfig
 from jax_longctx.core.errors import LongctxError
 
 AXES = ("data", "model", "ctx")
+
+# Logical axis -> the mesh axis it splits over (core/axes.py names them).
+RULES = {logical.ROWS: "data", logical.HEADS: "model", logical.KV_HEADS: "model",
+         logical.VOCAB: "model", logical.HIDDEN: "model", logical.TOKENS: "ctx"}
 
 
 class MeshError(LongctxError, ValueError):
@@ -128,3 +137,23 @@ class ModelShards:
     m = self.shards
     return cfg.replace(num_heads=cfg.num_heads // m, num_kv_heads=self.kv_heads // m,
                        intermediate_size=cfg.intermediate_size // m, vocab_size=self.vocab // m)
+
+
+def spec_of(names, mesh):
+  """The PartitionSpec of an array whose dimensions are the logical `names` (an `Axes` or a
+  tuple) on `mesh`: each over its RULES axis where that axis is larger than 1. Spelled as a
+  step's outputs come (size-1 axes and trailing Nones left out): an input whose sharding is
+  spelled otherwise would compile a step again."""
+  from jax.sharding import PartitionSpec as P
+  names = names.names if isinstance(names, logical.Axes) else names
+  dims = [RULES[n] if n is not None and axis_size(mesh, RULES[n]) > 1 else None for n in names]
+  while dims and dims[-1] is None:
+    dims.pop()
+  return P(*dims)
+
+
+def specs(tree, mesh, where: str = "state"):
+  """The PartitionSpecs of a tree of declared arrays (a Cache, a method's state) on `mesh`."""
+  import jax
+  return jax.tree.map(lambda a: spec_of(a, mesh), logical.logical_axes(tree, where),
+                      is_leaf=logical.is_axes)

@@ -7,13 +7,14 @@ paper's "H2O + shared cache", run on CItruS' chunked cache and outer loop); star
 ring (the Star paper's baseline: ring prefill, then Star's phase 2); reattention.py:
 reattention, reattention_mesh; resa.py: resa, resa_mesh; full, streaming_llm, h2o, tova,
 snapkv, quest, topk, refreshkv one each. The other modules (base, hparams, slot_cache,
-selection, chunk_cache, reattention_scope) hold no entry: what several methods stand on.
+selection, chunk_cache, reattention_scope, token_layout) hold no entry: what several methods
+stand on.
 
 Every method class is exported here, spelled as its paper spells the method; importing a class's
 module registers it under its registry name (the string the CLI and `get` take)."""
 
-from jax_longctx.methods.base import (AttnContext, Budget, MeshMethod, Method, MethodError,
-                                      PrefillEnd, RegisteredMethod, args_per_method, get, names,
+from jax_longctx.methods.base import (AttnContext, Budget, Method, MethodError, PrefillEnd,
+                                      RegisteredMethod, TokenShards, args_per_method, get, names,
                                       parse_method_args, register, resolve_budget)
 from jax_longctx.methods.citrus import (CItruSIndividual, CItruSShared, CItruSStandard,
                                         H2OShared)
@@ -31,8 +32,8 @@ from jax_longctx.methods.tova import TOVA
 
 __all__ = [
     # the interface and the registry
-    "AttnContext", "Budget", "MeshMethod", "Method", "MethodError", "PrefillEnd",
-    "RegisteredMethod", "args_per_method", "get", "names", "parse_method_args", "register",
+    "AttnContext", "Budget", "Method", "MethodError", "PrefillEnd", "RegisteredMethod",
+    "TokenShards", "args_per_method", "get", "names", "parse_method_args", "register",
     "resolve_budget",
     # the methods
     "CItruSIndividual", "CItruSShared", "CItruSStandard", "Full", "H2O", "H2OShared",

@@ -5,10 +5,12 @@ q, k, v and the token positions, and the method owns that layer's cache state an
 attention output. A method is a frozen dataclass of hyper-parameters (hashable, so it can be a
 static argument of a jitted step).
 
-Two kinds are registered: `Method` (per-layer steps, run by `generation`) and `MeshMethod`
-(Star Attention, ring attention, mesh ReAttention: the context spread over a device mesh, run
-by `distributed`). Everything a driver may ask of either is declared here, with its default; the
-drivers read these members and nothing else (no `getattr` probing).
+Every entry is a `Method`: per-layer steps the one driver runs (run/driver.py). A method that
+`splits_tokens` (mesh ReAttention, RESA over it, Star Attention, ring attention) holds its cache
+split along the tokens over the mesh's `ctx` axis, and sees only its part: `ctx.tokens` says
+which, and joins the parts (as `ctx.heads` does for the heads of tensor parallelism); on one
+device both are plain jnp. Everything a driver may ask of a method is declared here, with its
+default; the drivers read these members and nothing else (no `getattr` probing, no type tests).
 """
 
 from __future__ import annotations
@@ -22,12 +24,13 @@ import jax.numpy as jnp
 from jax_longctx.core.config import LlamaConfig
 from jax_longctx.core.options import DEFAULT as DEFAULT_OPTIONS
 from jax_longctx.core.options import RunOptions
+from jax_longctx.ops.mesh_attention import merge_across
 from jax_longctx.methods.hparams import (Budget, MethodError, args_per_method, check_fields,
                                          field_types, parse_method_args, resolve_budget)
 
-__all__ = ["AttnContext", "Budget", "Heads", "MeshMethod", "Method", "MethodError", "PrefillEnd",
-           "RegisteredMethod", "args_per_method", "get", "names", "parse_method_args", "register",
-           "resolve_budget"]
+__all__ = ["AttnContext", "Budget", "Heads", "Method", "MethodError", "PrefillEnd",
+           "RegisteredMethod", "TokenShards", "args_per_method", "get", "names",
+           "parse_method_args", "register", "resolve_budget"]
 
 _REGISTRY: dict[str, type["RegisteredMethod"]] = {}
 
@@ -92,6 +95,36 @@ class Heads:
 
 
 @dataclasses.dataclass(frozen=True)
+class TokenShards:
+  """The part of a cache split along its tokens that this device holds, and the collectives that
+  join the parts (for a method that `splits_tokens`, over the mesh's `ctx` axis): device `index`
+  of `shards`. On one device (`axis` None) the whole cache is here and every join is the
+  identity, so a method written for shards runs unchanged without a mesh."""
+
+  axis: str | None = None
+  shards: int = 1
+
+  def index(self):
+    return 0 if self.axis is None else jax.lax.axis_index(self.axis)
+
+  def merge(self, out, lse):
+    """Every shard's partial attention (out [..., d], lse [...]) over its keys, merged exactly:
+    (out fp32, lse), the same on every shard."""
+    if self.axis is None:
+      return out.astype(jnp.float32), lse.astype(jnp.float32)
+    return merge_across(out, lse, self.axis)
+
+  def sum(self, x):
+    return x if self.axis is None else jax.lax.psum(x, self.axis)
+
+  def gather(self, x, axis: int):
+    """Every shard's x joined along `axis` in shard order."""
+    if self.axis is None:
+      return x
+    return jax.lax.all_gather(x, self.axis, axis=axis, tiled=True)
+
+
+@dataclasses.dataclass(frozen=True)
 class AttnContext:
   """What one attention layer knows about the tokens it processes (built inside the trace)."""
 
@@ -107,6 +140,8 @@ class AttnContext:
   options: RunOptions = DEFAULT_OPTIONS
   # The heads this device holds and the reductions that combine them (tensor parallel).
   heads: Heads = Heads()
+  # The part of a cache split along the tokens this device holds (methods that splits_tokens).
+  tokens: TokenShards = TokenShards()
 
   def replace(self, **kw) -> "AttnContext":
     return dataclasses.replace(self, **kw)
@@ -150,9 +185,14 @@ class Method(RegisteredMethod):
   # For `needs_instruction` methods: True runs an instruction pass (`score_instruction` on every
   # layer) before each document chunk, False only once after the document.
   scores_with_instruction: ClassVar[bool] = False
-  # True: the steps run over a cache split along the tokens over the mesh's `ctx` axis (mesh
-  # ReAttention's per-device steps); the others need ctx = 1.
+  # True: the cache is split along the tokens over the mesh's `ctx` axis (`ctx.tokens`: mesh
+  # ReAttention, RESA over it, Star, ring); without a mesh the driver spreads such a method over
+  # every device. The others run with ctx = 1 (`names("mesh")` lists these).
   splits_tokens: ClassVar[bool] = False
+  # True: the prompt is not read in chunks but encoded in blocks across the `ctx` axis, the
+  # instruction (the query) then appended: Star Attention's phase 1, ring attention
+  # (run/context_encoding.py runs it with `context_layout` and `context_encoder`).
+  encodes_context: ClassVar[bool] = False
 
   def __init_subclass__(cls, **kwargs):
     super().__init_subclass__(**kwargs)
@@ -202,35 +242,21 @@ class Method(RegisteredMethod):
     del cache
     return {}
 
+  def cache_unit(self, shards: int) -> int:
+    """A cache's length over `shards` devices of the `ctx` axis must be a multiple of this (the
+    driver rounds it up; 1 for a method that does not split the tokens)."""
+    del shards
+    return 1
 
-@dataclasses.dataclass(frozen=True)
-class MeshMethod(RegisteredMethod):
-  """A method whose context is spread across the devices of a mesh axis. Star Attention and
-  ring attention: no per-layer state here; `distributed.generate_distributed` runs them over the
-  context and the query, which they take apart (hence `needs_instruction`). Mesh ReAttention:
-  a per-layer method over a sharded cache (`layer_method`)."""
+  def context_layout(self, length: int, shards: int):
+    """`encodes_context` methods: how a context of `length` tokens is cut into blocks over
+    `shards` devices (methods.star.Layout)."""
+    raise NotImplementedError(f"{self.name!r} reads its prompt in chunks")
 
-  needs_instruction: ClassVar[bool] = True
-
-  @property
-  def shard_block(self) -> int:
-    """How the tokens of a cache sharded along them lie on the devices (`distributed.
-    shard_layout.TokenLayout.block`): 0, contiguous equal shards; > 0, blocks of that many
-    tokens dealt to the devices in turn. Entries whose `layer_method` runs over a sharded cache
-    (mesh ReAttention, RESA over it) override it with a hyper-parameter field of this name;
-    Star and ring shard no cache: 0."""
-    return 0
-
-  def settings(self) -> dict[str, Any]:
-    """Keyword arguments for `distributed.encode_context` (None: its default)."""
-    return {}
-
-  def layer_method(self) -> Method | None:
-    """None: the context and the query are encoded apart (`distributed.generate_distributed`:
-    Star, ring). Else the one-device `Method` whose steps every device runs over its shard of
-    the cache, split along the tokens (`distributed.generate_sharded`: mesh ReAttention); the
-    whole prompt streams through it in chunks, so such an entry sets `needs_instruction` False."""
-    return None
+  def context_encoder(self, layout, rows_per_device: int) -> "Method":
+    """`encodes_context` methods: the per-layer method phase 1 runs over each device's rows of
+    blocks, whose state it returns as that layer's context (methods.star.ContextKV)."""
+    raise NotImplementedError(f"{self.name!r} reads its prompt in chunks")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,6 +269,7 @@ class PrefillEnd:
   decode_room: int  # slots the decode phase will append at most
   options: RunOptions = DEFAULT_OPTIONS  # the run's, as in AttnContext
   heads: Heads = Heads()  # as in AttnContext
+  tokens: TokenShards = TokenShards()  # as in AttnContext
 
 
 def register(cls: type[RegisteredMethod]) -> type[RegisteredMethod]:
@@ -252,12 +279,14 @@ def register(cls: type[RegisteredMethod]) -> type[RegisteredMethod]:
   return cls
 
 
-_KINDS = {"all": RegisteredMethod, "layer": Method, "mesh": MeshMethod}
+_KINDS = {"all": lambda cls: True, "layer": lambda cls: not cls.splits_tokens,
+          "mesh": lambda cls: cls.splits_tokens}
 
 
 def names(kind: str = "all") -> list[str]:
-  """Registered names: "all", "layer" (per-layer `Method`s) or "mesh" (`MeshMethod`s)."""
-  return sorted(n for n, cls in _REGISTRY.items() if issubclass(cls, _KINDS[kind]))
+  """Registered names: "all", "layer" (methods on the data and model axes) or "mesh" (those
+  that split the context over `ctx`: `Method.splits_tokens`)."""
+  return sorted(n for n, cls in _REGISTRY.items() if _KINDS[kind](cls))
 
 
 def get(name: str | RegisteredMethod, **overrides) -> RegisteredMethod:

@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from jax_longctx.core.axes import HEADS, ROWS, axes
+
 from jax_longctx.methods.base import Heads
 from jax_longctx.ops.attention import attention, attention_probs_sum
 from jax_longctx.core.rope import apply_rope, rotate
@@ -22,13 +24,13 @@ from jax_longctx.core.rope import apply_rope, rotate
 
 @struct.dataclass
 class ChunkCache:
-  k: jnp.ndarray  # [B, KV, C, d] before RoPE
-  v: jnp.ndarray  # [B, KV, C, d]
-  pos: jnp.ndarray  # [B, C] int32 original position of the token in each slot, -1 if empty
-  n: jnp.ndarray  # [B] int32 occupied slots (0..n-1)
-  score: jnp.ndarray  # [B, C] fp32 importance from the latest instruction pass
-  history: jnp.ndarray  # [B, C] fp32 attention accumulated from document queries (H2O)
-  seen: jnp.ndarray  # [B, C] fp32 how many document queries `history` adds up
+  k: jnp.ndarray = axes(ROWS, HEADS, None, None)  # [B, KV, C, d] before RoPE
+  v: jnp.ndarray = axes(ROWS, HEADS, None, None)  # [B, KV, C, d]
+  pos: jnp.ndarray = axes(ROWS, None)  # [B, C] int32 original position of the token in each slot, -1 if empty
+  n: jnp.ndarray = axes(ROWS)  # [B] int32 occupied slots (0..n-1)
+  score: jnp.ndarray = axes(ROWS, None)  # [B, C] fp32 importance from the latest instruction pass
+  history: jnp.ndarray = axes(ROWS, None)  # [B, C] fp32 attention accumulated from document queries (H2O)
+  seen: jnp.ndarray = axes(ROWS, None)  # [B, C] fp32 how many document queries `history` adds up
   budget: int = struct.field(pytree_node=False, default=0)
 
   @classmethod

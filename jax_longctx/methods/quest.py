@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from jax_longctx.core.axes import HEADS, ROWS, axes
+
 from jax_longctx.ops.cache import KVCache
 from jax_longctx.methods.base import AttnContext, Budget, MethodError, register
 from jax_longctx.methods.full import Full
@@ -26,8 +28,8 @@ from jax_longctx.core.rope import apply_rope
 @struct.dataclass
 class QuestState:
   kv: KVCache  # slots rounded up to whole pages
-  kmin: jnp.ndarray  # [B, KV, pages, d]
-  kmax: jnp.ndarray  # [B, KV, pages, d]
+  kmin: jnp.ndarray = axes(ROWS, HEADS, None, None)  # [B, KV, pages, d]
+  kmax: jnp.ndarray = axes(ROWS, HEADS, None, None)  # [B, KV, pages, d]
 
 
 @register

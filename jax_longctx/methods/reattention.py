@@ -9,23 +9,23 @@ therefore never exceed the scope, and with the paper's defaults the scope is exa
 of Llama-3-8B: 32 + 127 * 32 + 4096 = 8192.
 
 Both registry entries of the paper's method are here: `reattention` (one device) and
-`reattention_mesh` (its settings for the same steps over a cache split along the tokens across a
-device mesh; the per-device steps and the driver are `jax_longctx.run.distributed.reattention_mesh`,
-where `jax_longctx.run.driver` routes the entry through `MeshMethod.layer_method`).
+`reattention_mesh` (the same steps over a cache split along the tokens across the devices of the
+mesh's `ctx` axis; the parts of the scope each device holds: methods/token_layout.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
-
 import jax.numpy as jnp
 
 import pallas_kernels
 from jax_longctx.ops.attention import attention
 from jax_longctx.ops.cache import KVCache
-from jax_longctx.methods.base import AttnContext, MeshMethod, Method, MethodError, register
-from jax_longctx.methods.reattention_scope import Scope, select_scope
+from jax_longctx.methods.base import AttnContext, Method, MethodError, register
+from jax_longctx.methods.reattention_scope import (Scope, ballots, candidates, scope_from_votes,
+                                                   select_scope, step_bounds, voters)
+from jax_longctx.methods.token_layout import device_part, global_top_k, layout_here
+from jax_longctx.core.options import RunOptions
 from jax_longctx.core.rope import apply_rope, rotate
 
 
@@ -33,8 +33,8 @@ from jax_longctx.core.rope import apply_rope, rotate
 class ReAttentionSettings:
   """ReAttention's hyper-parameters, shared by the one-device method and its registry entry over
   a device mesh (`reattention_mesh`). Defaults are the paper's §3.1 settings (OpenMOSS/
-  ReAttention uses per-query top-1; the paper's runs top-4). `backend` picks the kernels'
-  variant (pallas_kernels: "auto" by platform). vote_stride (not the paper's): in a step of
+  ReAttention uses per-query top-1; the paper's runs top-4). Which kernel variant runs is the
+  run's (`RunOptions.kernel_backend`), as for every method. vote_stride (not the paper's): in a step of
   several queries, only every vote_stride-th query, counted back from the step's last, scores
   the cache and votes; 1 (the default) is the paper's rule, where every query votes."""
 
@@ -45,7 +45,6 @@ class ReAttentionSettings:
   clip: int = 127
   chunk: int = 512
   vote_stride: int = 1
-  backend: Literal["auto", "reference", "gpu", "tpu"] = "auto"  # pallas_kernels.BACKENDS
 
   @property
   def prefill_chunk(self) -> int:
@@ -77,7 +76,7 @@ class ReAttentionSettings:
 @dataclasses.dataclass(frozen=True)
 class ReAttention(ReAttentionSettings, Method):
   """One device: the whole pre-RoPE cache here. A step is `write`, `scope` (the selection) and
-  `attend_scope`; the mesh variant (distributed/reattention_mesh.py) replaces each of them."""
+  `attend_scope`; the mesh variant (MeshReAttention, below) replaces each of them."""
 
   name = "reattention"
 
@@ -94,7 +93,6 @@ class ReAttention(ReAttentionSettings, Method):
       raise MethodError(
           f"scope n_global + clip * span + n_local = {self.scope_size} exceeds the model's window "
           f"({cfg.max_position_embeddings}); see ReAttention.for_window")
-    pallas_kernels.resolve(self.backend)  # an unknown backend fails here, not inside a trace
     return KVCache.zeros(cfg, batch, max_len, dtype)
 
   def write(self, state: KVCache, k, v, ctx: AttnContext) -> KVCache:
@@ -103,7 +101,7 @@ class ReAttention(ReAttentionSettings, Method):
   def scope(self, state: KVCache, q, ctx: AttnContext) -> Scope:
     return select_scope(q, state.k, ctx.q_pos, ctx.valid, n_global=self.n_global,
                         n_local=self.n_local, span=self.span, top_k=self.top_k, clip=self.clip,
-                        vote_stride=self.vote_stride, backend=self.backend,
+                        vote_stride=self.vote_stride, backend=ctx.options.kernel_backend,
                         options=ctx.options.kernels, heads=ctx.heads)
 
   def step(self, state: KVCache, q, k, v, ctx: AttnContext):
@@ -125,7 +123,7 @@ class ReAttention(ReAttentionSettings, Method):
     """The step's queries (ranks q_offset + i) over the scope's keys (ranks 0..length-1) of the
     cache: (out, lse). The mesh variant calls it with one device's part of the scope (with a
     block-cyclic layout, a part whose ranks are sc.k_rank and sc.q_rank)."""
-    if q.shape[1] == 1 and pallas_kernels.resolve(self.backend).kind != "reference":
+    if q.shape[1] == 1 and pallas_kernels.resolve(ctx.options.kernel_backend).kind != "reference":
       return self._attend_one(q, state, sc, ctx)
     ranked = sc.k_rank is not None  # a block-cyclic mesh part: ranks apart from slots
     take = sc.idx[:, None, :, None]  # one scope per sequence, shared by its kv heads
@@ -137,7 +135,7 @@ class ReAttention(ReAttentionSettings, Method):
     q_rank = ((sc.q_rank if ranked else sc.q_offset)[:, None]
               + jnp.arange(q.shape[1], dtype=jnp.int32)[None, :])
     return self._attend(apply_rope(q, q_rank, ctx.freqs), k_scope, v_scope, q_rank, k_rank, sc,
-                        ctx.options.kernels)
+                        ctx.options)
 
   def _attend_one(self, q, state: KVCache, sc: Scope, ctx: AttnContext):
     """One query (decode), the last of its scope, so after every key of it (or of a mesh part of
@@ -151,39 +149,81 @@ class ReAttention(ReAttentionSettings, Method):
     return pallas_kernels.gathered_attention(
         apply_rope(q, q_rank[:, None], ctx.freqs), state.k, state.v, idx, valid,
         kv_layout="BHTD", key_rope_freqs=ctx.freqs, key_positions=sc.k_rank,
-        backend=self.backend, options=ctx.options.kernels)
+        backend=ctx.options.kernel_backend, options=ctx.options.kernels)
 
-  def _attend(self, q, k, v, q_rank, k_rank, sc: Scope, options: pallas_kernels.KernelOptions):
+  def _attend(self, q, k, v, q_rank, k_rank, sc: Scope, options: RunOptions):
     """Causal attention over the compacted scope: slot j < sc.length sits at rank k_rank[j]
     (ascending; j itself but in a block-cyclic mesh part), the kernel's causal mask counting
     slots from sc.q_offset."""
-    if pallas_kernels.resolve(self.backend).kind == "reference":
+    if pallas_kernels.resolve(options.kernel_backend).kind == "reference":
       # CPU: the jnp path stops at the longest scope instead of scoring all N padded slots.
       slots = jnp.arange(k.shape[2], dtype=jnp.int32)[None, :]
       k_pos = jnp.where(slots < sc.length[:, None], k_rank, -1)
       return attention(q, k, v, q_rank, k_pos, kv_extent=jnp.max(sc.length))
     return pallas_kernels.flash_attention(q, k, v, causal=True, q_offset=sc.q_offset,
                                           kv_len=sc.length, kv_layout="BHTD",
-                                          backend=self.backend, options=options)
+                                          backend=options.kernel_backend, options=options.kernels)
 
 
 @register
 @dataclasses.dataclass(frozen=True)
-class MeshReAttention(ReAttentionSettings, MeshMethod):
-  """ReAttention's hyper-parameters (the paper's defaults) over a device mesh: the pre-RoPE cache
-  split along the tokens, one shard per device of the mesh's context axis, so a context N times
-  longer than one device holds fits N devices. Every step selects exactly the scope one device
-  would (each device scores its shard, the candidates are merged) and each device attends to
-  the part of the scope it holds; the parts merge by their log-sum-exp. The prompt is read whole.
-  shard_block: how the tokens lie on the devices (no paper has it): 0, contiguous shards; > 0
-  (a multiple of `chunk`), blocks of that many tokens dealt to the devices in turn, which
-  balances the causal prefill's scoring (distributed/shard_layout.py)."""
+class MeshReAttention(ReAttention):
+  """ReAttention with its pre-RoPE cache split along the tokens over the mesh's `ctx` axis, so a
+  context N times longer than one device holds fits N devices (the paper's defaults). A step is
+  ReAttention's with each part made distributed (`ctx.tokens`; methods/token_layout.py):
+
+  - write: the device owning a new token's position stores its K/V; the others drop it;
+  - scope: each device takes its shard's top-k candidates per query and head (the candidate
+    range cut to its shard), the candidates of every device are gathered (k scores and global
+    indices each, small) and the global top-k taken from them, ties to the lowest global index
+    as one device breaks them; the votes, spans and the compacted scope then run replicated:
+    every device holds the scope one device would select;
+  - attend_scope: each device attends the step's queries to the part of the scope it holds
+    (out, lse) and the parts merge exactly by their log-sum-exp.
+
+  So it computes what `reattention` does (the same scope; outputs equal up to float rounding)
+  with 1/N of the cache a device; on one device it is `reattention`. shard_block (no paper has
+  it): 0, contiguous shards; > 0 (a multiple of `chunk`), blocks of that many tokens dealt to
+  the devices in turn, which balances the causal prefill's scoring (TokenLayout)."""
 
   name = "reattention_mesh"
-  needs_instruction = False
+  splits_tokens = True
 
   shard_block: int = 0
 
-  def layer_method(self) -> ReAttention:
-    fields = dataclasses.fields(ReAttentionSettings)
-    return ReAttention(**{f.name: getattr(self, f.name) for f in fields})
+  def init_state(self, cfg, batch, max_len, dtype, chunk) -> KVCache:
+    if self.shard_block < 0 or self.shard_block % self.chunk:
+      raise MethodError(f"shard_block={self.shard_block} must be 0 (contiguous shards) or a "
+                        f"multiple of the chunk ({self.chunk}): a step's tokens must lie in one "
+                        "device's block")
+    return super().init_state(cfg, batch, max_len, dtype, chunk)
+
+  def cache_unit(self, shards: int) -> int:
+    return shards * max(self.shard_block, 1)  # whole blocks on every device
+
+  def write(self, state: KVCache, k, v, ctx: AttnContext) -> KVCache:
+    layout, p = layout_here(ctx.tokens, state.max_len, self.shard_block)
+    # Another shard's tokens go to slot t, which the write drops (a negative index would wrap).
+    return state.write(layout.slot(ctx.q_pos, p), k, v, ctx.options.cache_write_backend)
+
+  def scope(self, state: KVCache, q, ctx: AttnContext) -> Scope:
+    layout, p = layout_here(ctx.tokens, state.max_len, self.shard_block)
+    seq_end, hi = step_bounds(ctx.q_pos, ctx.valid, self.n_local)
+    q, valid = voters(q, ctx.valid, self.vote_stride)
+    scores, idx = candidates(q, state.k, layout.held_below(self.n_global, p),
+                             layout.held_below(hi, p), self.top_k, ctx.options.kernel_backend,
+                             ctx.options.kernels)
+    idx = jnp.where(idx >= 0, layout.position(idx, p), -1)
+    idx = global_top_k(scores, idx, min(self.top_k, state.max_len * layout.n_dev), ctx.tokens,
+                       contiguous=not self.shard_block)
+    return scope_from_votes(ctx.heads.concat(ballots(idx, valid), axis=1), ctx.q_pos,
+                            seq_end, hi,
+                            n_global=self.n_global, n_local=self.n_local, span=self.span,
+                            clip=self.clip, n_tokens=state.max_len * layout.n_dev,
+                            backend=ctx.options.kernel_backend)
+
+  def attend_scope(self, q, state: KVCache, sc: Scope, ctx: AttnContext):
+    part = device_part(sc, *layout_here(ctx.tokens, state.max_len, self.shard_block))
+    out, lse = super().attend_scope(q, state, part, ctx)
+    out, lse = ctx.tokens.merge(out, lse)
+    return out.astype(q.dtype), lse

@@ -47,6 +47,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jax_longctx.core.axes import HEADS, ROWS, axes
+
 import pallas_kernels
 from jax_longctx.ops.cache import KVCache
 from jax_longctx.methods.base import (AttnContext, Budget, Method, MethodError, PrefillEnd,
@@ -70,8 +72,8 @@ class PartialCache:
   """C_p: for each (sequence, kv head) the positions (= C_f slots) of at most K tokens and their
   scores, in K + 1 entries so the step's token always finds a free one (-1: free)."""
 
-  pos: jnp.ndarray  # [B, KV, K + 1] int32
-  score: jnp.ndarray  # [B, KV, K + 1] fp32; +inf for tokens generated since the last refresh
+  pos: jnp.ndarray = axes(ROWS, HEADS, None)  # [B, KV, K + 1] int32
+  score: jnp.ndarray = axes(ROWS, HEADS, None)  # [B, KV, K + 1] fp32; +inf for tokens generated since the last refresh
   budget: int = struct.field(pytree_node=False, default=0)
 
   @classmethod
@@ -119,16 +121,16 @@ class PartialCache:
 @struct.dataclass
 class RefreshPrefill:
   snap: SnapPrefill  # the exact prompt cache and the last prompt query (SnapKV, window 1)
-  q_ref: jnp.ndarray  # [B, d] fp32 mean query of the latest prompt token
+  q_ref: jnp.ndarray = axes(ROWS, None)  # [B, d] fp32 mean query of the latest prompt token
 
 
 @struct.dataclass
 class RefreshState:
   full: KVCache  # C_f: post-RoPE keys at slot = position
   part: PartialCache  # C_p: K positions into C_f
-  q_ref: jnp.ndarray  # [B, d] fp32 mean query of this layer's latest full step
-  prompt_lengths: jnp.ndarray  # [B] int32
-  n_full: jnp.ndarray  # [B] int32 full steps taken while decoding
+  q_ref: jnp.ndarray = axes(ROWS, None)  # [B, d] fp32 mean query of this layer's latest full step
+  prompt_lengths: jnp.ndarray = axes(ROWS)  # [B] int32
+  n_full: jnp.ndarray = axes(ROWS)  # [B] int32 full steps taken while decoding
 
 
 def _cosine(a, b):

@@ -31,9 +31,8 @@ lost passkeys that ReAttention alone found, 0 of 6 against 4 of 6 at D = n_local
 end (docs/METHODS.md). Z_b and Z_I are scored the same way, so their difference is the prior
 mass of the keys outside the scope; that difference meets Z_SA in the merge, weighed by `lam`.
 
-Both registry entries are here: `resa` (one device) and `resa_mesh` (RESA over mesh ReAttention:
-its settings; `jax_longctx.run.distributed.reattention_mesh` runs it, the prior's vectors replicated
-and its sums over the cache merged across the shards).
+Both registry entries are here: `resa` (one device) and `resa_mesh` (RESA over mesh ReAttention,
+the prior's vectors replicated and its sums over the cache merged across the shards).
 """
 
 from __future__ import annotations
@@ -45,13 +44,16 @@ from typing import Any, Literal
 import jax.numpy as jnp
 from flax import struct
 
+from jax_longctx.core.axes import HEADS, ROWS, axes
+
 import pallas_kernels
 from jax_longctx.ops.attention import attention, merge_attention
 from jax_longctx.ops.cache import KVCache
-from jax_longctx.methods.base import (AttnContext, Budget, MeshMethod, Method, MethodError,
-                                      PrefillEnd, get, register)
+from jax_longctx.methods.base import (AttnContext, Budget, Method, MethodError, PrefillEnd,
+                                      TokenShards, get, register)
 from jax_longctx.methods.reattention import ReAttention
 from jax_longctx.methods.selection import SelectingMethod, gather_slots, gathered_attention
+from jax_longctx.methods.token_layout import device_part, layout_here
 from jax_longctx.core.rope import apply_rope, rotate
 
 Prior = Literal["head", "group"]
@@ -60,11 +62,11 @@ Prior = Literal["head", "group"]
 @struct.dataclass
 class RESAState:
   inner: object  # the wrapped method's state
-  q_sum: jnp.ndarray  # [B, H, d] fp32: sum of the prompt's queries as the prior takes them
-  mu_q: jnp.ndarray  # [B, H, d] fp32
-  mu_k: jnp.ndarray  # [B, KV, d] fp32
-  o_est: jnp.ndarray  # [B, H, d] fp32: softmax(P) V over every cached token
-  lse_p: jnp.ndarray  # [B, H] fp32: log sum_j exp(P_j)
+  q_sum: jnp.ndarray = axes(ROWS, HEADS, None)  # [B, H, d] fp32: sum of the prompt's queries as the prior takes them
+  mu_q: jnp.ndarray = axes(ROWS, HEADS, None)  # [B, H, d] fp32
+  mu_k: jnp.ndarray = axes(ROWS, HEADS, None)  # [B, KV, d] fp32
+  o_est: jnp.ndarray = axes(ROWS, HEADS, None)  # [B, H, d] fp32: softmax(P) V over every cached token
+  lse_p: jnp.ndarray = axes(ROWS, HEADS)  # [B, H] fp32: log sum_j exp(P_j)
 
 
 @register
@@ -167,13 +169,11 @@ class RESA(Method):
       grouped = info.heads.group(  # a group's heads may lie on several devices
           jnp.mean(mu_q.reshape(b, kvh, h // kvh, d), axis=2, keepdims=True), "mean")
       mu_q = jnp.broadcast_to(grouped, (b, kvh, h // kvh, d)).reshape(b, h, d)
-    k_sum, o_est, lse_p = self.prior_over_cache(mu_q, cache, info.prompt_lengths,
-                                                info.options.kernels)
+    k_sum, o_est, lse_p = self.prior_over_cache(mu_q, cache, info.prompt_lengths, info)
     return state.replace(inner=inner, mu_q=mu_q, mu_k=k_sum / n[:, None, None], o_est=o_est,
                          lse_p=lse_p)
 
-  def prior_over_cache(self, mu_q, cache: KVCache, lengths,
-                       options: pallas_kernels.KernelOptions = pallas_kernels.KernelOptions()):
+  def prior_over_cache(self, mu_q, cache: KVCache, lengths, info: PrefillEnd):
     """Over the prompt's keys (slots < lengths [B]): (their sum [B, KV, d] fp32, softmax(P) V
     [B, H, d] fp32, lse [B, H]) with P = mu_Q.k / sqrt(d). The mesh variant merges its shards'."""
     in_prompt = jnp.arange(cache.max_len)[None, :] < lengths[:, None]  # [B, T]
@@ -183,10 +183,10 @@ class RESA(Method):
                        preferred_element_type=jnp.float32)
     o_est, lse_p = pallas_kernels.flash_attention(
         mu_q[:, None].astype(cache.k.dtype), cache.k, cache.v, causal=False, kv_len=lengths,
-        kv_layout="BHTD", options=options)
+        kv_layout="BHTD", backend=info.options.kernel_backend, options=info.options.kernels)
     return k_sum, o_est[:, 0].astype(jnp.float32), lse_p[:, 0]
 
-  def prior_over_scope(self, mu_q, cache: KVCache, sc):
+  def prior_over_scope(self, mu_q, cache: KVCache, sc, tokens: TokenShards):
     """mu_Q's attention over the scope's keys (pre-RoPE; no mask but the scope's length):
     (out [B, H, d] fp32, lse [B, H]). The mesh variant merges its devices' parts."""
     take = sc.idx[:, None, :, None]
@@ -223,7 +223,8 @@ class RESA(Method):
     state = fold_into_prior(state.replace(inner=inner_state), k, v, ctx.valid)
     if self.lam == 0:  # ReAttention's own output, bit for bit
       return out, state
-    o_sel, lse_sel = self.prior_over_scope(state.mu_q, self.inner.cache(inner_state), sc)
+    o_sel, lse_sel = self.prior_over_scope(state.mu_q, self.inner.cache(inner_state), sc,
+                                           ctx.tokens)
     h, d = q.shape[2:]
     mu_k = jnp.repeat(state.mu_k, h // state.mu_k.shape[1], axis=1)  # [B, H, d]
     bias = jnp.sum((self.prior_query(q, ctx)[:, 0] - state.mu_q) * mu_k, axis=-1) / math.sqrt(d)
@@ -235,30 +236,38 @@ class RESA(Method):
 
 @register
 @dataclasses.dataclass(frozen=True)
-class MeshRESA(MeshMethod):
-  """RESA over mesh ReAttention (its prior pre-RoPE: the module's doc says why). `base_args`:
-  ReAttention's hyper-parameters, e.g. (("n_local", 2048),); the defaults are RESA's."""
+class MeshRESA(RESA):
+  """RESA over mesh ReAttention (its prior pre-RoPE: the module's doc says why), the cache split
+  along the tokens over the mesh's `ctx` axis: the prior's vectors replicated, its attention over
+  the prompt and over the scope merged from the devices' parts (the key sum by psum, the rest by
+  LSE). `base_args`: ReAttention's hyper-parameters, e.g. (("n_local", 2048),); shard_block as
+  reattention_mesh's."""
 
   name = "resa_mesh"
-  needs_instruction = False
+  splits_tokens = True
 
-  lam: float = RESA.lam
-  prior: Prior = RESA.prior
-  base_args: tuple = RESA.base_args
-  prior_distance: int | None = RESA.prior_distance
-  shard_block: int = 0  # as MeshReAttention's
-  # The per-layer method every device runs, built once in __post_init__ (a wrong base_args
-  # fails at construction).
-  resa: RESA = dataclasses.field(init=False, repr=False, compare=False)
+  base: str = "reattention_mesh"
+  shard_block: int = 0
 
-  def __post_init__(self):
-    super().__post_init__()
-    object.__setattr__(self, "resa", RESA(base=ReAttention.name, lam=self.lam, prior=self.prior,
-                                          base_args=self.base_args,
-                                          prior_distance=self.prior_distance))
+  def _wrapped(self) -> ReAttention:
+    if self.base != "reattention_mesh":
+      raise MethodError(f"resa_mesh wraps reattention_mesh, not {self.base!r}")
+    return get(self.base, shard_block=self.shard_block, **dict(self.base_args))
 
-  def layer_method(self) -> RESA:
-    return self.resa
+  def cache_unit(self, shards: int) -> int:
+    return self.inner.cache_unit(shards)
+
+  def prior_over_cache(self, mu_q, cache: KVCache, lengths, info: PrefillEnd):
+    layout, p = layout_here(info.tokens, cache.max_len, self.shard_block)
+    held = layout.held_below(lengths, p)  # this shard's prompt slots: its first ones
+    k_sum, o_est, lse_p = super().prior_over_cache(mu_q, cache, held, info)
+    o_est, lse_p = info.tokens.merge(o_est, lse_p)
+    return info.tokens.sum(k_sum), o_est, lse_p
+
+  def prior_over_scope(self, mu_q, cache: KVCache, sc, tokens: TokenShards):
+    part = device_part(sc, *layout_here(tokens, cache.max_len, self.shard_block))
+    return tokens.merge(*super().prior_over_scope(mu_q, cache, part, tokens))
+
 
 def fold_into_prior(state: RESAState, k_rot, v, valid) -> RESAState:
   """Adds generated tokens (k_rot, v [B, S, KV, d]: keys as the prior takes them, after RoPE or,

@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from jax_longctx.core.axes import HEADS, ROWS, axes
+
 from jax_longctx.ops.attention import attention
 from jax_longctx.methods.base import AttnContext, Budget, Method, resolve_budget
 from jax_longctx.core.rope import apply_rope
@@ -23,10 +25,10 @@ _LAST = jnp.iinfo(jnp.int32).max
 
 @struct.dataclass
 class SlotCache:
-  k: jnp.ndarray  # [B, KV, C, d]
-  v: jnp.ndarray  # [B, KV, C, d]
-  pos: jnp.ndarray  # [B, KV, C] int32 position of the token in each slot, -1 if empty
-  score: jnp.ndarray  # [B, KV, C] fp32 per-method importance (H2O's accumulated attention)
+  k: jnp.ndarray = axes(ROWS, HEADS, None, None)  # [B, KV, C, d]
+  v: jnp.ndarray = axes(ROWS, HEADS, None, None)  # [B, KV, C, d]
+  pos: jnp.ndarray = axes(ROWS, HEADS, None)  # [B, KV, C] int32 position of the token in each slot, -1 if empty
+  score: jnp.ndarray = axes(ROWS, HEADS, None)  # [B, KV, C] fp32 per-method importance (H2O's accumulated attention)
   budget: int = struct.field(pytree_node=False, default=0)
 
   @classmethod

@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from jax_longctx.core.axes import HEADS, ROWS, axes
+
 from jax_longctx.ops.attention import attention, attention_probs_sum
 from jax_longctx.ops.cache import KVCache
 from jax_longctx.methods.base import (AttnContext, Budget, Heads, Method, MethodError,
@@ -46,15 +48,15 @@ def max_pool(score, pool_kernel: int) -> jnp.ndarray:
 @struct.dataclass
 class SnapPrefill:
   kv: KVCache  # the whole prompt, exact
-  q_win: jnp.ndarray  # [B, window, H, d] post-RoPE queries of the latest prompt tokens
-  q_win_pos: jnp.ndarray  # [B, window] their positions (-1: none yet)
+  q_win: jnp.ndarray = axes(ROWS, None, HEADS, None)  # [B, window, H, d] post-RoPE queries of the latest prompt tokens
+  q_win_pos: jnp.ndarray = axes(ROWS, None)  # [B, window] their positions (-1: none yet)
   budget: int = struct.field(pytree_node=False, default=0)
 
 
 @struct.dataclass
 class SnapDecode:
   slots: SlotCache  # the kept prompt tokens, then the generated ones
-  prompt_lengths: jnp.ndarray  # [B]
+  prompt_lengths: jnp.ndarray = axes(ROWS)  # [B]
 
 
 @register

@@ -25,9 +25,9 @@ from flax import nnx
 
 from jax_longctx.ops.cache import Cache
 from jax_longctx.core.config import LlamaConfig
-from jax_longctx.core.mesh import ModelShards
+from jax_longctx.core.mesh import ModelShards, axis_size
 from jax_longctx.core.options import DEFAULT, RunOptions
-from jax_longctx.methods.base import AttnContext, Heads, Method
+from jax_longctx.methods.base import AttnContext, Heads, Method, TokenShards
 from jax_longctx.core.rope import inv_freq, query_scale
 from pallas_kernels import add_rmsnorm
 
@@ -192,16 +192,17 @@ class Llama(nnx.Module):
 
   def __call__(self, tokens, positions, cache: Cache, method: Method, valid=None,
                decode: bool = False, gate_open: bool = True, options: RunOptions = DEFAULT,
-               heads: Heads = Heads()):
-    """tokens, positions [B, S] -> (normed hidden states [B, S, D], new cache). heads: the part
-    of every layer's heads this device holds (tensor parallel; `forward` derives it)."""
+               heads: Heads = Heads(), token_shards: TokenShards = TokenShards()):
+    """tokens, positions [B, S] -> (normed hidden states [B, S, D], new cache). heads,
+    token_shards: the part of every layer's heads, and of a cache split along the tokens, this
+    device holds (`forward` derives them: `device_view`)."""
     cfg = self.cfg
     if valid is None:
       valid = jnp.ones(tokens.shape, bool)
     x = self.embed_tokens(tokens, heads.axis)
     ctx = AttnContext(layer=-1, q_pos=positions.astype(jnp.int32), valid=valid,
                       freqs=inv_freq(cfg, jnp.max(positions) + 1), cfg=cfg,
-                      gate_open=gate_open, options=options, heads=heads)
+                      gate_open=gate_open, options=options, heads=heads, tokens=token_shards)
     state, pending = list(cache.state), None
     for i, layer in enumerate(self.layers):
       run = functools.partial(layer, ctx=ctx.replace(layer=i), method=method, decode=decode)
@@ -279,25 +280,34 @@ def hidden_states(params, tokens, positions, cache: Cache, method: Method, cfg: 
                   options: RunOptions = DEFAULT):
   """`forward` without the unembedding: (final normed hidden states [B, S, D], cache). For a
   loss that unembeds a few positions at a time (train_cpt's chunked cross-entropy)."""
-  model, heads = _on_this_device(params, cfg, options)
+  model, heads, shards = _on_this_device(params, cfg, options)
   return model(tokens, positions, cache, method, valid=valid, decode=decode,
-               gate_open=gate_open, options=options, heads=heads)
+               gate_open=gate_open, options=options, heads=heads, token_shards=shards)
 
 
 def unembed(params, h, cfg: LlamaConfig, options: RunOptions = DEFAULT):
   """`Llama.unembed` of params: normed h [..., D] -> fp32 logits [..., V] (the whole vocabulary
   also under tensor parallelism)."""
-  model, heads = _on_this_device(params, cfg, options)
+  model, heads, _ = _on_this_device(params, cfg, options)
   return model.unembed(h, heads.axis, cfg.vocab_size)
 
 
 def _on_this_device(params, cfg: LlamaConfig, options: RunOptions):
-  """(the model as this device holds it, with its params; the heads it holds): the whole model
-  without a mesh, its `model`-axis part inside a step on one."""
-  shards = ModelShards.of(cfg, options.mesh)
+  """(the model as this device holds it, with its params; the heads and tokens it holds)."""
+  local, heads, tokens = device_view(cfg, options)
+  return nnx.merge(graphdef_for(local, is_fused(params)), params), heads, tokens
+
+
+def device_view(cfg: LlamaConfig, options: RunOptions) -> tuple[LlamaConfig, Heads, TokenShards]:
+  """What one device holds inside a step on `options.mesh`: (the model's config as it holds it,
+  its heads, its part of a cache split along the tokens). The whole model without a mesh, or on
+  a mesh of one device (the steps then run as they are: run/sharding.py)."""
+  mesh = None if options.mesh is None or options.mesh.size == 1 else options.mesh
+  shards = ModelShards.of(cfg, mesh)
   heads = local_heads(shards)
-  local = shards.local(cfg) if heads.axis else cfg
-  return nnx.merge(graphdef_for(local, is_fused(params)), params), heads
+  ctx = axis_size(mesh, "ctx")
+  tokens = TokenShards("ctx", ctx) if ctx > 1 else TokenShards()
+  return (shards.local(cfg) if heads.axis else cfg), heads, tokens
 
 
 def local_heads(shards: ModelShards) -> Heads:

@@ -12,17 +12,16 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import struct
 
+from jax_longctx.core.axes import HEADS, ROWS, TOKENS, axes
+
 from jax_longctx.core.config import LlamaConfig
 from pallas_kernels import cache_write
 
 @struct.dataclass
 class Cache:
-  lengths: jnp.ndarray  # [B] int32, tokens consumed per sequence (next position to write)
+  lengths: jnp.ndarray = axes(ROWS)  # [B] int32, tokens consumed per sequence (next to write)
   state: tuple  # the method's state, one pytree per layer
   max_len: int = struct.field(pytree_node=False, default=0)
-  # On a device mesh: per leaf of one layer's state, the role of each dimension ("rows",
-  # "heads", "tokens" or None), which says how it splits (run/sharding.py); None off a mesh.
-  roles: tuple | None = struct.field(pytree_node=False, default=None)
 
 
 @struct.dataclass
@@ -33,8 +32,8 @@ class KVCache:
   stale data that the causal rule (slot position <= query position) never lets a query see.
   """
 
-  k: jnp.ndarray
-  v: jnp.ndarray
+  k: jnp.ndarray = axes(ROWS, HEADS, TOKENS, None)
+  v: jnp.ndarray = axes(ROWS, HEADS, TOKENS, None)
 
   @classmethod
   def zeros(cls, cfg: LlamaConfig, batch: int, max_len: int, dtype) -> "KVCache":

@@ -15,16 +15,16 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec as P
 
 import pallas_kernels
 from jax_longctx.ops.cache import Cache
 from jax_longctx.core.config import LlamaConfig
 from jax_longctx.methods.base import Method, PrefillEnd
-from jax_longctx.model import forward
+from jax_longctx.model import device_view, forward
 from jax_longctx.core.options import DEFAULT, RunOptions
 from jax_longctx.core.progress import progress
-from jax_longctx.run import sharding
+from jax_longctx.core.axes import ROWS
+from jax_longctx.run.sharding import mesh_step
 
 _PROGRESS_CHUNKS = 16  # prompts of this many chunks or more show a progress bar
 
@@ -42,28 +42,19 @@ def default_chunk() -> int:
   return 8192 if pallas_kernels.platform() == "gpu" else 512
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "method", "options"),
-                   donate_argnames=("cache", "last"))
+@mesh_step(inputs=("params", (ROWS,), (), (ROWS,), "cache", (ROWS,)), outputs=("same", (ROWS,)),
+           donate=("cache", "last"))
 def prefill_step(params, tokens, start, prompt_lengths, cache: Cache, last, *, cfg: LlamaConfig,
                  method: Method, options: RunOptions = DEFAULT):
-  """One prompt chunk [B, C] at positions start..start+C-1; keeps each row's last-token logits.
-  On a mesh, every device's part of it (run/sharding.py)."""
-
-  def body(params, tokens, start, prompt_lengths, cache, last):
-    b, c = tokens.shape
-    positions = start + jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32), (b, c))
-    valid = positions < prompt_lengths[:, None]
-    idx = jnp.clip(prompt_lengths - 1 - start, 0, c - 1)
-    logits, cache = forward(params, tokens, positions, cache, method, cfg, valid=valid,
-                            logits_index=idx, options=options)
-    ends_here = (prompt_lengths - 1 >= start) & (prompt_lengths - 1 < start + c)
-    return cache, jnp.where(ends_here[:, None], logits, last)
-
-  cache_spec = sharding.cache_specs(cache, options.mesh) if options.mesh is not None else None
-  run = sharding.per_device(body, options, (sharding.params(params), P("data"), sharding.ALL,
-                                            P("data"), cache_spec, P("data")),
-                            (cache_spec, P("data")))
-  return run(params, tokens, start, prompt_lengths, cache, last)
+  """One prompt chunk [B, C] at positions start..start+C-1; keeps each row's last-token logits."""
+  b, c = tokens.shape
+  positions = start + jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32), (b, c))
+  valid = positions < prompt_lengths[:, None]
+  idx = jnp.clip(prompt_lengths - 1 - start, 0, c - 1)
+  logits, cache = forward(params, tokens, positions, cache, method, cfg, valid=valid,
+                          logits_index=idx, options=options)
+  ends_here = (prompt_lengths - 1 >= start) & (prompt_lengths - 1 < start + c)
+  return cache, jnp.where(ends_here[:, None], logits, last)
 
 
 def padded(rows: Sequence[Sequence[int]], width: int) -> jnp.ndarray:
@@ -92,8 +83,6 @@ def read_chunks(params, cfg: LlamaConfig, method: Method, cache: Cache, rows, le
   tokens = padded(rows, n_chunks * chunk)
   last = jnp.zeros((len(rows), cfg.vocab_size), jnp.float32)
   plen = jnp.asarray(lengths, jnp.int32)
-  if options.mesh is not None:  # laid out as the step lays out its outputs: one compile
-    tokens, last, plen = (sharding.on_mesh(x, options.mesh, P("data")) for x in (tokens, last, plen))
   chunks = range(n_chunks) if n_chunks < _PROGRESS_CHUNKS else progress(range(n_chunks), desc=desc)
   for c in chunks:
     if before_chunk is not None:
@@ -112,69 +101,61 @@ def end_prefill(cache: Cache, cfg: LlamaConfig, method: Method, decode_room: int
   The prompt cache is donated leaf by leaf where the result has a buffer of its shape to reuse
   (RefreshKV keeps its full cache as it is: donating it avoids a second copy). Leaves the hook
   turns into something smaller (SnapKV's compression) are not donated: no output could reuse
-  them, and XLA would only warn that it cannot. On a mesh the pairing is per device.
+  them, and XLA would only warn that it cannot. On a mesh the pairing is per device: an input
+  and an output leaf pair when their shapes, dtypes and layouts are the same.
   """
   if not method.ends_prefill:
     return cache
-  leaves, tree = jax.tree.flatten(cache)
-  avals = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves)
-  roles = None
-  if options.mesh is not None:  # how the hook's new state splits
-    roles = sharding.end_roles(method, jax.tree.unflatten(tree, avals), cfg, decode_room, options)
-  reuse = _reusable_leaves(tree, avals, cfg, method, decode_room, options, roles)
-  return finish_prefill([x for x, r in zip(leaves, reuse) if r],
-                        [x for x, r in zip(leaves, reuse) if not r],
-                        tree=tree, reuse=reuse, cfg=cfg, method=method, decode_room=decode_room,
-                        options=options, roles=roles)
+  kw = dict(cfg=cfg, method=method, decode_room=decode_room, options=options)
+  reuse = _reusable(jax.tree.map(_aval, cache), **kw)
+  donated = jax.tree.map(lambda x, r: x if r else None, cache, reuse)
+  kept = jax.tree.map(lambda x, r: None if r else x, cache, reuse)
+  return finish_prefill(donated, kept, **kw)
 
 
-def _end_of_prefill_all(cache: Cache, cfg: LlamaConfig, method: Method, decode_room: int,
-                        options: RunOptions, roles) -> Cache:
-  local, heads = sharding.local_config(cfg, options), sharding.heads_of(cfg, options)
-  state = tuple(
-      method.end_of_prefill(s, PrefillEnd(local, i, cache.lengths, decode_room, options, heads))
-      for i, s in enumerate(cache.state))
-  return cache.replace(state=state, roles=roles)
+def _aval(x):
+  return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
+
+
+def _layout(x):
+  sharding = getattr(x, "sharding", None)
+  return getattr(sharding, "spec", None)
 
 
 @functools.lru_cache(maxsize=64)
-def _reusable_leaves(tree, avals, cfg, method, decode_room, options, roles) -> tuple[bool, ...]:
-  """Which input leaves an output of the same shape and dtype can take over (as XLA pairs
-  donated buffers with outputs: on a mesh, each device's)."""
-  cache = jax.tree.unflatten(tree, avals)
-  mesh = options.mesh
-  if mesh is not None:
-    cache = sharding.local_avals(cache, sharding.cache_specs(cache, mesh), mesh)
-  out = sharding.eval_local(
-      lambda c: _end_of_prefill_all(c, cfg, method, decode_room, options, roles), mesh, cache)
-  free = collections.Counter((x.shape, x.dtype) for x in jax.tree.leaves(out))
+def _reusable_tree(leaves: tuple, tree, **kw):
+  cache = jax.tree.unflatten(tree, leaves)
+  out = jax.eval_shape(lambda c: finish_prefill(_nones(c), c, **kw), cache)
+  free = collections.Counter((x.shape, x.dtype, _layout(x)) for x in jax.tree.leaves(out))
   reuse = []
-  for x in jax.tree.leaves(cache):
-    reuse.append(free[(x.shape, x.dtype)] > 0)
-    free[(x.shape, x.dtype)] -= reuse[-1]
-  return tuple(reuse)
+  for x in leaves:
+    key = (x.shape, x.dtype, _layout(x))
+    reuse.append(free[key] > 0)
+    free[key] -= reuse[-1]
+  return jax.tree.unflatten(tree, reuse)
 
 
-@functools.partial(jax.jit, static_argnames=("tree", "reuse", "cfg", "method", "decode_room",
-                                             "options", "roles"), donate_argnames=("donated",))
-def finish_prefill(donated, kept, *, tree, reuse, cfg: LlamaConfig, method: Method,
-                   decode_room: int, options: RunOptions = DEFAULT, roles=None) -> Cache:
-  """Runs the method's end-of-prefill hook on every layer (SnapKV's one-time compression) on the
-  cache flattened into donated and kept leaves (`reuse` says which is which); roles: how its
-  new state splits on `options.mesh`."""
+def _reusable(avals, **kw):
+  """Which leaves of a cache an output of the hook can take over (a tree of bools)."""
+  leaves, tree = jax.tree.flatten(avals)
+  return _reusable_tree(tuple(leaves), tree, **kw)
 
-  def body(donated, kept):
-    donated, kept = iter(donated), iter(kept)
-    leaves = [next(donated) if r else next(kept) for r in reuse]
-    return _end_of_prefill_all(jax.tree.unflatten(tree, leaves), cfg, method, decode_room,
-                               options, roles)
 
-  if options.mesh is None:
-    return body(donated, kept)
-  mesh = options.mesh
-  cache = jax.tree.unflatten(tree, [*donated, *kept])  # structure only: the leaves' order is moot
-  specs = jax.tree.leaves(sharding.cache_specs(cache, mesh), is_leaf=lambda x: isinstance(x, P))
-  in_specs = ([s for s, r in zip(specs, reuse) if r], [s for s, r in zip(specs, reuse) if not r])
-  out = sharding.eval_local(body, mesh, *sharding.local_avals((donated, kept), in_specs, mesh))
-  return sharding.per_device(body, options, in_specs, sharding.cache_specs(out, mesh))(donated,
-                                                                                       kept)
+def _nones(tree):
+  return jax.tree.map(lambda _: None, tree)
+
+
+@mesh_step(inputs=("cache", "cache"), outputs="cache", donate=("donated",),
+           static=("cfg", "method", "decode_room", "options"))
+def finish_prefill(donated, kept, *, cfg: LlamaConfig, method: Method, decode_room: int,
+                   options: RunOptions = DEFAULT) -> Cache:
+  """The method's end-of-prefill hook on every layer (SnapKV's one-time compression) over a
+  cache given as two trees, the leaves to donate and the others (None in each where the other
+  has the leaf)."""
+  cache = jax.tree.map(lambda a, b: b if a is None else a, donated, kept,
+                       is_leaf=lambda x: x is None)
+  local, heads, tokens = device_view(cfg, options)
+  state = tuple(method.end_of_prefill(s, PrefillEnd(local, i, cache.lengths, decode_room, options,
+                                                    heads, tokens))
+                for i, s in enumerate(cache.state))
+  return cache.replace(state=state)

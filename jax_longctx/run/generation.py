@@ -17,21 +17,24 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec as P
 
+from jax_longctx.core.axes import ROWS
 from jax_longctx.ops.cache import Cache
 from jax_longctx.run.chunked_prefill import chunk_for, end_prefill, read_chunks
 from jax_longctx.core.config import LlamaConfig
+from jax_longctx.core.mesh import axis_size
 from jax_longctx.core.errors import LongctxError
+from jax_longctx.run.context_encoding import prefill_context
 from jax_longctx.run.instructed import prefill_instructed
-from jax_longctx.methods.base import Method, MethodError, RegisteredMethod
+from jax_longctx.methods.base import Method
 from jax_longctx.model import forward
 from jax_longctx.core.options import DEFAULT, RunOptions
 from jax_longctx.run import sharding
+from jax_longctx.run.sharding import mesh_step
 
 __all__ = ["DECODE_TRACES", "GenerationError", "GenerationResult", "Sampling", "check_prompts",
-           "decode", "decode_loop", "decode_rows", "decode_while", "layer_method", "prefill",
-           "sample", "teacher_forced_nll", "trim_at_stops"]
+           "decode", "decode_loop", "decode_while", "prefill",
+           "row_keys", "sample", "teacher_forced_nll", "trim_at_stops"]
 
 
 class GenerationError(LongctxError, ValueError):
@@ -70,14 +73,6 @@ def check_prompts(prompts: Sequence[Sequence[int]],
   return lengths
 
 
-def layer_method(method: RegisteredMethod) -> Method:
-  """The method, if it runs per layer; a mesh method is an error that says where it runs."""
-  if not isinstance(method, Method):
-    raise MethodError(f"{method.name!r} runs over a device mesh: use jax_longctx.generate "
-                      "(or `jax-longctx eval`, LM.generate), which spreads it over every device")
-  return method
-
-
 @dataclasses.dataclass(frozen=True)
 class Sampling:
   temperature: float = 0.0  # 0 means greedy
@@ -94,17 +89,17 @@ class Sampling:
 @dataclasses.dataclass
 class GenerationResult:
   tokens: list[list[int]]  # new tokens per prompt, stop token excluded
-  cache: Cache | None  # per-layer methods: the cache after decoding
+  cache: Cache | None  # the cache after decoding
   prompt_lengths: list[int]
-  prefill_s: float = 0.0  # wall time of the prefill (until its logits were ready); Star, ring:
-  decode_s: float | None = 0.0  # the whole run, and decode None (their phases are not apart)
+  prefill_s: float = 0.0  # wall time of the prefill (until its logits were ready)
+  decode_s: float = 0.0
   report: dict[str, Any] = dataclasses.field(default_factory=dict)  # Method.report; devices
+  logits: Any = None  # [B, V] fp32: each prompt's last-token logits after the prefill
 
 
-def sample(logits: jnp.ndarray, key, sampling: Sampling, rows=None) -> jnp.ndarray:
-  """logits [B, V] fp32 -> token ids [B] int32. rows [B]: each row's index in the whole batch
-  (default 0..B-1): row i draws from `key` folded with i, so what it samples does not depend on
-  which device holds it."""
+def sample(logits: jnp.ndarray, keys, sampling: Sampling) -> jnp.ndarray:
+  """logits [B, V] fp32 -> token ids [B] int32; keys [B]: each row's own key (`row_keys`), so
+  what a row samples does not depend on which device holds it."""
   if sampling.temperature == 0:
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
   logits = logits / sampling.temperature
@@ -117,9 +112,18 @@ def sample(logits: jnp.ndarray, key, sampling: Sampling, rows=None) -> jnp.ndarr
     sorted_logits = jnp.where(drop, -jnp.inf, sorted_logits)
     logits = jnp.full_like(logits, -jnp.inf).at[
         jnp.arange(logits.shape[0])[:, None], order].set(sorted_logits)
-  rows = jnp.arange(logits.shape[0]) if rows is None else rows
-  keys = jax.vmap(lambda r: jax.random.fold_in(key, r))(rows)
   return jax.vmap(jax.random.categorical)(keys, logits).astype(jnp.int32)
+
+
+def row_keys(seed: int, batch: int):
+  """One sampling key per row [B]: row i's is the seed's key folded with i."""
+  return jax.vmap(lambda r: jax.random.fold_in(jax.random.key(seed), r))(jnp.arange(batch))
+
+
+def _split_rows(keys):
+  """Each row's key -> (its next key, a key to draw with)."""
+  pairs = jax.vmap(jax.random.split)(keys)  # [B, 2]
+  return pairs[:, 0], pairs[:, 1]
 
 
 def decode_while(method: Method, keep_going, step, carry, cache_of):
@@ -150,31 +154,19 @@ def decode_while(method: Method, keep_going, step, carry, cache_of):
 DECODE_TRACES = [0]
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "method", "max_new_tokens", "sampling",
-                                             "options"), donate_argnames=("cache",))
-def decode_loop(params, cache: Cache, last_logits, stop_tokens, key, *, cfg: LlamaConfig,
+@mesh_step(inputs=("params", "cache", (ROWS,), (), (ROWS,)),
+           outputs=("gathered", "gathered", "same"), donate=("cache",),
+           static=("cfg", "method", "max_new_tokens", "sampling", "options"))
+def decode_loop(params, cache: Cache, last_logits, stop_tokens, keys, *, cfg: LlamaConfig,
                 method: Method, max_new_tokens: int, sampling: Sampling,
                 options: RunOptions = DEFAULT):
-  """Samples up to max_new_tokens per row on device. Returns (tokens [B, N], steps: the most
-  steps any row ran, cache); on a mesh the tokens and steps are on every device (and process)."""
+  """Samples up to max_new_tokens per row on device (keys [B]: `row_keys`). Returns (tokens
+  [B, N], steps [B]: the most steps a row of its `data` group ran, cache). On a mesh each group
+  of devices runs its own loop, which stops when its rows are done."""
   DECODE_TRACES[0] += 1
-  body = functools.partial(decode_rows, cfg=cfg, method=method, max_new_tokens=max_new_tokens,
-                           sampling=sampling, options=options)
-  specs = _loop_specs(params, cache, options)
-  run = sharding.per_device(body, options, (*specs, P("data"), sharding.ALL, sharding.ALL),
-                            (sharding.ALL, sharding.ALL, specs[1]))
-  return run(params, cache, last_logits, stop_tokens, key)
-
-
-def decode_rows(params, cache: Cache, last_logits, stop_tokens, key, *, cfg: LlamaConfig,
-                method: Method, max_new_tokens: int, sampling: Sampling, options: RunOptions):
-  """`decode_loop`'s body: one device's rows (on a mesh, inside its step; Star's phase 2 runs it
-  inside its own). The devices of each `data` group run their own loop (it stops when their rows
-  are done); the steps they ran meet once, at the end."""
   b = last_logits.shape[0]
-  rows = sharding.row_offset(b, options) + jnp.arange(b)
-  key, sub = jax.random.split(key)
-  tok = sample(last_logits, sub, sampling, rows)
+  keys, sub = _split_rows(keys)
+  tok = sample(last_logits, sub, sampling)
   out = jnp.zeros((b, max_new_tokens), jnp.int32).at[:, 0].set(tok)
   done = jnp.isin(tok, stop_tokens)
 
@@ -183,30 +175,23 @@ def decode_rows(params, cache: Cache, last_logits, stop_tokens, key, *, cfg: Lla
     return (step < max_new_tokens) & ~jnp.all(done)
 
   def one_token(carry, gate_open: bool):
-    step, cache, tok, out, done, key = carry
+    step, cache, tok, out, done, keys = carry
     positions = cache.lengths[:, None]
     logits, cache = forward(params, tok[:, None], positions, cache, method, cfg, decode=True,
                             logits_index=jnp.zeros((b,), jnp.int32), gate_open=gate_open,
                             options=options)
-    key, sub = jax.random.split(key)
-    nxt = jnp.where(done, tok, sample(logits, sub, sampling, rows))
+    keys, sub = _split_rows(keys)
+    nxt = jnp.where(done, tok, sample(logits, sub, sampling))
     out = jax.lax.dynamic_update_slice_in_dim(out, nxt[:, None], step, axis=1)
-    return step + 1, cache, nxt, out, done | jnp.isin(nxt, stop_tokens), key
+    return step + 1, cache, nxt, out, done | jnp.isin(nxt, stop_tokens), keys
 
   step, cache, _, out, _, _ = decode_while(
-      method, keep_going, one_token, (jnp.int32(1), cache, tok, out, done, key), lambda c: c[1])
-  return sharding.all_rows(out, options), sharding.max_over_rows(step, options), cache
+      method, keep_going, one_token, (jnp.int32(1), cache, tok, out, done, keys), lambda c: c[1])
+  return out, jnp.full((b,), step), cache
 
 
-def _loop_specs(params, cache, options: RunOptions):
-  """(params, cache) specs of a step on options.mesh (None without one)."""
-  if options.mesh is None:
-    return None, None
-  return sharding.params(params), sharding.cache_specs(cache, options.mesh)
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "method", "options"),
-                   donate_argnames=("cache",))
+@mesh_step(inputs=("params", "cache", (ROWS,), (ROWS,)), outputs=("gathered", "same"),
+           donate=("cache",))
 def teacher_forced_nll(params, cache: Cache, last_logits, targets, *, cfg: LlamaConfig,
                        method: Method, options: RunOptions = DEFAULT):
   """NLL [B, N] of `targets` fed one token per decode step after a prefill (teacher forcing);
@@ -215,26 +200,20 @@ def teacher_forced_nll(params, cache: Cache, last_logits, targets, *, cfg: Llama
   def nll(logits, tok):
     return -jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tok[:, None], axis=1)[:, 0]
 
-  def body(params, cache, last_logits, targets):
-    def one_token(carry, gate_open: bool):
-      i, cache, out = carry  # feeds targets[:, i - 1], scores targets[:, i]
-      tok, nxt = jax.lax.dynamic_slice_in_dim(targets, i - 1, 2, axis=1).T
-      logits, cache = forward(params, tok[:, None], cache.lengths[:, None], cache, method, cfg,
-                              decode=True, logits_index=jnp.zeros(tok.shape, jnp.int32),
-                              gate_open=gate_open, options=options)
-      out = jax.lax.dynamic_update_slice_in_dim(out, nll(logits, nxt)[:, None], i, 1)
-      return i + 1, cache, out
+  def one_token(carry, gate_open: bool):
+    i, cache, out = carry  # feeds targets[:, i - 1], scores targets[:, i]
+    tok, nxt = jax.lax.dynamic_slice_in_dim(targets, i - 1, 2, axis=1).T
+    logits, cache = forward(params, tok[:, None], cache.lengths[:, None], cache, method, cfg,
+                            decode=True, logits_index=jnp.zeros(tok.shape, jnp.int32),
+                            gate_open=gate_open, options=options)
+    out = jax.lax.dynamic_update_slice_in_dim(out, nll(logits, nxt)[:, None], i, 1)
+    return i + 1, cache, out
 
-    n = targets.shape[1]
-    out = jnp.zeros(targets.shape, jnp.float32).at[:, 0].set(nll(last_logits, targets[:, 0]))
-    _, cache, out = decode_while(method, lambda c: c[0] < n, one_token,
-                                 (jnp.int32(1), cache, out), lambda c: c[1])
-    return sharding.all_rows(out, options), cache
-
-  specs = _loop_specs(params, cache, options)
-  run = sharding.per_device(body, options, (*specs, P("data"), P("data")),
-                            (sharding.ALL, specs[1]))
-  return run(params, cache, last_logits, targets)
+  n = targets.shape[1]
+  out = jnp.zeros(targets.shape, jnp.float32).at[:, 0].set(nll(last_logits, targets[:, 0]))
+  _, cache, out = decode_while(method, lambda c: c[0] < n, one_token,
+                               (jnp.int32(1), cache, out), lambda c: c[1])
+  return out, cache
 
 
 def trim_at_stops(rows, stop_tokens) -> list[list[int]]:
@@ -244,21 +223,26 @@ def trim_at_stops(rows, stop_tokens) -> list[list[int]]:
           for row in np.asarray(rows).tolist()]
 
 
-def prefill(params, cfg: LlamaConfig, prompts: Sequence[Sequence[int]],
-            method: RegisteredMethod, *, cache_len: int, decode_room: int | None = None,
+def prefill(params, cfg: LlamaConfig, prompts: Sequence[Sequence[int]], method: Method, *,
+            cache_len: int, decode_room: int | None = None,
             instructions: Sequence[Sequence[int]] | None = None, encode_instruction: bool = True,
             options: RunOptions = DEFAULT):
-  """Runs the prompts through the model chunk by chunk. Returns (cache, last-token logits [B, V]).
+  """Runs the prompts through the model. Returns (cache, last-token logits [B, V]).
 
-  The one router: the method is resolved and the prompts checked here, once. instructions: each
-  prompt's instruction, given apart from it (the prompt is then the document); methods that
-  `needs_instruction` (CItruS) need it and take the instruction-pass branch, the others read
-  document + instruction as one prompt (encode_instruction=False: the document alone, where the
-  instruction only steers a CItruS eviction). decode_room: tokens decoding will append (default:
-  what the cache has left).
+  The one router: the prompts are checked here, once, and the method's declarations pick the
+  road: chunks (`chunked_prefill`), the instruction-pass branch for a method that
+  `needs_instruction` and scores with it (CItruS: `instructed`), or the context encoded in
+  blocks for one that `encodes_context` (Star, ring: `context_encoding`). instructions: each
+  prompt's instruction (a query), given apart from it; the methods that need it take it apart,
+  the others read document + instruction as one prompt (encode_instruction=False: the document
+  alone, where the instruction only steers a CItruS eviction). decode_room: tokens decoding will
+  append (default: what the cache has left).
   """
-  method = layer_method(method)
   sharding.check_layer_mesh(method, options)
+  unit = method.cache_unit(axis_size(options.mesh, "ctx"))
+  if cache_len % unit:
+    raise GenerationError(f"cache_len={cache_len} is not a multiple of {unit}, the unit "
+                          f"{method.name!r} splits over the mesh's ctx axis")
   # Decoding's room is checked where the instruction is encoded (a CItruS perplexity run leaves
   # it out: the continuation then follows the document directly).
   lengths = check_prompts(prompts, instructions, cache_len=cache_len,
@@ -269,6 +253,9 @@ def prefill(params, cfg: LlamaConfig, prompts: Sequence[Sequence[int]],
       raise GenerationError(
           f"method {method.name!r} needs the instruction apart from the document: pass "
           "instructions= (or --instruction on the command line)")
+    if method.encodes_context:
+      return prefill_context(params, cfg, prompts, instructions, method,
+                             decode_room=max(room, 0), options=options)
     return prefill_instructed(params, cfg, prompts, instructions, method, cache_len=cache_len,
                               decode_room=max(room, 0), encode_instruction=encode_instruction,
                               options=options)
@@ -288,7 +275,7 @@ def decode(params, cfg: LlamaConfig, cache: Cache, last_logits, method: Method, 
   """The decode loop after a prefill. Returns (new tokens per row, stop token excluded; cache)."""
   stops = jnp.asarray(list(stop_tokens) or [-1], jnp.int32)
   out, steps, cache = decode_loop(params, cache, last_logits, stops,
-                                  jax.random.key(sampling.seed), cfg=cfg, method=method,
-                                  max_new_tokens=max_new_tokens, sampling=sampling,
-                                  options=options)
-  return trim_at_stops(np.asarray(out)[:, :int(steps)], stop_tokens), cache
+                                  row_keys(sampling.seed, last_logits.shape[0]), cfg=cfg,
+                                  method=method, max_new_tokens=max_new_tokens,
+                                  sampling=sampling, options=options)
+  return trim_at_stops(np.asarray(out)[:, :int(np.max(steps))], stop_tokens), cache

@@ -14,13 +14,11 @@ A prompt given as one string is split by `split_prompt`: the instruction is its 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Sequence
 
-import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 
+from jax_longctx.core.axes import ROWS
 from jax_longctx.ops.cache import Cache
 from jax_longctx.run.chunked_prefill import padded, read_chunks
 from jax_longctx.core.config import LlamaConfig
@@ -28,8 +26,9 @@ from jax_longctx.methods.base import Method
 from jax_longctx.model import forward
 from jax_longctx.core.options import DEFAULT, RunOptions
 from jax_longctx.run import sharding
+from jax_longctx.run.sharding import mesh_step
 
-_INSTRUCTION_ROUND = 16  # instruction lengths rounded up so nearby ones share a compile
+INSTRUCTION_ROUND = 16  # instruction lengths rounded up so nearby ones share a compile
 
 
 def split_prompt(text: str) -> tuple[str, str]:
@@ -56,60 +55,35 @@ class InstructionPass(Method):
     return self.inner.score_instruction(state, q, k, v, ctx)
 
 
-def _rows_step(body, params, tokens, lengths, cache: Cache, options: RunOptions, out):
-  """body(params, tokens, lengths, cache) on options.mesh: rows over `data`; `out` says what
-  it returns ("cache" or "cache+rows": the cache and logits [B, V])."""
-  mesh = options.mesh
-  specs = None if mesh is None else sharding.cache_specs(cache, mesh)
-  outs = specs if out == "cache" else (specs, P("data"))
-  return sharding.per_device(body, options, (sharding.params(params), P("data"), P("data"),
-                                             specs), outs)(params, tokens, lengths, cache)
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "method", "options"),
-                   donate_argnames=("cache",))
+@mesh_step(inputs=("params", (ROWS,), (ROWS,), "cache"), outputs="same", donate=("cache",))
 def instruction_pass(params, tokens, lengths, cache: Cache, *, cfg: LlamaConfig, method: Method,
                      options: RunOptions = DEFAULT):
   """Every layer's scores of its cache by the instruction [B, I]; the cache is not extended."""
-
-  def body(params, tokens, lengths, cache):
-    b, n = tokens.shape
-    valid = jnp.arange(n)[None, :] < lengths[:, None]
-    positions = cache.lengths[:, None] + jnp.arange(n, dtype=jnp.int32)[None, :]
-    _, scored = forward(params, tokens, positions, cache, InstructionPass(inner=method), cfg,
-                        valid=valid, logits_index=jnp.zeros((b,), jnp.int32), options=options)
-    return scored.replace(lengths=cache.lengths)
-
-  return _rows_step(body, params, tokens, lengths, cache, options, "cache")
+  b, n = tokens.shape
+  valid = jnp.arange(n)[None, :] < lengths[:, None]
+  positions = cache.lengths[:, None] + jnp.arange(n, dtype=jnp.int32)[None, :]
+  _, scored = forward(params, tokens, positions, cache, InstructionPass(inner=method), cfg,
+                      valid=valid, logits_index=jnp.zeros((b,), jnp.int32), options=options)
+  return scored.replace(lengths=cache.lengths)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "method", "options"),
-                   donate_argnames=("cache",))
+@mesh_step(inputs=("cache",), outputs="same", donate=("cache",))
 def final_eviction(cache: Cache, *, cfg: LlamaConfig, method: Method,
                    options: RunOptions = DEFAULT) -> Cache:
-  def body(cache):
-    return cache.replace(state=tuple(method.evict_by_instruction(s) for s in cache.state))
-
-  specs = None if options.mesh is None else sharding.cache_specs(cache, options.mesh)
-  return sharding.per_device(body, options, (specs,), specs)(cache)
+  return cache.replace(state=tuple(method.evict_by_instruction(s) for s in cache.state))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "method", "options"),
-                   donate_argnames=("cache",))
+@mesh_step(inputs=("params", (ROWS,), (ROWS,), "cache"), outputs=("same", (ROWS,)),
+           donate=("cache",))
 def encode_appended(params, tokens, lengths, cache: Cache, *, cfg: LlamaConfig, method: Method,
                     options: RunOptions = DEFAULT):
   """Tokens [B, I] appended without eviction; logits of each row's last valid token."""
-
-  def body(params, tokens, lengths, cache):
-    n = tokens.shape[1]
-    valid = jnp.arange(n)[None, :] < lengths[:, None]
-    positions = cache.lengths[:, None] + jnp.arange(n, dtype=jnp.int32)[None, :]
-    logits, cache = forward(params, tokens, positions, cache, method, cfg, valid=valid,
-                            decode=True, logits_index=jnp.maximum(lengths - 1, 0),
-                            options=options)
-    return cache, logits
-
-  return _rows_step(body, params, tokens, lengths, cache, options, "cache+rows")
+  n = tokens.shape[1]
+  valid = jnp.arange(n)[None, :] < lengths[:, None]
+  positions = cache.lengths[:, None] + jnp.arange(n, dtype=jnp.int32)[None, :]
+  logits, cache = forward(params, tokens, positions, cache, method, cfg, valid=valid,
+                          decode=True, logits_index=jnp.maximum(lengths - 1, 0), options=options)
+  return cache, logits
 
 
 def prefill_instructed(params, cfg: LlamaConfig, documents: Sequence[Sequence[int]],
@@ -124,12 +98,10 @@ def prefill_instructed(params, cfg: LlamaConfig, documents: Sequence[Sequence[in
   """
   doc_lens, ins_lens = [len(d) for d in documents], [len(i) for i in instructions]
   chunk = method.prefill_chunk
-  width = -(-max(ins_lens) // _INSTRUCTION_ROUND) * _INSTRUCTION_ROUND
+  width = -(-max(ins_lens) // INSTRUCTION_ROUND) * INSTRUCTION_ROUND
   tail = (width if encode_instruction else 0) + decode_room
   cache = sharding.empty_cache(cfg, method, len(documents), cache_len, max(chunk, tail), options)
   ins, ins_len = padded(instructions, width), jnp.asarray(ins_lens, jnp.int32)
-  if options.mesh is not None:  # laid out once, as the steps want them
-    ins, ins_len = (sharding.on_mesh(x, options.mesh, P("data")) for x in (ins, ins_len))
 
   def scored(cache):  # an instruction pass: every layer's scores of its cache by the instruction
     return instruction_pass(params, ins, ins_len, cache, cfg=cfg, method=method, options=options)

@@ -1,0 +1,101 @@
+"""Logical axes: what each dimension of a cache or a method's state is, declared where it is built.
+
+A state class declares each array field with the logical names of its dimensions,
+
+    k: jnp.ndarray = axes(ROWS, HEADS, TOKENS, None)   # [B, KV, T, d]
+
+and `logical_axes(tree)` reads the declarations back as a tree of `Axes`, one per array, with
+the tree's own structure. `core/mesh.py` maps the names to the device mesh (`spec_of`: rows over
+`data`, heads over `model`, tokens over `ctx`), so nothing ever has to guess how a state splits.
+
+- ROWS: batch rows (sequences);
+- HEADS: attention heads, query or KV (a cache's KV heads, a state's per-head vectors);
+- TOKENS: a cache's token slots, split over `ctx` only by methods that `splits_tokens`;
+- None: not split (head dim, kept-slot counts, window positions, ...).
+
+A field whose value is a struct of its own (a KVCache inside SnapKV's state) is not declared: the
+walk descends into it. A `pallas_kernels.quant.Quantized` under a declared field takes the
+declaration for its values and the same names without the last for its scales (a scale per row).
+An array reached with no declaration is an error naming its place: a new state class must
+declare its fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from flax import struct
+
+from pallas_kernels.quant import Quantized
+
+ROWS, HEADS, TOKENS = "rows", "heads", "tokens"
+# Weights (model/decoder.py): query heads, KV heads (copied up to the shards when fewer), the
+# vocabulary (padded to a multiple of the shards) and the MLP's hidden units.
+KV_HEADS, VOCAB, HIDDEN = "kv_heads", "vocab", "hidden"
+NAMES = (ROWS, HEADS, TOKENS, KV_HEADS, VOCAB, HIDDEN)
+
+_KEY = "logical_axes"
+
+
+@dataclasses.dataclass(frozen=True)
+class Axes:
+  """The logical names of one array's dimensions (a leaf of `logical_axes`' tree)."""
+
+  names: tuple
+
+  def __post_init__(self):
+    bad = [n for n in self.names if n is not None and n not in NAMES]
+    if bad:
+      raise ValueError(f"unknown logical axis {bad[0]!r}: one of {', '.join(NAMES)} or None")
+
+
+def axes(*names, **field_kw):
+  """A struct field holding an array whose dimensions are `names` (None: not split)."""
+  Axes(names)  # checked now, at class definition
+  return struct.field(pytree_node=True, metadata={_KEY: names}, **field_kw)
+
+
+def declared(cls) -> dict[str, tuple]:
+  """{field: names} of a struct class's declared fields."""
+  return {f.name: f.metadata[_KEY] for f in dataclasses.fields(cls) if _KEY in f.metadata}
+
+
+def logical_axes(tree, where: str = "state"):
+  """The tree with each array replaced by its `Axes` (None stays None): every array must sit in
+  a declared field of a struct, or be given by `with_axes`."""
+  if tree is None:
+    return None
+  if isinstance(tree, Quantized):
+    raise ValueError(f"{where}: quantized storage outside a declared field")
+  if isinstance(tree, (tuple, list)):
+    return type(tree)(logical_axes(x, f"{where}[{i}]") for i, x in enumerate(tree))
+  if isinstance(tree, dict):
+    return {k: logical_axes(x, f"{where}[{k!r}]") for k, x in tree.items()}
+  if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
+    names = declared(type(tree))
+    out = {}
+    for f in dataclasses.fields(tree):
+      if not f.metadata.get("pytree_node", True):
+        continue  # static: not an array
+      value = getattr(tree, f.name)
+      at = f"{type(tree).__name__}.{f.name}"
+      out[f.name] = (_leaf(value, names[f.name], at) if f.name in names
+                     else logical_axes(value, at))
+    return dataclasses.replace(tree, **out)
+  raise ValueError(f"{where}: an array with no declared axes (declare the field with "
+                   "core.axes.axes(...))")
+
+
+def _leaf(value, names: tuple, where: str):
+  if value is None:
+    return None
+  if isinstance(value, Quantized):
+    return Quantized(_leaf(value.values, names, where), Axes(names[:-1]))
+  if len(names) != len(value.shape):
+    raise ValueError(f"{where}: declared {len(names)} axes {names} for an array of shape "
+                     f"{tuple(value.shape)}")
+  return Axes(tuple(names))
+
+
+def is_axes(x) -> bool:
+  return isinstance(x, Axes)
