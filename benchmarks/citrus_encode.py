@@ -14,14 +14,13 @@ and the instruction itself, up to the logits of its last token.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import device_facts, jax_peak_bytes, median_time, write_json  # noqa: E402
+from benchmarks.common import (child_result, device_facts, jax_peak_bytes,  # noqa: E402
+                               median_time, run_child, write_json)
 
 
 def child(args) -> None:
@@ -57,7 +56,7 @@ def child(args) -> None:
     except Exception as e:  # out of memory is a result
       rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
     rec.update({"peak_bytes": jax_peak_bytes(), **device_facts()})
-    print("RESULT " + json.dumps(rec), flush=True)
+    child_result(rec)
 
 
 def main() -> None:
@@ -77,15 +76,12 @@ def main() -> None:
     return child(args)
   for method in args.methods.split(","):
     margs = [a.split(".", 1)[1] for a in args.method_arg if a.startswith(method + ".")]
-    cmd = [sys.executable, __file__, "--child", "--model", args.model, "--method", method,
-           "--contexts", args.contexts, "--instruction", str(args.instruction),
-           "--reps", str(args.reps)] + [f"--method-arg={a}" for a in margs]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    if not lines:
-      print(f"{method}: no result\n{proc.stderr[-2000:]}", flush=True)
-    for ln in lines:
-      rec = json.loads(ln[len("RESULT "):])
+    run = run_child(__file__, ["--model", args.model, "--method", method,
+                               "--contexts", args.contexts, "--instruction", str(args.instruction),
+                               "--reps", str(args.reps)] + [f"--method-arg={a}" for a in margs])
+    if not run.records:
+      print(f"{method}: no result\n{run.stderr[-2000:]}", flush=True)
+    for rec in run.records:
       write_json(args.out, rec)
       print(f"{method:18s} {rec['context']:>7d}  "
             + (f"{rec['encode_s']:.2f} s  {rec['tok_s']:.0f} tok/s  peak "

@@ -1,14 +1,17 @@
-"""Shared helpers for device benchmarks: timing, device facts, JSON output."""
+"""Shared helpers for device benchmarks: timing, device facts, JSON output, child processes."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
+import threading
 import time
 import traceback
 from typing import Callable
@@ -43,6 +46,67 @@ def write_json(path: str, record: dict) -> None:
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   with open(path, "a") as f:
     f.write(json.dumps(record) + "\n")
+
+
+# A child process's record: this, then the record's JSON, one line of its stdout.
+RESULT = "RESULT "
+STDERR_KEPT = 8000  # characters of a child's stderr kept for its parent's error record
+
+
+def child_result(rec: dict) -> None:
+  """In a child process (`run_child`): hands `rec` to the parent."""
+  print(RESULT + json.dumps(rec), flush=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class ChildRun:
+  records: list  # what the child handed over (`child_result`), in order
+  returncode: int
+  stderr: str  # the last STDERR_KEPT characters of its stderr
+  timed_out: bool = False
+
+
+def run_child(script: str, args: list[str], *, env: dict | None = None, cwd: str | None = None,
+              timeout: float | None = None, echo_stderr: bool = False,
+              on_record: Callable[[dict], None] | None = None) -> ChildRun:
+  """Runs `python SCRIPT --child ARGS` and collects its records. Benchmarks run each setting in
+  a child of its own: its peak memory is that setting's alone, and XLA_FLAGS (read once per
+  process) can differ. on_record(rec) is called as each record arrives, so a parent cut off
+  keeps what finished; echo_stderr passes the child's stderr (its progress lines) through as
+  it comes; past `timeout` seconds the child is killed (timed_out)."""
+  proc = subprocess.Popen([sys.executable, os.path.abspath(script), "--child", *args],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                          cwd=cwd)
+  kept = [""]
+
+  def read_stderr():  # in a thread: a child filling the stderr pipe would block otherwise
+    for line in proc.stderr:
+      if echo_stderr:
+        sys.stderr.write(line)
+        sys.stderr.flush()
+      kept[0] = (kept[0] + line)[-STDERR_KEPT:]
+
+  reader = threading.Thread(target=read_stderr, daemon=True)
+  reader.start()
+  killed = threading.Event()
+  timer = threading.Timer(timeout, lambda: (killed.set(), proc.kill())) if timeout else None
+  if timer:
+    timer.start()
+  records = []
+  try:
+    for line in proc.stdout:
+      if line.startswith(RESULT):
+        records.append(json.loads(line[len(RESULT):]))
+        if on_record:
+          on_record(records[-1])
+    proc.wait()
+    reader.join()
+  finally:
+    if timer:
+      timer.cancel()
+    if proc.poll() is None:  # the parent was interrupted: the child goes with it
+      proc.kill()
+  return ChildRun(records, proc.returncode, kept[0], killed.is_set())
 
 
 def run_cases(cases: dict[str, Callable], only: str, record: Callable[[dict], None]) -> list[str]:

@@ -24,12 +24,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+from benchmarks.common import child_result, run_child  # noqa: E402
 
 GIB = 2 ** 30
 # Variants compiled at every device count: the config as written, and without rematerialization
@@ -107,7 +108,7 @@ def child(args) -> None:
            "analytic_bf16_moments": analytic_bytes(cfg, source.config, n, moment_bytes=2),
            "analytic_8bit_moments": analytic_bytes(cfg, source.config, n, moment_bytes=1),
            "jax": jax.__version__}
-    print("RECORD " + json.dumps(rec), flush=True)
+    child_result(rec)
 
 
 def main() -> None:
@@ -127,20 +128,17 @@ def main() -> None:
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", XLA_FLAGS=(
         f"--xla_force_host_platform_device_count={n} "
         "--xla_disable_hlo_passes=cse_barrier_expander"))
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", "--config", args.config,
-           "--prefix-block", str(args.prefix_block), "--only", args.only,
-           *[x for s in args.set for x in ("--set", s)]]
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    done = run_child(__file__, ["--config", args.config, "--prefix-block", str(args.prefix_block),
+                                "--only", args.only, *[x for s in args.set for x in ("--set", s)]],
+                     cwd=ROOT, env=env)
     if done.returncode:
       raise SystemExit(done.stderr[-3000:])
-    for line in done.stdout.splitlines():
-      if line.startswith("RECORD "):
-        records.append(json.loads(line[len("RECORD "):]))
-        r = records[-1]
-        print(f"{r['devices']} device(s) {r['variant']}: temp "
-              f"{r['xla_cpu']['temp'] / GIB:.1f} GiB, arguments "
-              f"{r['xla_cpu']['argument'] / GIB:.1f} GiB; analytic {r['analytic']['total'] / GIB:.1f}"
-              f" GiB ({r['compile_s']} s)", flush=True)
+    for r in done.records:
+      records.append(r)
+      print(f"{r['devices']} device(s) {r['variant']}: temp "
+            f"{r['xla_cpu']['temp'] / GIB:.1f} GiB, arguments "
+            f"{r['xla_cpu']['argument'] / GIB:.1f} GiB; analytic "
+            f"{r['analytic']['total'] / GIB:.1f} GiB ({r['compile_s']} s)", flush=True)
   with open(args.out, "w") as f:
     json.dump({"command": " ".join(sys.argv), "records": records}, f, indent=1)
 

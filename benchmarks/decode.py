@@ -21,14 +21,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import common  # noqa: E402
-from benchmarks.common import device_facts, jax_peak_bytes, median_time, write_json  # noqa: E402
+from benchmarks.common import (child_result, device_facts, jax_peak_bytes,  # noqa: E402
+                               median_time, run_child, write_json)
 
 
 def _bytes_per_token(cfg, ctx: int, batch: int) -> tuple[int, int]:
@@ -237,7 +237,7 @@ def child(args) -> None:
   except Exception as e:  # out of memory at large batch x context is a result, not a crash
     rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
   rec.update(device_facts() if args.impl == "jax" else {})
-  print("RESULT " + json.dumps(rec), flush=True)
+  child_result(rec)
 
 
 def main() -> None:
@@ -290,17 +290,16 @@ def main() -> None:
       for b in map(int, args.batches.split(",")):
         if f"{ctx}x{b}" in skip:
           continue
-        cmd = [sys.executable, __file__, "--child", "--impl", impl, "--context", str(ctx),
-               "--batch", str(b), "--model", args.model, "--new-tokens", str(args.new_tokens),
-               "--reps", str(args.reps), "--chunk", str(args.chunk), "--method", method,
-               "--warmup-prefill" if args.warmup_prefill else "--no-warmup-prefill",
-               "--label", label, "--mesh", mesh]
-        cmd += [x for a in margs for x in ("--method-arg", a)]
-        cmd += [x for a in kopts for x in ("--kernel-option", a)]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-        rec = json.loads(lines[-1][7:]) if lines else {
-            "impl": impl, "context": ctx, "batch": b, "error": proc.stderr[-500:]}
+        run = run_child(__file__, [
+            "--impl", impl, "--context", str(ctx), "--batch", str(b), "--model", args.model,
+            "--new-tokens", str(args.new_tokens), "--reps", str(args.reps),
+            "--chunk", str(args.chunk), "--method", method,
+            "--warmup-prefill" if args.warmup_prefill else "--no-warmup-prefill",
+            "--label", label, "--mesh", mesh,
+            *[x for a in margs for x in ("--method-arg", a)],
+            *[x for a in kopts for x in ("--kernel-option", a)]])
+        rec = run.records[-1] if run.records else {
+            "impl": impl, "context": ctx, "batch": b, "error": run.stderr[-500:]}
         if gemm and "prefill_tok_s" in rec:
           rec["gemm_tflops"] = gemm
           rec["prefill_tflops"] = rec["prefill_tok_s"] * _prefill_flops_per_token(args.model, ctx)

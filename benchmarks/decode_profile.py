@@ -101,7 +101,6 @@ import argparse
 import gzip
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -241,9 +240,9 @@ def child(args) -> None:
     import traceback
     traceback.print_exc()
     rec["error"] = f"{type(e).__name__}: {str(e)[:400]}"
-  from benchmarks.common import device_facts
+  from benchmarks.common import child_result, device_facts
   rec.update(device_facts())
-  print("RESULT " + json.dumps(rec), flush=True)
+  child_result(rec)
 
 
 def _line(rec: dict, base_ms: float | None = None) -> str:
@@ -312,21 +311,19 @@ def main() -> None:
     env.setdefault("JAX_COMPILATION_CACHE_DIR", cache_dir)
     env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", "")] + VARIANTS[name].flags).strip()
-    cmd = [sys.executable, __file__, "--child", "--variant", name, "--model", args.model,
-           "--context", str(args.context), "--batch", str(args.batch), "--new-tokens",
-           str(args.new_tokens), "--reps", str(args.reps), "--chunk", str(args.chunk),
-           "--out", args.out] + (["--smoke"] if args.smoke else [])
     _stage(f"variant {name}: XLA_FLAGS={env['XLA_FLAGS']!r}")
-    try:
-      proc = subprocess.run(cmd, capture_output=True, text=True, env=env,
-                            timeout=min(left + 60, args.variant_timeout_s))
-      lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-      rec = json.loads(lines[-1][7:]) if lines else {"variant": name,
-                                                     "error": proc.stderr[-600:]}
-      if "error" in rec:
-        rec["stderr_tail"] = proc.stderr[-1500:]
-    except subprocess.TimeoutExpired:
+    run = common.run_child(__file__, [
+        "--variant", name, "--model", args.model, "--context", str(args.context),
+        "--batch", str(args.batch), "--new-tokens", str(args.new_tokens),
+        "--reps", str(args.reps), "--chunk", str(args.chunk), "--out", args.out,
+        *(["--smoke"] if args.smoke else [])], env=env,
+        timeout=min(left + 60, args.variant_timeout_s))
+    if run.timed_out:
       rec = {"variant": name, "error": "timed out"}
+    else:
+      rec = run.records[-1] if run.records else {"variant": name, "error": run.stderr[-600:]}
+      if "error" in rec:
+        rec["stderr_tail"] = run.stderr[-1500:]
     if bw and "decode_ms" in rec:
       rec["copy_bw"] = bw
       rec["bound_ms"] = (rec["weight_bytes"] + rec["kv_bytes"]) / bw * 1e3

@@ -28,14 +28,12 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import device_facts  # noqa: E402
+from benchmarks.common import child_result, device_facts, run_child  # noqa: E402
 
 SMOKE_DEVICES = 8
 # A tiny model of the 3B layout (GQA, llama3 RoPE) and a ReAttention scope to match: selection
@@ -133,30 +131,20 @@ def child(args) -> dict:
 def _run_child(args, context: int, devices: int, block: int) -> dict:
   """One context on one mesh size and layout in its own process (its peak memory alone); its
   record, or its error."""
-  cmd = [sys.executable, os.path.abspath(__file__), "--child", "--context", str(context),
-         "--method", args.method, "--model", args.model, "--devices", str(devices),
-         "--shard-blocks", str(block),
-         "--chunk", str(args.chunk),
+  cmd = ["--context", str(context), "--method", args.method, "--model", args.model,
+         "--devices", str(devices), "--shard-blocks", str(block), "--chunk", str(args.chunk),
          "--decode-tokens", str(args.decode_tokens), "--decode-reps", str(args.decode_reps)]
   env = dict(os.environ)
   if args.smoke:
     cmd.append("--smoke")
     env.update(JAX_PLATFORMS="cpu",
                XLA_FLAGS=f"--xla_force_host_platform_device_count={SMOKE_DEVICES}")
-  with tempfile.TemporaryFile("w+") as err:
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env)
-    for line in proc.stderr:  # progress passes through; the tail is kept for an error
-      sys.stderr.write(line)
-      err.write(line)
-    out = proc.stdout.read()
-    proc.wait()
-    for line in out.splitlines():
-      if line.startswith("RESULT "):
-        return json.loads(line[len("RESULT "):])
-    err.seek(0)
-    return {"context": context, "devices": devices, "shard_block": block,
-            "error": f"exit {proc.returncode}: {err.read()[-2000:]}"}
+  # progress passes through; the tail is kept for an error
+  run = run_child(__file__, cmd, env=env, echo_stderr=True)
+  if run.records:
+    return run.records[0]
+  return {"context": context, "devices": devices, "shard_block": block,
+          "error": f"exit {run.returncode}: {run.stderr[-2000:]}"}
 
 
 def main() -> None:
@@ -182,7 +170,7 @@ def main() -> None:
   args = p.parse_args()
   if args.child:
     args.devices, args.shard_blocks = int(args.devices), int(args.shard_blocks)
-    print("RESULT " + json.dumps(child(args)), flush=True)
+    child_result(child(args))
     return
   if not args.out:
     p.error("--out is required")

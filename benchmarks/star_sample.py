@@ -19,16 +19,14 @@ is reported, split into phase 1 (context) and phase 2 (query + generation).
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import device_facts, jax_peak_bytes, write_json  # noqa: E402
+from benchmarks.common import (child_result, device_facts, jax_peak_bytes,  # noqa: E402
+                               run_child, write_json)
 
 
 def _timed(fn):
@@ -100,7 +98,7 @@ def child(args) -> None:
     except Exception as e:  # out of memory is a result
       rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
     rec.update({"peak_bytes": jax_peak_bytes(), **device_facts()})
-    print("RESULT " + json.dumps(rec), flush=True)
+    child_result(rec)
 
 
 def main() -> None:
@@ -122,28 +120,22 @@ def main() -> None:
     return child(args)
   for method in args.methods.split(","):
     devices = 1 if method == "full" else args.devices
-    cmd = [sys.executable, __file__, "--child", "--model", args.model, "--method", method,
-           "--devices", str(devices), "--contexts", args.contexts, "--query", str(args.query),
-           "--new-tokens", str(args.new_tokens), "--chunk", str(args.chunk),
-           "--reps", str(args.reps)]
+
+    def record(rec, method=method, devices=devices):
+      write_json(args.out, rec)
+      print(f"{method:9s} x{devices} {rec['context']:>7d}  "
+            + (f"{rec['sample_s']:.2f} s/sample (phase 1 {rec['phase1_s']:.2f} s, phase 2 "
+               f"{rec['phase2_s']:.2f} s)  peak {(rec['peak_bytes'] or 0) / 2**30:.1f} GiB"
+               if "sample_s" in rec else rec.get("error", "")), flush=True)
+
     # Results are written as each context finishes, so a run cut short keeps what it measured.
-    with tempfile.TemporaryFile("w+") as err:
-      proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
-      got = 0
-      for ln in proc.stdout:
-        if not ln.startswith("RESULT "):
-          continue
-        got += 1
-        rec = json.loads(ln[len("RESULT "):])
-        write_json(args.out, rec)
-        print(f"{method:9s} x{devices} {rec['context']:>7d}  "
-              + (f"{rec['sample_s']:.2f} s/sample (phase 1 {rec['phase1_s']:.2f} s, phase 2 "
-                 f"{rec['phase2_s']:.2f} s)  peak {(rec['peak_bytes'] or 0) / 2**30:.1f} GiB"
-                 if "sample_s" in rec else rec.get("error", "")), flush=True)
-      proc.wait()
-      if not got or proc.returncode:
-        err.seek(0)
-        print(f"{method}: exit {proc.returncode}\n{err.read()[-2000:]}", flush=True)
+    run = run_child(__file__, ["--model", args.model, "--method", method,
+                               "--devices", str(devices), "--contexts", args.contexts,
+                               "--query", str(args.query), "--new-tokens", str(args.new_tokens),
+                               "--chunk", str(args.chunk), "--reps", str(args.reps)],
+                    on_record=record)
+    if not run.records or run.returncode:
+      print(f"{method}: exit {run.returncode}\n{run.stderr[-2000:]}", flush=True)
 
 
 if __name__ == "__main__":

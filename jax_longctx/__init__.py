@@ -2,8 +2,9 @@
 
 The names below load on first use (PEP 562), so importing a config-level module such as
 `jax_longctx.core.config` (checkpoint conversion does) does not load the model, the methods or jax's
-compiled steps. `jax_longctx.generate` is the function; the module that defines it is
-`jax_longctx.run.generation`. Every error the library raises derives from `LongctxError`.
+compiled steps. `jax_longctx.generate` is the function, defined in `jax_longctx.run.driver`
+(`jax_longctx.run.generation` holds the prefill and decode steps it runs). Every error the
+library raises derives from `LongctxError`.
 """
 
 import importlib

@@ -1,9 +1,13 @@
 """RefreshKV's threshold calibration (issue 39): the paper's A.4 rule, the batched sweep, the
-calibration written beside a checkpoint and used by later loads, and the fallback's notice."""
+calibration written beside a checkpoint and used by later loads, and the fallback's notice;
+the sweep on a tensor-parallel mesh (`mesh_sweep`, a process of its own on fake CPU devices:
+python -m tests.test_calibration mesh_sweep)."""
 
 import json
 import os
 import re
+import sys
+from types import SimpleNamespace
 
 import jax.numpy as jnp
 import numpy as np
@@ -11,12 +15,16 @@ import pytest
 
 import jax_longctx
 from jax_longctx.app import calibration_store, cli
-from jax_longctx.app.calibration import (Rule, SweptRefreshKV, calibrate_refreshkv, choose,
-                                     pick_reading)
+from jax_longctx.app.api import LM
+from jax_longctx.app.calibration import (Rule, SweptRefreshKV, _run_text, calibrate_refreshkv,
+                                         choose, pick_reading, summarize)
+from jax_longctx.core.mesh import make_mesh
 from jax_longctx.run.generation import prefill, teacher_forced_nll
 from jax_longctx.core.options import RunOptions
 from jax_longctx.methods import get
 from jax_longctx.methods.refreshkv import FALLBACK_THRESHOLD, RefreshKV
+from jax_longctx.model import place, random_params
+from tests.conftest import run_on_eight_devices, tiny_config
 
 # Table 9 (held-out Book perplexity; thresholds 0.80, 0.85, 0.90, 0.95) and full attention's.
 TABLE9 = {"llama": (6.70, {5: [6.92, 6.86, 6.88, 6.88], 10: [6.95, 6.96, 6.96, 6.95]}),
@@ -77,6 +85,33 @@ def test_swept_rows_decode_as_each_setting_alone(tiny):
     np.testing.assert_allclose(swept_nll[i], nll[0], atol=1e-5)
     np.testing.assert_array_equal(swept_full[i], full[0])
   assert len({tuple(f) for f in swept_full}) > 1  # the rows did follow different schedules
+
+
+def mesh_sweep():
+  """One text's sweep (the anchors, both readings at two thresholds) on model=2 records what one
+  device does: the same NLLs, the same full steps per layer (each layer's mean query is over all
+  its heads, not one shard's), so the same choice."""
+  cfg = tiny_config(max_position_embeddings=128)  # 6 query / 2 KV heads: 3 / 1 a shard
+  params = random_params(cfg, seed=1)
+  rng = np.random.default_rng(0)
+  text = rng.integers(0, cfg.vocab_size, 40).tolist(), rng.integers(0, cfg.vocab_size, 20).tolist()
+  task, sample = SimpleNamespace(split=lambda _: text), SimpleNamespace(n_tokens=60)
+  rows = [(r, t) for r in ("before", "after") for t in (0.0, 0.5)]  # the random model's range
+  mesh = make_mesh("model=2")
+  one, many = (_run_text(lm, 40, 0, sample, task, (2,), rows, 8, 8)
+               for lm in (LM(cfg, params, None), LM(cfg, place(params, cfg, mesh), None, mesh=mesh)))
+  for a, b in zip(one, many):
+    assert a["method"] == b["method"] and a.get("full_steps") == b.get("full_steps"), (a, b)
+    np.testing.assert_allclose(a["nll"], b["nll"], atol=1e-4, err_msg=a["method"])
+  assert len({tuple(r["full_steps"]) for r in one if "full_steps" in r}) > 1
+  picks = [{reading: (s["threshold"], s["stride"]) for reading, s in choose(
+      summarize(r, (2,), ("before", "after"), (0.0, 0.5))["settings"], Rule()).items()}
+      for r in (one, many)]
+  assert picks[0] == picks[1], picks
+
+
+def test_a_sweep_on_a_tensor_parallel_mesh_is_one_devices():
+  run_on_eight_devices("tests.test_calibration", "mesh_sweep")
 
 
 @pytest.fixture
@@ -178,3 +213,8 @@ def test_bad_calibrate_input_is_a_one_line_error(argv, match, capsys):
   err = capsys.readouterr().err.strip()
   assert err.count("\n") == 0 and err.startswith("jax-longctx: error:")
   assert re.search(match, err), err
+
+
+if __name__ == "__main__":
+  {"mesh_sweep": mesh_sweep}[sys.argv[1]]()
+  print("OK")

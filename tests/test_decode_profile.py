@@ -1,4 +1,5 @@
-"""benchmarks/decode_profile.py on CPU (--smoke) and its HLO parsing on a GPU-style module."""
+"""benchmarks/decode_profile.py on CPU (--smoke) and its HLO parsing on a GPU-style module; the
+child processes benchmarks run their settings in (common.run_child)."""
 
 import json
 import os
@@ -6,6 +7,7 @@ import subprocess
 import sys
 
 from benchmarks import xplane_summary
+from benchmarks.common import run_child
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -114,3 +116,29 @@ def test_smoke_runs_the_decode_switch_variants(tmp_path):
   small = recs["small_kernels"]
   assert all(small[k] for k in ("merge_kernel", "cache_kernel", "add_norm", "q_in_kernel"))
   assert recs["split64"]["decode_tiling"] == {"key_splits": 64}
+
+
+CHILD = """import sys, time
+sys.path.insert(0, {root!r})
+from benchmarks.common import child_result
+print("not a record")
+for i in range(int(sys.argv[2])):
+  child_result({{"i": i}})
+  print("progress", i, file=sys.stderr, flush=True)
+time.sleep(float(sys.argv[3]))
+sys.exit(int(sys.argv[4]))
+"""
+
+
+def test_a_child_hands_its_records_over(tmp_path, capsys):
+  """Records in order (each to on_record as it comes), stdout's other lines left out, the
+  stderr kept and echoed, the exit status; a child past its timeout is killed."""
+  script = tmp_path / "child.py"
+  script.write_text(CHILD.format(root=ROOT))
+  seen = []
+  run = run_child(str(script), ["3", "0", "2"], echo_stderr=True, on_record=seen.append)
+  assert run.records == seen == [{"i": 0}, {"i": 1}, {"i": 2}]
+  assert run.returncode == 2 and not run.timed_out
+  assert run.stderr == "progress 0\nprogress 1\nprogress 2\n" == capsys.readouterr().err
+  run = run_child(str(script), ["1", "60", "0"], timeout=1)
+  assert run.timed_out and run.records == [{"i": 0}] and run.returncode != 0

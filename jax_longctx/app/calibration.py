@@ -75,9 +75,11 @@ class SweptRefreshKV(RefreshKV):
   rows: tuple = ()
 
   def _mean_query(self, q, ctx):
+    # ctx.heads.mean, as RefreshKV: on a tensor-parallel mesh q holds one shard's heads, and the
+    # layer's mean query is over all of them.
     after = jnp.asarray([a for _, a in self.rows])[:, None, None]
-    plain = jnp.mean(q.astype(jnp.float32), axis=2)
-    rotated = jnp.mean(apply_rope(q, ctx.q_pos, ctx.freqs).astype(jnp.float32), axis=2)
+    plain = ctx.heads.mean(q.astype(jnp.float32), axis=2)
+    rotated = ctx.heads.mean(apply_rope(q, ctx.q_pos, ctx.freqs).astype(jnp.float32), axis=2)
     return jnp.where(after, rotated, plain)
 
   def _threshold(self):
