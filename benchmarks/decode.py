@@ -81,7 +81,7 @@ def run_jax(args) -> dict:
   from jax_longctx.model import random_on_mesh, random_params, serving_params
   from jax_longctx.run import sharding
   from jax_longctx.run.chunked_prefill import end_prefill, prefill_step
-  from jax_longctx.run.generation import Sampling, decode_loop
+  from jax_longctx.run.generation import Sampling, decode_loop, row_keys
 
   cfg = preset(args.model, dtype="bfloat16")
   method = get(args.method, **parse_method_args(args.method_arg))
@@ -97,9 +97,7 @@ def run_jax(args) -> dict:
   cache_len = -(-(ctx + args.new_tokens * (args.reps + 2)) // 128) * 128
   tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (b, ctx)).astype(np.int32)
   plen = jnp.full((b,), ctx, jnp.int32)
-  rows = (lambda x: x) if mesh is None else (
-      lambda x: sharding.on_mesh(x, mesh, jax.sharding.PartitionSpec("data")))
-  tokens, plen = rows(tokens), rows(plen)
+  tokens = jnp.asarray(tokens)
   n_chunks = ctx // chunk
 
   def run_prefill(first_chunk: int, cache, last):
@@ -122,7 +120,7 @@ def run_jax(args) -> dict:
 
   def fresh():
     return (sharding.empty_cache(cfg, method, b, cache_len, chunk, options),
-            rows(jnp.zeros((b, cfg.vocab_size))))
+            jnp.zeros((b, cfg.vocab_size)))
 
   if args.warmup_prefill:  # a whole prefill compiles; the next one is timed, every chunk of it
     cache, last, first, _ = run_prefill(0, *fresh())
@@ -143,12 +141,12 @@ def run_jax(args) -> dict:
 
   def decode():
     out, steps, state["cache"] = decode_loop(
-        params, state["cache"], last, stops, jax.random.key(0), cfg=cfg, method=method,
+        params, state["cache"], last, stops, row_keys(0, b), cfg=cfg, method=method,
         max_new_tokens=args.new_tokens, sampling=Sampling(), options=options)
     jax.block_until_ready(out)
 
   if os.environ.get("JAX_LONGCTX_DUMP_HLO"):
-    hlo = decode_loop.lower(params, cache, last, stops, jax.random.key(0), cfg=cfg, method=method,
+    hlo = decode_loop.lower(params, cache, last, stops, row_keys(0, b), cfg=cfg, method=method,
                             max_new_tokens=args.new_tokens, sampling=Sampling(),
                             options=options).compile().as_text()
     dump = os.path.join(os.environ["JAX_LONGCTX_DUMP_HLO"], f"{args.label}_{ctx}.hlo.txt")
@@ -164,7 +162,7 @@ def run_jax(args) -> dict:
   if mesh is not None:  # what one device reads: its weights, its rows' KV of its heads
     model, data = (mesh.shape[a] for a in ("model", "data"))
     wbytes, kvbytes = wbytes // model, kvbytes * max(model // cfg.num_kv_heads, 1) // (model * data)
-  report = method.report(state["cache"] if mesh is None else sharding.first_rows(state["cache"], b))
+  report = method.report(state["cache"])
   return {**report, "hparams": method.hparams(), "prefill_tok_s": b * timed_tokens / prefill_s,
           "prefill_warmup": args.warmup_prefill,
           "prefill_chunk": chunk, "prefill_s": prefill_s, "prefill_host_enqueue_s": host_s,

@@ -58,7 +58,8 @@ def child(args) -> dict:
   from jax.sharding import Mesh
 
   from jax_longctx import preset
-  from jax_longctx.run.distributed import cache_unit, decode_sharded, prefill_sharded, sharded
+  from jax_longctx.core.options import RunOptions
+  from jax_longctx.run.generation import decode, prefill
   from jax_longctx.run.sharding import placed
   from jax_longctx.methods import get
   from jax_longctx.model import random_params
@@ -72,19 +73,19 @@ def child(args) -> dict:
   method = (get(args.method, base_args=tuple(settings.items()), shard_block=args.shard_blocks)
             if args.method == "resa_mesh" else
             get(args.method, shard_block=args.shard_blocks, **settings))
-  chunk = method.layer_method().prefill_chunk
+  chunk = method.prefill_chunk
   devices = jax.local_devices()[:args.devices or None]
   if args.devices and len(devices) < args.devices:
     raise SystemExit(f"{args.devices} devices asked for, {len(devices)} visible")
   n_dev, c = len(devices), args.context
-  mesh = Mesh(np.array(devices), ("ctx",))
+  options = RunOptions(mesh=Mesh(np.array(devices), ("ctx",)))
   room = args.decode_tokens * (args.decode_reps + 1)
-  unit = math.lcm(128, cache_unit(sharded(method), n_dev))
+  unit = math.lcm(128, method.cache_unit(n_dev))
   cache_len = -(-(c + room) // unit) * unit
   _stage(f"context {c} over {n_dev} devices: cache {cache_len} slots "
          f"({cache_len // n_dev} a device), {args.method}, chunk {chunk}, "
          f"shard_block {args.shard_blocks}")
-  params = placed(random_params(cfg), cfg, mesh)  # copied onto every device of the ctx axis
+  params = placed(random_params(cfg), cfg, options.mesh)  # copied onto every device of ctx
   prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, c).tolist()
   marks = {}
 
@@ -99,8 +100,8 @@ def child(args) -> dict:
              f"{rate:.0f} tok/s after the first chunk")
 
   marks["t0"] = time.perf_counter()
-  cache, last = prefill_sharded(params, cfg, [prompt], method, mesh, cache_len=cache_len,
-                                on_chunk=on_chunk)
+  cache, last = prefill(params, cfg, [prompt], method, cache_len=cache_len, options=options,
+                        on_chunk=on_chunk)
   jax.block_until_ready((cache, last))  # RESA's end of prefill included
   t_end = time.perf_counter()
   n_chunks = -(-c // chunk)
@@ -114,8 +115,8 @@ def child(args) -> dict:
   def decode_run():
     nonlocal cache
     t = time.perf_counter()
-    rows, cache = decode_sharded(params, cfg, cache, last, method, mesh,
-                                 max_new_tokens=args.decode_tokens)
+    rows, cache = decode(params, cfg, cache, last, method, max_new_tokens=args.decode_tokens,
+                         options=options)
     return time.perf_counter() - t, rows  # rows are host lists: the run has finished
 
   warm_s, _ = decode_run()  # compiles

@@ -52,7 +52,7 @@ def measure(cfg, method, context: int, n_q: int, profile: bool = False) -> dict:
   pos = (context - n_q + jnp.arange(n_q, dtype=jnp.int32))[None, :]
   valid = jnp.ones(pos.shape, bool)
   hp = dict(n_global=method.n_global, n_local=method.n_local, span=method.span,
-            top_k=method.top_k, clip=method.clip, backend=method.backend)
+            top_k=method.top_k, clip=method.clip, backend="auto")
   n = cfg.num_layers  # one call runs the step once per layer, as a decode step does
 
   def nudged(x, i):  # depends on the iteration, so XLA cannot hoist the work out of the loop
@@ -61,13 +61,13 @@ def measure(cfg, method, context: int, n_q: int, profile: bool = False) -> dict:
   seq_end, lo = pos[:, -1] + 1, method.n_global
   hi = seq_end - method.n_local
   stages = {  # prefixes of the selection, each reduced to a scalar XLA cannot skip
-      "score": lambda q, kc: jnp.sum(vote(q, kc, lo, hi, valid, method.top_k, method.backend)),
+      "score": lambda q, kc: jnp.sum(vote(q, kc, lo, hi, valid, method.top_k, "auto")),
       "vote": lambda q, kc: jnp.sum(most_voted(
-          vote(q, kc, lo, hi, valid, method.top_k, method.backend), method.clip, kc.shape[2],
-          pairwise_items(method.backend))),
+          vote(q, kc, lo, hi, valid, method.top_k, "auto"), method.clip, kc.shape[2],
+          pairwise_items("auto"))),
       "spans": lambda q, kc: jnp.sum(span_runs(most_voted(
-          vote(q, kc, lo, hi, valid, method.top_k, method.backend), method.clip, kc.shape[2],
-          pairwise_items(method.backend)),
+          vote(q, kc, lo, hi, valid, method.top_k, "auto"), method.clip, kc.shape[2],
+          pairwise_items("auto")),
           jnp.int32(lo), hi, method.span)[0]),
       "select": lambda q, kc: jnp.sum(select_scope(q, kc, pos, valid, **hp).idx),
   }

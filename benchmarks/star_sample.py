@@ -13,7 +13,8 @@ in every block's row, as the authors' code does); ring: exact prefill with K/V p
 devices; both then run Star's phase 2. Full attention: chunked prefill (`--chunk`) through the flash kernel, then
 the library's decode loop. Each method runs in its own process (peak memory is per method); per
 context one warm-up sample compiles, then the median of `--reps` samples (one past 64K tokens)
-is reported, split into phase 1 (context) and phase 2 (query + generation).
+is reported, split into phase 1 (the prefill road: the context, then the query) and phase 2
+(generation; before 2026-11-25 the query counted in phase 2).
 """
 
 from __future__ import annotations
@@ -41,9 +42,8 @@ def child(args) -> None:
   from jax.sharding import Mesh
 
   from jax_longctx import preset
-  from jax_longctx.run.distributed import answer, encode_context
   from jax_longctx.run.sharding import placed
-  from jax_longctx.run.generation import Sampling, decode_loop, prefill
+  from jax_longctx.run.generation import Sampling, decode, decode_loop, prefill, row_keys
   from jax_longctx.core.options import RunOptions
   from jax_longctx.methods import get
   from jax_longctx.model import random_params
@@ -72,15 +72,21 @@ def child(args) -> None:
           options=RunOptions(prefill_chunk=args.chunk),
           decode_room=room)))))
       t2 = _timed(lambda: np.asarray(decode_loop(
-          params, box["cache"], box["last"], jax.numpy.asarray([-1]), jax.random.key(0), cfg=cfg,
+          params, box["cache"], box["last"], jax.numpy.asarray([-1]), row_keys(0, 1), cfg=cfg,
           method=full, max_new_tokens=args.new_tokens, sampling=Sampling())[0]))
       return t1, t2
+    # Phase 1 and the query's forward (the prefill road), then the decode loop.
+    name = args.method.removesuffix("_rows")
+    method = get(name, **({} if name == "ring" else
+                          {"shared_anchor": not args.method.endswith("_rows")}))
+    options = RunOptions(mesh=mesh)
+    cache_len = -(-(n + args.query + args.new_tokens) // 128) * 128
     box = {}
-    t1 = _timed(lambda: box.update(kv=jax.block_until_ready(encode_context(
-        params, cfg, [context], mesh, method=args.method.removesuffix("_rows"),
-        shared_anchor=not args.method.endswith("_rows")))))
-    t2 = _timed(lambda: answer(params, cfg, box["kv"], [n], [query], mesh,
-                               max_new_tokens=args.new_tokens))
+    t1 = _timed(lambda: box.update(zip(("cache", "last"), jax.block_until_ready(prefill(
+        params, cfg, [context], method, cache_len=cache_len, decode_room=args.new_tokens,
+        instructions=[query], options=options)))))
+    t2 = _timed(lambda: decode(params, cfg, box["cache"], box["last"], method,
+                               max_new_tokens=args.new_tokens, options=options))
     return t1, t2
 
   for n in [int(c) for c in args.contexts.split(",")]:

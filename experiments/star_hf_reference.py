@@ -1,6 +1,6 @@
 """Star Attention on the default model against Star written a second time over transformers'
 Llama (tests/hf_reference.hf_star), to tell the method's failures from ours; full attention too.
-`generate_distributed` runs on 4 fake CPU devices.
+Star (the one driver, `ctx=4`) runs on 4 fake CPU devices.
 
     PYTHONPATH=. python experiments/star_hf_reference.py --task passkey --depths 0.1,0.5,0.9
 """
@@ -27,13 +27,13 @@ def main() -> None:
   p.add_argument("--new-tokens", type=int, default=10)
   args = p.parse_args()
 
-  import jax
-  from jax.sharding import Mesh
   from transformers import LlamaForCausalLM
 
   from checkpoints_convert import export_hf
   from jax_longctx.app import api
-  from jax_longctx.run.distributed import generate_distributed
+  from jax_longctx.core.options import RunOptions
+  from jax_longctx.methods import get
+  from jax_longctx.run.driver import generate
   from jax_longctx.app.tasks import get as get_task
   from tests.hf_reference import hf_star
 
@@ -43,13 +43,13 @@ def main() -> None:
   model = LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32,
                                            attn_implementation="sdpa").eval()
   task = get_task(args.task)
-  mesh = Mesh(np.array(jax.devices()[:4]), ("ctx",))
+  options = RunOptions(mesh="ctx=4")
   for seed, depth in enumerate(float(d) for d in args.depths.split(",")):
     sample = task.make(lm.tokenizer, args.length, depth, seed, chat=True)
     doc, query = lm.apart(sample.document, sample.instruction)
-    rows, _ = generate_distributed(lm.params, lm.config, [doc], [query], mesh, method="star",
-                                   block_size=-(-len(doc) // args.blocks),
-                                   max_new_tokens=args.new_tokens)
+    star = get("star", block_size=-(-len(doc) // args.blocks))
+    rows = generate(lm.params, lm.config, [doc], star, max_new_tokens=args.new_tokens,
+                    instructions=[query], options=options).tokens
     ours = lm.tokenizer.decode(rows[0])
     block = -(-len(doc) // args.blocks)
     ref = lm.tokenizer.decode(hf_star(model, doc, query, block, block, args.new_tokens)[1])

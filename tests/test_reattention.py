@@ -13,6 +13,7 @@ from jax_longctx.methods.reattention import ReAttention
 from jax_longctx.methods.reattention_scope import (PAIRWISE_MAX_VOTES, most_voted_counted,
                                                    most_voted_pairwise, most_voted_sorted,
                                                    select_scope)
+from jax_longctx.core.options import RunOptions
 from jax_longctx.core.rope import inv_freq
 from tests.conftest import tiny_config
 
@@ -160,7 +161,7 @@ def _rope(x, pos, freqs):
 @pytest.mark.parametrize("n_q", [8, 1])  # 1: decode, the kernel rotating the keys it gathers
 def test_layer_output_is_rope_attention_over_the_reference_scope(backend, n_q):
   cfg = tiny_config()
-  method = get("reattention", chunk=8, backend=backend, **HP)
+  method = get("reattention", chunk=8, **HP)
   b, t, group = 2, 160, cfg.num_heads // cfg.num_kv_heads
   rng = np.random.default_rng(7)
   q = rng.normal(size=(b, n_q, cfg.num_heads, cfg.head_dim)).astype(np.float32)
@@ -174,7 +175,7 @@ def test_layer_output_is_rope_attention_over_the_reference_scope(backend, n_q):
   v_new = np.take_along_axis(v_all, pos[:, :, None, None], axis=1)
   freqs = inv_freq(cfg)
   ctx = AttnContext(layer=0, q_pos=jnp.asarray(pos), valid=jnp.asarray(valid), freqs=freqs,
-                    cfg=cfg)
+                    cfg=cfg, options=RunOptions(kernel_backend=backend))
   out, _ = method.prefill(state, jnp.asarray(q), jnp.asarray(k_new), jnp.asarray(v_new), ctx)
   for i, end in enumerate(ends):
     scope = np.asarray(reference_scope(q[i], k_all[i].transpose(1, 0, 2), end, **HP))
@@ -210,5 +211,5 @@ def test_bad_settings_fail_clearly():
     get("reattention", **HP).init_state(cfg, 1, 96, jnp.float32, 32)
   with pytest.raises(MethodError, match="clip=0 must be >= 1"):
     get("reattention", **{**HP, "clip": 0}).init_state(cfg, 1, 96, jnp.float32, 8)
-  with pytest.raises(ValueError, match="backend"):
-    get("reattention", backend="cuda", **HP).init_state(cfg, 1, 96, jnp.float32, 8)
+  with pytest.raises(MethodError, match="has no hyper-parameter 'backend'"):
+    get("reattention", backend="gpu", **HP)  # the run's kernel_backend picks it (RunOptions)

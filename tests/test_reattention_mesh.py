@@ -1,4 +1,4 @@
-"""Mesh ReAttention (jax_longctx/run/distributed/reattention_mesh.py) equals one-device ReAttention
+"""Mesh ReAttention (jax_longctx/methods/reattention.py MeshReAttention) equals one-device ReAttention
 on 8 fake CPU devices; each check runs in its own process (the device count is fixed when JAX
 starts): tests/reattention_mesh_checks.py says what each one checks."""
 
@@ -18,8 +18,8 @@ def test_on_eight_devices(name):
 
 @pytest.mark.parametrize("name", ["reattention_mesh", "resa_mesh"])
 def test_on_one_device_the_driver_matches_the_one_device_method(tiny, name):
-  """The driver's route for a mesh entry with a `layer_method` (this process: a mesh of one
-  device, the shard the whole cache): the same greedy tokens as the one-device method."""
+  """The one road for a method that splits the tokens (this process: a mesh of one device, the
+  shard the whole cache): the same greedy tokens as the one-device method."""
   from jax_longctx.run.driver import generate
   from jax_longctx.methods import get
   from tests.reattention_mesh_checks import HP

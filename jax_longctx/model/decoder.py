@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jax_longctx.core.axes import HEADS, HIDDEN, KV_HEADS, VOCAB
 from jax_longctx.ops.cache import Cache
 from jax_longctx.core.config import LlamaConfig
 from jax_longctx.core.mesh import ModelShards, axis_size
@@ -33,8 +34,23 @@ from pallas_kernels import add_rmsnorm
 
 _INIT_STD = 0.02
 
+# Each weight's logical axes (core/axes.py), declared here where the weights are built, by their
+# name in the parameter tree; core/mesh.py RULES maps them to the mesh (tensor parallel: heads,
+# KV heads, hidden units and the vocabulary over `model`; model/placement.py). A fused weight
+# (placement.fuse_projections) splits as its parts do.
+WEIGHT_AXES = {
+    "embed": (VOCAB, None), "lm_head": (None, VOCAB),
+    "q_proj": (None, HEADS, None), "k_proj": (None, KV_HEADS, None),
+    "v_proj": (None, KV_HEADS, None), "qkv_proj": (None, HEADS, None),
+    "o_proj": (HEADS, None, None),
+    "q_bias": (HEADS, None), "k_bias": (KV_HEADS, None), "v_bias": (KV_HEADS, None),
+    "gate_proj": (None, HIDDEN), "up_proj": (None, HIDDEN), "gate_up_proj": (None, HIDDEN),
+    "down_proj": (HIDDEN, None), "scale": (None,),
+}
 
-def _param(rngs: nnx.Rngs, shape, dtype):
+
+def _param(rngs: nnx.Rngs, name: str, shape, dtype):
+  assert len(WEIGHT_AXES[name]) == len(shape), (name, shape)
   return nnx.Param(jax.random.normal(rngs.params(), shape, jnp.float32).astype(dtype) * _INIT_STD)
 
 
@@ -68,16 +84,16 @@ class Attention(nnx.Module):
   def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, fused: bool = False):
     d, h, kv, hd, dt = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.jnp_dtype
     if fused:  # heads [q..., k..., v...]; in memory the same bytes as [D, (H + 2 KV) * hd]
-      self.qkv_proj = _param(rngs, (d, h + 2 * kv, hd), dt)
+      self.qkv_proj = _param(rngs, "qkv_proj", (d, h + 2 * kv, hd), dt)
     else:
-      self.q_proj = _param(rngs, (d, h, hd), dt)
-      self.k_proj = _param(rngs, (d, kv, hd), dt)
-      self.v_proj = _param(rngs, (d, kv, hd), dt)
-    self.o_proj = _param(rngs, (h, hd, d), dt)
+      self.q_proj = _param(rngs, "q_proj", (d, h, hd), dt)
+      self.k_proj = _param(rngs, "k_proj", (d, kv, hd), dt)
+      self.v_proj = _param(rngs, "v_proj", (d, kv, hd), dt)
+    self.o_proj = _param(rngs, "o_proj", (h, hd, d), dt)
     if cfg.attention_bias:  # Qwen2
-      self.q_bias = _param(rngs, (h, hd), dt)
-      self.k_bias = _param(rngs, (kv, hd), dt)
-      self.v_bias = _param(rngs, (kv, hd), dt)
+      self.q_bias = _param(rngs, "q_bias", (h, hd), dt)
+      self.k_bias = _param(rngs, "k_bias", (kv, hd), dt)
+      self.v_bias = _param(rngs, "v_bias", (kv, hd), dt)
     if cfg.qk_norm:  # Qwen3
       self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, dt)
       self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dt)
@@ -115,11 +131,11 @@ class MLP(nnx.Module):
   def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, fused: bool = False):
     d, f, dt = cfg.hidden_size, cfg.intermediate_size, cfg.jnp_dtype
     if fused:  # [gate | up] along the output axis
-      self.gate_up_proj = _param(rngs, (d, 2 * f), dt)
+      self.gate_up_proj = _param(rngs, "gate_up_proj", (d, 2 * f), dt)
     else:
-      self.gate_proj = _param(rngs, (d, f), dt)
-      self.up_proj = _param(rngs, (d, f), dt)
-    self.down_proj = _param(rngs, (f, d), dt)
+      self.gate_proj = _param(rngs, "gate_proj", (d, f), dt)
+      self.up_proj = _param(rngs, "up_proj", (d, f), dt)
+    self.down_proj = _param(rngs, "down_proj", (f, d), dt)
     self.intermediate_size = f
 
   def __call__(self, x, axis: str | None = None):
@@ -159,11 +175,11 @@ class Llama(nnx.Module):
   def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, fused: bool = False):
     """fused: the serving layout of `fuse_projections` (one q/k/v and one gate/up weight)."""
     self.cfg = cfg
-    self.embed = _param(rngs, (cfg.vocab_size, cfg.hidden_size), cfg.jnp_dtype)
+    self.embed = _param(rngs, "embed", (cfg.vocab_size, cfg.hidden_size), cfg.jnp_dtype)
     self.layers = nnx.List([DecoderLayer(cfg, rngs, fused) for _ in range(cfg.num_layers)])
     self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.jnp_dtype)
     if not cfg.tie_word_embeddings:
-      self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), cfg.jnp_dtype)
+      self.lm_head = _param(rngs, "lm_head", (cfg.hidden_size, cfg.vocab_size), cfg.jnp_dtype)
 
   def unembed(self, h, axis: str | None = None, vocab: int | None = None):
     """h [..., D] (already normed) -> fp32 logits [..., V]. Under tensor parallelism (`axis`)

@@ -1,8 +1,9 @@
 """How the weights lie in memory: the fused serving layout, and their placement over a mesh.
 
-Placement (tensor parallel, the mesh's `model` axis; Megatron's split): q/k/v and their biases
-along the heads, gate/up along the hidden units, o and down along their input, the embedding
-and lm_head along the vocabulary; norms replicated. The placed tree is the model as
+Placement (tensor parallel, the mesh's `model` axis; Megatron's split) follows each weight's
+declared logical axes (decoder.py WEIGHT_AXES, core/mesh.py RULES): q/k/v and their biases along
+the heads, gate/up along the hidden units, o and down along their input, the embedding and
+lm_head along the vocabulary; norms replicated. The placed tree is the model as
 `ModelShards.placed` describes it: KV heads copied up to the number of shards when there are
 fewer (each shard then holds the copy its query heads read) and the vocabulary padded with zero
 rows to a multiple of the shards. Every leaf goes to the devices on its own, straight into its
@@ -20,43 +21,46 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jax_longctx.core.axes import KV_HEADS, VOCAB
 from jax_longctx.core.config import LlamaConfig
-from jax_longctx.core.mesh import MeshError, ModelShards, axis_size, make_mesh
-from jax_longctx.model.decoder import abstract_model, is_fused, random_params
-
-# The dimension of each weight (by its name in the parameter tree) split over the `model` axis;
-# None: replicated.
-SPLIT = {"embed": 0, "lm_head": 1, "q_proj": 1, "k_proj": 1, "v_proj": 1, "qkv_proj": 1,
-         "o_proj": 0, "q_bias": 0, "k_bias": 0, "v_bias": 0, "gate_proj": 1, "up_proj": 1,
-         "gate_up_proj": 1, "down_proj": 0, "scale": None}
-_KV = ("k_proj", "v_proj", "k_bias", "v_bias")  # copied up to the shards: dim SPLIT[name]
-
+from jax_longctx.core.mesh import RULES, MeshError, ModelShards, axis_size, make_mesh, spec_of
+from jax_longctx.model.decoder import WEIGHT_AXES, abstract_model, is_fused, random_params
 
 def _name(path) -> str:
   key = path[-1]
   return str(getattr(key, "key", key))
 
 
-def _spec(name: str, ndim: int) -> P:
-  if name not in SPLIT:
-    raise MeshError(f"weight {name!r} has no tensor-parallel rule (model/placement.py SPLIT)")
-  dim = SPLIT[name]
-  return P() if dim is None else P(*[("model" if i == dim else None) for i in range(ndim)])
+def _axes(name: str) -> tuple:
+  if name not in WEIGHT_AXES:
+    raise MeshError(f"weight {name!r} declares no logical axes (model/decoder.py WEIGHT_AXES)")
+  return WEIGHT_AXES[name]
 
 
-def param_specs(params):
-  """The PartitionSpec of every weight (only the `model` axis is named)."""
-  return jax.tree_util.tree_map_with_path(lambda p, x: _spec(_name(p), np.ndim(x)), params)
+def _spec(name: str, mesh=None) -> P:
+  """A weight's PartitionSpec: its declared axes over the mesh (with no mesh, every axis that
+  splits, as a placed tree is spelled on any mesh with a `model` axis)."""
+  names = _axes(name)
+  if mesh is None:
+    return P(*[RULES.get(n) if n is not None else None for n in names])
+  return spec_of(names, mesh)
+
+
+def param_specs(params, mesh=None):
+  """The PartitionSpec of every weight, from its declared logical axes."""
+  return jax.tree_util.tree_map_with_path(lambda p, x: _spec(_name(p), mesh), params)
 
 
 def _placed_leaf(name: str, x, shards: ModelShards):
-  """A weight as `ModelShards.placed` lays it out (x: numpy or jax array)."""
+  """A weight as `ModelShards.placed` lays it out (x: numpy or jax array): its KV-head axis
+  copied up to the shards, its vocabulary axis padded with zero rows."""
   xp = np if isinstance(x, np.ndarray) else jnp
-  if name in _KV and shards.kv_copies > 1:
-    return xp.repeat(x, shards.kv_copies, axis=SPLIT[name])
-  if name in ("embed", "lm_head") and x.shape[SPLIT[name]] < shards.vocab:
+  names = _axes(name)
+  if KV_HEADS in names and shards.kv_copies > 1:
+    return xp.repeat(x, shards.kv_copies, axis=names.index(KV_HEADS))
+  if VOCAB in names and x.shape[names.index(VOCAB)] < shards.vocab:
     pad = [(0, 0)] * x.ndim
-    pad[SPLIT[name]] = (0, shards.vocab - x.shape[SPLIT[name]])
+    pad[names.index(VOCAB)] = (0, shards.vocab - x.shape[names.index(VOCAB)])
     return xp.pad(x, pad)
   return x
 
@@ -80,7 +84,7 @@ def place(params, cfg: LlamaConfig, mesh):
     if tuple(x.shape) != tuple(want.shape):  # placed already, or another model's
       raise MeshError(f"weight {jax.tree_util.keystr(path)} is {tuple(x.shape)}, not the "
                       f"{tuple(want.shape)} this config has: place takes the weights as loaded")
-    sharding = NamedSharding(mesh, _spec(name, np.ndim(x)))
+    sharding = NamedSharding(mesh, _spec(name, mesh))
     if jax.process_count() > 1 and isinstance(x, jax.Array) and x.is_fully_addressable:
       x = np.asarray(x)  # this process's copy: every process holds the same weights
     if isinstance(x, np.ndarray):
@@ -103,9 +107,10 @@ def restore_shardings(cfg: LlamaConfig, mesh):
   _, shapes = abstract_model(cfg)
 
   def one(path, s):
-    spec = _spec(_name(path), len(s.shape))
-    dim = SPLIT[_name(path)]
-    return NamedSharding(mesh, spec if dim is None or s.shape[dim] % m == 0 else P())
+    names = _axes(_name(path))
+    split = [d for d, n in enumerate(names) if n is not None and RULES[n] == "model"]
+    whole = all(s.shape[d] % m == 0 for d in split)
+    return NamedSharding(mesh, _spec(_name(path), mesh) if whole else P())
 
   return jax.tree_util.tree_map_with_path(one, shapes)
 
@@ -179,6 +184,7 @@ def fuse_placed(params, mesh):
   layers = {}
   for i, layer in params["layers"].items():
     one = {"layers": {i: layer}}
-    out = jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(jax.eval_shape(fuse, one)))
+    out = jax.tree.map(lambda s: NamedSharding(mesh, s),
+                       param_specs(jax.eval_shape(fuse, one), mesh))
     layers[i] = jax.jit(fuse, out_shardings=out)(one)["layers"][i]
   return {**params, "layers": layers}

@@ -226,7 +226,7 @@ def trim_at_stops(rows, stop_tokens) -> list[list[int]]:
 def prefill(params, cfg: LlamaConfig, prompts: Sequence[Sequence[int]], method: Method, *,
             cache_len: int, decode_room: int | None = None,
             instructions: Sequence[Sequence[int]] | None = None, encode_instruction: bool = True,
-            options: RunOptions = DEFAULT):
+            options: RunOptions = DEFAULT, on_chunk=None):
   """Runs the prompts through the model. Returns (cache, last-token logits [B, V]).
 
   The one router: the prompts are checked here, once, and the method's declarations pick the
@@ -236,7 +236,8 @@ def prefill(params, cfg: LlamaConfig, prompts: Sequence[Sequence[int]], method: 
   prompt's instruction (a query), given apart from it; the methods that need it take it apart,
   the others read document + instruction as one prompt (encode_instruction=False: the document
   alone, where the instruction only steers a CItruS eviction). decode_room: tokens decoding will
-  append (default: what the cache has left).
+  append (default: what the cache has left). on_chunk(i, n, last): after chunk i of n of the
+  chunked road is dispatched (benchmarks time the chunks through it).
   """
   sharding.check_layer_mesh(method, options)
   unit = method.cache_unit(axis_size(options.mesh, "ctx"))
@@ -265,7 +266,8 @@ def prefill(params, cfg: LlamaConfig, prompts: Sequence[Sequence[int]], method: 
     lengths = [len(p) for p in prompts]
   chunk = chunk_for(method, options, max(lengths))
   cache = sharding.empty_cache(cfg, method, len(prompts), cache_len, chunk, options)
-  cache, last = read_chunks(params, cfg, method, cache, prompts, lengths, chunk, options)
+  cache, last = read_chunks(params, cfg, method, cache, prompts, lengths, chunk, options,
+                            on_chunk=on_chunk)
   return end_prefill(cache, cfg, method, decode_room=room, options=options), last
 
 

@@ -33,6 +33,7 @@ import inspect
 from typing import Callable, Sequence
 
 import jax
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jax_longctx.core.axes import ROWS, logical_axes
@@ -95,9 +96,27 @@ def _placed_arg(arg, kind, mesh):
   which would compile the next step again: put, it is the same buffers under the same name."""
   if kind == "params":
     return arg
-  return jax.tree.map(lambda x, s: x if isinstance(x, jax.core.Tracer) else jax.device_put(
-      x, NamedSharding(mesh, s)), arg, _in_spec(kind, arg, mesh),
-                      is_leaf=lambda x: isinstance(x, P))
+  return jax.tree.map(lambda x, s: _put(x, NamedSharding(mesh, s)), arg,
+                      _in_spec(kind, arg, mesh), is_leaf=lambda x: isinstance(x, P))
+
+
+def _put(x, sharding: NamedSharding):
+  """x laid out as `sharding`: an array of an equivalent layout renamed (its buffers kept; a
+  multi-host array too), any other value put there (one process's local array as host data,
+  the same on every process of a multi-host run)."""
+  if isinstance(x, jax.core.Tracer):
+    return x
+  if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding, x.ndim):
+    if x.sharding == sharding:
+      return x
+    return jax.make_array_from_single_device_arrays(
+        x.shape, sharding, [s.data for s in x.addressable_shards])
+  if isinstance(x, jax.Array) and not sharding.is_fully_addressable:
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):  # keys travel as their data
+      return jax.random.wrap_key_data(_put(jax.random.key_data(x), sharding),
+                                      impl=jax.random.key_impl(x))
+    x = np.asarray(x)
+  return jax.device_put(x, sharding)
 
 
 def _per_device(fn, args, inputs, outputs, mesh):
@@ -126,7 +145,7 @@ def _per_device(fn, args, inputs, outputs, mesh):
 
 def _in_spec(kind, arg, mesh):
   if kind == "params":
-    return param_specs(arg)
+    return param_specs(arg, mesh)
   if kind == "cache":
     return specs(arg, mesh, "cache")
   return jax.tree.map(lambda _: spec_of(kind, mesh), arg)
@@ -217,7 +236,7 @@ def placed(params, cfg: LlamaConfig, mesh):
     return (isinstance(x, jax.Array) and x.shape == shape.shape
             and x.sharding.is_equivalent_to(NamedSharding(mesh, spec), x.ndim))
 
-  if all(jax.tree.leaves(jax.tree.map(ready, params, param_specs(params), shapes,
+  if all(jax.tree.leaves(jax.tree.map(ready, params, param_specs(params, mesh), shapes,
                                       is_leaf=lambda x: isinstance(x, P)))):
     return params
   return place(params, cfg, mesh)
