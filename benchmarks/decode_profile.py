@@ -149,7 +149,7 @@ def run_child(args, rec: dict) -> None:
   from benchmarks.decode import _bytes_per_token
   from jax_longctx import preset
   from jax_longctx.run.chunked_prefill import end_prefill
-  from jax_longctx.run.generation import Sampling, decode_loop
+  from jax_longctx.run.generation import Sampling, decode_loop, row_keys
   from jax_longctx.methods import get
   from jax_longctx.model import fuse_projections, new_cache, random_params
 
@@ -174,7 +174,7 @@ def run_child(args, rec: dict) -> None:
   kw = dict(cfg=cfg, method=method, max_new_tokens=n, sampling=Sampling(), options=options)
 
   def decode():
-    out, _, state["cache"] = decode_loop(params, state["cache"], last, stops, jax.random.key(0),
+    out, _, state["cache"] = decode_loop(params, state["cache"], last, stops, row_keys(0, b),
                                          **kw)
     jax.block_until_ready(out)
     state["cache"] = state["cache"].replace(lengths=jnp.full((b,), ctx, jnp.int32))
@@ -190,7 +190,7 @@ def run_child(args, rec: dict) -> None:
               "peak_bytes": jax_peak_bytes()})
   try:
     profile(args, rec, cfg, fused, decode, lambda: decode_loop.lower(
-        params, state["cache"], last, stops, jax.random.key(0), **kw).compile().as_text())
+        params, state["cache"], last, stops, row_keys(0, b), **kw).compile().as_text())
   except Exception as e:  # the timing above stays a result
     import traceback
     traceback.print_exc()

@@ -49,10 +49,6 @@ class LlamaConfig:
       raise ConfigError(f"dtype {self.dtype!r} not in {tuple(_DTYPES)}")
 
   @property
-  def group_size(self) -> int:
-    return self.num_heads // self.num_kv_heads
-
-  @property
   def jnp_dtype(self):
     return _DTYPES[self.dtype]
 
