@@ -100,6 +100,7 @@ def encode_blocks(params, tok, pos, ok, offset, lengths, *, cfg: LlamaConfig, me
                          jnp.take_along_axis(s.pos, idx, axis=1).reshape(b, r * layout.block))
                for s in rows.state]  # pos -1 past the context's end
   local_cfg = device_view(cfg, options)[0]
-  state = tuple(Phase2State(c, ChunkCache.empty(local_cfg, b, room, room, cfg.jnp_dtype))
+  dtype = options.cache_dtype(cfg.jnp_dtype)
+  state = tuple(Phase2State(c, ChunkCache.empty(local_cfg, b, room, room, dtype))
                 for c in context)
   return Cache(lengths, state, 0)

@@ -170,20 +170,21 @@ def empty_cache(cfg: LlamaConfig, method: Method, batch: int, max_len: int, chun
                 options: RunOptions) -> Cache:
   """`model.new_cache`, made on the mesh as its classes declare it: each device allocates only
   its part (KV heads as `ModelShards.placed` copies them)."""
+  dtype = options.cache_dtype(cfg.jnp_dtype)
   if on_one_device(options):
-    return new_cache(cfg, method, batch, max_len, chunk=chunk)
+    return new_cache(cfg, method, batch, max_len, dtype, chunk=chunk)
   mesh = options.mesh
   for axis, n, what in (("data", batch, "batch of {} rows"), ("ctx", max_len, "cache of {} slots")):
     if n % axis_size(mesh, axis):
       raise MeshError(f"a {what.format(n)} does not divide over {axis}={axis_size(mesh, axis)}")
-  return _empty_cache(ModelShards.of(cfg, mesh).placed(cfg), method, batch, max_len, chunk,
-                      mesh)()
+  return _empty_cache(ModelShards.of(cfg, mesh).placed(cfg), method, batch, max_len, dtype,
+                      chunk, mesh)()
 
 
 @functools.lru_cache(maxsize=32)
-def _empty_cache(cfg, method, batch, max_len, chunk, mesh):
+def _empty_cache(cfg, method, batch, max_len, dtype, chunk, mesh):
   def build():
-    return new_cache(cfg, method, batch, max_len, chunk=chunk)
+    return new_cache(cfg, method, batch, max_len, dtype, chunk=chunk)
   laid = jax.tree.map(lambda s: NamedSharding(mesh, s), specs(jax.eval_shape(build), mesh),
                       is_leaf=lambda x: isinstance(x, P))
   return jax.jit(build, out_shardings=laid)
