@@ -26,10 +26,30 @@ def grouped_scores(q, k, kv_layout: str, scale):
   return s if scale is None else s * scale
 
 
+def key_parts(k, dtype, kv_layout: str):
+  """Keys as the top-k products take them: (values [B, KV, T, d] in `dtype`, their fp32 scales
+  [B, KV, T] or None). 8-bit values are exact in bf16; a key's score is its scale times q . its
+  values (quant.Quantized), the fp32 product of which equals q . dequantize(k) up to rounding."""
+  kh = heads_first(k, kv_layout)
+  if not quant.is_quantized(kh):
+    return kh, None
+  return kh.values.astype(dtype), kh.scale.astype(jnp.float32)
+
+
+def key_scores(q, k, kv_layout: str, scale):
+  """[B, Lq, H, d] x keys (an array or quant.Quantized) -> fp32 scores [B, Lq, KV, G, T]."""
+  kh, ks = key_parts(k, q.dtype, kv_layout)
+  s = grouped_scores(q, kh, "BHTD", None)
+  if ks is not None:
+    s = s * ks[:, None, :, None, :]
+  return s if scale is None else s * scale
+
+
 def topk_scores(q, k, top_k: int, lo, hi, *, scale=None, kv_layout="BTHD"):
-  """Exact top-k of q.k over keys lo[b] <= t < hi[b]; ties to the lowest index; unfilled -> (-inf, -1)."""
+  """Exact top-k of q.k over keys lo[b] <= t < hi[b]; ties to the lowest index; unfilled -> (-inf, -1).
+  Quantized keys: q . dequantize(k) as `key_scores` computes it."""
   b, lq, h, _ = q.shape
-  s = grouped_scores(q, k, kv_layout, scale)
+  s = key_scores(q, k, kv_layout, scale)
   t = jnp.arange(s.shape[-1])
   ok = (t >= lo[:, None]) & (t < hi[:, None])
   s = jnp.where(ok[:, None, None, None, :], s, NEG_INF)

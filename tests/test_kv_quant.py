@@ -10,7 +10,10 @@ in 8 bits (every K/V buffer a Quantized of the asked dtype, about half the bytes
 Tolerances: symmetric int8 with a scale per (token, KV head) rounds each value by at most half a
 step, 1/254 of the row's largest magnitude; E4M3 keeps 3 mantissa bits, a relative 1/16 per
 value. On this model (random weights, std 0.02, logits of order 1e-1) the measured largest logit
-differences are 0.0005-0.0007 (int8) and 0.003-0.013 (fp8): the bounds below are 4x and 4x those.
+differences are 0.0005-0.0007 (int8) and 0.003-0.013 (fp8): the logit bounds below are 4x those.
+The NLL (~4.5 a token) is compared relatively: a method that selects (top-k, ReAttention's
+votes) may pick another token where two score alike, which moved one step's NLL by up to 0.2%
+(int8) here; the bounds are 0.5% and 3%.
 """
 
 import jax
@@ -25,7 +28,7 @@ from jax_longctx.run import generation as gen
 from pallas_kernels import quant
 from tests.test_methods import CACHE_LEN, _apart, _method, _prompts
 
-TOL = {"int8": 3e-3, "float8_e4m3fn": 5e-2}
+TOL = {"int8": (3e-3, 5e-3), "float8_e4m3fn": (5e-2, 3e-2)}  # logits atol, NLL rtol
 STEPS = 4
 
 
@@ -84,10 +87,10 @@ def test_every_method_runs_on_an_8_bit_cache(tiny, name):
   cfg, params = tiny
   method = _method(name, 24) if name in names("layer") else _mesh_method(name)
   want_last, want_nll, plain = _run(params, cfg, method, None)
-  for dtype, tol in TOL.items():
+  for dtype, (atol, rtol) in TOL.items():
     last, nll, cache = _run(params, cfg, method, dtype)
-    np.testing.assert_allclose(last, want_last, atol=tol, rtol=0, err_msg=f"{name} {dtype}")
-    np.testing.assert_allclose(nll, want_nll, atol=tol, rtol=0, err_msg=f"{name} {dtype}")
+    np.testing.assert_allclose(last, want_last, atol=atol, rtol=0, err_msg=f"{name} {dtype}")
+    np.testing.assert_allclose(nll, want_nll, atol=0, rtol=rtol, err_msg=f"{name} {dtype}")
     stored = [x for x in jax.tree.leaves(cache.state, is_leaf=lambda x: isinstance(x, Quantized))
               if isinstance(x, Quantized)]
     assert len(stored) >= 2 * cfg.num_layers, (name, dtype, len(stored))  # K and V per layer
@@ -96,7 +99,8 @@ def test_every_method_runs_on_an_8_bit_cache(tiny, name):
 
 
 def _mesh_method(name):
-  hp = dict(n_global=2, n_local=8, span=2, clip=3, top_k=2, chunk=8)
+  """The mesh entries, mesh ReAttention with `reattention`'s settings of `_method(..., 24)`."""
+  hp = _method("reattention", 24).hparams()
   if name == "reattention_mesh":
     return get(name, **hp)
   if name == "resa_mesh":
