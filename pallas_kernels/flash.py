@@ -118,6 +118,11 @@ def _mosaic_config(variant, q, k, v, kv_layout, tiling, options: KernelOptions =
   """The Mosaic GPU kernel's Config when it serves this call, else None (the Triton kernel)."""
   if not gpu.mosaic_asked(variant, tiling, options.prefill_impl):
     return None
+  if layout.parts(k)[1] is not None and not variant.interpret:
+    # The Mosaic kernel's 8-bit path (tiles dequantized into its SMEM ring) passes the GPU
+    # interpreter on a CPU but hung on an H200 (2026-11-25, benchmarks/quant_kernels.py
+    # check_attention): 8-bit K/V take the Triton kernel on a GPU until it is fixed.
+    return None
   config = gpu.mosaic_tiling(mgpu_flash.DEFAULT_CONFIG, tiling)
   if mgpu_flash.unsupported(q, k, v, kv_layout=kv_layout, config=config):
     return None  # e.g. decode (fewer queries than a block), fp32, head dim 256
