@@ -126,6 +126,7 @@ def run_jax(args) -> dict:
   # as `load(serving=True)`: fused on GPU
   params = serving_params(random_params(cfg) if mesh is None else random_on_mesh(cfg, mesh), mesh)
   jax.block_until_ready(params)
+  peak_params = jax_peak_bytes()  # what placing (and fusing) the weights took, before any step
   _stage("params ready")
   b, ctx = args.batch, args.context
   chunk = method.prefill_chunk or args.chunk  # as generation.prefill: the method's own, if any
@@ -206,6 +207,7 @@ def run_jax(args) -> dict:
   weights_total = sum(x.nbytes for x in jax.tree.leaves(params))
   return {**report, "hparams": method.hparams(), "kv_dtype": options.kv_dtype,
           "fill_cache": args.fill_cache, "cache_bytes": cache_bytes,
+          "peak_bytes_after_params": peak_params,
           "weights_bytes_total": weights_total, "resident_bytes": cache_bytes + weights_total,
           "prefill_tok_s": b * timed_tokens / prefill_s if prefill_s else None,
           "prefill_warmup": args.warmup_prefill,

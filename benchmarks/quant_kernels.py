@@ -34,7 +34,7 @@ from benchmarks.common import (copy_bandwidth, device_facts, median_time,  # noq
 DTYPES = ("int8", "float8_e4m3fn")
 H, KV, D = 32, 8, 128
 SIZES = dict(decode=(32768, 131072, 1048576), chunk=4096, offsets=(28672, 126976),
-             topk_rows=512, topk_keys=(32768, 131072), check=1000)
+             topk_rows=512, topk_keys=(32768, 131072), check=1000, tile_keys=(131072, 1048576))
 
 
 def _inputs(seed, b, lq, t, dtype):
@@ -156,6 +156,37 @@ def time_decode(reps, bw):
   return recs
 
 
+def time_decode_tiles(reps, bw):
+  """Decode attention over 8-bit K/V at 128K and 1M keys under tilings of the split-K kernel
+  (key tile, warps, stages): an 8-bit tile holds half a bf16 tile's bytes."""
+  import itertools
+
+  import jax
+  import jax.numpy as jnp
+  from pallas_kernels import flash_attention
+  from pallas_kernels.gpu import Tiling
+  recs = []
+  for t in SIZES["tile_keys"]:
+    for dtype in ("bfloat16", "int8"):
+      q, k, v = _inputs(8, 1, 1, t, dtype)
+      pos = jnp.asarray([t - 1])
+      read = _nbytes(k, v)
+      for bk, warps, stages in itertools.product((64, 128, 256, 512), (4, 8), (2, 3, 4)):
+        tl = Tiling(block_keys=bk, num_warps=warps, num_stages=stages)
+        fn = jax.jit(lambda q, k, v, tl=tl: flash_attention(
+            q, k, v, causal=True, q_offset=pos, kv_len=pos + 1, kv_layout="BHTD", tiling=tl))
+        try:
+          med, _ = median_time(lambda: jax.block_until_ready(fn(q, k, v)), warmup=2, reps=reps)
+        except Exception as e:  # noqa: BLE001 - a tiling that does not fit is a result
+          recs.append({"keys": t, "dtype": dtype, "block_keys": bk, "warps": warps,
+                       "stages": stages, "error": str(e)[:200]})
+          continue
+        recs.append({"keys": t, "dtype": dtype, "block_keys": bk, "warps": warps,
+                     "stages": stages, "ms": med * 1e3, "of_copy_bw": read / med / bw})
+      del q, k, v
+  return recs
+
+
 def time_prefill(reps):
   import jax
   import jax.numpy as jnp
@@ -197,12 +228,13 @@ def main() -> None:
     global H, KV, D
     H, KV, D = 4, 2, 16
     SIZES.update(decode=(512,), chunk=64, offsets=(192,), topk_rows=64, topk_keys=(512,),
-                 check=100)
+                 tile_keys=(256,), check=100)
     backend, args.reps = "gpu", 1
   bw = 1.0 if args.smoke else copy_bandwidth()
   cases = {"check_attention": lambda: check_attention(backend),
            "check_topk": lambda: check_topk(backend),
-           "decode": lambda: time_decode(args.reps, bw), "prefill": lambda: time_prefill(args.reps)}
+           "decode": lambda: time_decode(args.reps, bw), "prefill": lambda: time_prefill(args.reps),
+           "decode_tiles": lambda: time_decode_tiles(args.reps, bw)}
   failed = run_cases_to_json(cases, args.out, {**device_facts(), "copy_bw": bw}, args.only)
   sys.exit(1 if failed else 0)
 
