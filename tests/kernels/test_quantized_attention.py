@@ -13,8 +13,9 @@ Tolerances (out, LSE; absolute and relative):
 - bf16 q, Triton / TPU flash and unrotated gathered: 2e-2 (one bf16 rounding of out) and 3e-2 on
   the LSE. The reference rounds every dequantized element to bf16 (relative 2^-9, independently);
   these kernels multiply exact int8 / E4M3 products by the fp32 scales. With 50x outlier channels
-  the scores reach ~20 and that rounding moved the LSE by up to 1.4e-2. The fp32 cases hold the
-  masks to 2e-5.
+  the scores reach ~20 and that rounding moved the LSE by up to 1.4e-2 (against the fp32
+  definition these kernels agree to fp32: benchmarks/quant_attention.py records both). The fp32
+  cases hold the masks to 2e-5.
 - bf16 q, Mosaic GPU flash and rotated keys (gathered with key_rope_freqs): 2e-2 / 1e-4, as
   unquantized bf16: these kernels dequantize to bf16 first as the reference does (one fp32
   product, rounded once) and go on as the bf16 kernels.
@@ -34,21 +35,14 @@ from pallas_kernels.gpu import Tiling
 from pallas_kernels.mgpu_flash import Config, interpreter_available, mgpu_flash_attention
 from tests.kernels.cuda_lowering import cuda_text
 from tests.kernels.inputs import keys_shape, normal, with_outliers
+from tests.kernels.test_attention_kernels import assert_close as attention_assert_close
 
 F8 = jnp.float8_e4m3fn
 TOL = {"fp32": (2e-5, 2e-5), "bf16": (2e-2, 3e-2), "bf16_dequantized": (2e-2, 1e-4)}
 
 
-def assert_close(got, ref, tol):
-  (o, lse), (ro, rlse) = got, ref
-  out_tol, lse_tol = TOL[tol]
-  assert o.shape == ro.shape and o.dtype == ro.dtype and lse.dtype == jnp.float32
-  np.testing.assert_allclose(np.asarray(o, np.float32), np.asarray(ro, np.float32), atol=out_tol,
-                             rtol=out_tol)
-  lse, rlse = np.asarray(lse), np.asarray(rlse)
-  np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(rlse))
-  finite = np.isfinite(rlse)
-  np.testing.assert_allclose(lse[finite], rlse[finite], atol=lse_tol, rtol=lse_tol)
+def assert_close(got, ref, tol: str):
+  attention_assert_close(got, ref, TOL[tol])
 
 
 def qkv(seed, b, lq, h, kvh, t, d, kv_layout, dtype, kv_dtype):
