@@ -51,7 +51,8 @@ def test_write_into_a_quantized_cache_equals_reference(kv_dtype):
   ref = cache_write.reference(k, v, pos, kn, vn)
   for g, r, new in zip(got, ref, (kn, vn)):
     assert isinstance(g, quant.Quantized) and g.dtype == kv_dtype
-    np.testing.assert_array_equal(np.asarray(g.values, np.float32), np.asarray(r.values, np.float32))
+    f32 = lambda x: np.asarray(x, np.float32)  # noqa: E731
+    np.testing.assert_array_equal(f32(g.values), f32(r.values))
     np.testing.assert_array_equal(np.asarray(g.scale), np.asarray(r.scale))
     row = quant.quantize(new[0, 1], kv_dtype)
     # the row's own scale (quantized alone; 1e-6: XLA may fuse the division differently)
