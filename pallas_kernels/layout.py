@@ -70,11 +70,6 @@ def heads_first(k, kv_layout: str):
   return quant.per_row(lambda x: jnp.swapaxes(x, 1, 2), k)
 
 
-def scales_first(scale, kv_layout: str):
-  """Scales [B, T, KV] (BTHD) or [B, KV, T] -> [B, KV, T]."""
-  return scale if kv_layout == "BHTD" else jnp.swapaxes(scale, 1, 2)
-
-
 def next_pow2(n: int) -> int:
   return 1 << max(0, (int(n) - 1).bit_length())
 

@@ -68,8 +68,8 @@ def mgpu_flash_attention(q, k, v, q_offset, kv_len, *, causal: bool, scale: floa
                          kv_layout: str = "BTHD", config: Config = Config(),
                          interpret=False, native: bool | None = None):
   """q [B, Lq, H, d]; k, v [B, T, KV, d] (BTHD) or [B, KV, T, d] (BHTD), arrays or
-  quant.Quantized; q_offset, kv_len int32 [B] (kv_len <= T, q_offset >= 0). Returns (out [B, Lq, H, d] in q's dtype, lse [B, Lq, H] fp32,
-  natural log; rows that see no key give (0, -inf)). interpret: True or an InterpretGPUParams:
+  quant.Quantized; q_offset, kv_len int32 [B] (kv_len <= T, q_offset >= 0). Returns (out
+  [B, Lq, H, d] in q's dtype, lse [B, Lq, H] fp32, natural log; rows that see no key give (0, -inf)). interpret: True or an InterpretGPUParams:
   run in jax's Mosaic GPU interpreter on CPU; native (default: not interpret) selects the
   GPU-only code paths (see the module doc)."""
   native = (interpret is False) if native is None else native

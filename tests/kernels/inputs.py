@@ -21,5 +21,6 @@ def keys_shape(b, t, kvh, d, kv_layout):
 def with_outliers(rng, x, channels=(3, 17), low=20.0, high=50.0):
   """x with a few head-dim channels 20-50x larger, as KIVI reports for keys (quantization's hard
   case: one scale per row must cover them)."""
-  factor = jnp.ones(x.shape[-1]).at[jnp.asarray(channels)].set(rng.uniform(low, high, len(channels)))
+  big = rng.uniform(low, high, len(channels))
+  factor = jnp.ones(x.shape[-1]).at[jnp.asarray(channels)].set(big)
   return (x.astype(jnp.float32) * factor).astype(x.dtype)
