@@ -14,7 +14,7 @@ Tolerances (out, LSE; absolute and relative):
   the LSE. The reference rounds every dequantized element to bf16 (relative 2^-9, independently);
   these kernels multiply exact int8 / E4M3 products by the fp32 scales. With 50x outlier channels
   the scores reach ~20 and that rounding moved the LSE by up to 1.4e-2 (against the fp32
-  definition these kernels agree to fp32: benchmarks/quant_attention.py records both). The fp32
+  definition these kernels agree to fp32: benchmarks/quant_kernels.py records both). The fp32
   cases hold the masks to 2e-5.
 - bf16 q, Mosaic GPU flash and rotated keys (gathered with key_rope_freqs): 2e-2 / 1e-4, as
   unquantized bf16: these kernels dequantize to bf16 first as the reference does (one fp32
