@@ -4,6 +4,8 @@
         --batches 1,8 --impls jax,hf --out $OUT/decode.jsonl
     python benchmarks/decode.py --model llama-3.1-70b --meshes model=2 --impls jax ...   # 2 GPUs
     python benchmarks/decode.py --meshes "none;model=2;data=2" --batches 8 ...  # 1 GPU vs 2
+    python benchmarks/decode.py --kv-dtypes "none;int8;float8_e4m3fn" ...  # the cache in 8 bits
+    python benchmarks/decode.py --contexts 1048576 --fill-cache ...  # decode only, no prefill
 
 Random bf16 weights at the named model's shape (speed does not depend on the values). Each
 (impl, context, batch) runs in its own process so peak memory is per configuration. Decode is
@@ -13,7 +15,11 @@ core/mesh.py) the weights are drawn straight into their shards and the bound is 
 device reads (its weights and its part of the KV) over one device's bandwidth; the prefill's
 share of the GEMM rate counts every device's. With
 JAX_LONGCTX_DUMP_HLO=DIR each run also writes its compiled decode loop to DIR/LABEL_CONTEXT.hlo.txt
-(where XLA copies buffers shows there).
+(where XLA copies buffers shows there). `--kv-dtypes` stores the cache in 8 bits
+(RunOptions.kv_dtype); its bound counts the bytes it reads (8-bit values and fp32 scales).
+`--fill-cache` skips the prefill: the cache is filled with random keys and values (quantized as
+the run stores them) and decode is timed over it, for contexts whose prefill would not fit a
+command. Every record has the peak memory beside its weights and cache (`resident_bytes`).
 """
 
 from __future__ import annotations
@@ -31,13 +37,15 @@ from benchmarks.common import (child_result, device_facts, jax_peak_bytes,  # no
                                median_time, run_child, write_json)
 
 
-def _bytes_per_token(cfg, ctx: int, batch: int) -> tuple[int, int]:
-  """(weight bytes read per decode step, KV bytes read per step) in bf16."""
+def _bytes_per_token(cfg, ctx: int, batch: int, kv_dtype: str | None = None) -> tuple[int, int]:
+  """(weight bytes read per decode step, KV bytes read per step): bf16 weights, the cache in
+  bf16 or, 8-bit, a byte a value and an fp32 scale per (token, KV head)."""
   weights = cfg.num_params() - cfg.vocab_size * cfg.hidden_size  # embedding: one row per token
   if cfg.tie_word_embeddings:
     weights += cfg.vocab_size * cfg.hidden_size  # ... unless it is also the output head
-  kv = 2 * cfg.num_layers * batch * cfg.num_kv_heads * ctx * cfg.head_dim
-  return 2 * weights, 2 * kv
+  rows = 2 * cfg.num_layers * batch * cfg.num_kv_heads * ctx  # K and V rows of head_dim values
+  per_row = 2 * cfg.head_dim if kv_dtype is None else cfg.head_dim + 4
+  return 2 * weights, rows * per_row
 
 
 def _prefill_flops_per_token(model: str, ctx: int) -> float:
@@ -70,6 +78,32 @@ def kernel_options(pairs):
   return pallas_kernels.KernelOptions(**fields)
 
 
+def filled_cache(cfg, method, batch: int, ctx: int, cache_len: int, options):
+  """An empty cache of `method` with every K/V buffer filled with random values (stored as the
+  run stores them) and every row's length ctx: what decode reads after a prefill, without one."""
+  import jax
+  import jax.numpy as jnp
+
+  from jax_longctx.ops.cache import Quantized
+  from jax_longctx.run import sharding
+
+  cache = sharding.empty_cache(cfg, method, batch, cache_len, 4096, options)
+  keys = iter(jax.random.split(jax.random.key(1), len(jax.tree.leaves(cache)) + 1))
+
+  @jax.jit
+  def fill(x, key):
+    if jnp.issubdtype(x.dtype, jnp.floating):
+      return jax.random.normal(key, x.shape, jnp.float32).astype(x.dtype)
+    return jax.random.randint(key, x.shape, -127, 128).astype(x.dtype)
+
+  def one(x):
+    if isinstance(x, Quantized):  # 8-bit values of any magnitude, scales of a bf16 K's rows
+      return Quantized(fill(x.values, next(keys)), jnp.full_like(x.scale, 0.02))
+    return fill(x, next(keys)) if x.ndim == 4 else x
+  state = jax.tree.map(one, cache.state, is_leaf=lambda x: isinstance(x, Quantized))
+  return cache.replace(state=state, lengths=jnp.full((batch,), ctx, jnp.int32))
+
+
 def run_jax(args) -> dict:
   import jax
   import jax.numpy as jnp
@@ -85,12 +119,14 @@ def run_jax(args) -> dict:
 
   cfg = preset(args.model, dtype="bfloat16")
   method = get(args.method, **parse_method_args(args.method_arg))
-  options = RunOptions(mesh=args.mesh or None, kernels=kernel_options(args.kernel_option))
+  options = RunOptions(mesh=args.mesh or None, kernels=kernel_options(args.kernel_option),
+                       kv_dtype=args.kv_dtype or None)
   mesh = options.mesh
   _stage("random params")
   # as `load(serving=True)`: fused on GPU
   params = serving_params(random_params(cfg) if mesh is None else random_on_mesh(cfg, mesh), mesh)
   jax.block_until_ready(params)
+  peak_params = jax_peak_bytes()  # what placing (and fusing) the weights took, before any step
   _stage("params ready")
   b, ctx = args.batch, args.context
   chunk = method.prefill_chunk or args.chunk  # as generation.prefill: the method's own, if any
@@ -122,7 +158,11 @@ def run_jax(args) -> dict:
     return (sharding.empty_cache(cfg, method, b, cache_len, chunk, options),
             jnp.zeros((b, cfg.vocab_size)))
 
-  if args.warmup_prefill:  # a whole prefill compiles; the next one is timed, every chunk of it
+  if args.fill_cache:  # no prefill: random K/V in the cache, every row at the context's length
+    cache, last = filled_cache(cfg, method, b, ctx, cache_len, options), fresh()[1]
+    first = prefill_s = host_s = 0.0
+    timed_tokens = 0
+  elif args.warmup_prefill:  # a whole prefill compiles; the next one is timed, every chunk of it
     cache, last, first, _ = run_prefill(0, *fresh())
     del cache, last
     cache, last, prefill_s, host_s = run_prefill(0, *fresh())
@@ -136,6 +176,7 @@ def run_jax(args) -> dict:
     cache, last, prefill_s, host_s = run_prefill(1, cache, last)
     timed_tokens = (n_chunks - 1) * chunk
   _stage(f"prefill {prefill_s:.1f}s (compile run {first:.1f}s)")
+  cache_bytes = sum(x.nbytes for x in jax.tree.leaves(cache))
   stops = jnp.asarray([-1], jnp.int32)
   state = {"cache": cache}
 
@@ -158,12 +199,17 @@ def run_jax(args) -> dict:
   _stage(f"decode compile+run {decode_compile_s:.1f}s")
   med, times = median_time(decode, warmup=0, reps=args.reps)
   per_token = med / (args.new_tokens - 1)
-  wbytes, kvbytes = _bytes_per_token(cfg, ctx, b)
+  wbytes, kvbytes = _bytes_per_token(cfg, ctx, b, options.kv_dtype)
   if mesh is not None:  # what one device reads: its weights, its rows' KV of its heads
     model, data = (mesh.shape[a] for a in ("model", "data"))
     wbytes, kvbytes = wbytes // model, kvbytes * max(model // cfg.num_kv_heads, 1) // (model * data)
   report = method.report(state["cache"])
-  return {**report, "hparams": method.hparams(), "prefill_tok_s": b * timed_tokens / prefill_s,
+  weights_total = sum(x.nbytes for x in jax.tree.leaves(params))
+  return {**report, "hparams": method.hparams(), "kv_dtype": options.kv_dtype,
+          "fill_cache": args.fill_cache, "cache_bytes": cache_bytes,
+          "peak_bytes_after_params": peak_params,
+          "weights_bytes_total": weights_total, "resident_bytes": cache_bytes + weights_total,
+          "prefill_tok_s": b * timed_tokens / prefill_s if prefill_s else None,
           "prefill_warmup": args.warmup_prefill,
           "prefill_chunk": chunk, "prefill_s": prefill_s, "prefill_host_enqueue_s": host_s,
           "prefill_first_chunk_s": first, "decode_ms": per_token * 1e3,
@@ -254,6 +300,11 @@ def main() -> None:
   p.add_argument("--meshes", default="none",
                  help="';'-separated device meshes for the jax impl, e.g. 'none;model=2;data=2' "
                       "(none: one device)")
+  p.add_argument("--kv-dtypes", default="none",
+                 help="';'-separated cache dtypes for the jax impl: none (the model's), int8, "
+                      "float8_e4m3fn")
+  p.add_argument("--fill-cache", action="store_true",
+                 help="decode only, over a cache filled with random K/V (no prefill)")
   p.add_argument("--new-tokens", type=int, default=64)
   p.add_argument("--reps", type=int, default=3)
   p.add_argument("--chunk", type=int, default=4096)
@@ -268,6 +319,7 @@ def main() -> None:
   p.add_argument("--context", type=int)
   p.add_argument("--batch", type=int)
   p.add_argument("--mesh", default="")
+  p.add_argument("--kv-dtype", default="")
   args = p.parse_args()
   if args.child:
     return child(args)
@@ -275,11 +327,13 @@ def main() -> None:
   bw = common.copy_bandwidth() if _has_cuda() else None
   gemm = common.gemm_tflops() if _has_cuda() else None
   meshes = ["" if m.strip() == "none" else m.strip() for m in args.meshes.split(";")]
-  runs = [("hf", "full", "") if impl == "hf" else ("jax", m, mesh)
+  kvs = ["" if m.strip() == "none" else m.strip() for m in args.kv_dtypes.split(";")]
+  runs = [("hf", "full", "", "") if impl == "hf" else ("jax", m, mesh, kv)
           for impl in args.impls.split(",")
           for m in (args.methods.split(",") if impl == "jax" else ["full"])
-          for mesh in (meshes if impl == "jax" else [""])]
-  for impl, entry, mesh in runs:
+          for mesh in (meshes if impl == "jax" else [""])
+          for kv in (kvs if impl == "jax" else [""])]
+  for impl, entry, mesh, kv in runs:
     label, _, method = entry.rpartition(":")
     label = label or method
     margs = [a.split(".", 1)[1] for a in args.method_arg if a.startswith(label + ".")]
@@ -293,7 +347,8 @@ def main() -> None:
             "--new-tokens", str(args.new_tokens), "--reps", str(args.reps),
             "--chunk", str(args.chunk), "--method", method,
             "--warmup-prefill" if args.warmup_prefill else "--no-warmup-prefill",
-            "--label", label, "--mesh", mesh,
+            "--label", label, "--mesh", mesh, "--kv-dtype", kv,
+            *(["--fill-cache"] if args.fill_cache else []),
             *[x for a in margs for x in ("--method-arg", a)],
             *[x for a in kopts for x in ("--kernel-option", a)]])
         rec = run.records[-1] if run.records else {

@@ -70,6 +70,8 @@ def child(args) -> dict:
     cfg = cfg.replace(**SMOKE_MODEL)
   if args.chunk:
     settings["chunk"] = args.chunk
+  if args.vote_stride:
+    settings["vote_stride"] = args.vote_stride
   method = (get(args.method, base_args=tuple(settings.items()), shard_block=args.shard_blocks)
             if args.method == "resa_mesh" else
             get(args.method, shard_block=args.shard_blocks, **settings))
@@ -78,7 +80,7 @@ def child(args) -> dict:
   if args.devices and len(devices) < args.devices:
     raise SystemExit(f"{args.devices} devices asked for, {len(devices)} visible")
   n_dev, c = len(devices), args.context
-  options = RunOptions(mesh=Mesh(np.array(devices), ("ctx",)))
+  options = RunOptions(mesh=Mesh(np.array(devices), ("ctx",)), kv_dtype=args.kv_dtype or None)
   room = args.decode_tokens * (args.decode_reps + 1)
   unit = math.lcm(128, method.cache_unit(n_dev))
   cache_len = -(-(c + room) // unit) * unit
@@ -105,8 +107,12 @@ def child(args) -> dict:
   jax.block_until_ready((cache, last))  # RESA's end of prefill included
   t_end = time.perf_counter()
   n_chunks = -(-c // chunk)
+  cache_bytes = sum(x.nbytes for x in jax.tree.leaves(cache)) // n_dev  # a device's share
+  weights_bytes = sum(x.nbytes for x in jax.tree.leaves(params))  # every device holds them
   rec = {"model": args.model, "method": args.method, "smoke": args.smoke, "devices": n_dev,
          "context": c, "cache_len": cache_len, "chunk": chunk, "hparams": method.hparams(),
+         "kv_dtype": options.kv_dtype, "cache_bytes_per_device": cache_bytes,
+         "resident_bytes_per_device": cache_bytes + weights_bytes,
          "prefill_s": t_end - marks["t0"], "first_chunk_s": marks["first"] - marks["t0"],
          "prefill_tok_s": ((n_chunks - 1) * chunk / (t_end - marks["first"])
                            if n_chunks > 1 else None)}
@@ -134,7 +140,8 @@ def _run_child(args, context: int, devices: int, block: int) -> dict:
   record, or its error."""
   cmd = ["--context", str(context), "--method", args.method, "--model", args.model,
          "--devices", str(devices), "--shard-blocks", str(block), "--chunk", str(args.chunk),
-         "--decode-tokens", str(args.decode_tokens), "--decode-reps", str(args.decode_reps)]
+         "--decode-tokens", str(args.decode_tokens), "--decode-reps", str(args.decode_reps),
+         "--kv-dtype", args.kv_dtype, "--vote-stride", str(args.vote_stride)]
   env = dict(os.environ)
   if args.smoke:
     cmd.append("--smoke")
@@ -163,6 +170,8 @@ def main() -> None:
                  help="comma list of layouts, each run per context and mesh size: 0 contiguous "
                       "shards, else a block size (a multiple of --chunk) dealt to the devices")
   p.add_argument("--decode-tokens", type=int, default=32, help="tokens per timed decode run")
+  p.add_argument("--kv-dtype", default="", help="the cache in 8 bits: int8 or float8_e4m3fn")
+  p.add_argument("--vote-stride", type=int, default=0, help="ReAttention's vote_stride (0: its own)")
   p.add_argument("--decode-reps", type=int, default=5, help="timed decode runs after one warm-up")
   p.add_argument("--out", help="JSON file, rewritten after every context (required)")
   p.add_argument("--smoke", action="store_true", help="tiny model on 8 fake CPU devices")

@@ -6,6 +6,9 @@ concatenate and a dynamic-update-slice for each of K and V, ~1.1-1.5 us each on 
 1: benchmarks/decode_profile.py). Here one program per (sequence, kv head) stores that row of K
 and of V at the sequence's own position, into the caches themselves (input_output_aliases), and
 stores nothing where the position is out of range. Other backends run the reference (a scatter).
+
+A quantized cache (quant.Quantized) gets the new rows quantized first (jnp: one scale per row, a
+row alone), then the same in-place write of values and scales, four buffers in one kernel.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import backend as backend_lib
-from pallas_kernels import gpu
+from pallas_kernels import gpu, layout, quant
 
 SQ = gpu.SQ
 
@@ -25,50 +28,60 @@ SQ = gpu.SQ
 def reference(k_cache, v_cache, positions, k_new, v_new):
   """k/v_cache [B, KV, T, d]; positions [B]; k/v_new [B, KV, d] -> caches with slot positions[b]
   of sequence b set to its row (out of range: dropped; negative ones count from the end, as
-  jnp indexing does, down to -T)."""
+  jnp indexing does, down to -T). Quantized caches get the rows quantized, scales set alike."""
   b_idx = jnp.arange(positions.shape[0])
-  k = k_cache.at[b_idx, :, positions].set(k_new.astype(k_cache.dtype), mode="drop")
-  v = v_cache.at[b_idx, :, positions].set(v_new.astype(v_cache.dtype), mode="drop")
-  return k, v
+  put = lambda cache, new: cache.at[b_idx, :, positions].set(new, mode="drop")  # noqa: E731
+  return tuple(quant.per_row(put, cache, quant.store_like(new, cache))
+               for cache, new in ((k_cache, k_new), (v_cache, v_new)))
 
 
 def write_one_token(k_cache, v_cache, positions, k_new, v_new, *, backend: str = "auto"):
   """As `reference`; on GPU one in-place kernel (the caches are updated where they lie when the
   caller's buffers can be reused, as inside a jitted step whose old cache is dead)."""
   b, kvh, _, d = k_cache.shape
+  quantized = layout.check_kv(k_cache, v_cache)
   if k_new.shape != (b, kvh, d) or v_new.shape != k_new.shape or positions.shape != (b,):
     raise ValueError(f"k_new {k_new.shape} / v_new {v_new.shape} must be [B, KV, d] = "
                      f"{(b, kvh, d)} and positions {positions.shape} [B]")
   variant = backend_lib.resolve(backend)
   if variant.kind != "gpu":
     return reference(k_cache, v_cache, positions, k_new, v_new)
-  return _write(k_cache, v_cache, positions.astype(jnp.int32).reshape(b, 1),
-                k_new.astype(k_cache.dtype), v_new.astype(v_cache.dtype),
-                interpret=variant.interpret_arg())
+  pos = positions.astype(jnp.int32).reshape(b, 1)
+  kn, vn = quant.store_like(k_new, k_cache), quant.store_like(v_new, v_cache)
+  if not quantized:
+    return _write(pos, (kn, vn), (k_cache, v_cache), interpret=variant.interpret_arg())
+  # scales: rows [B, KV, 1] and caches [B, KV, T, 1], written as the values (the same kernel)
+  col = lambda x: x[..., None]  # noqa: E731
+  out = _write(pos, (kn.values, vn.values, col(kn.scale), col(vn.scale)),
+               (k_cache.values, v_cache.values, col(k_cache.scale), col(v_cache.scale)),
+               interpret=variant.interpret_arg())
+  return tuple(quant.Quantized(x, s[..., 0]) for x, s in ((out[0], out[2]), (out[1], out[3])))
 
 
-def _kernel(pos_ref, k_row_ref, v_row_ref, k_in_ref, v_in_ref, k_ref, v_ref):
-  del k_in_ref, v_in_ref  # the same buffers as k_ref, v_ref (aliased); nothing is read
-  t = k_ref.shape[0]
+def _kernel(pos_ref, *refs):
+  n = len(refs) // 3  # rows, the caches as inputs (aliased to the outputs: nothing is read), caches
+  rows, caches = refs[:n], refs[2 * n:]
+  t = caches[0].shape[0]
   pos = pos_ref[0]
   pos = jnp.where(pos < 0, pos + t, pos)  # as the scatter's index normalization
 
   @pl.when((pos >= 0) & (pos < t))
   def _():
-    k_ref[pl.ds(pos, 1), :] = k_row_ref[...][None]
-    v_ref[pl.ds(pos, 1), :] = v_row_ref[...][None]
+    for row, cache in zip(rows, caches):
+      cache[pl.ds(pos, 1), :] = row[...][None]
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
-def _write(k_cache, v_cache, positions, k_new, v_new, *, interpret):
-  b, kvh, t, d = k_cache.shape
-  cache = gpu.whole_keys_spec("BHTD", t, d, kvh)
-  row = pl.BlockSpec((SQ, SQ, d), lambda bh: (bh // kvh, bh % kvh, 0))
+def _write(positions, rows, caches, *, interpret):
+  """rows[i] [B, KV, w] into caches[i] [B, KV, T, w] (K, V; with their scales as w = 1)."""
+  b, kvh, t, _ = caches[0].shape
+  cache = [gpu.whole_keys_spec("BHTD", t, x.shape[-1], kvh) for x in caches]
+  row = [pl.BlockSpec((SQ, SQ, x.shape[-1]), lambda bh: (bh // kvh, bh % kvh, 0)) for x in rows]
+  n = len(caches)
   return gpu.pallas_call(
       _kernel, interpret, num_warps=1, num_stages=1, grid=(b * kvh,),
-      in_specs=[gpu.per_batch_spec(kvh, 1), row, row, cache, cache],
-      out_specs=[cache, cache],
-      out_shape=[jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
-                 jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)],
-      input_output_aliases={3: 0, 4: 1},
-  )(positions, k_new, v_new, k_cache, v_cache)
+      in_specs=[gpu.per_batch_spec(kvh, 1), *row, *cache],
+      out_specs=cache,
+      out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in caches],
+      input_output_aliases={1 + n + i: i for i in range(n)},
+  )(positions, *rows, *caches)

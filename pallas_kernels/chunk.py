@@ -13,6 +13,12 @@ dot_product_attention`, which returns the softmax statistics in fp32 (the public
 `jax.nn.dot_product_attention` casts them to the output dtype, too coarse to merge by). It is
 guarded: `cudnn_available()` is False when that function is missing or its signature changed,
 and the chunk then runs the Pallas flash-attention kernel (tests cover both routes).
+
+A quantized cache (quant.Quantized, 8-bit values and a scale per key and head) cannot go to cuDNN:
+the chunk is then one `flash_attention` call with the offset over the cache, which holds the
+chunk's own keys too (quantized, as decode will read them; k/v_chunk go unused): on Hopper the
+Mosaic GPU kernel, which dequantizes each K/V tile once into shared memory, elsewhere the Triton
+kernel, which converts the tiles in registers.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import inspect
 import jax.numpy as jnp
 
 from pallas_kernels import backend as backend_lib
-from pallas_kernels import layout, reference
+from pallas_kernels import layout, quant, reference
 from pallas_kernels.flash import flash_attention, mosaic_serves
 from pallas_kernels.options import DEFAULT, KernelOptions
 
@@ -103,8 +109,9 @@ def cudnn_route(q, k_cache, backend: str, kv_layout: str = "BTHD",
                 options: KernelOptions = DEFAULT) -> bool:
   """Whether `chunk_attention` takes the cuDNN route: on a GPU (not interpreted) with the private
   entry present, bf16/fp16 queries and cache of one dtype, unless the Mosaic GPU flash kernel
-  serves the chunk (Hopper: one call with the offset, measured 1.10-1.14x the two cuDNN calls)."""
-  if not options.chunk_cudnn:
+  serves the chunk (Hopper: one call with the offset, measured 1.10-1.14x the two cuDNN calls);
+  never for a quantized cache."""
+  if not options.chunk_cudnn or quant.is_quantized(k_cache):
     return False
   if mosaic_serves(q, k_cache, k_cache, kv_layout=kv_layout, backend=backend, options=options):
     return False
@@ -122,13 +129,16 @@ def chunk_attention(q, k_cache, v_cache, k_chunk, v_chunk, q_offset, *, kv_layou
   slots q_offset.. as well (the non-cuDNN routes read them there); k/v_chunk [B,C,KV,d] those
   keys again (the cuDNN route reads them here). q_offset: int or [B]. Returns (out [B,C,H,d],
   lse [B,C,H] fp32). use_cudnn: None = on a GPU when the private cuDNN entry exists and the
-  dtype is bf16/fp16; else the flash-attention kernel (or the jnp reference off-GPU).
+  dtype is bf16/fp16; else the flash-attention kernel (or the jnp reference off-GPU). A quantized
+  cache (k/v_cache Quantized, k/v_chunk arrays or Quantized) runs the flash-attention kernel.
   """
   b, c, _, d = q.shape
   scale = float(scale) if scale is not None else d ** -0.5
   q_off = layout.per_batch(q_offset, b, 0)
   if use_cudnn is None:
     use_cudnn = cudnn_route(q, k_cache, backend, kv_layout, options)
+  elif use_cudnn and quant.is_quantized(k_cache):
+    raise ValueError("use_cudnn=True: cuDNN cannot read a quantized cache")
   if use_cudnn:
     return chunk_attention_composed(q, k_cache, v_cache, k_chunk.astype(q.dtype),
                                     v_chunk.astype(q.dtype), q_off, scale=scale,

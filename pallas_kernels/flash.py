@@ -8,6 +8,12 @@ axis with the softmax state in VMEM. On GPU, "auto" hands prefill that cuDNN can
 offset, BTHD layout, bf16/fp16) to cuDNN, which measured faster (BENCHMARKS.md). On Hopper,
 prefill (bf16/fp16, d 64/128) runs the Mosaic GPU kernel of mgpu_flash.py instead of the
 Triton one (KernelOptions.prefill_impl); decode, fp32 and other GPUs keep the Triton kernel.
+
+K and V may come quantized (quant.Quantized: 8-bit values and an fp32 scale per key and head).
+The kernels then read the 8-bit values and the scales, never a dequantized copy: GPU and TPU
+convert each tile to q's dtype in registers and fold the scales into the scores and the
+probabilities (online_softmax); the Mosaic GPU kernel has the tiles dequantized into shared
+memory (mgpu_flash). cuDNN takes no quantized K/V; TPUs take int8 only (v5e has no FP8).
 """
 
 from __future__ import annotations
@@ -41,17 +47,20 @@ def flash_attention(q, k, v, *, causal: bool = True, q_offset=0, kv_len=None,
   for). options: the run's kernel choices (`KernelOptions`).
   """
   b, lq, h, kvh, t, d = layout.check_qk(q, k, kv_layout)
-  if v.shape != k.shape:
-    raise ValueError(f"k {k.shape} and v {v.shape} must have the same shape")
+  quantized = layout.check_kv(k, v)
   scale = float(scale) if scale is not None else 1.0 / math.sqrt(d)
   variant = backend_lib.resolve(backend)
+  if variant.kind == "tpu":
+    tpu.check_kv_dtype(k)
   mosaic = _mosaic_config(variant, q, k, v, kv_layout, tiling, options)
+  if use_cudnn and quantized:
+    raise ValueError("use_cudnn=True: cuDNN cannot read quantized K/V")
   if use_cudnn is None:
     asked = tiling is not None and tiling.impl == "mosaic"
     mosaic_first = mosaic is not None and (options.mosaic_before_cudnn or asked)
     use_cudnn = (variant.kind == "gpu" and not variant.interpret and lq > 1 and not mosaic_first
                  and isinstance(q_offset, int) and q_offset == 0 and kv_layout == "BTHD"
-                 and q.dtype in (jnp.bfloat16, jnp.float16))
+                 and q.dtype in (jnp.bfloat16, jnp.float16) and not quantized)
   q_off = layout.per_batch(q_offset, b, 0)
   kv_len = layout.per_batch(kv_len, b, t)
   if variant.kind == "reference":
@@ -82,16 +91,17 @@ def flash_attention(q, k, v, *, causal: bool = True, q_offset=0, kv_len=None,
     span, splits = gpu.split_plan(b * kvh * (rows_padded // bm), tk, bk,
                                   tl.key_splits or (1 if causal and lq > 1 else None))
     merge_kernel = options.decode_merge_kernel and lq == 1
-    outs, lses = _gpu(qr, kk, vv, meta, group=h // kvh, span=span, splits=splits,
+    (kk, ks), (vv, vs) = layout.parts(kk), layout.parts(vv)
+    outs, lses = _gpu(qr, kk, vv, meta, ks, vs, group=h // kvh, span=span, splits=splits,
                       parts=split_merge.parts(splits, merge_kernel), causal=causal,
                       scale=scale, kv_layout=kv_layout, tiling=tl,
                       interpret=variant.interpret_arg())
     out, lse = split_merge.merge(outs, lses, splits=splits, rows=rows, dtype=q.dtype,
                                  kernel=merge_kernel, interpret=variant.interpret_arg())
   else:
-    out, lse = _tpu(qr, layout.heads_first(k, kv_layout), layout.heads_first(v, kv_layout), meta,
-                    group=h // kvh, bm=bm, bk=bk, causal=causal, scale=scale,
-                    interpret=variant.interpret_arg())
+    (kh, ks), (vh, vs) = (layout.parts(layout.heads_first(x, kv_layout)) for x in (k, v))
+    out, lse = _tpu(qr, kh, vh, meta, *tpu.scale_rows(ks, vs), group=h // kvh, bm=bm, bk=bk,
+                    causal=causal, scale=scale, interpret=variant.interpret_arg())
     lse = lse[..., 0]
   out = layout.from_rows(out, lq, h).astype(q.dtype)
   return out, layout.from_rows(lse, lq, h)
@@ -107,6 +117,11 @@ def mosaic_serves(q, k, v, *, kv_layout: str = "BTHD", backend: str = "auto",
 def _mosaic_config(variant, q, k, v, kv_layout, tiling, options: KernelOptions = DEFAULT):
   """The Mosaic GPU kernel's Config when it serves this call, else None (the Triton kernel)."""
   if not gpu.mosaic_asked(variant, tiling, options.prefill_impl):
+    return None
+  if layout.parts(k)[1] is not None and not variant.interpret:
+    # The Mosaic kernel's 8-bit path (tiles dequantized into its SMEM ring) passes the GPU
+    # interpreter on a CPU but hung on an H200 (2026-11-25, benchmarks/quant_kernels.py
+    # check_attention): 8-bit K/V take the Triton kernel on a GPU until it is fixed.
     return None
   config = gpu.mosaic_tiling(mgpu_flash.DEFAULT_CONFIG, tiling)
   if mgpu_flash.unsupported(q, k, v, kv_layout=kv_layout, config=config):
@@ -129,24 +144,27 @@ def _row_positions(first_row, bm: int, group: int, q_off):
 
 @functools.partial(jax.jit, static_argnames=("group", "span", "splits", "parts", "causal",
                                              "scale", "kv_layout", "tiling", "interpret"))
-def _gpu(qr, k, v, meta, *, group, span, splits, causal, scale, kv_layout, tiling, interpret,
-         parts=None):
+def _gpu(qr, k, v, meta, k_scale=None, v_scale=None, *, group, span, splits, causal, scale,
+         kv_layout, tiling, interpret, parts=None):
   """Per-split (out, lse) [B, KV, parts, R_padded, d | 1] fp32; parts (default splits) may
   exceed splits (split_merge's power of two), entries past splits left unwritten. qr may hold
   fewer rows than a block (KernelOptions.decode_q_in_kernel): they are repeated to fill it, and the output
-  rows past them (padding) hold copies of theirs."""
+  rows past them (padding) hold copies of theirs. k_scale, v_scale: with 8-bit k, v, their
+  scales ([B, T, KV] or [B, KV, T] as the keys): each tile is converted in registers."""
   b, kvh, rq, d = qr.shape
   parts = parts or splits
   bm, bk = tiling.block_rows, tiling.block_keys
   rp = layout.round_up(rq, bm)
   t = k.shape[1 if kv_layout == "BTHD" else 2]
+  quantized = k_scale is not None
 
   def load_q(q_ref):
     if rq >= bm:
       return q_ref[...]
     return q_ref[lax.broadcasted_iota(jnp.int32, (bm,), 0) % rq, :]  # the real rows, repeated
 
-  def kernel(meta_ref, q_ref, k_ref, v_ref, o_ref, lse_ref):
+  def kernel(meta_ref, q_ref, k_ref, v_ref, *refs):
+    ks_ref, vs_ref, o_ref, lse_ref = refs if quantized else (None, None, *refs)
     q_off, kv_len = meta_ref[0], meta_ref[1]
     first_row = pl.program_id(1) * bm
     start0 = pl.program_id(2) * span
@@ -158,7 +176,8 @@ def _gpu(qr, k, v, meta, *, group, span, splits, causal, scale, kv_layout, tilin
 
     def load(j):
       tile = gpu.key_tile(start0 + j * bk, bk, t)[0]
-      return k_ref[tile, :], v_ref[tile, :]
+      scales = (ks_ref[tile], vs_ref[tile]) if quantized else (None, None)
+      return k_ref[tile, :], v_ref[tile, :], *scales
 
     def step(j, kv, carry):
       nominal = start0 + j * bk
@@ -166,8 +185,9 @@ def _gpu(qr, k, v, meta, *, group, span, splits, causal, scale, kv_layout, tilin
       ok = (idx >= nominal) & (idx < kv_len)
       if causal:
         ok = ok & (idx <= q_pos)
-      s = jnp.where(ok, osm.scores(q, kv[0], scale), osm.NEG_INF)
-      return osm.update(*carry, s, kv[1])
+      (kt, ks), (vt, vs) = (osm.converted(x, sc, qr.dtype) for x, sc in (kv[::2], kv[1::2]))
+      s = jnp.where(ok, osm.scores(q, kt, scale, ks), osm.NEG_INF)
+      return osm.update(*carry, s, vt, vs)
 
     n_tiles = jnp.clip(pl.cdiv(end - start0, bk), 0, span // bk)
     out, lse = osm.finish(*gpu.tile_loop(0, n_tiles, load, step, osm.init(bm, d), tiling.prefetch))
@@ -176,25 +196,30 @@ def _gpu(qr, k, v, meta, *, group, span, splits, causal, scale, kv_layout, tilin
 
   index = lambda bh, r, s: (bh // kvh, bh % kvh, s, r, 0)  # noqa: E731
   keys = gpu.whole_keys_spec(kv_layout, t, d, kvh)
+  scales = [gpu.whole_scales_spec(kv_layout, t, kvh)] * 2 if quantized else []
   return gpu.pallas_call(
       kernel, interpret, num_warps=tiling.num_warps, num_stages=tiling.num_stages,
       grid=(b * kvh, rp // bm, splits),
-      in_specs=[gpu.per_batch_spec(kvh, 2), gpu.row_spec(kvh, min(bm, rq), d), keys, keys],
+      in_specs=[gpu.per_batch_spec(kvh, 2), gpu.row_spec(kvh, min(bm, rq), d), keys, keys,
+                *scales],
       out_specs=[pl.BlockSpec((SQ, SQ, SQ, bm, d), index),
                  pl.BlockSpec((SQ, SQ, SQ, bm, 1), index)],
       out_shape=[jax.ShapeDtypeStruct((b, kvh, parts, rp, d), jnp.float32),
                  jax.ShapeDtypeStruct((b, kvh, parts, rp, 1), jnp.float32)],
-  )(meta, qr, k, v)
+  )(meta, qr, k, v, *([k_scale, v_scale] if quantized else []))
 
 
 @functools.partial(jax.jit, static_argnames=("group", "bm", "bk", "causal", "scale", "interpret"))
-def _tpu(qr, k, v, meta, *, group, bm, bk, causal, scale, interpret):
+def _tpu(qr, k, v, meta, k_scale=None, v_scale=None, *, group, bm, bk, causal, scale, interpret):
+  """k, v [B, KV, T, d]; with 8-bit k, v their scales as rows [B, KV, 1, T] (tpu.scale_rows)."""
   from jax.experimental.pallas import tpu as pltpu
   b, kvh, rp, d = qr.shape
   t = k.shape[2]
   nk = pl.cdiv(t, bk)
+  quantized = k_scale is not None
 
-  def kernel(meta_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_s, l_s, acc_s):
+  def kernel(meta_ref, q_ref, k_ref, v_ref, *refs):
+    ks_ref, vs_ref, o_ref, lse_ref, m_s, l_s, acc_s = refs if quantized else (None, None, *refs)
     bi, j = tpu.div(pl.program_id(0), kvh), pl.program_id(2)
     q_off, kv_len = meta_ref[2 * bi], meta_ref[2 * bi + 1]
     first_row = pl.program_id(1) * bm
@@ -212,11 +237,17 @@ def _tpu(qr, k, v, meta, *, group, bm, bk, causal, scale, interpret):
       ok = idx < kv_len
       if causal:
         ok = ok & (idx <= _row_positions(first_row, bm, group, q_off))
-      s = jnp.where(ok, osm.scores(q_ref[...], k_ref[...], scale), osm.NEG_INF)
-      # The last tile may run past t: those rows of v are undefined and 0 * NaN would spread.
+      # The last tile may run past t: those rows of v (and scales) are undefined and 0 * NaN
+      # would spread.
       v_rows = j * bk + lax.broadcasted_iota(jnp.int32, (bk, 1), 0)
       v = jnp.where(v_rows < kv_len, v_ref[...], jnp.zeros((), v_ref.dtype))
-      m_s[...], l_s[...], acc_s[...] = osm.update(m_s[...], l_s[...], acc_s[...], s, v)
+      ks = vs = None
+      if quantized:
+        cols = j * bk + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
+        ks, vs = ks_ref[...], jnp.where(cols < kv_len, vs_ref[...], 0.0)
+      (kt, ks), (vt, vs) = osm.converted(k_ref[...], ks, qr.dtype), osm.converted(v, vs, qr.dtype)
+      s = jnp.where(ok, osm.scores(q_ref[...], kt, scale, ks), osm.NEG_INF)
+      m_s[...], l_s[...], acc_s[...] = osm.update(m_s[...], l_s[...], acc_s[...], s, vt, vs)
 
     @pl.when(j == nk - 1)
     def _():
@@ -224,9 +255,12 @@ def _tpu(qr, k, v, meta, *, group, bm, bk, causal, scale, interpret):
 
   row = lambda bh, r, j, meta: (*tpu.batch_head(bh, kvh), r, 0)  # noqa: E731
   key = pl.BlockSpec((SQ, SQ, bk, d), lambda bh, r, j, meta: (*tpu.batch_head(bh, kvh), j, 0))
+  scales = [pl.BlockSpec((SQ, SQ, 1, bk), lambda bh, r, j, meta: (*tpu.batch_head(bh, kvh), 0, j))
+            ] * 2 if quantized else []
   grid_spec = pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=1, grid=(b * kvh, rp // bm, nk),
-      in_specs=[pl.BlockSpec((SQ, SQ, bm, d), row), key, key],
+      in_specs=[pl.BlockSpec((SQ, SQ, bm, d), row), key, key, *scales],
       out_specs=[pl.BlockSpec((SQ, SQ, bm, d), row), pl.BlockSpec((SQ, SQ, bm, 1), row)],
       scratch_shapes=tpu.softmax_scratch(bm, d))
-  return tpu.attention_call(kernel, grid_spec, qr.shape, interpret)(meta.reshape(-1), qr, k, v)
+  return tpu.attention_call(kernel, grid_spec, qr.shape, interpret)(
+      meta.reshape(-1), qr, k, v, *([k_scale, v_scale] if quantized else []))

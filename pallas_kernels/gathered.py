@@ -1,6 +1,9 @@
 """Attention over selected keys: each query head attends to the keys at indices[b, kv_head, :]
 of its KV group (sparse decoding: Quest, top-k, ReAttention, RESA), without first copying the
-selected K/V to a new buffer in HBM.
+selected K/V to a new buffer in HBM. Quantized K/V (quant.Quantized) are read as their
+8-bit values and scales, converted in the kernel: scales multiply scores and probabilities
+(online_softmax), except that keys to rotate are dequantized to q's dtype first, as the
+reference rotates them.
 
 GPU: one program per (batch x kv head, row block, index split); each tile of indices is gathered
 straight from the cache into registers by pointer loads, scored, and folded into an online
@@ -52,8 +55,7 @@ def gathered_attention(q, k, v, indices, valid=None, *, scale: float | None = No
   [B, Lq, H, d], lse [B, Lq, H] fp32); a row with no valid key gives (0, -inf).
   """
   b, lq, h, kvh, t, d = layout.check_qk(q, k, kv_layout)
-  if v.shape != k.shape:
-    raise ValueError(f"k {k.shape} and v {v.shape} must have the same shape")
+  quantized = layout.check_kv(k, v)
   if indices.ndim != 3 or indices.shape[:2] != (b, kvh):
     raise ValueError(f"indices must be [batch={b}, kv_heads={kvh}, n], got {indices.shape}")
   n = indices.shape[2]
@@ -76,6 +78,8 @@ def gathered_attention(q, k, v, indices, valid=None, *, scale: float | None = No
   scale = float(scale) if scale is not None else 1.0 / math.sqrt(d)
   indices = indices.astype(jnp.int32)
   variant = backend_lib.resolve(backend)
+  if variant.kind == "tpu":
+    tpu.check_kv_dtype(k)
   if variant.kind == "reference":
     return reference.gathered_attention(q, k, v, indices, valid, scale=scale, kv_layout=kv_layout,
                                         key_rope_freqs=key_rope_freqs,
@@ -99,25 +103,32 @@ def gathered_attention(q, k, v, indices, valid=None, *, scale: float | None = No
     extent = extent.astype(jnp.int32)
     ok = ok & (jnp.arange(n, dtype=jnp.int32) < extent[..., None])
   safe = jnp.clip(indices, 0, t - 1)
+  key_dtype = q.dtype if quantized else k.dtype  # the dtype keys are rotated in
   if variant.kind == "gpu":
     span, splits = gpu.split_plan(b * kvh * (rows_padded // bm), max(n, bn), bn, tl.key_splits)
     pad = ((0, 0), (0, 0), (0, span * splits - n))
-    table = _rope_table(key_rope_freqs, jnp.pad(key_positions, pad[1:]), k.dtype)
+    table = _rope_table(key_rope_freqs, jnp.pad(key_positions, pad[1:]), key_dtype)
     if extent is None:
       extent = jnp.full((b, kvh), n, jnp.int32)
     merge_kernel = options.decode_merge_kernel and lq == 1
-    outs, lses = _gpu(qr, k, v, jnp.pad(safe, pad), jnp.pad(ok, pad).astype(jnp.int32),
-                      extent[..., None], table, span=span, splits=splits,
+    (kk, ks), (vv, vs) = layout.parts(k), layout.parts(v)
+    outs, lses = _gpu(qr, kk, vv, jnp.pad(safe, pad), jnp.pad(ok, pad).astype(jnp.int32),
+                      extent[..., None], table, ks, vs, span=span, splits=splits,
                       parts=split_merge.parts(splits, merge_kernel), scale=scale,
                       kv_layout=kv_layout, tiling=tl, interpret=variant.interpret_arg())
     out, lse = split_merge.merge(outs, lses, splits=splits, rows=rows, dtype=q.dtype,
                                  kernel=merge_kernel, interpret=variant.interpret_arg())
   else:
     pad = ((0, 0), (0, 0), (0, layout.round_up(n, bn) - n))
-    table = _rope_table(key_rope_freqs, jnp.pad(key_positions, pad[1:]), k.dtype)
-    out, lse = _tpu(qr, layout.heads_first(k, kv_layout), layout.heads_first(v, kv_layout),
-                    jnp.pad(safe, pad), jnp.pad(ok, pad).astype(jnp.int32), table, bm=bm, bn=bn,
-                    scale=scale, interpret=variant.interpret_arg())
+    table = _rope_table(key_rope_freqs, jnp.pad(key_positions, pad[1:]), key_dtype)
+    safe = jnp.pad(safe, pad)
+    (kh, ks), (vh, vs) = (layout.parts(layout.heads_first(x, kv_layout)) for x in (k, v))
+    # The selected rows' scales, gathered here (4 bytes a row): a DMA per scale would be as many
+    # DMAs again as the rows', each too small to be worth one.
+    picked = tuple(None if x is None else jnp.take_along_axis(x, safe, axis=2) for x in (ks, vs))
+    out, lse = _tpu(qr, kh, vh, safe, jnp.pad(ok, pad).astype(jnp.int32), table,
+                    *tpu.scale_rows(*picked), bm=bm, bn=bn, scale=scale,
+                    interpret=variant.interpret_arg())
     lse = lse[..., 0]
   out = layout.from_rows(out, lq, h).astype(q.dtype)
   return out, layout.from_rows(lse, lq, h)
@@ -141,17 +152,20 @@ def _table_row(rope_table, bh, kvh: int):
 
 @functools.partial(jax.jit, static_argnames=("span", "splits", "parts", "scale", "kv_layout",
                                              "tiling", "interpret"))
-def _gpu(qr, k, v, indices, ok, extent, rope_table, *, span, splits, parts, scale, kv_layout,
-         tiling, interpret):
+def _gpu(qr, k, v, indices, ok, extent, rope_table, k_scale=None, v_scale=None, *, span, splits,
+         parts, scale, kv_layout, tiling, interpret):
   """extent [B, KV, 1]: entries at and past it are not visited. Per-split (out, lse) as
-  flash._gpu's: parts >= splits entries, qr of fewer rows than a block repeated to fill it."""
+  flash._gpu's: parts >= splits entries, qr of fewer rows than a block repeated to fill it.
+  k_scale, v_scale: with 8-bit k, v, their scales, gathered with the rows."""
   b, kvh, rq, d = qr.shape
   bm, bn = tiling.block_rows, tiling.block_keys
   rp = layout.round_up(rq, bm)
   t = k.shape[1 if kv_layout == "BTHD" else 2]
   rope, half = rope_table is not None, d // 2
+  quantized = k_scale is not None
 
   def kernel(idx_ref, ok_ref, ext_ref, q_ref, k_ref, v_ref, *refs):
+    ks_ref, vs_ref, *refs = refs if quantized else (None, None, *refs)
     r_ref, o_ref, lse_ref = refs if rope else (None, *refs)
     start0 = pl.program_id(2) * span
     n_tiles = jnp.clip(pl.cdiv(ext_ref[0] - start0, bn), 0, span // bn)
@@ -162,14 +176,22 @@ def _gpu(qr, k, v, indices, ok, extent, rope_table, *, span, splits, parts, scal
     def load(j):
       tile = pl.ds(start0 + j * bn, bn)
       rows = idx_ref[tile]  # [bn] key indices: a gather, not a contiguous tile
-      kt = ((k_ref[rows, :half], k_ref[rows, half:], r_ref[0, tile, :], r_ref[1, tile, :])
-            if rope else k_ref[rows, :])
-      return ok_ref[tile], kt, v_ref[rows, :]
+      kt = (k_ref[rows, :half], k_ref[rows, half:]) if rope else (k_ref[rows, :],)
+      scales = (ks_ref[rows], vs_ref[rows]) if quantized else (None, None)
+      table = (r_ref[0, tile, :], r_ref[1, tile, :]) if rope else ()
+      return ok_ref[tile], kt, v_ref[rows, :], scales, table
 
     def step(j, tile, carry):
-      ok, kt, vt = tile
-      s = osm.rope_scores(*q, *kt, scale) if rope else osm.scores(q, kt, scale)
-      return osm.update(*carry, jnp.where(ok[None, :] > 0, s, osm.NEG_INF), vt)
+      ok, kt, vt, (ks, vs), table = tile
+      vt, vs = osm.converted(vt, vs, qr.dtype)
+      if rope:
+        if quantized:
+          kt = tuple(osm.dequantized(x, ks[:, None], qr.dtype) for x in kt)
+        s = osm.rope_scores(*q, *kt, *table, scale)
+      else:
+        kt, ks = osm.converted(kt[0], ks, qr.dtype)
+        s = osm.scores(q, kt, scale, ks)
+      return osm.update(*carry, jnp.where(ok[None, :] > 0, s, osm.NEG_INF), vt, vs)
 
     out, lse = osm.finish(*gpu.tile_loop(0, n_tiles, load, step, osm.init(bm, d),
                                          tiling.prefetch))
@@ -177,6 +199,7 @@ def _gpu(qr, k, v, indices, ok, extent, rope_table, *, span, splits, parts, scal
     lse_ref[...] = lse
 
   keys = gpu.whole_keys_spec(kv_layout, t, d, kvh)
+  scales = [gpu.whole_scales_spec(kv_layout, t, kvh)] * 2 if quantized else []
   index_spec = pl.BlockSpec((SQ, SQ, span * splits), lambda bh, r, s: (bh // kvh, bh % kvh, 0))
   index = lambda bh, r, s: (bh // kvh, bh % kvh, s, r, 0)  # noqa: E731
   return gpu.pallas_call(
@@ -184,25 +207,30 @@ def _gpu(qr, k, v, indices, ok, extent, rope_table, *, span, splits, parts, scal
       grid=(b * kvh, rp // bm, splits),
       in_specs=[index_spec, index_spec,
                 pl.BlockSpec((SQ, SQ, 1), lambda bh, r, s: (bh // kvh, bh % kvh, 0)),
-                gpu.row_spec(kvh, min(bm, rq), d), keys, keys] + (
+                gpu.row_spec(kvh, min(bm, rq), d), keys, keys, *scales] + (
           [pl.BlockSpec((SQ, 2, span * splits, half),
                         lambda bh, r, s: (_table_row(rope_table, bh, kvh), 0, 0, 0))]
           if rope else []),
       out_specs=[pl.BlockSpec((SQ, SQ, SQ, bm, d), index), pl.BlockSpec((SQ, SQ, SQ, bm, 1), index)],
       out_shape=[jax.ShapeDtypeStruct((b, kvh, parts, rp, d), jnp.float32),
                  jax.ShapeDtypeStruct((b, kvh, parts, rp, 1), jnp.float32)],
-  )(indices, ok, extent, qr, k, v, *([rope_table] if rope else []))
+  )(indices, ok, extent, qr, k, v, *([k_scale, v_scale] if quantized else []),
+    *([rope_table] if rope else []))
 
 
 @functools.partial(jax.jit, static_argnames=("bm", "bn", "scale", "interpret"))
-def _tpu(qr, k, v, indices, ok, rope_table, *, bm, bn, scale, interpret):
+def _tpu(qr, k, v, indices, ok, rope_table, k_scale=None, v_scale=None, *, bm, bn, scale,
+         interpret):
+  """k, v [B, KV, T, d]; with 8-bit k, v the scales of the selected rows [B, KV, 1, n]."""
   from jax.experimental.pallas import tpu as pltpu
   b, kvh, rp, d = qr.shape
   n = indices.shape[2]
   nt = n // bn
   rope, half = rope_table is not None, d // 2
+  quantized = k_scale is not None
 
   def kernel(idx_ref, ok_ref, q_ref, k_hbm, v_hbm, *refs):
+    ks_ref, vs_ref, *refs = refs if quantized else (None, None, *refs)
     r_ref = refs[0] if rope else None
     o_ref, lse_ref, k_buf, v_buf, sem, m_s, l_s, acc_s = refs[1:] if rope else refs
     bh, j = pl.program_id(0), pl.program_id(2)
@@ -228,13 +256,19 @@ def _tpu(qr, k, v, indices, ok, rope_table, *, bm, bn, scale, interpret):
       for c in copies(i):
         c.wait()
 
+    ks, vs = (ks_ref[...], vs_ref[...]) if quantized else (None, None)
+    vt, vs = osm.converted(v_buf[...], vs, qr.dtype)
     if rope:
-      s = osm.rope_scores(q_ref[:, :half], q_ref[:, half:], k_buf[:, :half], k_buf[:, half:],
-                          r_ref[0], r_ref[1], scale)
+      k1, k2 = k_buf[:, :half], k_buf[:, half:]
+      if quantized:
+        col = tpu.column(ks)
+        k1, k2 = (osm.dequantized(x, col, qr.dtype) for x in (k1, k2))
+      s = osm.rope_scores(q_ref[:, :half], q_ref[:, half:], k1, k2, r_ref[0], r_ref[1], scale)
     else:
-      s = osm.scores(q_ref[...], k_buf[...], scale)
+      kt, ks = osm.converted(k_buf[...], ks, qr.dtype)
+      s = osm.scores(q_ref[...], kt, scale, ks)
     s = jnp.where(ok_ref[...] > 0, s, osm.NEG_INF)
-    m_s[...], l_s[...], acc_s[...] = osm.update(m_s[...], l_s[...], acc_s[...], s, v_buf[...])
+    m_s[...], l_s[...], acc_s[...] = osm.update(m_s[...], l_s[...], acc_s[...], s, vt, vs)
 
     @pl.when(j == nt - 1)
     def _():
@@ -242,11 +276,12 @@ def _tpu(qr, k, v, indices, ok, rope_table, *, bm, bn, scale, interpret):
 
   row = lambda bh, r, j, idx: (*tpu.batch_head(bh, kvh), r, 0)  # noqa: E731
   any_spec = pl.BlockSpec(memory_space=pl.ANY)
+  entries = lambda bh, r, j, idx: (*tpu.batch_head(bh, kvh), 0, j)  # noqa: E731
+  scales = [pl.BlockSpec((SQ, SQ, 1, bn), entries)] * 2 if quantized else []
   grid_spec = pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=1, grid=(b * kvh, rp // bm, nt),
-      in_specs=[pl.BlockSpec((SQ, SQ, 1, bn),
-                             lambda bh, r, j, idx: (*tpu.batch_head(bh, kvh), 0, j)),
-                pl.BlockSpec((SQ, SQ, bm, d), row), any_spec, any_spec] + (
+      in_specs=[pl.BlockSpec((SQ, SQ, 1, bn), entries),
+                pl.BlockSpec((SQ, SQ, bm, d), row), any_spec, any_spec, *scales] + (
                     [pl.BlockSpec((SQ, 2, bn, half),
                                   lambda bh, r, j, idx: (_table_row(rope_table, bh, kvh), 0, j, 0))]
                     if rope else []),
@@ -254,4 +289,5 @@ def _tpu(qr, k, v, indices, ok, rope_table, *, bm, bn, scale, interpret):
       scratch_shapes=[pltpu.VMEM((bn, d), k.dtype), pltpu.VMEM((bn, d), v.dtype),
                       pltpu.SemaphoreType.DMA((2,)), *tpu.softmax_scratch(bm, d)])
   return tpu.attention_call(kernel, grid_spec, qr.shape, interpret)(
-      indices.reshape(-1), ok[:, :, None, :], qr, k, v, *([rope_table] if rope else []))
+      indices.reshape(-1), ok[:, :, None, :], qr, k, v,
+      *([k_scale, v_scale] if quantized else []), *([rope_table] if rope else []))

@@ -115,6 +115,14 @@ def whole_keys_spec(kv_layout: str, t: int, d: int, kvh: int):
   return pl.BlockSpec((SQ, SQ, t, d), lambda bh, *_: (bh // kvh, bh % kvh, 0, 0))
 
 
+def whole_scales_spec(kv_layout: str, t: int, kvh: int):
+  """The quantization scales ([B, T, KV] or [B, KV, T]) of one (batch, kv head), for the keys of
+  `whole_keys_spec`."""
+  if kv_layout == "BTHD":
+    return pl.BlockSpec((SQ, t, SQ), lambda bh, *_: (bh // kvh, 0, bh % kvh))
+  return pl.BlockSpec((SQ, SQ, t), lambda bh, *_: (bh // kvh, bh % kvh, 0))
+
+
 def key_tile(nominal, bk: int, t: int):
   """Tile of bk keys meant to start at `nominal`. The last tile is clamped to end at t (so no
   read is out of bounds and t need not be a multiple of bk); keys below `nominal` in it were

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from pallas_kernels import quant
+
 KV_LAYOUTS = ("BTHD", "BHTD")
 
 
@@ -30,9 +32,42 @@ def check_qk(q, k, kv_layout: str):
   return b, lq, h, kvh, t, d
 
 
+def check_kv(k, v) -> bool:
+  """Whether keys and values come quantized (`quant.Quantized`, the 8-bit KV cache); checks that
+  both are arrays of one shape or both Quantized of one 8-bit dtype, scales shaped as their
+  values without the head dim."""
+  kq, vq = quant.is_quantized(k), quant.is_quantized(v)
+  if kq != vq:
+    raise ValueError(f"k and v must both be Quantized or both arrays, got k "
+                     f"{type(k).__name__}, v {type(v).__name__}")
+  if v.shape != k.shape:
+    raise ValueError(f"k {k.shape} and v {v.shape} must have the same shape")
+  if not kq:
+    return False
+  for name, x in (("k", k), ("v", v)):
+    if x.dtype.name not in quant.EIGHT_BIT:
+      raise ValueError(f"quantized {name} holds {x.dtype.name}: expected one of {quant.EIGHT_BIT}")
+    if x.scale.shape != x.values.shape[:-1]:
+      raise ValueError(f"{name}.scale {x.scale.shape} must be its values' shape without the head "
+                       f"dim, {x.values.shape[:-1]}")
+  if k.dtype != v.dtype:
+    raise ValueError(f"k ({k.dtype.name}) and v ({v.dtype.name}) must be quantized alike")
+  return True
+
+
+def parts(x):
+  """(values, scale fp32) of a Quantized, (x, None) of an array."""
+  if quant.is_quantized(x):
+    return x.values, x.scale.astype(jnp.float32)
+  return x, None
+
+
 def heads_first(k, kv_layout: str):
-  """[B, KV, T, d] view (a transpose, i.e. a copy, only for BTHD)."""
-  return k if kv_layout == "BHTD" else jnp.swapaxes(k, 1, 2)
+  """[B, KV, T, d] view (a transpose, i.e. a copy, only for BTHD); a Quantized moves its scales
+  [B, T, KV] -> [B, KV, T] alike."""
+  if kv_layout == "BHTD":
+    return k
+  return quant.per_row(lambda x: jnp.swapaxes(x, 1, 2), k)
 
 
 def next_pow2(n: int) -> int:
@@ -69,7 +104,7 @@ def pad_keys(k, kv_layout: str, min_len: int):
     return k
   pad = [(0, 0)] * 4
   pad[axis] = (0, min_len - t)
-  return jnp.pad(k, pad)
+  return quant.per_row(lambda x: jnp.pad(x, pad), k)
 
 
 def per_batch(x, b: int, default: int):

@@ -20,6 +20,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels import quant
+
 try:
   from jax.experimental.pallas import mosaic_gpu as plgpu
 except ImportError:  # pragma: no cover  (a jaxlib without Mosaic GPU)
@@ -54,22 +56,29 @@ class Config:
       raise ValueError(f"semantics {self.semantics!r} must be None, 'lane' or 'warpgroup'")
 
 
-def smem_bytes(config: Config, d: int, itemsize: int = 2) -> int:
+def smem_bytes(config: Config, d: int, itemsize: int = 2, quantized: bool = False) -> int:
   """Shared memory of one CTA: Q/O per compute warpgroup, the K and V rings, the LSE rows, and
   up to 1 KiB of barriers and alignment (Mosaic's lowering counted 120-700 bytes; its cross-warp
   reduction scratch is set to 0: a WGMMA tile's row max / sum stay within a warp, as in
-  tokamax's FA3). Lowering checks the real size against the 227 KiB a CTA may use."""
+  tokamax's FA3). quantized: plus the 8-bit K and V tile and their scales as they land (the
+  rings hold them dequantized). Lowering checks the real size against the 227 KiB a CTA may use."""
   tiles = COMPUTE_WGS * config.block_q * d + 2 * config.stages * config.block_kv * d
-  return tiles * itemsize + COMPUTE_WGS * config.block_q * 4 + 1024
+  landed = 2 * config.block_kv * (d + 4) if quantized else 0
+  return tiles * itemsize + landed + COMPUTE_WGS * config.block_q * 4 + 1024
 
 
 def unsupported(q, k, v, *, kv_layout: str, config: Config) -> str | None:
-  """Why this kernel cannot run the call (None: it can)."""
+  """Why the flash-attention kernel cannot run the call (None: it can); k, v arrays or
+  quant.Quantized (8-bit)."""
   lq, d = q.shape[1], q.shape[3]
   t = k.shape[1 if kv_layout == "BTHD" else 2]
+  quantized = quant.is_quantized(k)
   if plgpu is None:
     return "this jaxlib has no Mosaic GPU"
-  if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+  if quantized:
+    if q.dtype not in DTYPES or k.dtype.name not in quant.EIGHT_BIT or v.dtype != k.dtype:
+      return f"dtypes {q.dtype}/{k.dtype}/{v.dtype}: needs bf16 or fp16 q and 8-bit k, v"
+  elif q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
     return f"dtypes {q.dtype}/{k.dtype}/{v.dtype}: needs q, k, v all bf16 or all fp16"
   if d not in HEAD_DIMS:
     return f"head dim {d} not in {HEAD_DIMS}"
@@ -82,8 +91,8 @@ def unsupported(q, k, v, *, kv_layout: str, config: Config) -> str | None:
     return f"{lq} queries: needs a multiple of 8"
   if kv_layout == "BHTD" and t % 8:
     return f"{t} keys in the BHTD layout: needs a multiple of 8"
-  if smem_bytes(config, d) > SMEM_LIMIT:
-    return f"{config} needs {smem_bytes(config, d)} bytes of SMEM at d={d} (> {SMEM_LIMIT})"
+  if (need := smem_bytes(config, d, quantized=quantized)) > SMEM_LIMIT:
+    return f"{config} needs {need} bytes of SMEM at d={d} (> {SMEM_LIMIT})"
   return None
 
 
@@ -164,6 +173,27 @@ def keyrows(ref, kv_layout: str, b, kvh, start, bk: int):
   if kv_layout == "BTHD":
     return ref.at[b, pl.ds(start, bk), kvh]
   return ref.at[b, kvh, pl.ds(start, bk)]
+
+
+def dequantize_tile(x8, scale, out, *, native: bool):
+  """out [n, d] (bf16 / fp16, WGMMA-tiled SMEM) = x8 [n, d] (int8 / E4M3 SMEM, tiled (8, 64))
+  times each row's scale (`scale` [n] fp32 SMEM), as `quant.dequantize` to out's dtype, in
+  64 x 64 chunks (the memory warpgroup's few registers; a WGMMA layout spans 64 rows). The
+  product is fp32 and rounded once, as the reference's: a bf16 product (the scale rounded to
+  bf16) moved every score of a key by the same relative 2^-9, 0.08 in the LSE with 50x outlier
+  channels. int8 goes to fp32 through bf16 (Mosaic converts int8 to bf16 by integer operations,
+  bf16 to fp32 is a shift: no slow int-to-float conversions), E4M3 through fp16 (it has no
+  direct conversion to bf16 or fp32 before PTX ISA 9.2)."""
+  n, d = out.shape
+  for r in range(0, n, 64):
+    row = pl.ds(r, 64)
+    s = (plgpu.load(scale.at[row], (), layout=plgpu.Layout.WGMMA.reduce(1)) if native
+         else scale[row])
+    for c in range(0, d, 64):
+      chunk = x8.at[row, pl.ds(c, 64)]
+      x = plgpu.load(chunk, (), layout=plgpu.Layout.WGMMA) if native else chunk[...]
+      x = x.astype(jnp.bfloat16 if x.dtype == jnp.int8 else jnp.float16).astype(jnp.float32)
+      out.at[row, pl.ds(c, 64)][...] = (x * rows(s, x.shape)).astype(out.dtype)
 
 
 def fill_ring(steps, stages: int, streams):

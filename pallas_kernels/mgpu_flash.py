@@ -25,6 +25,13 @@ identity casts and plain dot products of the SMEM tiles; everything else (TMA co
 the pipeline, masks, block skipping, the epilogue) is the code that runs on the GPU. The native
 path is checked by lowering it to Mosaic GPU MLIR on a CPU (tests) and on the GPU by
 `benchmarks/mgpu_attention.py`.
+
+Quantized K/V (quant.Quantized: int8 or E4M3 values, an fp32 scale per key): WGMMA multiplies
+bf16 by bf16 only (no mixed 8-bit x bf16 operands), so each 8-bit tile and its scales land by TMA
+in SMEM and the memory warpgroup writes the tile dequantized into the same bf16 ring the compute
+warpgroups read (`mgpu_common.dequantize_tile`; FlashInfer's FP8 prefill gained 1.2-1.4x by
+dequantizing each tile once into SMEM instead of per use). The compute warpgroups are unchanged;
+the memory warpgroup gets more registers for it (64, the compute ones 224 each).
 """
 
 from __future__ import annotations
@@ -37,16 +44,21 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels import quant
 from pallas_kernels.mgpu_common import (COMPUTE_WGS, LOG2E, NEG_INF, Config, Ops,
-                                        compiler_params, fill_ring, interpret_params,
-                                        interpreter_available, keyrows, plgpu, rendezvous,
-                                        returns_when_done_if_interpreted, rows, smem_bytes,
-                                        tile_start, unsupported)
+                                        compiler_params, dequantize_tile, fill_ring,
+                                        interpret_params, interpreter_available, keyrows, plgpu,
+                                        rendezvous, returns_when_done_if_interpreted, rows,
+                                        smem_bytes, tile_start, unsupported)
 
 __all__ = ["Config", "DEFAULT_CONFIG", "interpreter_available", "mgpu_flash_attention",
            "smem_bytes", "unsupported"]
 
 DEFAULT_CONFIG = Config()  # what flash_attention uses (set from the device sweep's best)
+# Registers per thread (memory warpgroup, each compute warpgroup) without and with quantized K/V:
+# at most 512 together (64K registers over 3 x 128 threads); dequantizing a 64 x 64 chunk holds
+# 32 fp32 or bf16 values per thread beside its 8-bit ones.
+_REGISTERS = {False: (40, 232), True: (64, 224)}
 
 
 @returns_when_done_if_interpreted
@@ -55,9 +67,9 @@ DEFAULT_CONFIG = Config()  # what flash_attention uses (set from the device swee
 def mgpu_flash_attention(q, k, v, q_offset, kv_len, *, causal: bool, scale: float,
                          kv_layout: str = "BTHD", config: Config = Config(),
                          interpret=False, native: bool | None = None):
-  """q [B, Lq, H, d]; k, v [B, T, KV, d] (BTHD) or [B, KV, T, d] (BHTD); q_offset, kv_len int32
-  [B] (kv_len <= T, q_offset >= 0). Returns (out [B, Lq, H, d] in q's dtype, lse [B, Lq, H] fp32,
-  natural log; rows that see no key give (0, -inf)). interpret: True or an InterpretGPUParams:
+  """q [B, Lq, H, d]; k, v [B, T, KV, d] (BTHD) or [B, KV, T, d] (BHTD), arrays or
+  quant.Quantized; q_offset, kv_len int32 [B] (kv_len <= T, q_offset >= 0). Returns (out
+  [B, Lq, H, d] in q's dtype, lse [B, Lq, H] fp32, natural log; rows that see no key give (0, -inf)). interpret: True or an InterpretGPUParams:
   run in jax's Mosaic GPU interpreter on CPU; native (default: not interpret) selects the
   GPU-only code paths (see the module doc)."""
   native = (interpret is False) if native is None else native
@@ -68,6 +80,9 @@ def mgpu_flash_attention(q, k, v, q_offset, kv_len, *, causal: bool, scale: floa
     raise ValueError(f"mgpu_flash_attention: {why}")
   dims = _Dims(lq=lq, t=t, d=d, group=h // kvh, q_blocks=-(-lq // (COMPUTE_WGS * config.block_q)))
   meta = jnp.stack([q_offset.astype(jnp.int32), jnp.minimum(kv_len.astype(jnp.int32), t)], 1)
+  kv = (k, v)
+  if quant.is_quantized(k):
+    kv = (k.values, v.values, *(_scale_rows(x.scale, kv_layout) for x in (k, v)))
   body = functools.partial(_entry, dims=dims, causal=causal, scale=scale, kv_layout=kv_layout,
                            cfg=config, native=native, dtype=q.dtype)
   out, lse = plgpu.kernel(
@@ -80,8 +95,20 @@ def mgpu_flash_attention(q, k, v, q_offset, kv_len, *, causal: bool, scale: floa
       num_threads=COMPUTE_WGS + 1, thread_name="wg",
       compiler_params=None if interpret is not False else compiler_params(config),
       interpret=interpret_params(interpret),
-  )(meta, q, k, v)
+  )(meta, q, *kv)
   return out, jnp.swapaxes(lse[..., :lq], 1, 2)
+
+
+def _scale_rows(scale, kv_layout: str):
+  """Scales [B, T, KV] or [B, KV, T] -> [B, KV, T'] fp32, each (batch, kv head) a row for 1-D TMA
+  copies (a strided box cannot hold one float per row); T' = T rounded up to 8 (a TMA stride is
+  a multiple of 16 bytes; the extra scales are never read). A copy only in BTHD (4 bytes a key
+  and head)."""
+  scale = scale.astype(jnp.float32)
+  if kv_layout == "BTHD":
+    scale = jnp.swapaxes(scale, 1, 2)
+  t = scale.shape[2]
+  return jnp.pad(scale, ((0, 0), (0, 0), (0, -t % 8)), constant_values=1.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,8 +120,10 @@ class _Dims:
   q_blocks: int  # CTAs along the queries
 
 
-def _entry(meta_ref, q_ref, k_ref, v_ref, out_ref, lse_ref, *, dims, cfg, dtype, **kw):
-  """Allocates the CTA's SMEM and barriers (shared by its warpgroups) and runs them."""
+def _entry(meta_ref, q_ref, *refs, dims, cfg, dtype, **kw):
+  """Allocates the CTA's SMEM and barriers (shared by its warpgroups) and runs them. refs: K, V
+  (and with 8-bit K, V their scale rows), out, LSE."""
+  *kv_refs, out_ref, lse_ref = refs
   tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))  # WGMMA operand layout
   smem = (
       plgpu.SMEM((COMPUTE_WGS, cfg.block_q, dims.d), dtype, transforms=tiled),  # Q, then O
@@ -105,9 +134,14 @@ def _entry(meta_ref, q_ref, k_ref, v_ref, out_ref, lse_ref, *, dims, cfg, dtype,
   loaded = (plgpu.Barrier(num_barriers=COMPUTE_WGS),  # Q of each compute warpgroup
             plgpu.Barrier(num_barriers=cfg.stages),  # K slot filled
             plgpu.Barrier(num_barriers=cfg.stages))  # V slot filled
+  if len(kv_refs) == 4:  # 8-bit K, V: one tile of each and its scales land here by TMA
+    tiled8 = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(64))  # 64-byte rows at d 64
+    smem += ((plgpu.SMEM((cfg.block_kv, dims.d), kv_refs[0].dtype, transforms=tiled8),) * 2
+             + (plgpu.SMEM((cfg.block_kv,), jnp.float32),) * 2,)
+    loaded += (plgpu.Barrier(num_barriers=4),)  # K tile, K scales, V tile, V scales landed
   freed = (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=cfg.stages),) * 2  # K, V slot
   turn = plgpu.Barrier(num_arrivals=COMPUTE_WGS)  # the compute warpgroups alternate
-  refs = (meta_ref, q_ref, k_ref, v_ref, out_ref, lse_ref)
+  refs = (meta_ref, q_ref, tuple(kv_refs), out_ref, lse_ref)
   pl.run_scoped(lambda *scoped: _cta(refs, *scoped, dims=dims, cfg=cfg, dtype=dtype, **kw),
                 smem, loaded, freed, turn, collective_axes="wg")
 
@@ -135,7 +169,7 @@ def _cta(refs, smem, loaded, freed, turn, *, dims, cfg, causal, **kw):
   @pl.when(wg == COMPUTE_WGS)
   def _():
     _producer(*args, dims=dims, cfg=cfg, **scalars, kv_layout=kw["kv_layout"],
-              native=kw["native"])
+              native=kw["native"], dtype=kw["dtype"])
 
 
 def _q_base(blk, wg, bq: int, lq: int):
@@ -157,36 +191,89 @@ def _key_bounds(q_base, q_off, kv_len, *, causal: bool, cfg: Config):
   return unmasked, steps
 
 
-def _producer(refs, smem, loaded, freed, turn, *, dims, cfg, kv_layout, native, b, kvh,
+def _producer(refs, smem, loaded, freed, turn, *, dims, cfg, kv_layout, native, dtype, b, kvh,
               cta_steps, **_):
   """Memory warpgroup: fills the K/V ring, each slot once both compute warpgroups freed it."""
-  del turn
-  _, _, k_ref, v_ref, _, _ = refs
-  _, k_smem, v_smem, _ = smem
-  _, k_loaded, v_loaded = loaded
+  del turn, dtype
+  k_ref, v_ref, *scale_refs = refs[2]
+  _, k_smem, v_smem, _, *landed = smem
+  _, k_loaded, v_loaded, *landed_at = loaded
   k_free, v_free = freed
-  if native:
-    plgpu.set_max_registers(40, action="decrease")  # registers go to the compute warpgroups
+  if native:  # registers go to the compute warpgroups
+    plgpu.set_max_registers(_REGISTERS[bool(scale_refs)][0], action="decrease")
 
   def load(x_ref, x_smem, barrier, step, slot):
     start = tile_start(step, cfg.block_kv, dims.t)
     plgpu.copy_gmem_to_smem(keyrows(x_ref, kv_layout, b, kvh, start, cfg.block_kv),
                             x_smem.at[slot], barrier.at[slot])
 
+  if scale_refs:
+    _fill_dequantized((k_ref, v_ref), scale_refs, (k_smem, v_smem), landed[0], landed_at[0],
+                      (k_loaded, v_loaded), freed, dims=dims, cfg=cfg, kv_layout=kv_layout,
+                      native=native, b=b, kvh=kvh, cta_steps=cta_steps)
+    return
   fill_ring(cta_steps, cfg.stages,
             [(functools.partial(load, k_ref, k_smem, k_loaded), k_free),
              (functools.partial(load, v_ref, v_smem, v_loaded), v_free)])
+
+
+def _fill_dequantized(x_refs, scale_refs, rings, landed, landed_at, filled, freed, *, dims, cfg,
+                      kv_layout, native, b, kvh, cta_steps):
+  """Memory warpgroup with 8-bit K, V: tile `step` of each and its scales land by TMA in SMEM
+  (the next one's copy starts as soon as this one is read), then this warpgroup writes it
+  dequantized into ring slot step % stages once both compute warpgroups freed that slot, and
+  marks the slot filled (an arrival where TMA would have completed it)."""
+  stages = cfg.stages
+  tiles, scales = landed[:2], landed[2:]
+
+  def land(i, step):  # stream i: 0 = K, 1 = V
+    start = tile_start(step, cfg.block_kv, dims.t)
+    plgpu.copy_gmem_to_smem(keyrows(x_refs[i], kv_layout, b, kvh, start, cfg.block_kv),
+                            tiles[i], landed_at.at[2 * i])
+    plgpu.copy_gmem_to_smem(scale_refs[i].at[b, kvh, pl.ds(start, cfg.block_kv)], scales[i],
+                            landed_at.at[2 * i + 1])
+
+  @pl.when(cta_steps > 0)
+  def _():
+    for i in range(2):
+      land(i, 0)
+
+  @pl.loop(0, cta_steps)
+  def _(step):
+    slot = lax.rem(step, jnp.int32(stages))
+    for i in range(2):
+      plgpu.barrier_wait(landed_at.at[2 * i])
+      plgpu.barrier_wait(landed_at.at[2 * i + 1])
+
+      @pl.when(step >= stages)
+      def _():
+        plgpu.barrier_wait(freed[i].at[slot])  # tile step - stages released
+
+      dequantize_tile(tiles[i], scales[i], rings[i].at[slot], native=native)
+      # (a fence and a warpgroup barrier:) the dequantized tile is visible to the WGMMAs, and the
+      # landed one read by all threads before the next copy overwrites it
+      plgpu.commit_smem()
+      plgpu.barrier_arrive(filled[i].at[slot])
+
+      @pl.when(step + 1 < cta_steps)
+      def _():
+        land(i, step + 1)
+
+  @pl.loop(jnp.maximum(cta_steps - stages, 0), cta_steps)
+  def _(step):  # the last tiles' release (as fill_ring: lets the interpreter see every phase)
+    for i in range(2):
+      plgpu.barrier_wait(freed[i].at[lax.rem(step, jnp.int32(stages))])
 
 
 def _consumer(refs, smem, loaded, freed, turn, *, wg, q_base, dims, cfg, causal, scale,
               kv_layout, native, dtype, b, h, kvh, q_off, kv_len, cta_steps):
   """Compute warpgroup: online softmax over the key tiles its rows see, then O and LSE out."""
   del kvh, kv_layout
-  _, q_ref, _, _, out_ref, lse_ref = refs
-  qo_smem, _, _, lse_smem = smem
-  q_loaded, k_loaded, _ = loaded
+  _, q_ref, kv_refs, out_ref, lse_ref = refs
+  qo_smem, _, _, lse_smem, *_ = smem
+  q_loaded, k_loaded, *_ = loaded
   if native:
-    plgpu.set_max_registers(232, action="increase")
+    plgpu.set_max_registers(_REGISTERS[len(kv_refs) == 4][1], action="increase")
   qo = qo_smem.at[wg]
   plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q_base, cfg.block_q), h], qo, q_loaded.at[wg])
   plgpu.barrier_wait(q_loaded.at[wg])
@@ -237,8 +324,8 @@ def _step(i, state, *, masked: bool, qo, smem, loaded, freed, turn, sync_turn, o
           dtype, t, cfg, causal, q_pos0, kv_len):
   """One key tile: S = Q K^T, mask (edge tiles only), softmax update, O += P V."""
   acc, m, l = state  # [bq, d] fp32; row max of S * c (base-2 domain); row sum of 2^(S c - m)
-  _, k_smem, v_smem, _ = smem
-  _, k_loaded, v_loaded = loaded
+  _, k_smem, v_smem, *_ = smem
+  _, k_loaded, v_loaded, *_ = loaded
   k_free, v_free = freed
   slot = lax.rem(i, jnp.int32(cfg.stages))
   s = ops.scores(qo, k_smem.at[slot], after_issue=sync_turn)  # [bq, bk] fp32

@@ -1,5 +1,10 @@
 """Online softmax over key tiles (flash attention's running max / sum / accumulator), shared by
-the GPU and TPU kernels of flash_attention and gathered_attention. Arrays stay 2-D for TPU."""
+the GPU and TPU kernels of flash_attention and gathered_attention. Arrays stay 2-D for TPU.
+
+8-bit keys and values (quant.Quantized) come in as their values, converted to q's dtype by the
+caller (int8 and E4M3 values are exact in bf16), and their scales as rows [1, n]: a key's scale
+multiplies its column of scores (q . s k = s (q . k)), a value's scale its column of
+probabilities before P V (sum_j p_j s_j v_j); sums and products stay fp32."""
 
 from __future__ import annotations
 
@@ -9,9 +14,27 @@ from jax import lax
 NEG_INF = float("-inf")
 
 
-def scores(q, kt, scale):
-  """[rows, d] x [n, d] -> fp32 [rows, n] (times scale when given)."""
+def converted(x, scale, dtype):
+  """An 8-bit K or V tile as the products take it: its values converted to `dtype` (exact: int8
+  and E4M3 values are bf16 / fp16 / fp32 values) and its scales ([n] or [1, n]) as a row [1, n];
+  a tile without scales (None) as it is."""
+  if scale is None:
+    return x, None
+  return x.astype(dtype), scale if scale.ndim == 2 else scale[None, :]
+
+
+def dequantized(x, scale_col, dtype):
+  """An 8-bit tile [n, w] times its rows' scales [n, 1] in fp32, rounded to `dtype`: the values
+  `quant.dequantize` gives, where an operation must see them (keys rotated after it)."""
+  return (x.astype(jnp.float32) * scale_col).astype(dtype)
+
+
+def scores(q, kt, scale, key_scale=None):
+  """[rows, d] x [n, d] -> fp32 [rows, n] (times scale when given; times key_scale [1, n], the
+  keys' quantization scales, when given)."""
   s = lax.dot_general(q, kt, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+  if key_scale is not None:
+    return s * (key_scale if scale is None else key_scale * scale)
   return s if scale is None else s * scale
 
 
@@ -29,19 +52,22 @@ def rope_scores(q1, q2, k1, k2, cos, sin, scale):
   return (scores(q1, r1, None) + scores(q2, r2, None)) * scale
 
 
+
 def init(rows: int, d: int):
   return (jnp.full((rows, 1), NEG_INF, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
           jnp.zeros((rows, d), jnp.float32))
 
 
-def update(m, l, acc, s, vt):
-  """Folds masked scores s [rows, n] (-inf = masked) and values vt [n, d] into the state."""
+def update(m, l, acc, s, vt, value_scale=None):
+  """Folds masked scores s [rows, n] (-inf = masked) and values vt [n, d] into the state;
+  value_scale [1, n]: the values' quantization scales (each multiplies its column of p)."""
   m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
   m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)  # rows with nothing seen yet stay at zero
   p = jnp.exp(s - m_safe)
   alpha = jnp.exp(m - m_safe)
   l = l * alpha + jnp.sum(p, axis=1, keepdims=True)
-  pv = lax.dot_general(p.astype(vt.dtype), vt, (((1,), (0,)), ((), ())),
+  pw = p if value_scale is None else p * value_scale
+  pv = lax.dot_general(pw.astype(vt.dtype), vt, (((1,), (0,)), ((), ())),
                        preferred_element_type=jnp.float32)
   return m_new, l, acc * alpha + pv
 

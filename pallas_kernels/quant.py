@@ -71,7 +71,7 @@ def check_kv_dtype(dtype) -> str:
   """A KV-cache dtype (a name or a dtype) as its name, checked: one of KV_DTYPES."""
   name = dtype if isinstance(dtype, str) else getattr(jnp.dtype(dtype), "name", str(dtype))
   if name not in KV_DTYPES:
-    raise ValueError(f"kv dtype {name!r} is not one of {', '.join(KV_DTYPES)}")
+    raise ValueError(f"kv_dtype {name!r} is not one of {', '.join(KV_DTYPES)}")
   return name
 
 

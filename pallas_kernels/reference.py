@@ -10,6 +10,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels import quant
 from pallas_kernels.layout import heads_first
 
 NEG_INF = float("-inf")
@@ -25,10 +26,30 @@ def grouped_scores(q, k, kv_layout: str, scale):
   return s if scale is None else s * scale
 
 
+def key_parts(k, dtype, kv_layout: str):
+  """Keys as the top-k products take them: (values [B, KV, T, d] in `dtype`, their fp32 scales
+  [B, KV, T] or None). 8-bit values are exact in bf16; a key's score is its scale times q . its
+  values (quant.Quantized), the fp32 product of which equals q . dequantize(k) up to rounding."""
+  kh = heads_first(k, kv_layout)
+  if not quant.is_quantized(kh):
+    return kh, None
+  return kh.values.astype(dtype), kh.scale.astype(jnp.float32)
+
+
+def key_scores(q, k, kv_layout: str, scale):
+  """[B, Lq, H, d] x keys (an array or quant.Quantized) -> fp32 scores [B, Lq, KV, G, T]."""
+  kh, ks = key_parts(k, q.dtype, kv_layout)
+  s = grouped_scores(q, kh, "BHTD", None)
+  if ks is not None:
+    s = s * ks[:, None, :, None, :]
+  return s if scale is None else s * scale
+
+
 def topk_scores(q, k, top_k: int, lo, hi, *, scale=None, kv_layout="BTHD"):
-  """Exact top-k of q.k over keys lo[b] <= t < hi[b]; ties to the lowest index; unfilled -> (-inf, -1)."""
+  """Exact top-k of q.k over keys lo[b] <= t < hi[b]; ties to the lowest index; unfilled -> (-inf, -1).
+  Quantized keys: q . dequantize(k) as `key_scores` computes it."""
   b, lq, h, _ = q.shape
-  s = grouped_scores(q, k, kv_layout, scale)
+  s = key_scores(q, k, kv_layout, scale)
   t = jnp.arange(s.shape[-1])
   ok = (t >= lo[:, None]) & (t < hi[:, None])
   s = jnp.where(ok[:, None, None, None, :], s, NEG_INF)
@@ -51,8 +72,16 @@ def _softmax_out(s, v_heads_first, dtype):
   return out.reshape(b, lq, kvh * g, d).astype(dtype), lse.reshape(b, lq, kvh * g)
 
 
+def _in_model_dtype(x, dtype):
+  """Attention's K or V as the attention computes with it: a quantized one (quant.Quantized)
+  dequantized to q's dtype, an array as it is."""
+  return quant.dequantize(x, dtype) if quant.is_quantized(x) else x
+
+
 def flash_attention(q, k, v, *, causal, q_offset, kv_len, scale, kv_layout="BTHD"):
-  """Softmax attention; query i of sequence b sits at position q_offset[b] + i; keys < kv_len[b]."""
+  """Softmax attention; query i of sequence b sits at position q_offset[b] + i; keys < kv_len[b].
+  Quantized k, v are dequantized to q's dtype first (the definition the kernels match)."""
+  k, v = _in_model_dtype(k, q.dtype), _in_model_dtype(v, q.dtype)
   s = grouped_scores(q, k, kv_layout, scale)
   lq, t = s.shape[1], s.shape[-1]
   k_pos = jnp.arange(t)
@@ -69,13 +98,14 @@ def gathered_attention(q, k, v, indices, valid, *, scale, kv_layout="BTHD", key_
   """Attention of each query head over keys indices[b, kv_head, :] of its group, where valid;
   with key_rope_freqs [d / 2], the key of entry j rotated (rotate-half RoPE) at position j, or
   at key_positions[b, j] ([B or 1, n]) when given, in the keys' dtype as the models rotate
-  (jax_longctx.core.rope.rotate, transformers: cos and sin cast to it)."""
+  (jax_longctx.core.rope.rotate, transformers: cos and sin cast to it). Quantized k, v: the
+  selected rows dequantized to q's dtype first, then rotated in it."""
   kh, vh = heads_first(k, kv_layout), heads_first(v, kv_layout)
   t = kh.shape[2]
   ok = valid & (indices >= 0) & (indices < t)
   safe = jnp.clip(indices, 0, t - 1)
   take = lambda x: jnp.take_along_axis(x, safe[..., None], axis=2, mode="clip")  # noqa: E731
-  kg, vg = take(kh), take(vh)  # [B, KV, n, d]
+  kg, vg = (_in_model_dtype(quant.per_row(take, x), q.dtype) for x in (kh, vh))  # [B, KV, n, d]
   if key_rope_freqs is not None:
     pos = (jnp.arange(kg.shape[2])[None, :] if key_positions is None else key_positions)
     angles = pos.astype(jnp.float32)[:, None, :, None] * key_rope_freqs  # [B or 1, 1, n, d/2]

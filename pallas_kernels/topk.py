@@ -50,6 +50,7 @@ def topk_scores(q, k, top_k: int, *, scale: float | None = None, valid_len=None,
   kernels, the reference always selects exactly).
   """
   b, lq, h, kvh, t, d = layout.check_qk(q, k, kv_layout)
+  quantized = layout.check_kv(k, k)
   if scale is not None and float(scale) == 1.0:
     scale = None  # a multiply per score the kernels need not do (ReAttention scores raw q.k)
   if not 1 <= top_k <= t:
@@ -58,6 +59,8 @@ def topk_scores(q, k, top_k: int, *, scale: float | None = None, valid_len=None,
   lo = layout.per_batch(exclude_prefix, b, 0)
   hi = valid_len - layout.per_batch(exclude_suffix, b, 0)
   variant = backend_lib.resolve(backend)
+  if variant.kind == "tpu":
+    tpu.check_kv_dtype(k)
   if variant.kind == "reference":
     return reference.topk_scores(q, k, top_k, lo, hi, scale=scale, kv_layout=kv_layout)
 
@@ -69,7 +72,10 @@ def topk_scores(q, k, top_k: int, *, scale: float | None = None, valid_len=None,
                                    pick="jnp" if options.topk_few_rows == "blocks_jnp"
                                    else "kernel", interpret=variant.interpret_arg())
   bounds = jnp.stack([lo, hi], axis=1)  # [B, 2]
-  mosaic = _mosaic_config(variant, q, k, rows, top_k, tiling, keys=t, options=options)
+  # 8-bit keys take the Triton kernel (tiles converted in registers); the Mosaic kernel's WGMMA
+  # reads bf16 tiles from shared memory and has no conversion step.
+  mosaic = None if quantized else _mosaic_config(variant, q, k, rows, top_k, tiling, keys=t,
+                                                 options=options)
   if mosaic is not None:
     segments = (options.topk_many_rows == "segments" and options.topk_selection == "exact"
                 and top_k > 1)
@@ -91,16 +97,16 @@ def topk_scores(q, k, top_k: int, *, scale: float | None = None, valid_len=None,
   rows_padded = layout.round_up(rows, bm)
   qr = layout.q_rows(q, kvh, rows_padded)
   if variant.kind == "gpu":
-    kk = layout.pad_keys(k, kv_layout, bk)
+    kk, ks = layout.parts(layout.pad_keys(k, kv_layout, bk))
     tk = kk.shape[1 if kv_layout == "BTHD" else 2]
     span, splits = gpu.split_plan(b * kvh * (rows_padded // bm), tk, bk, tl.key_splits)
-    vals, idx = _gpu(qr, kk, bounds, kp=kp, span=span, splits=splits, scale=scale,
+    vals, idx = _gpu(qr, kk, bounds, ks, kp=kp, span=span, splits=splits, scale=scale,
                      kv_layout=kv_layout, tiling=tl, selection=options.topk_selection,
                      interpret=variant.interpret_arg())
   else:
-    vals, idx = _tpu(qr, layout.heads_first(k, kv_layout), bounds, kp=kp, bm=bm, bk=bk,
-                     scale=scale, selection=options.topk_selection,
-                     interpret=variant.interpret_arg())
+    kh, ks = layout.parts(layout.heads_first(k, kv_layout))
+    vals, idx = _tpu(qr, kh, bounds, *tpu.scale_rows(ks), kp=kp, bm=bm, bk=bk, scale=scale,
+                     selection=options.topk_selection, interpret=variant.interpret_arg())
   return _finish(vals, idx, top_k, lq, h)
 
 
@@ -160,13 +166,18 @@ def _mosaic(q, k, bounds, top_k, config, *, scale, kv_layout, key_splits, select
 
 @functools.partial(jax.jit, static_argnames=("kp", "span", "splits", "scale", "kv_layout",
                                              "tiling", "selection", "interpret"))
-def _gpu(qr, k, bounds, *, kp, span, splits, scale, kv_layout, tiling, selection, interpret):
+def _gpu(qr, k, bounds, k_scale=None, *, kp, span, splits, scale, kv_layout, tiling, selection,
+         interpret):
+  """k_scale: with 8-bit k, its scales ([B, T, KV] or [B, KV, T] as the keys): each tile is
+  converted to q's dtype in registers and its scales multiply its score columns."""
   b, kvh, rp, d = qr.shape
   bm, bk = tiling.block_rows, tiling.block_keys
   t = k.shape[1 if kv_layout == "BTHD" else 2]
   merge = topk_tile.merger(selection)
+  quantized = k_scale is not None
 
-  def kernel(bounds_ref, q_ref, k_ref, v_out, i_out):
+  def kernel(bounds_ref, q_ref, k_ref, *refs):
+    ks_ref, v_out, i_out = refs if quantized else (None, *refs)
     lo, hi = bounds_ref[0], bounds_ref[1]
     start0 = pl.program_id(2) * span
     q = q_ref[...]
@@ -174,13 +185,15 @@ def _gpu(qr, k, bounds, *, kp, span, splits, scale, kv_layout, tiling, selection
     last = jnp.clip(pl.cdiv(jnp.minimum(hi, start0 + span) - start0, bk), 0, span // bk)
 
     def load(j):
-      return k_ref[gpu.key_tile(start0 + j * bk, bk, t)[0], :]
+      tile = gpu.key_tile(start0 + j * bk, bk, t)[0]
+      return k_ref[tile, :], (ks_ref[tile] if quantized else None)
 
     def step(j, kt, carry):
       nominal = start0 + j * bk
       idx = gpu.key_tile(nominal, bk, t)[1]
       ok = (idx >= nominal) & (idx >= lo) & (idx < hi)
-      s = jnp.where(ok, online_softmax.scores(q, kt, scale), topk_tile.NEG_INF)
+      kt, ks = online_softmax.converted(*kt, qr.dtype)
+      s = jnp.where(ok, online_softmax.scores(q, kt, scale, ks), topk_tile.NEG_INF)
       return merge(*carry, s, idx)
 
     run_v, run_i = gpu.tile_loop(first, last, load, step, topk_tile.empty(bm, kp), tiling.prefetch)
@@ -193,21 +206,25 @@ def _gpu(qr, k, bounds, *, kp, span, splits, scale, kv_layout, tiling, selection
       kernel, interpret, num_warps=tiling.num_warps, num_stages=tiling.num_stages,
       grid=(b * kvh, rp // bm, splits),
       in_specs=[gpu.per_batch_spec(kvh, 2), gpu.row_spec(kvh, bm, d),
-                gpu.whole_keys_spec(kv_layout, t, d, kvh)],
+                gpu.whole_keys_spec(kv_layout, t, d, kvh),
+                *([gpu.whole_scales_spec(kv_layout, t, kvh)] if quantized else [])],
       out_specs=[out_spec, out_spec],
       out_shape=[jax.ShapeDtypeStruct(shape, jnp.float32), jax.ShapeDtypeStruct(shape, jnp.int32)],
-  )(bounds, qr, k)
+  )(bounds, qr, k, *([k_scale] if quantized else []))
 
 
 @functools.partial(jax.jit, static_argnames=("kp", "bm", "bk", "scale", "selection", "interpret"))
-def _tpu(qr, k, bounds, *, kp, bm, bk, scale, selection, interpret):
+def _tpu(qr, k, bounds, k_scale=None, *, kp, bm, bk, scale, selection, interpret):
+  """k [B, KV, T, d]; with 8-bit (int8) k its scales as rows [B, KV, 1, T] (tpu.scale_rows)."""
   from jax.experimental.pallas import tpu as pltpu
   b, kvh, rp, d = qr.shape
   t = k.shape[2]
   nk = pl.cdiv(t, bk)
   merge = topk_tile.merger(selection)
+  quantized = k_scale is not None
 
-  def kernel(bounds_ref, q_ref, k_ref, v_out, i_out, run_v, run_i):
+  def kernel(bounds_ref, q_ref, k_ref, *refs):
+    ks_ref, v_out, i_out, run_v, run_i = refs if quantized else (None, *refs)
     bi, j = tpu.div(pl.program_id(0), kvh), pl.program_id(2)
     lo, hi = bounds_ref[2 * bi], bounds_ref[2 * bi + 1]
 
@@ -218,7 +235,9 @@ def _tpu(qr, k, bounds, *, kp, bm, bk, scale, selection, interpret):
     @pl.when((j * bk < hi) & ((j + 1) * bk > lo))
     def _():
       idx = j * bk + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
-      s = jnp.where((idx >= lo) & (idx < hi), online_softmax.scores(q_ref[...], k_ref[...], scale),
+      kt, ks = online_softmax.converted(k_ref[...], ks_ref[...] if quantized else None,
+                                        q_ref.dtype)
+      s = jnp.where((idx >= lo) & (idx < hi), online_softmax.scores(q_ref[...], kt, scale, ks),
                     topk_tile.NEG_INF)
       run_v[...], run_i[...] = merge(run_v[...], run_i[...], s, idx)
 
@@ -235,11 +254,14 @@ def _tpu(qr, k, bounds, *, kp, bm, bk, scale, selection, interpret):
       in_specs=[pl.BlockSpec((SQ, SQ, bm, d),
                              lambda bh, r, j, bnd: (*tpu.batch_head(bh, kvh), r, 0)),
                 pl.BlockSpec((SQ, SQ, bk, d),
-                             lambda bh, r, j, bnd: (*tpu.batch_head(bh, kvh), j, 0))],
+                             lambda bh, r, j, bnd: (*tpu.batch_head(bh, kvh), j, 0)),
+                *([pl.BlockSpec((SQ, SQ, 1, bk),
+                                lambda bh, r, j, bnd: (*tpu.batch_head(bh, kvh), 0, j))]
+                  if quantized else [])],
       out_specs=[out_spec, out_spec],
       scratch_shapes=[pltpu.VMEM((bm, kp), jnp.float32), pltpu.VMEM((bm, kp), jnp.int32)])
   return pl.pallas_call(
       kernel, grid_spec=grid_spec, interpret=interpret,
       out_shape=[jax.ShapeDtypeStruct(shape, jnp.float32), jax.ShapeDtypeStruct(shape, jnp.int32)],
       compiler_params=tpu.compiler_params(),
-  )(bounds.reshape(-1), qr, k)
+  )(bounds.reshape(-1), qr, k, *([k_scale] if quantized else []))

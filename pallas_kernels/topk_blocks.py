@@ -101,7 +101,7 @@ def topk_scores(q, k, top_k: int, lo, hi, *, scale=None, kv_layout: str = "BTHD"
     v, i = pick_from_blocks(q, k, top_k, lo, hi, scale=scale, kv_layout=kv_layout, block=block,
                             interpret=interpret)
   else:
-    s = reference.grouped_scores(q, k, kv_layout, scale)  # [B, Lq, KV, G, T] fp32
+    s = reference.key_scores(q, k, kv_layout, scale)  # [B, Lq, KV, G, T] fp32
     t = s.shape[-1]
     key = jnp.arange(t, dtype=jnp.int32)
     ok = (key >= lo[:, None]) & (key < hi[:, None])  # [B, T]
@@ -121,12 +121,14 @@ def pick_from_blocks(q, k, top_k: int, lo, hi, *, scale=None, kv_layout: str = "
   read as the product wrote them. Returns (values fp32, indices int32) [B, Lq, KV, G, top_k];
   a hole (fewer than top_k candidates) is -inf with an arbitrary index."""
   b, lq, h, d = q.shape
-  kh = layout.heads_first(k, kv_layout)
+  kh, key_scale = reference.key_parts(k, q.dtype, kv_layout)  # 8-bit: values and scales
   kvh, t = kh.shape[1], kh.shape[2]
   g = h // kvh
   rows = lq * g
   qg = q.reshape(b, lq, kvh, g, d)
   s = jnp.einsum("bqkgd,bktd->bkqgt", qg, kh, preferred_element_type=jnp.float32)
+  if key_scale is not None:  # each key's scale on its column (XLA fuses it into the product)
+    s = s * key_scale[:, :, None, None, :]
   s = (s if scale is None else s * scale).reshape(b, kvh, rows, t)
   block = min(block or block_size(top_k), layout.next_pow2(t))
   top_k = min(top_k, t)

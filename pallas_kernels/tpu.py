@@ -19,6 +19,26 @@ def div(x, n: int):
   return lax.div(x, n)
 
 
+def check_kv_dtype(k):
+  """The TPU kernels read int8 K/V but not FP8 (TPU v5e has no FP8 arithmetic or conversion)."""
+  if getattr(k, "dtype", None) == jnp.float8_e4m3fn and hasattr(k, "scale"):
+    raise ValueError("float8_e4m3fn K/V on a TPU: TPU v5e has no FP8; store the KV cache in int8")
+
+
+def scale_rows(*scales):
+  """Quantization scales [B, KV, T] -> rows [B, KV, 1, T] (keys along lanes: a tile's scales
+  multiply its score columns), or the Nones of unquantized K/V."""
+  return tuple(None if s is None else s[:, :, None, :] for s in scales)
+
+
+def column(row):
+  """A row [1, n] as a column [n, 1] by a masked lane sum (exact: one nonzero term per lane
+  row), with no transpose of a one-row array for Mosaic to lay out."""
+  n = row.shape[1]
+  iota = lambda axis: lax.broadcasted_iota(jnp.int32, (n, n), axis)  # noqa: E731
+  return jnp.sum(jnp.where(iota(0) == iota(1), row, 0.0), axis=1, keepdims=True)
+
+
 def batch_head(bh, kvh: int):
   """(batch, kv head) of the first grid axis, which runs over batch x kv heads."""
   return div(bh, kvh), lax.rem(bh, kvh)

@@ -16,6 +16,9 @@ where, to keep CI short (each mesh compiles every step anew):
 - a Qwen2-style model (q/k/v biases, tied embeddings, a vocabulary of 101 padded to 104) on
   (2, 4) and a 9-head / 3-KV model (the default model's layout) on (2, 3), its evicting methods
   with budgets given as fractions of the cache: `qwen`, `nine`;
+- the cache in 8 bits (int8 for every method, fp8 for four) on (2, 2) against one device with
+  the same cache dtype, and mesh ReAttention's on (ctx 2, model 2): `quantized`; the HLO check
+  below with an int8 cache: `hlo_no_cache_gather_int8`;
 - the mesh methods on (ctx 2, model 4) and (ctx 4, model 2) against ctx alone: `mesh_methods`;
 - no all-gather of a cache's size in any method's compiled prefill chunk or decode loop:
   `hlo_no_cache_gather`; bad meshes: `errors`; fused projections per shard: `fused`;
@@ -73,18 +76,19 @@ def same_state(one, many, what: str):
       np.testing.assert_allclose(a, b, atol=2e-4, rtol=2e-4, err_msg=what)
 
 
-def compare(model: str, mesh: str, methods, budget=BUDGET) -> None:
+def compare(model: str, mesh: str, methods, budget=BUDGET, kv_dtype=None) -> None:
   """Each method on `mesh` against one device (module doc); a fractional budget goes to the
-  methods that evict (RATIO), the others keep BUDGET tokens."""
+  methods that evict (RATIO), the others keep BUDGET tokens; the cache is stored as kv_dtype on
+  both."""
   cfg, params = _model(model)
-  one_opts = RunOptions(prefill_chunk=8)
+  one_opts = RunOptions(prefill_chunk=8, kv_dtype=kv_dtype)
   opts = one_opts.replace(mesh=mesh)
   placed = place(params, cfg, opts.mesh)
   docs, ins = _apart(_prompts(cfg, (13, 21, 17, 26), seed=3))
   targets = np.random.default_rng(4).integers(0, cfg.vocab_size, (4, NEW)).astype(np.int32)
   for name in methods:
     m = _method(name, budget if name in RATIO or isinstance(budget, int) else BUDGET)
-    what = f"{name} on {model} {mesh}"
+    what = f"{name} on {model} {mesh} {kv_dtype or ''}"
     run = lambda p, o: generate(p, cfg, docs, m, max_new_tokens=NEW, cache_len=CACHE_LEN,  # noqa
                                 instructions=ins, options=o)
     assert run(params, one_opts).tokens == run(placed, opts).tokens, what
@@ -127,6 +131,22 @@ def nine():
 RATIO = ("snapkv", "h2o", "tova", "streaming_llm", "refreshkv", "citrus_shared")
 
 
+def quantized():
+  """The cache in 8 bits on (data 2, model 2): every per-layer method (budgets as fractions)
+  with int8, four with fp8, as one device with the same cache (the scales split with their rows
+  and heads); mesh ReAttention's on (ctx 2, model 2) as on ctx alone."""
+  compare("gqa", "data=2,model=2", names("layer"), budget=0.5, kv_dtype="int8")
+  compare("gqa", "data=2,model=2", FEW, budget=0.5, kv_dtype="float8_e4m3fn")
+  cfg, params = _model("gqa")
+  docs = _prompts(cfg, (37, 30), seed=5)
+  m = get("reattention_mesh", n_global=2, n_local=8, span=2, clip=3, top_k=2, chunk=4)
+  runs = [generate(params, cfg, docs, m, max_new_tokens=5, cache_len=64,
+                   options=RunOptions(mesh=mesh, kv_dtype="int8"))
+          for mesh in ("ctx=2", "ctx=2,model=2")]
+  assert runs[0].tokens == runs[1].tokens
+  same_state(runs[0].cache.state, runs[1].cache.state, "reattention_mesh int8")
+
+
 def mesh_methods():
   """star, ring, reattention_mesh and resa_mesh with the heads over `model` too: the tokens and
   logits of the context axis alone (which tests/test_distributed.py and test_reattention_mesh.py
@@ -167,16 +187,17 @@ def _gathers(hlo: str) -> list[int]:
   return sizes
 
 
-def hlo_no_cache_gather():
+def hlo_no_cache_gather(kv_dtype=None):
   """Every per-layer method's compiled prefill chunk and decode loop on (data 2, model 4): no
-  all-gather as large as one layer's K (or V) cache on one device; the gathers left are the
-  logits' vocabulary slices and the methods' head reductions (ReAttention's votes)."""
+  all-gather as large as one layer's K (or V) cache on one device (an 8-bit one: its 8-bit
+  values); the gathers left are the logits' vocabulary slices and the methods' head reductions
+  (ReAttention's votes)."""
   cfg, params = _model("gqa")
   cache_len, batch = 1024, 4
-  opts = RunOptions(prefill_chunk=8, mesh="data=2,model=4")
+  opts = RunOptions(prefill_chunk=8, mesh="data=2,model=4", kv_dtype=kv_dtype)
   placed = place(params, cfg, opts.mesh)
   # one layer's K on one device: its rows, its KV head, every slot
-  limit = (batch // 2) * 1 * cache_len * cfg.head_dim * 4
+  limit = (batch // 2) * 1 * cache_len * cfg.head_dim * (4 if kv_dtype is None else 1)
   for name in names("layer"):
     m = _method(name, 40)
     cache = sharding.empty_cache(cfg, m, batch, cache_len, 8, opts)
@@ -253,7 +274,8 @@ CHECKS = {"tpu_export": tpu_export, "all_methods": all_methods,
           "meshes_mha": lambda: meshes("mha", "model=8"),
           "meshes_gqa": lambda: meshes("gqa", "data=4,model=2"), "qwen": qwen, "nine": nine,
           "mesh_methods": mesh_methods, "hlo_no_cache_gather": hlo_no_cache_gather,
-          "errors": errors, "fused": fused}
+          "errors": errors, "fused": fused,
+          "quantized": quantized, "hlo_no_cache_gather_int8": lambda: hlo_no_cache_gather("int8")}
 
 if __name__ == "__main__":
   CHECKS[sys.argv[1]]()

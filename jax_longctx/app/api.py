@@ -37,10 +37,14 @@ class LM:
   model_arg: str | None = None  # what load() was given (the calibrate command a notice names)
   # The device mesh the weights are placed on (`load(mesh=...)`; core/mesh.py), None: one device.
   mesh: Any = None
+  # How every run of this model stores its KV cache (`load(kv_dtype=...)`; RunOptions.kv_dtype):
+  # None, the model's dtype; "int8" or "float8_e4m3fn", 8 bits with scales.
+  kv_dtype: str | None = None
 
   def run_options(self, chunk_size: int | None = None) -> RunOptions:
-    """How this model's steps run: on its mesh, with `chunk_size` prefill chunks."""
-    return RunOptions(prefill_chunk=chunk_size, mesh=self.mesh)
+    """How this model's steps run: on its mesh, its cache stored as `kv_dtype`, with
+    `chunk_size` prefill chunks."""
+    return RunOptions(prefill_chunk=chunk_size, mesh=self.mesh, kv_dtype=self.kv_dtype)
 
   def resolve_method(self, method):
     """The method as it runs on this model: RefreshKV's unset threshold and query reading from
@@ -134,7 +138,8 @@ class LM:
     return result.tokens
 
 
-def load(name_or_path: str = "default", dtype=None, serving: bool = False, mesh=None) -> LM:
+def load(name_or_path: str = "default", dtype=None, serving: bool = False, mesh=None,
+         kv_dtype: str | None = None) -> LM:
   """'default' (SmolLM2-135M-Instruct), a bundled model's name ('qwen2.5-coder-0.5b',
   'qwen2.5-coder-1.5b'), a converted checkpoint, an HF directory or a GGUF file.
 
@@ -143,8 +148,11 @@ def load(name_or_path: str = "default", dtype=None, serving: bool = False, mesh=
   out are 1) to place the weights on, split over `model` (tensor parallel) and copied over
   `data`; every later call runs there. A converted checkpoint is read straight into each
   device's shards; an HF directory or GGUF is read into host memory first (convert a model
-  larger than the host's memory with `jax-longctx convert`, then load the checkpoint)."""
+  larger than the host's memory with `jax-longctx convert`, then load the checkpoint).
+  kv_dtype: how every run stores its KV cache (None: the model's dtype; "int8" or
+  "float8_e4m3fn": 8 bits with a scale per token and KV head, about half of bf16's bytes)."""
   mesh = make_mesh(mesh)
+  kv_dtype = RunOptions(kv_dtype=kv_dtype).kv_dtype  # checked before any loading
   if name_or_path == "default":
     path, model_id = default_model.checkpoint_dir(), default_model.DEFAULT_NAME
   elif name_or_path in bundled.BUNDLED and not os.path.exists(name_or_path):
@@ -176,7 +184,7 @@ def load(name_or_path: str = "default", dtype=None, serving: bool = False, mesh=
   if mesh is not None:
     params = place(params, cfg, mesh)
   return LM(cfg, serving_params(params, mesh) if serving else params, tokenizer, path, model_id,
-            name_or_path, mesh)
+            name_or_path, mesh, kv_dtype)
 
 
 def _tokenizer(directory: str) -> Tokenizer | None:

@@ -32,7 +32,7 @@ def _cmd_generate(args) -> int:
   routed = methods_lib.args_per_method(args.method_arg, {args.method: args.method},
                                            option="--method")
   method = methods_lib.get(args.method, **methods_lib.parse_method_args(routed[args.method]))
-  lm = load(args.model, dtype=args.dtype, serving=True, mesh=args.mesh)
+  lm = load(args.model, dtype=args.dtype, serving=True, mesh=args.mesh, kv_dtype=args.kv_dtype)
   (text,) = lm.generate([prompt], method, max_new_tokens=args.max_new_tokens,
                         temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                         chat=args.chat, chunk_size=args.chunk_size,
@@ -75,7 +75,13 @@ def _cmd_eval(args) -> int:
   from jax_longctx.app.report import summary_table
   from jax_longctx.app.tasks import parse_length
 
-  specs = eval_lib.MethodSpec.parse(args.methods, args.method_arg)
+  from jax_longctx.core.options import RunOptions
+
+  kv_dtypes = [x.strip() for x in args.kv_dtype.split(",") if x.strip()] if args.kv_dtype else []
+  for kv in kv_dtypes:
+    RunOptions(kv_dtype=kv)  # a bad name is one line, before the model loads
+  specs = eval_lib.MethodSpec.per_kv_dtype(
+      eval_lib.MethodSpec.parse(args.methods, args.method_arg), kv_dtypes)
   lengths = [parse_length(x) for x in args.lengths.split(",")]
   depths = [float(x) for x in args.depths.split(",")]
   if any(not 0 <= d <= 1 for d in depths):
@@ -112,7 +118,7 @@ def _cmd_calibrate(args) -> int:
   readings = [r.strip() for r in args.readings.split(",") if r.strip()]
   check_args(readings, thresholds, args.texts, strides)
   rule = Rule(tolerance=args.tolerance, min_stride=args.min_stride)
-  lm = load(args.model, dtype=args.dtype, serving=True, mesh=args.mesh)
+  lm = load(args.model, dtype=args.dtype, serving=True, mesh=args.mesh, kv_dtype=args.kv_dtype)
   calib = calibrate_refreshkv(
       lm, lengths=lengths, texts=args.texts, thresholds=thresholds, readings=readings,
       qc_strides=strides, budget=args.budget, n_scored=args.n_scored, rule=rule,
@@ -134,6 +140,8 @@ def _join(coordinator: str, num_processes: int, process_id: int) -> None:
 _MESH_HELP = ("devices to run on, e.g. data=2,model=4: rows over data, heads and hidden units over "
               "model (tensor parallel), the context over ctx (star, ring, reattention_mesh); "
               "axes left out are 1")
+_KV_HELP = ("how the KV cache is stored: the model's dtype (default), or int8 / float8_e4m3fn "
+            "(8 bits with a scale per token and KV head, about half the bytes)")
 _MODEL_HELP = ("'default' (SmolLM2-135M), 'qwen2.5-coder-0.5b' or 'qwen2.5-coder-1.5b' (bundled, "
                "32K window), a converted checkpoint, an HF directory or a GGUF file")
 
@@ -159,6 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
                  help="prefill chunk length (default: 8192 on GPUs, 512 elsewhere)")
   g.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
   g.add_argument("--mesh", default=None, metavar="AXIS=N,...", help=_MESH_HELP)
+  g.add_argument("--kv-dtype", default=None, metavar="DTYPE", help=_KV_HELP)
   _add_method_args(g)
   g.set_defaults(func=_cmd_generate)
 
@@ -183,6 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
                   help="one cache size (tokens) for all lengths: one compile per method")
   ev.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
   ev.add_argument("--mesh", default=None, metavar="AXIS=N,...", help=_MESH_HELP)
+  ev.add_argument("--kv-dtype", default=None, metavar="DTYPE[,DTYPE...]",
+                  help=_KV_HELP + "; a comma list runs every method with each (labelled)")
   ev.add_argument("--coordinator", default=None, metavar="HOST:PORT",
                   help="run as one of --num-processes processes (jax.distributed, one per GPU "
                        "or host): mesh methods span every process's devices; process 0 writes")
@@ -209,6 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="lowest effective stride a threshold may have (0: no floor, the paper's)")
   cal.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
   cal.add_argument("--mesh", default=None, metavar="AXIS=N,...", help=_MESH_HELP)
+  cal.add_argument("--kv-dtype", default=None, metavar="DTYPE", help=_KV_HELP)
   cal.add_argument("--chunk-size", type=int, default=None,
                    help="prefill chunk length (default: 8192 on GPUs, 512 elsewhere)")
   cal.add_argument("--out", default=None,

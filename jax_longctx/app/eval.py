@@ -39,6 +39,15 @@ class EvalError(LongctxError, ValueError):
 class MethodSpec:
   label: str  # the name shown in tables
   method: Any
+  kv_dtype: str | None = None  # how its cache is stored (None: the run's; RunOptions.kv_dtype)
+
+  @staticmethod
+  def per_kv_dtype(specs: list["MethodSpec"], kv_dtypes: list[str | None]) -> list["MethodSpec"]:
+    """Each spec once per cache dtype; with several, the dtype joins the label ("full int8")."""
+    if len(kv_dtypes) <= 1:
+      return [dataclasses.replace(s, kv_dtype=(kv_dtypes or [None])[0]) for s in specs]
+    return [dataclasses.replace(s, label=f"{s.label} {kv}", kv_dtype=kv)
+            for s in specs for kv in kv_dtypes]
 
   @classmethod
   def parse(cls, names: str, method_args: list[str] | None) -> list["MethodSpec"]:
@@ -136,6 +145,8 @@ def run_sample(lm, task, spec: MethodSpec, sample, options: RunOptions = DEFAULT
   lengths); None sizes the cache per requested length.
   """
   method = spec.method
+  if spec.kv_dtype is not None:
+    options = options.replace(kv_dtype=spec.kv_dtype)
   if task.name == "ppl":
     prefix, targets = task.split(sample)
     nll, run = continuation_nll(lm.params, lm.config, method, prefix, targets,
@@ -201,7 +212,7 @@ def run_sweep(lm, task_name: str, specs: list[MethodSpec], lengths: list[int],
       made_ahead(task, lm.tokenizer, todo, chat), total=len(todo), desc=f"{task.name} sweep"):
     rec = {"task": task.name, "method": spec.label, "hparams": spec.method.hparams(),
            "length": length, "depth": depth, "seed": seed, "n_tokens": sample.n_tokens,
-           "chat": chat}
+           "chat": chat, "kv_dtype": spec.kv_dtype or options.kv_dtype or lm.config.dtype}
     rec.update(run_sample(lm, task, spec, sample, options, cache_len))
     rec["peak_bytes"] = _peak_bytes()
     if writer:

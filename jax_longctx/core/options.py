@@ -17,6 +17,7 @@ from typing import Any
 import jax
 
 import pallas_kernels
+from pallas_kernels import quant
 from jax_longctx.core.config_types import ConfigError
 from jax_longctx.core.mesh import make_mesh
 
@@ -58,9 +59,17 @@ class RunOptions:
   # The device mesh the steps run on (`core.mesh`: axes data, model, ctx), or None: one device.
   # A string such as "data=2,model=4" is made into a Mesh over the first devices.
   mesh: Any = None
+  # How the KV cache is stored: None, the model's dtype; "int8" or "float8_e4m3fn", 8 bits with a
+  # scale per (token, KV head) (pallas_kernels.quant: every method and kernel reads it so).
+  kv_dtype: str | None = None
 
   def __post_init__(self):
     object.__setattr__(self, "mesh", make_mesh(self.mesh))
+    if self.kv_dtype is not None:
+      try:
+        object.__setattr__(self, "kv_dtype", quant.check_kv_dtype(self.kv_dtype))
+      except ValueError as e:
+        raise ConfigError(str(e)) from None
     for field in ("cache_write_backend", "add_norm_backend", "kernel_backend"):
       value = getattr(self, field)
       if value is not None and value not in pallas_kernels.BACKENDS:
@@ -69,6 +78,10 @@ class RunOptions:
       raise ConfigError(f"prefill_chunk={self.prefill_chunk} must be >= 1 (or None)")
     if self.remat is not None and self.remat not in REMAT_POLICIES:
       raise ConfigError(f"remat={self.remat!r} must be one of {tuple(REMAT_POLICIES)} (or None)")
+
+  def cache_dtype(self, model_dtype):
+    """The dtype the KV cache is stored in for a model computing in `model_dtype`."""
+    return model_dtype if self.kv_dtype is None else self.kv_dtype
 
   def remat_policy(self):
     """The `jax.checkpoint` policy of `remat` (only when it is set)."""

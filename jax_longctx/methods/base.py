@@ -202,7 +202,9 @@ class Method(RegisteredMethod):
                       "ends_prefill = True, so the drivers would never call it")
 
   def init_state(self, cfg: LlamaConfig, batch: int, max_len: int, dtype, chunk: int) -> Any:
-    """One layer's state for `batch` sequences of up to `max_len` tokens, fed `chunk` at a time."""
+    """One layer's state for `batch` sequences of up to `max_len` tokens, fed `chunk` at a time.
+    dtype: how keys and values are stored (ops/cache.py `zeros`: the model's dtype, or 8 bits
+    with scales); any other buffer computes in the model's (`cfg.jnp_dtype`)."""
     raise NotImplementedError
 
   def prefill(self, state, q, k, v, ctx: AttnContext):

@@ -19,6 +19,7 @@ from jax_longctx.core.axes import HEADS, ROWS, axes
 
 from jax_longctx.methods.base import Heads
 from jax_longctx.ops.attention import attention, attention_probs_sum
+from jax_longctx.ops.cache import load, per_row, stored, zeros
 from jax_longctx.core.rope import apply_rope, rotate
 
 
@@ -35,9 +36,10 @@ class ChunkCache:
 
   @classmethod
   def empty(cls, cfg, batch: int, budget: int, capacity: int, dtype) -> "ChunkCache":
+    """dtype: how keys and values are stored (ops/cache.py)."""
     kv = (batch, cfg.num_kv_heads, capacity, cfg.head_dim)
     rows = (batch, capacity)  # every field its own buffer: the cache is donated
-    return cls(jnp.zeros(kv, dtype), jnp.zeros(kv, dtype), jnp.full(rows, -1, jnp.int32),
+    return cls(zeros(kv, dtype), zeros(kv, dtype), jnp.full(rows, -1, jnp.int32),
                jnp.zeros((batch,), jnp.int32), jnp.zeros(rows, jnp.float32),
                jnp.zeros(rows, jnp.float32), jnp.zeros(rows, jnp.float32), budget)
 
@@ -61,12 +63,15 @@ class ChunkCache:
     q_pos = self.n[:, None] + jnp.arange(s, dtype=jnp.int32)[None, :]  # [B, S]
     new_pos = jnp.where(valid, q_pos, -1)
     old_pos = self.slot_positions()
-    k_old = rotate(self.k, old_pos[:, None, :], freqs)
+    # The cache's keys as stored (8-bit ones dequantized: the scores steering the eviction are
+    # the attention the model computes), rotated at their ranks; the new ones as they are.
+    k_stored, v_stored = load(self.k, q.dtype), load(self.v, q.dtype)
+    k_old = rotate(k_stored, old_pos[:, None, :], freqs)
     q_rot = apply_rope(q, q_pos, freqs)
     k_all = jnp.concatenate([k_old, jnp.swapaxes(apply_rope(k_new, q_pos, freqs), 1, 2)], axis=2)
-    v_all = jnp.concatenate([self.v, jnp.swapaxes(v_new, 1, 2).astype(self.v.dtype)], axis=2)
+    v_all = jnp.concatenate([v_stored, jnp.swapaxes(v_new, 1, 2).astype(v_stored.dtype)], axis=2)
     pos_all = jnp.concatenate([old_pos, new_pos], axis=1)
-    out, lse = attention(q_rot, k_all.astype(self.k.dtype), v_all, q_pos, pos_all)
+    out, lse = attention(q_rot, k_all.astype(k_stored.dtype), v_all, q_pos, pos_all)
     probs = attention_probs_sum(q_rot, k_old, q_pos, old_pos, lse, valid, group="sum")  # [B,KV,C]
     # mean over the layer's heads (this device's q.shape[2] of them), summed over queries
     summed = heads.sum(probs, axis=1) / (q.shape[2] * heads.shards)
@@ -79,8 +84,12 @@ class ChunkCache:
     rank = jnp.cumsum(valid, axis=1, dtype=jnp.int32) - 1
     slot = jnp.where(valid, self.n[:, None] + rank, self.capacity)  # padding: out of range, dropped
     bi = jnp.arange(valid.shape[0])[:, None]
-    k = self.k.at[bi, :, slot].set(k_new.astype(self.k.dtype), mode="drop")
-    v = self.v.at[bi, :, slot].set(v_new.astype(self.v.dtype), mode="drop")
+
+    def put(cache, new):
+      return per_row(lambda c, n: c.at[bi, :, slot].set(n, mode="drop"), cache,
+                     stored(new, cache))
+
+    k, v = put(self.k, k_new), put(self.v, v_new)
     fresh = jnp.zeros(slot.shape, jnp.float32)
     return self.replace(
         k=k, v=v, pos=self.pos.at[bi, slot].set(tok_pos.astype(jnp.int32), mode="drop"),
@@ -103,8 +112,8 @@ class ChunkCache:
     idx = jnp.where(ok, key, 0)
     pad = c - idx.shape[1]
 
-    k = _gather_slots(self.k, idx, pad)
-    v = _gather_slots(self.v, idx, pad)
+    k = per_row(lambda a: _gather_slots(a, idx, pad), self.k)  # scales move with their rows
+    v = per_row(lambda a: _gather_slots(a, idx, pad), self.v)
     pos = _gather_rows(jnp.where(occupied, self.pos, -1), idx, ok, pad, -1)
     score = _gather_rows(self.score, idx, ok, pad, 0)
     kept = self.replace(k=k, v=v, pos=pos, n=jnp.sum(ok, axis=1, dtype=jnp.int32), score=score,

@@ -52,7 +52,8 @@ class Quest(SelectingMethod):
     pages = -(-max_len // self.page_size)
     shape = (batch, cfg.num_kv_heads, pages, cfg.head_dim)
     return QuestState(KVCache.zeros(cfg, batch, pages * self.page_size, dtype),
-                      jnp.full(shape, jnp.inf, dtype), jnp.full(shape, -jnp.inf, dtype))
+                      jnp.full(shape, jnp.inf, cfg.jnp_dtype),
+                      jnp.full(shape, -jnp.inf, cfg.jnp_dtype))
 
   def dense_at(self, ctx: AttnContext) -> bool:
     return ctx.layer < self.dense_layers

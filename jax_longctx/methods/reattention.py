@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 import pallas_kernels
 from jax_longctx.ops.attention import attention
-from jax_longctx.ops.cache import KVCache
+from jax_longctx.ops.cache import KVCache, load, per_row
 from jax_longctx.methods.base import AttnContext, Method, MethodError, register
 from jax_longctx.methods.reattention_scope import (Scope, ballots, candidates, scope_from_votes,
                                                    select_scope, step_bounds, voters)
@@ -127,8 +127,8 @@ class ReAttention(ReAttentionSettings, Method):
       return self._attend_one(q, state, sc, ctx)
     ranked = sc.k_rank is not None  # a block-cyclic mesh part: ranks apart from slots
     take = sc.idx[:, None, :, None]  # one scope per sequence, shared by its kv heads
-    k_scope = jnp.take_along_axis(state.k, take, axis=2)  # [B, KV, N, d]
-    v_scope = jnp.take_along_axis(state.v, take, axis=2)
+    k_scope, v_scope = (load(per_row(lambda a: jnp.take_along_axis(a, take, axis=2), x), q.dtype)
+                        for x in (state.k, state.v))  # [B, KV, N, d]
     n = sc.idx.shape[1]
     k_rank = sc.k_rank if ranked else jnp.arange(n, dtype=jnp.int32)[None, :]  # [B or 1, N]
     k_scope = rotate(k_scope, k_rank[:, None, :], ctx.freqs)

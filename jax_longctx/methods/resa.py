@@ -48,7 +48,7 @@ from jax_longctx.core.axes import HEADS, ROWS, axes
 
 import pallas_kernels
 from jax_longctx.ops.attention import attention, merge_attention
-from jax_longctx.ops.cache import KVCache
+from jax_longctx.ops.cache import KVCache, float_dtype, per_row, weighted_sum
 from jax_longctx.methods.base import (AttnContext, Budget, Method, MethodError, PrefillEnd,
                                       TokenShards, get, register)
 from jax_longctx.methods.reattention import ReAttention
@@ -179,10 +179,12 @@ class RESA(Method):
     in_prompt = jnp.arange(cache.max_len)[None, :] < lengths[:, None]  # [B, T]
     # Accumulated in fp32 from the stored keys: an fp32 copy of every layer's keys is what the
     # dot would otherwise take, and the hook runs all layers in one program.
-    k_sum = jnp.einsum("bktd,bt->bkd", cache.k, in_prompt.astype(cache.k.dtype),
-                       preferred_element_type=jnp.float32)
+    kvh = cache.k.shape[1]
+    k_sum = weighted_sum(cache.k, jnp.broadcast_to(in_prompt[:, None, :],
+                                                   (in_prompt.shape[0], kvh, cache.max_len)))
     o_est, lse_p = pallas_kernels.flash_attention(
-        mu_q[:, None].astype(cache.k.dtype), cache.k, cache.v, causal=False, kv_len=lengths,
+        mu_q[:, None].astype(float_dtype(cache.k, info.cfg.jnp_dtype)), cache.k, cache.v,
+        causal=False, kv_len=lengths,
         kv_layout="BHTD", backend=info.options.kernel_backend, options=info.options.kernels)
     return k_sum, o_est[:, 0].astype(jnp.float32), lse_p[:, 0]
 
@@ -191,9 +193,9 @@ class RESA(Method):
     (out [B, H, d] fp32, lse [B, H]). The mesh variant merges its devices' parts."""
     take = sc.idx[:, None, :, None]
     in_scope = jnp.arange(sc.idx.shape[1])[None, :] < sc.length[:, None]  # [B, N]
-    out, lse = attention(mu_q[:, None].astype(cache.k.dtype),
-                         jnp.take_along_axis(cache.k, take, axis=2),
-                         jnp.take_along_axis(cache.v, take, axis=2),
+    scope = lambda x: per_row(lambda a: jnp.take_along_axis(a, take, axis=2), x)  # noqa: E731
+    out, lse = attention(mu_q[:, None].astype(float_dtype(cache.k, mu_q.dtype)), scope(cache.k),
+                         scope(cache.v),
                          jnp.zeros((mu_q.shape[0], 1), jnp.int32), jnp.where(in_scope, 0, -1))
     return out[:, 0].astype(jnp.float32), lse[:, 0]
 

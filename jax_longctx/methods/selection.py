@@ -13,7 +13,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from jax_longctx.ops.attention import attention
-from jax_longctx.ops.cache import KVCache
+from jax_longctx.ops.cache import KVCache, per_row
 from jax_longctx.methods.base import AttnContext, MethodError, resolve_budget
 from jax_longctx.methods.full import Full
 from jax_longctx.core.rope import apply_rope
@@ -28,7 +28,8 @@ def gather_slots(kv: KVCache, slots):
   kv_head = (jnp.arange(h) // group)[None, :, None]
   safe = jnp.clip(slots, 0, kv.max_len - 1)
   k_pos = jnp.where((slots >= 0) & (slots < kv.max_len), slots, -1)
-  return kv.k[b_idx, kv_head, safe], kv.v[b_idx, kv_head, safe], k_pos
+  take = lambda x: per_row(lambda a: a[b_idx, kv_head, safe], x)  # noqa: E731
+  return take(kv.k), take(kv.v), k_pos
 
 
 def gathered_attention(q, kv: KVCache, slots, q_pos):

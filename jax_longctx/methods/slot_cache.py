@@ -17,6 +17,7 @@ from flax import struct
 from jax_longctx.core.axes import HEADS, ROWS, axes
 
 from jax_longctx.ops.attention import attention
+from jax_longctx.ops.cache import per_row, stored, zeros
 from jax_longctx.methods.base import AttnContext, Budget, Method, resolve_budget
 from jax_longctx.core.rope import apply_rope
 
@@ -33,8 +34,9 @@ class SlotCache:
 
   @classmethod
   def empty(cls, cfg, batch: int, budget: int, capacity: int, dtype) -> "SlotCache":
+    """dtype: how keys and values are stored (ops/cache.py)."""
     shape = (batch, cfg.num_kv_heads, capacity)
-    return cls(jnp.zeros(shape + (cfg.head_dim,), dtype), jnp.zeros(shape + (cfg.head_dim,), dtype),
+    return cls(zeros(shape + (cfg.head_dim,), dtype), zeros(shape + (cfg.head_dim,), dtype),
                jnp.full(shape, -1, jnp.int32), jnp.zeros(shape, jnp.float32), budget)
 
   @property
@@ -44,8 +46,12 @@ class SlotCache:
   def append(self, k_new, v_new, q_pos, valid) -> "SlotCache":
     """New tokens k/v_new [B, S, KV, d] into slots budget..budget+S-1 (padding gets pos -1)."""
     start = (0, 0, self.budget, 0)
-    k = jax.lax.dynamic_update_slice(self.k, jnp.swapaxes(k_new, 1, 2).astype(self.k.dtype), start)
-    v = jax.lax.dynamic_update_slice(self.v, jnp.swapaxes(v_new, 1, 2).astype(self.v.dtype), start)
+
+    def put(cache, new):
+      return per_row(lambda c, n: jax.lax.dynamic_update_slice(c, n, start), cache,
+                     stored(jnp.swapaxes(new, 1, 2), cache))
+
+    k, v = put(self.k, k_new), put(self.v, v_new)
     pos_new = jnp.broadcast_to(jnp.where(valid, q_pos, -1)[:, None, :],
                                (q_pos.shape[0], self.pos.shape[1], q_pos.shape[1]))
     pos = jax.lax.dynamic_update_slice(self.pos, pos_new.astype(jnp.int32), start[:3])
@@ -75,7 +81,7 @@ class SlotCache:
     b_idx, h_idx = jnp.indices(slot.shape)
 
     def move(a):
-      return a.at[b_idx, h_idx, slot].set(a[:, :, last], mode="drop")
+      return per_row(lambda x: x.at[b_idx, h_idx, slot].set(x[:, :, last], mode="drop"), a)
 
     return self.replace(k=move(self.k), v=move(self.v), score=move(self.score),
                         pos=move(self.pos).at[..., last].set(-1))
@@ -109,7 +115,8 @@ def top_slots(k, v, pos, priority, n: int, capacity: int, *, scores=None) -> Slo
     return jnp.concatenate([taken, jnp.full(a.shape[:2] + (pad,) + a.shape[3:], fill, a.dtype)],
                            axis=2)
 
-  return SlotCache(gather(k, 0), gather(v, 0), gather(pos, -1), gather(scores, 0.0), n)
+  rows = lambda a: per_row(lambda x: gather(x, 0), a)  # noqa: E731  (scales move with rows)
+  return SlotCache(rows(k), rows(v), gather(pos, -1), gather(scores, 0.0), n)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,7 +20,7 @@ from flax import struct
 from jax_longctx.core.axes import HEADS, ROWS, axes
 
 from jax_longctx.ops.attention import attention, attention_probs_sum
-from jax_longctx.ops.cache import KVCache
+from jax_longctx.ops.cache import KVCache, per_row, stored
 from jax_longctx.methods.base import (AttnContext, Budget, Heads, Method, MethodError,
                                       PrefillEnd, register, resolve_budget)
 from jax_longctx.methods.full import Full
@@ -78,7 +78,7 @@ class SnapKV(Method):
       raise MethodError(f"window={self.window} must be in 1..budget ({n})")
     if self.pool_kernel < 1 or self.pool_kernel % 2 == 0:
       raise MethodError(f"pool_kernel={self.pool_kernel} must be a positive odd number")
-    q_win = jnp.zeros((batch, self.window, cfg.num_heads, cfg.head_dim), dtype)
+    q_win = jnp.zeros((batch, self.window, cfg.num_heads, cfg.head_dim), cfg.jnp_dtype)
     return SnapPrefill(KVCache.zeros(cfg, batch, max_len, dtype), q_win,
                        jnp.full((batch, self.window), -1, jnp.int32), n)
 
@@ -130,9 +130,13 @@ class SnapKV(Method):
     slot = jnp.where(ctx.valid, slot, s.capacity)  # dropped
     b_idx = jnp.arange(q.shape[0])[:, None]
     k = apply_rope(k, ctx.q_pos, ctx.freqs)
+
+    def put(cache, new):
+      return per_row(lambda c, n: c.at[b_idx, :, slot].set(n, mode="drop"), cache,
+                     stored(new, cache))
+
     s = s.replace(
-        k=s.k.at[b_idx, :, slot].set(k.astype(s.k.dtype), mode="drop"),
-        v=s.v.at[b_idx, :, slot].set(v.astype(s.v.dtype), mode="drop"),
+        k=put(s.k, k), v=put(s.v, v),
         pos=s.pos.at[b_idx, :, slot].set(ctx.q_pos[:, :, None], mode="drop"),
         score=s.score.at[b_idx, :, slot].set(jnp.inf, mode="drop"))
     out, _ = attention(apply_rope(q, ctx.q_pos, ctx.freqs), s.k, s.v, ctx.q_pos, s.pos)

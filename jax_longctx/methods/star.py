@@ -32,6 +32,7 @@ from jax_longctx.core.rope import apply_rope
 from jax_longctx.methods.base import AttnContext, Method, MethodError, register
 from jax_longctx.methods.chunk_cache import ChunkCache
 from jax_longctx.ops.attention import attention, merge_attention
+from jax_longctx.ops.cache import stored_as
 from jax_longctx.ops.mesh_attention import ring_attention
 
 
@@ -153,8 +154,11 @@ class RingAttention(_ContextEncoded):
 
 
 def _context_kv(k, v, ctx: AttnContext) -> ContextKV:
-  """A forward's rows as a layer's context: keys after RoPE, [B, KV, T, d]."""
-  return ContextKV(jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2).astype(k.dtype),
+  """A forward's rows as a layer's context: keys after RoPE, [B, KV, T, d], stored as the run
+  stores its cache (RunOptions.kv_dtype)."""
+  dtype = ctx.options.cache_dtype(k.dtype)
+  return ContextKV(stored_as(jnp.swapaxes(k, 1, 2), dtype),
+                   stored_as(jnp.swapaxes(v, 1, 2).astype(k.dtype), dtype),
                    jnp.where(ctx.valid, ctx.q_pos, -1))
 
 

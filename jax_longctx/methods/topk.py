@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_longctx.methods.base import AttnContext, Budget, register
+from jax_longctx.ops.cache import load
 from jax_longctx.methods.selection import SelectingMethod, head_scores
 
 
@@ -29,7 +30,7 @@ class TopK(SelectingMethod):
 
   def select(self, state, q_rot, ctx: AttnContext):
     n = self.select_budget(state.max_len)
-    s = head_scores(q_rot, state.k)  # [B, H, T]
+    s = head_scores(q_rot, load(state.k, q_rot.dtype))  # [B, H, T]
     t = jnp.arange(state.max_len)[None, None, :]
     newest = ctx.q_pos[:, :, None]
     # The fixed sink and recent tokens are read anyway: the budget goes to the others.

@@ -341,7 +341,9 @@ def _all_reduce(x, axis: str | None):
 
 def new_cache(cfg: LlamaConfig, method: Method, batch: int, max_len: int, dtype=None,
               chunk: int | None = None) -> Cache:
-  """An empty cache; `chunk` is the longest step that will be fed (default: max_len)."""
+  """An empty cache; `chunk` is the longest step that will be fed (default: max_len). dtype: how
+  its keys and values are stored (default the model's; "int8" / "float8_e4m3fn": 8 bits with a
+  scale per token and KV head, ops/cache.py)."""
   dtype = cfg.jnp_dtype if dtype is None else dtype
   chunk = max_len if chunk is None else chunk
   state = tuple(method.init_state(cfg, batch, max_len, dtype, chunk)

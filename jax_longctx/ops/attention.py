@@ -7,7 +7,9 @@ decoding, batches of different lengths and methods that keep a subset of tokens 
 The cache layout puts kv_heads before slots so that XLA's batched matmuls read K and V in place
 (batch dimensions must be major on GPU; a [batch, slots, heads, d] layout makes XLA copy the cache
 every step). LSE is natural-log. Pallas kernels (pallas_kernels/) replace these jnp paths on
-accelerators; these stay the reference and the CPU path.
+accelerators; these stay the reference and the CPU path. K and V may be stored in 8 bits
+(ops/cache.py): the scores are those of the dequantized keys, P.V accumulates in fp32, and a long
+cache is dequantized one key block at a time.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jax_longctx.ops.cache import load, per_row
 from pallas_kernels.reference import merge_attention  # noqa: F401  (defined once, there)
 
 # Above this many score elements per call, keys are processed in blocks with an online softmax so
@@ -98,8 +101,8 @@ def _blocked(qg, k, v, q_pos, k_pos, scale, kv_extent, block):
   def body(i, carry):
     acc, m, l = carry
     start = jnp.minimum(i * block, t - block)  # the last block may overlap the one before it
-    kb = jax.lax.dynamic_slice_in_dim(k, start, block, axis=2)
-    vb = jax.lax.dynamic_slice_in_dim(v, start, block, axis=2)
+    kb, vb = (load(per_row(lambda a: jax.lax.dynamic_slice_in_dim(a, start, block, axis=2), x),
+                   qg.dtype) for x in (k, v))
     pb = jax.lax.dynamic_slice_in_dim(k_pos, start, block, axis=2)
     fresh = (start + jnp.arange(block)) >= i * block  # slots not seen by an earlier block
     pb = jnp.where(fresh, pb, -1)
@@ -136,7 +139,7 @@ def attention(q, k, v, q_pos, k_pos, *, scale=None, kv_extent=None, key_block=_K
   qg = _group(q, kvh)
   k_pos = _per_head(k_pos)
   if b * h * s * t <= _DENSE_LIMIT or t <= key_block:
-    acc, m, l = _dense(qg, k, v, q_pos, k_pos, scale)
+    acc, m, l = _dense(qg, load(k, q.dtype), load(v, q.dtype), q_pos, k_pos, scale)
   else:
     extent = t if kv_extent is None else kv_extent
     acc, m, l = _blocked(qg, k, v, q_pos, k_pos, scale, extent, key_block)
@@ -154,8 +157,8 @@ def attention_with_probs(q, k, v, q_pos, k_pos, *, scale=None):
   if h % kvh:
     raise ValueError(f"{h} query heads do not divide into {kvh} kv heads")
   scale = d ** -0.5 if scale is None else scale
-  p, m, l = _dense_probs(_group(q, kvh), k, q_pos, _per_head(k_pos), scale)
-  out, lse = _finish(_pv(p, v), m, l, q.shape, q.dtype)
+  p, m, l = _dense_probs(_group(q, kvh), load(k, q.dtype), q_pos, _per_head(k_pos), scale)
+  out, lse = _finish(_pv(p, load(v, q.dtype)), m, l, q.shape, q.dtype)
   return out, lse, p / jnp.where(l > 0, l, 1.0)[..., None]
 
 
@@ -169,7 +172,7 @@ def attention_probs_sum(q, k, q_pos, k_pos, lse, q_valid, *, scale=None, group="
   """
   kvh = k.shape[1]
   scale = q.shape[-1] ** -0.5 if scale is None else scale
-  s = _scores(_group(q, kvh), k, scale)  # [B, KV, G, S, T]
+  s = _scores(_group(q, kvh), load(k, q.dtype), scale)  # [B, KV, G, S, T]
   lse_g = jnp.transpose(lse.reshape(lse.shape[0], lse.shape[1], kvh, -1), (0, 2, 3, 1))
   ok = _visible(q_pos, _per_head(k_pos)) & q_valid[:, None, None, :, None]
   ok = ok & jnp.isfinite(lse_g)[..., None]

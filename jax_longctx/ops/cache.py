@@ -4,6 +4,12 @@
 (`lengths`, [batch] int32) and the attention method's own state, one pytree per layer (separate
 buffers, so each layer's update happens in place and its reads need no slicing). `KVCache` is the
 plain preallocated key/value store most methods build on.
+
+How keys and values are stored is one concern of this layer: in a float dtype (the model's, by
+default) or in 8 bits with a scale per (token, KV head) (`pallas_kernels.quant.Quantized`,
+`RunOptions.kv_dtype`). `zeros` makes either; `stored` writes new rows as the buffer stores them
+and `per_row` moves rows with their scales; `load` gives the values back in a compute dtype
+where a jnp path needs them (the kernels read the 8-bit rows and scales themselves).
 """
 
 from __future__ import annotations
@@ -16,6 +22,46 @@ from jax_longctx.core.axes import HEADS, ROWS, TOKENS, axes
 
 from jax_longctx.core.config import LlamaConfig
 from pallas_kernels import cache_write
+from pallas_kernels.quant import Quantized, dequantize, per_row, store_like, zeros_like_storage
+
+__all__ = ["Cache", "KVCache", "Quantized", "load", "per_row", "stored", "stored_as",
+           "float_dtype", "weighted_sum", "zeros"]
+
+
+def zeros(shape, dtype):
+  """An empty K or V buffer [..., d] stored as `dtype` (a float dtype or an 8-bit one)."""
+  return zeros_like_storage(shape, dtype)
+
+
+def stored(x, like):
+  """New rows x [..., d] as the buffer `like` stores them (quantized, or cast)."""
+  return store_like(x, like)
+
+
+def stored_as(x, dtype):
+  """Fresh rows x [..., d] stored as `dtype` (a float dtype or an 8-bit one)."""
+  return store_like(x, zeros((0,) + x.shape[1:], dtype))
+
+
+def weighted_sum(x, w):
+  """sum_t w[b, h, t] x[b, h, t, :] -> [B, H, d] fp32 of a stored buffer [B, H, T, d], the
+  product in the buffer's dtype (no fp32 copy of a cache). An 8-bit buffer's scales fold into
+  the weights, rounded to bf16 (its values are exact there): a relative 2^-9 per term."""
+  if isinstance(x, Quantized):
+    w, x = w * x.scale, x.values.astype(jnp.bfloat16)
+  return jnp.einsum("bhtd,bht->bhd", x, w.astype(x.dtype), preferred_element_type=jnp.float32)
+
+
+def float_dtype(x, fallback):
+  """The dtype a jnp path computes in over a stored buffer: a float buffer's own, `fallback`
+  for an 8-bit one (which `load` dequantizes into it)."""
+  return fallback if isinstance(x, Quantized) else x.dtype
+
+
+def load(x, dtype):
+  """A stored buffer's values: 8-bit rows times their scales, in `dtype`; a float buffer as it
+  is (its own dtype: what the jnp paths always read)."""
+  return dequantize(x, dtype) if isinstance(x, Quantized) else x
 
 @struct.dataclass
 class Cache:
@@ -37,8 +83,9 @@ class KVCache:
 
   @classmethod
   def zeros(cls, cfg: LlamaConfig, batch: int, max_len: int, dtype) -> "KVCache":
+    """dtype: how keys and values are stored (a float dtype, or "int8" / "float8_e4m3fn")."""
     shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
-    return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+    return cls(zeros(shape, dtype), zeros(shape, dtype))
 
   @property
   def max_len(self) -> int:
@@ -54,6 +101,9 @@ class KVCache:
       return KVCache(*cache_write.write_one_token(self.k, self.v, positions[:, 0], k_new[:, 0],
                                                   v_new[:, 0], backend=one_token_backend))
     b_idx = jnp.arange(positions.shape[0])[:, None]
-    k = self.k.at[b_idx, :, positions].set(k_new.astype(self.k.dtype), mode="drop")
-    v = self.v.at[b_idx, :, positions].set(v_new.astype(self.v.dtype), mode="drop")
-    return KVCache(k, v)
+
+    def put(cache, new):
+      return per_row(lambda c, n: c.at[b_idx, :, positions].set(n, mode="drop"), cache,
+                     stored(new, cache))
+
+    return KVCache(put(self.k, k_new), put(self.v, v_new))

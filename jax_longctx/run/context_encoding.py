@@ -29,7 +29,7 @@ from jax_longctx.methods.base import Method
 from jax_longctx.methods.chunk_cache import ChunkCache
 from jax_longctx.methods.star import ContextKV, Layout, Phase2State
 from jax_longctx.model import device_view, forward
-from jax_longctx.ops.cache import Cache
+from jax_longctx.ops.cache import Cache, per_row
 from jax_longctx.run.chunked_prefill import padded
 from jax_longctx.run.instructed import INSTRUCTION_ROUND, encode_appended
 from jax_longctx.run.sharding import mesh_step
@@ -88,18 +88,22 @@ def encode_blocks(params, tok, pos, ok, offset, lengths, *, cfg: LlamaConfig, me
   rows = Cache(jnp.zeros((b * r,), jnp.int32), (None,) * cfg.num_layers, 0)
   _, rows = forward(params, flat(tok), flat(pos), rows, method.context_encoder(layout, r), cfg,
                     valid=flat(ok), logits_index=jnp.zeros((b * r,), jnp.int32), options=options)
-  to_t = lambda x: jnp.moveaxis(x.reshape(b, r, *x.shape[1:]), 1, 2).reshape(  # noqa: E731
-      b, x.shape[1], r * layout.block, -1)
+  def to_t(x):  # [b*r, KV, blk, d] -> [b, KV, r*blk, d] (an 8-bit buffer's scales alike)
+    return per_row(lambda a: jnp.moveaxis(a.reshape(b, r, *a.shape[1:]), 1, 2).reshape(
+        b, a.shape[1], r * layout.block, -1), x)
+
   if layout.shared_anchor:  # the rows are the blocks
     context = [ContextKV(to_t(s.k), to_t(s.v), s.pos.reshape(b, r * layout.block))
                for s in rows.state]
   else:
     idx = flat(offset)[:, None] + jnp.arange(layout.block)[None, :]  # [b*r, blk]
-    take = lambda a: jnp.take_along_axis(a, idx[:, None, :, None], axis=2)  # noqa: E731
+    take = lambda x: per_row(  # noqa: E731
+        lambda a: jnp.take_along_axis(a, idx[:, None, :, None], axis=2), x)
     context = [ContextKV(to_t(take(s.k)), to_t(take(s.v)),
                          jnp.take_along_axis(s.pos, idx, axis=1).reshape(b, r * layout.block))
                for s in rows.state]  # pos -1 past the context's end
   local_cfg = device_view(cfg, options)[0]
-  state = tuple(Phase2State(c, ChunkCache.empty(local_cfg, b, room, room, cfg.jnp_dtype))
+  dtype = options.cache_dtype(cfg.jnp_dtype)
+  state = tuple(Phase2State(c, ChunkCache.empty(local_cfg, b, room, room, dtype))
                 for c in context)
   return Cache(lengths, state, 0)

@@ -173,20 +173,21 @@ def empty_cache(cfg: LlamaConfig, method: Method, batch: int, max_len: int, chun
   that mesh as the placed weights do: a cache on the device alone would come back from the
   first step laid out as the weights are, its donated buffers not reusable (measured: one more
   cache, 4.8 GB at 32K of the 8B shape on an H200, with `mesh="model=1"`)."""
+  dtype = options.cache_dtype(cfg.jnp_dtype)
   if options.mesh is None:
-    return new_cache(cfg, method, batch, max_len, chunk=chunk)
+    return new_cache(cfg, method, batch, max_len, dtype, chunk=chunk)
   mesh = options.mesh
   for axis, n, what in (("data", batch, "batch of {} rows"), ("ctx", max_len, "cache of {} slots")):
     if n % axis_size(mesh, axis):
       raise MeshError(f"a {what.format(n)} does not divide over {axis}={axis_size(mesh, axis)}")
-  return _empty_cache(ModelShards.of(cfg, mesh).placed(cfg), method, batch, max_len, chunk,
-                      mesh)()
+  return _empty_cache(ModelShards.of(cfg, mesh).placed(cfg), method, batch, max_len, dtype,
+                      chunk, mesh)()
 
 
 @functools.lru_cache(maxsize=32)
-def _empty_cache(cfg, method, batch, max_len, chunk, mesh):
+def _empty_cache(cfg, method, batch, max_len, dtype, chunk, mesh):
   def build():
-    return new_cache(cfg, method, batch, max_len, chunk=chunk)
+    return new_cache(cfg, method, batch, max_len, dtype, chunk=chunk)
   laid = jax.tree.map(lambda s: NamedSharding(mesh, s), specs(jax.eval_shape(build), mesh),
                       is_leaf=lambda x: isinstance(x, P))
   return jax.jit(build, out_shardings=laid)

@@ -16,3 +16,11 @@ def normal(rng, shape, dtype=jnp.float32):
 
 def keys_shape(b, t, kvh, d, kv_layout):
   return (b, t, kvh, d) if kv_layout == "BTHD" else (b, kvh, t, d)
+
+
+def with_outliers(rng, x, channels=(3, 17), low=20.0, high=50.0):
+  """x with a few head-dim channels 20-50x larger, as KIVI reports for keys (quantization's hard
+  case: one scale per row must cover them)."""
+  big = rng.uniform(low, high, len(channels))
+  factor = jnp.ones(x.shape[-1]).at[jnp.asarray(channels)].set(big)
+  return (x.astype(jnp.float32) * factor).astype(x.dtype)

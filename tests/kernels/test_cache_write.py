@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import cache_write
+from pallas_kernels import cache_write, quant
 from tests.kernels.cuda_lowering import cuda_text
 from tests.kernels.inputs import normal
 
@@ -38,11 +38,40 @@ def test_write_one_token_checks_shapes():
                                 jnp.ones((2, 1, 2, 4)))
 
 
-def test_write_kernel_lowers_to_triton():
+@pytest.mark.parametrize("kv_dtype", [jnp.int8, jnp.float8_e4m3fn])
+def test_write_into_a_quantized_cache_equals_reference(kv_dtype):
+  """An 8-bit cache: the new rows are quantized alone (one scale per row) and written with their
+  scales; exactly the reference's scatter of quantize(row)."""
+  rng = np.random.default_rng(3)
+  b, kvh, t, d = 3, 2, 50, 64
+  k, v = (quant.quantize(normal(rng, (b, kvh, t, d)), kv_dtype) for _ in range(2))
+  kn, vn = (normal(rng, (b, kvh, d), jnp.bfloat16) for _ in range(2))
+  pos = jnp.asarray((7, -1, 50), jnp.int32)  # the last out of range: dropped
+  got = jax.jit(lambda *a: cache_write.write_one_token(*a, backend="gpu"))(k, v, pos, kn, vn)
+  ref = cache_write.reference(k, v, pos, kn, vn)
+  for g, r, new in zip(got, ref, (kn, vn)):
+    assert isinstance(g, quant.Quantized) and g.dtype == kv_dtype
+    f32 = lambda x: np.asarray(x, np.float32)  # noqa: E731
+    np.testing.assert_array_equal(f32(g.values), f32(r.values))
+    np.testing.assert_array_equal(np.asarray(g.scale), np.asarray(r.scale))
+    row = quant.quantize(new[0, 1], kv_dtype)
+    # the row's own scale (quantized alone; 1e-6: XLA may fuse the division differently)
+    np.testing.assert_allclose(np.asarray(g.scale[0, 1, 7]), np.asarray(row.scale), rtol=1e-6)
+  assert np.array_equal(np.asarray(got[0].scale[2]), np.asarray(k.scale[2]))  # nothing written
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_write_kernel_lowers_to_triton(quantized):
   k = jnp.ones((1, 8, 1000, 128), jnp.bfloat16)
   row = jnp.ones((1, 8, 128), jnp.bfloat16)
+  if quantized:  # values and scales: four buffers written in place by one kernel
+    k, row = quant.quantize(k, jnp.int8), quant.quantize(row, jnp.int8)
+    rows = (row.values, row.values, row.scale[..., None], row.scale[..., None])
+    caches = (k.values, k.values, k.scale[..., None], k.scale[..., None])
+  else:
+    rows, caches = (row, row), (k, k)
 
-  def call(k, v, pos, kn, vn):
-    return cache_write._write(k, v, pos, kn, vn, interpret=False)
-  text = cuda_text(call, k, k, jnp.zeros((1, 1), jnp.int32), row, row)
-  assert "triton" in text and "output_operand_alias" in text  # in place, no cache copy
+  def call(pos, rows, caches):
+    return cache_write._write(pos, rows, caches, interpret=False)
+  text = cuda_text(call, jnp.zeros((1, 1), jnp.int32), rows, caches)
+  assert "triton" in text and text.count("#stablehlo.output_operand_alias<") == len(caches)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import pallas_kernels
-from pallas_kernels import chunk_attention, flash_attention, gathered_attention, topk_scores
+from pallas_kernels import chunk_attention, flash_attention, gathered_attention, quant, topk_scores
 from tests.kernels.inputs import keys_shape
 from tests.tpu_export import MOSAIC_CALL, export_for_tpu, mosaic_calls
 
@@ -134,3 +134,39 @@ def test_the_mosaic_call_name_is_what_the_export_holds():
   exported = export_for_tpu(lambda q, k: flash_attention(q, k, k), S((1, 1, 2, 8), jnp.float32),
                             S((1, 40, 2, 8), jnp.float32))
   assert f"stablehlo.custom_call @{MOSAIC_CALL}(" in exported.mlir_module()
+
+
+def _int8(kv):
+  """int8 quant.Quantized K or V of kv's shape (TPU v5e has no FP8: int8 is the TPU's 8 bits)."""
+  return quant.Quantized(S(kv.shape, jnp.int8), S(kv.shape[:-1], jnp.float32))
+
+
+@pytest.mark.parametrize("case", ["decode_g4_bf16", "decode_g1_tiny", "chunk_g4_bf16",
+                                  "chunk_g3_fp32"])
+def test_quantized_attention_lowers_for_tpu(case):
+  """int8 K/V read by the TPU kernels: flash attention (decode or a chunk at an offset),
+  gathered attention rotating its keys, and (chunks) chunk_attention over an int8 cache."""
+  q, k, v, kv_layout = _qkv(case)
+  k, v = _int8(k), _int8(v)
+  b, lq, _, d = q.shape
+  kvh = SHAPES[case][3]
+  per_seq = S((b,), jnp.int32)
+
+  def flash(q, k, v, q_offset, kv_len):
+    return flash_attention(q, k, v, causal=lq > 1, q_offset=q_offset, kv_len=kv_len,
+                           kv_layout=kv_layout)
+
+  _assert_lowered(export_for_tpu(flash, q, k, v, per_seq, per_seq))
+
+  def gathered(q, k, v, indices, valid, ranks):
+    return gathered_attention(q, k, v, indices, valid, kv_layout=kv_layout,
+                              key_rope_freqs=jnp.linspace(1.0, 1e-3, d // 2), key_positions=ranks)
+
+  picked = S((b, kvh, 40), jnp.int32)
+  _assert_lowered(export_for_tpu(gathered, q, k, v, picked, S(picked.shape, jnp.bool_),
+                                 S((b, 40), jnp.int32)))
+  if lq > 1:
+    own = S((b, lq, kvh, d), q.dtype)
+    chunk = lambda q, k, v, kc, vc, off: chunk_attention(q, k, v, kc, vc, off,  # noqa: E731
+                                                         kv_layout=kv_layout)
+    _assert_lowered(export_for_tpu(chunk, q, k, v, own, own, per_seq))

@@ -1,0 +1,241 @@
+"""The cache-reading kernels over 8-bit K/V (pallas_kernels.quant): checked against the reference
+on the device, then timed against the same kernels over bf16 K/V.
+
+    python benchmarks/quant_kernels.py --out $OUT/quant_kernels.json           # one GPU
+    python benchmarks/quant_kernels.py --smoke --out /tmp/q.json               # CPU, tiny
+
+Checks (each kernel, int8 and float8_e4m3fn, random inputs with outlier key channels): flash
+attention prefill (causal at a query offset, use_cudnn=False: the Triton kernel, which 8-bit K/V
+take on a GPU), split-K decode, chunk_attention over a quantized cache, gathered attention
+rotating pre-RoPE keys, top-k (Triton prefill rows, decode's block path): the largest error
+against the jnp reference that dequantizes first (attention), the share of indices equal to the
+reference's (top-k; exact ties cannot be guaranteed on random data, so the scores at the
+differing slots are reported too).
+
+Timings (median of --reps after a warm-up; Llama-3.1-8B's attention shape: 32 query heads over 8
+KV heads, d 128, batch 1): decode attention over 32K / 128K / 1M keys and decode top-4 over the
+same, each with the bytes it reads (8-bit values and fp32 scales, or bf16) over its time beside
+the device's copy bandwidth measured in the same run; a 4096-query prefill chunk at offsets 28K
+and 124K (chunk_attention, as full attention's prefill runs it) and a 512-query top-4 over 32K /
+128K keys.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.common import (copy_bandwidth, device_facts, median_time,  # noqa: E402
+                               run_cases_to_json)
+
+DTYPES = ("int8", "float8_e4m3fn")
+H, KV, D = 32, 8, 128
+SIZES = dict(decode=(32768, 131072, 1048576), chunk=4096, offsets=(28672, 126976),
+             topk_rows=512, topk_keys=(32768, 131072), check=1000, tile_keys=(131072, 1048576))
+
+
+def _inputs(seed, b, lq, t, dtype):
+  import jax
+  import jax.numpy as jnp
+  from pallas_kernels import quant
+  keys = jax.random.split(jax.random.key(seed), 3)
+  q = jax.random.normal(keys[0], (b, lq, H, D), jnp.float32).astype(jnp.bfloat16)
+  k = jax.random.normal(keys[1], (b, KV, t, D), jnp.float32)
+  k = k.at[..., :4].multiply(30.0)  # outlier channels, as real keys have (KIVI)
+  v = jax.random.normal(keys[2], (b, KV, t, D), jnp.float32)
+  if dtype == "bfloat16":
+    return q, k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
+  return q, quant.quantize(k, dtype), quant.quantize(v, dtype)
+
+
+def _exact(q, k, v):
+  """fp32 q and dequantized K / V: the reference's inputs without a rounding to bf16 (the
+  kernels keep 8-bit products exact in fp32, the reference's dequantize-to-q.dtype does not)."""
+  import jax.numpy as jnp
+  from pallas_kernels import quant
+  return q.astype(jnp.float32), quant.dequantize(k, jnp.float32), quant.dequantize(v, jnp.float32)
+
+
+def _err(got, want):
+  import numpy as np
+  return float(np.max(np.abs(np.asarray(got, np.float32) - np.asarray(want, np.float32))))
+
+
+def check_attention(backend):
+  import jax.numpy as jnp
+  from pallas_kernels import chunk_attention, flash_attention, gathered_attention
+  t, c = SIZES["check"], 64
+  recs = []
+  for dtype in DTYPES:
+    q, k, v = _inputs(1, 2, c, t, dtype)
+    off = jnp.asarray([t - c, (t - c) // 2])
+    ref = flash_attention(*_exact(q, k, v), causal=True, q_offset=off, kv_len=off + c,
+                          kv_layout="BHTD", backend="reference")
+    # 8-bit K/V take the Triton kernel on a GPU (flash._mosaic_config: the Mosaic path hung).
+    got = flash_attention(q, k, v, causal=True, q_offset=off, kv_len=off + c, kv_layout="BHTD",
+                          backend=backend, use_cudnn=False)
+    recs.append({"kernel": "prefill", "dtype": dtype, "out_err": _err(got[0], ref[0]),
+                 "lse_err": _err(got[1], ref[1])})
+    pos = jnp.asarray([t - 1, t // 3])
+    ref = flash_attention(*_exact(q[:, :1], k, v), causal=True, q_offset=pos, kv_len=pos + 1,
+                          kv_layout="BHTD", backend="reference")
+    got = flash_attention(q[:, :1], k, v, causal=True, q_offset=pos, kv_len=pos + 1,
+                          kv_layout="BHTD", backend=backend)
+    recs.append({"kernel": "decode", "dtype": dtype, "out_err": _err(got[0], ref[0]),
+                 "lse_err": _err(got[1], ref[1])})
+    _, kc, vc = _inputs(2, 2, c, c, "bfloat16")
+    kc, vc = jnp.swapaxes(kc, 1, 2), jnp.swapaxes(vc, 1, 2)
+    got = chunk_attention(q, k, v, kc, vc, off, kv_layout="BHTD", backend=backend)
+    ref = chunk_attention(*_exact(q, k, v), kc.astype(jnp.float32), vc.astype(jnp.float32), off,
+                          kv_layout="BHTD", backend="reference")
+    recs.append({"kernel": "chunk", "dtype": dtype, "out_err": _err(got[0], ref[0]),
+                 "lse_err": _err(got[1], ref[1])})
+    idx = jnp.broadcast_to(jnp.arange(0, t, 3)[None, None, :], (2, KV, -(-t // 3)))
+    valid = idx < jnp.asarray([t, t // 2])[:, None, None]
+    freqs = 1.0 / (10000.0 ** (jnp.arange(0, D, 2) / D))
+    kw = dict(kv_layout="BHTD", key_rope_freqs=freqs)
+    got = gathered_attention(q[:, :1], k, v, idx, valid, backend=backend, **kw)
+    ref = gathered_attention(*_exact(q[:, :1], k, v), idx, valid, backend="reference", **kw)
+    recs.append({"kernel": "gathered_rope", "dtype": dtype, "out_err": _err(got[0], ref[0]),
+                 "lse_err": _err(got[1], ref[1])})
+  return recs
+
+
+def check_topk(backend):
+  import jax.numpy as jnp
+  import numpy as np
+  from pallas_kernels import topk_scores
+  t = SIZES["check"] * 8
+  recs = []
+  for dtype in DTYPES:
+    for lq in (64, 1):
+      q, k, _ = _inputs(3, 2, lq, t, dtype)
+      kw = dict(valid_len=jnp.asarray([t, t - 777]), exclude_prefix=32, kv_layout="BHTD")
+      got = topk_scores(q, k, 4, backend=backend, **kw)
+      ref = topk_scores(q, k, 4, backend="reference", **kw)
+      same = np.asarray(got[1]) == np.asarray(ref[1])
+      recs.append({"kernel": f"topk_{'prefill' if lq > 1 else 'decode'}", "dtype": dtype,
+                   "indices_equal": float(np.mean(same)),
+                   "score_err_where_differing": _err(np.where(same, 0, got[0]),
+                                                     np.where(same, 0, ref[0]))})
+  return recs
+
+
+def _nbytes(*xs):
+  import jax
+  return sum(a.nbytes for x in xs for a in jax.tree.leaves(x))
+
+
+def time_decode(reps, bw):
+  import jax
+  import jax.numpy as jnp
+  from pallas_kernels import flash_attention, topk_scores
+  recs = []
+  for t in SIZES["decode"]:
+    for dtype in ("bfloat16",) + DTYPES:
+      q, k, v = _inputs(4, 1, 1, t, dtype)
+      pos = jnp.asarray([t - 1])
+      attn = jax.jit(lambda q, k, v: flash_attention(q, k, v, causal=True, q_offset=pos,
+                                                     kv_len=pos + 1, kv_layout="BHTD"))
+      med, _ = median_time(lambda: jax.block_until_ready(attn(q, k, v)), warmup=2, reps=reps)
+      read = _nbytes(k, v)
+      recs.append({"kernel": "decode_attention", "keys": t, "dtype": dtype, "ms": med * 1e3,
+                   "bytes": read, "gb_s": read / med / 1e9, "of_copy_bw": read / med / bw})
+      top = jax.jit(lambda q, k: topk_scores(q, k, 4, valid_len=pos + 1, kv_layout="BHTD",
+                                             scale=1.0))
+      med, _ = median_time(lambda: jax.block_until_ready(top(q, k)), warmup=2, reps=reps)
+      read = _nbytes(k)
+      recs.append({"kernel": "decode_topk4", "keys": t, "dtype": dtype, "ms": med * 1e3,
+                   "bytes": read, "gb_s": read / med / 1e9, "of_copy_bw": read / med / bw})
+      del q, k, v
+  return recs
+
+
+def time_decode_tiles(reps, bw):
+  """Decode attention over 8-bit K/V at 128K and 1M keys under tilings of the split-K kernel
+  (key tile, warps, stages): an 8-bit tile holds half a bf16 tile's bytes."""
+  import itertools
+
+  import jax
+  import jax.numpy as jnp
+  from pallas_kernels import flash_attention
+  from pallas_kernels.gpu import Tiling
+  recs = []
+  for t in SIZES["tile_keys"]:
+    for dtype in ("bfloat16", "int8"):
+      q, k, v = _inputs(8, 1, 1, t, dtype)
+      pos = jnp.asarray([t - 1])
+      read = _nbytes(k, v)
+      for bk, warps, stages in itertools.product((64, 128, 256, 512), (4, 8), (2, 3, 4)):
+        tl = Tiling(block_keys=bk, num_warps=warps, num_stages=stages)
+        fn = jax.jit(lambda q, k, v, tl=tl: flash_attention(
+            q, k, v, causal=True, q_offset=pos, kv_len=pos + 1, kv_layout="BHTD", tiling=tl))
+        try:
+          med, _ = median_time(lambda: jax.block_until_ready(fn(q, k, v)), warmup=2, reps=reps)
+        except Exception as e:  # noqa: BLE001 - a tiling that does not fit is a result
+          recs.append({"keys": t, "dtype": dtype, "block_keys": bk, "warps": warps,
+                       "stages": stages, "error": str(e)[:200]})
+          continue
+        recs.append({"keys": t, "dtype": dtype, "block_keys": bk, "warps": warps,
+                     "stages": stages, "ms": med * 1e3, "of_copy_bw": read / med / bw})
+      del q, k, v
+  return recs
+
+
+def time_prefill(reps):
+  import jax
+  import jax.numpy as jnp
+  from pallas_kernels import chunk_attention, topk_scores
+  recs = []
+  c = SIZES["chunk"]
+  for off in SIZES["offsets"]:
+    for dtype in ("bfloat16",) + DTYPES:
+      q, k, v = _inputs(5, 1, c, off + c, dtype)
+      _, kc, vc = _inputs(6, 1, c, c, "bfloat16")
+      kc, vc = jnp.swapaxes(kc, 1, 2), jnp.swapaxes(vc, 1, 2)
+      fn = jax.jit(lambda q, k, v, kc, vc: chunk_attention(q, k, v, kc, vc, jnp.asarray([off]),
+                                                           kv_layout="BHTD"))
+      med, _ = median_time(lambda: jax.block_until_ready(fn(q, k, v, kc, vc)), warmup=2,
+                           reps=reps)
+      flops = 4 * c * H * D * (off + c / 2)
+      recs.append({"kernel": "prefill_chunk", "offset": off, "dtype": dtype, "ms": med * 1e3,
+                   "tflops": flops / med / 1e12})
+  for t in SIZES["topk_keys"]:
+    for dtype in ("bfloat16",) + DTYPES:
+      q, k, _ = _inputs(7, 1, SIZES["topk_rows"], t, dtype)
+      fn = jax.jit(lambda q, k: topk_scores(q, k, 4, kv_layout="BHTD", scale=1.0))
+      med, _ = median_time(lambda: jax.block_until_ready(fn(q, k)), warmup=2, reps=reps)
+      recs.append({"kernel": "prefill_topk4", "keys": t, "dtype": dtype, "ms": med * 1e3,
+                   "tflops": 2 * SIZES["topk_rows"] * H * D * t / med / 1e12})
+  return recs
+
+
+def main() -> None:
+  p = argparse.ArgumentParser(description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--out", required=True)
+  p.add_argument("--reps", type=int, default=20)
+  p.add_argument("--only", default="", help="comma list of cases")
+  p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU, kernels interpreted")
+  args = p.parse_args()
+  backend = "auto"
+  if args.smoke:
+    global H, KV, D
+    H, KV, D = 4, 2, 16
+    SIZES.update(decode=(512,), chunk=64, offsets=(192,), topk_rows=64, topk_keys=(512,),
+                 tile_keys=(256,), check=100)
+    backend, args.reps = "gpu", 1
+  bw = 1.0 if args.smoke else copy_bandwidth()
+  cases = {"check_attention": lambda: check_attention(backend),
+           "check_topk": lambda: check_topk(backend),
+           "decode": lambda: time_decode(args.reps, bw), "prefill": lambda: time_prefill(args.reps),
+           "decode_tiles": lambda: time_decode_tiles(args.reps, bw)}
+  failed = run_cases_to_json(cases, args.out, {**device_facts(), "copy_bw": bw}, args.only)
+  sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,58 @@
+"""topk_scores over 8-bit keys (pallas_kernels.quant.Quantized) against the reference.
+
+The reference's definition: a key scores its scale times q . its values (q . dequantize(k)),
+fp32. Every variant reads the 8-bit values and the scales (GPU Triton kernel, decode's block
+path with its pick kernel, TPU kernel; interpreted here) and must select exactly the reference's
+indices, ties to the lowest index: the inputs are small integers and the scales powers of two,
+so every product is exact and equal scores are truly equal (many are, from only 11 key values).
+Holes (candidates cut by valid_len / exclude_prefix), a key count that is no multiple of the
+tile, GQA (2 query heads a KV head), both layouts, int8 and E4M3 (TPU: int8 only).
+"""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import quant, topk_scores
+from pallas_kernels.gpu import Tiling
+
+B, LQ, H, KV, T, D = 2, 3, 4, 2, 333, 16
+BOUNDS = dict(valid_len=jnp.asarray([300, 200]), exclude_prefix=7)
+
+
+def _inputs(dtype, seed=0):
+  rng = np.random.default_rng(seed)
+  q = jnp.asarray(rng.integers(-3, 4, (B, LQ, H, D)), jnp.float32)
+  values = jnp.asarray(rng.integers(-5, 6, (B, KV, T, D))).astype(dtype)
+  scale = jnp.asarray(2.0 ** rng.integers(-3, 3, (B, KV, T)), jnp.float32)
+  return q, quant.Quantized(values, scale)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "float8_e4m3fn"])
+def test_quantized_keys_select_what_the_reference_does(dtype):
+  q, k = _inputs(dtype)
+  want = topk_scores(q, k, 5, kv_layout="BHTD", backend="reference", **BOUNDS)
+  # the reference is q . dequantize(k): the same selection as the float keys
+  floats = topk_scores(q, k.dequantize(), 5, kv_layout="BHTD", backend="reference", **BOUNDS)
+  np.testing.assert_array_equal(floats[1], want[1])
+  runs = {"gpu": dict(backend="gpu"), "gpu_tiles": dict(backend="gpu", tiling=Tiling(block_keys=64))}
+  if dtype == "int8":
+    runs["tpu"] = dict(backend="tpu")
+  for name, kw in runs.items():
+    got = topk_scores(q, k, 5, kv_layout="BHTD", **BOUNDS, **kw)
+    np.testing.assert_array_equal(got[1], want[1], err_msg=f"{dtype} {name}")
+    np.testing.assert_array_equal(got[0], want[0], err_msg=f"{dtype} {name}")
+  # decode rows (the block maxima and the pick kernel), and keys [B, T, KV, d]
+  one = topk_scores(q[:, :1], k, 4, kv_layout="BHTD", backend="gpu", **BOUNDS)
+  np.testing.assert_array_equal(
+      one[1], topk_scores(q[:, :1], k, 4, kv_layout="BHTD", backend="reference", **BOUNDS)[1])
+  bthd = quant.per_row(lambda x: jnp.swapaxes(x, 1, 2), k)
+  got = topk_scores(q, bthd, 5, kv_layout="BTHD", backend="gpu", tiling=Tiling(block_keys=64),
+                    **BOUNDS)
+  np.testing.assert_array_equal(got[1], want[1])
+
+
+def test_fp8_keys_on_a_tpu_are_refused():
+  q, k = _inputs("float8_e4m3fn")
+  with pytest.raises(ValueError, match="int8"):
+    topk_scores(q, k, 5, kv_layout="BHTD", backend="tpu")
