@@ -166,21 +166,30 @@ class RulerTask:
     """RULER's sizing: the largest haystack whose prompt plus the tokens to generate fits in
     `length`. RULER searches once and steps each sample down by a fixed increment until it fits
     (up to 500 prose words); here each sample gets its own largest, never a shorter prompt."""
-    limit = length - self.tokens_to_generate
     count = self._count(tok, length, seed, chat)
-    cap = self.max_units(length)
-
-    def fits(n: int) -> bool:
-      return (cap is None or n <= cap) and count(n) <= limit
-
     lo = self.min_units(length)
-    if not fits(lo):
+    if count(lo) + self.tokens_to_generate > length:
       self.check_length(tok, length, chat)
-    n = largest_fitting(fits, lo, _reference_units(self, tok, length, chat))
+    n = self._largest(count, length, _reference_units(self, tok, length, chat), secants=1)
+    cap = self.max_units(length)
     if cap is not None and n == cap:
       raise TaskError(f"{self.name} at {length} tokens needs more than the {cap} distinct words "
                       f"of its word lists (RULER's own list is not offered); use a shorter length")
     return n
+
+  def _largest(self, count: Callable[[int], int], length: int, start: int, secants: int) -> int:
+    """The largest n whose count(n) leaves room for the tokens to generate, searched from where
+    secant steps through (min_units, start) land: each count is a whole prompt's encoding."""
+    limit, lo, cap = length - self.tokens_to_generate, self.min_units(length), self.max_units(length)
+    a, b = lo, max(start, lo + 1)
+    for _ in range(secants):
+      ca, cb = count(a), count(b)
+      if cb == ca or abs(limit - cb) < 4:
+        break
+      a, b = b, max(lo + 1, b + int((limit - cb) * (b - a) / (cb - ca)))
+      if cap is not None:
+        b = min(b, cap)
+    return largest_fitting(lambda n: (cap is None or n <= cap) and count(n) <= limit, lo, b)
 
   def make(self, tok, length: int, depth: float | None, seed: int, chat: bool = False) -> Sample:
     n = self.units(tok, length, seed, chat)
@@ -197,14 +206,9 @@ class RulerTask:
 @functools.lru_cache(maxsize=256)
 def _reference_units(task: RulerTask, tok, length: int, chat: bool) -> int:
   """The largest haystack for a reference draw (seed -1, which no sample has): where each
-  sample's search starts, a few encodes from its own largest."""
-  limit = length - task.tokens_to_generate
+  sample's search starts, one secant step and a few encodes from its own largest."""
   count = task._count(tok, length, -1, chat)
   lo = task.min_units(length)
-  probe = lo + 64
-  per_unit = max((count(probe) - count(lo)) / (probe - lo), 1e-3)
-  guess = max(lo, lo + int((limit - count(lo)) / per_unit))
-  cap = task.max_units(length)
-  if count(lo) > limit:
+  if count(lo) + task.tokens_to_generate > length:
     return lo
-  return largest_fitting(lambda n: (cap is None or n <= cap) and count(n) <= limit, lo, guess)
+  return task._largest(count, length, lo + 64, secants=4)
