@@ -8,8 +8,9 @@ import pytest
 
 from jax_longctx.app import tasks
 from jax_longctx.app.tasks import TaskError
+from jax_longctx.app.report import summary_table
 from jax_longctx.app.tasks import ruler_suite
-from jax_longctx.app.tasks.ruler import string_match_all
+from jax_longctx.app.tasks.ruler import LEFT_OUT_NOTE, string_match_all
 
 # Each RULER template's opening and answer prefix, typed from RULER's
 # scripts/data/synthetic/constants.py (not read from the module under test).
@@ -65,6 +66,12 @@ def test_prompts_hold_rulers_wording_and_fill_the_length_as_ruler_sizes_it(tok, 
     assert s.prompt != task.make(tok, length, None, seed=4, chat=chat).prompt
     opening, prefix = _wording(task, s)
     assert opening in s.prompt and s.prompt.endswith(prefix), name
+    template = task.template
+    if task.kind == "niah":  # the rest of the template, each piece between its fields
+      one = task.num_q * task.num_v == 1
+      template = (template.replace("Some", "A").replace("are all", "is").replace("are", "is")
+                  if one else template).replace("{type_needle_v}", task.type_v[:-1 if one else None])
+    assert all(piece in s.prompt for piece in re.split(r"\{\w+\}", template)), name
     if chat:  # the answer prefix after the chat template, as RULER's prepare.py puts it
       assert s.prompt.rindex("<|im_start|>assistant\n") + len("<|im_start|>assistant\n") == (
           len(s.prompt) - len(prefix))
@@ -147,3 +154,14 @@ def test_bad_ruler_input(tok):
     tasks.get("ruler:vt").make(tok, 600, None, 0)
   with pytest.raises(TaskError, match="RULER tasks take only max_new_tokens"):
     tasks.get("ruler:cwe", freq_cw=5)
+
+
+def test_ruler_table_averages_the_tasks_and_counts_each_cell():
+  """RULER's average is the mean of the tasks' scores, not of the samples pooled."""
+  recs = [dict(task=f"ruler:{t}", method="full", length=4096, depth=None, seed=i, score=s)
+          for t, scores in (("cwe", [0.0]), ("vt", [1.0, 1.0])) for i, s in enumerate(scores)]
+  table = summary_table(recs)
+  assert LEFT_OUT_NOTE in table
+  rows = table[table.index("| task | 4K |"):].splitlines()
+  assert rows[2:5] == ["| vt | 100.0 (n=2) |", "| cwe | 0.0 (n=1) |",
+                       "| **average** | **50.0** (2 tasks, n=3) |"]
