@@ -23,11 +23,11 @@ records kept. Run a part again until it prints "complete". After each call copy 
 docs/results/ruler/ (every file of a part's directory: results.jsonl, summary.md, plots).
 
 Environment: MODEL (qwen2.5-coder-1.5b), OUT (docs/results/ruler), SEED_FROM (docs/results/ruler),
-SAMPLES (50), PRESS_SAMPLES (20), LONG_SAMPLES (10), DTYPE (bfloat16), DEADLINE (540), CALL_BUDGET (510: the
-estimated seconds one part and one planned call may take). JAX_COMPILATION_CACHE_DIR defaults to
-/tmp/jax_ruler_cache, so later calls on a warm machine reuse compiled programs (set it empty for
-none). Progress: a line per part before and after ("[ruler] PART: done/total ..."), the eval's
-progress bar in between (tqdm, where installed).
+SAMPLES (50), PRESS_SAMPLES (20), LONG_SAMPLES (10), DTYPE (bfloat16), DEADLINE (540), CALL_BUDGET
+(510: the estimated seconds one part and one planned call may take). JAX_COMPILATION_CACHE_DIR
+defaults to /tmp/jax_ruler_cache, so later calls on a warm machine reuse compiled programs (set
+it empty for none). Progress: a line per part before and after ("[ruler] PART: done/total
+..."), the eval's progress bar in between (tqdm, where installed).
 
 Estimates (seconds, one H100 / H200): per sample, max(device, host). Device: prefill by method
 and length plus the answer's tokens at ~5 ms each (RefreshKV ~12, ReAttention ~6), from the

@@ -69,8 +69,9 @@ def test_prompts_hold_rulers_wording_and_fill_the_length_as_ruler_sizes_it(tok, 
     template = task.template
     if task.kind == "niah":  # the rest of the template, each piece between its fields
       one = task.num_q * task.num_v == 1
-      template = (template.replace("Some", "A").replace("are all", "is").replace("are", "is")
-                  if one else template).replace("{type_needle_v}", task.type_v[:-1 if one else None])
+      if one:
+        template = template.replace("Some", "A").replace("are all", "is").replace("are", "is")
+      template = template.replace("{type_needle_v}", task.type_v[:-1] if one else task.type_v)
     assert all(piece in s.prompt for piece in re.split(r"\{\w+\}", template)), name
     if chat:  # the answer prefix after the chat template, as RULER's prepare.py puts it
       assert s.prompt.rindex("<|im_start|>assistant\n") + len("<|im_start|>assistant\n") == (

@@ -1,6 +1,6 @@
-"""RULER's synthetic tasks as RULER defines them (Hsieh et al. 2024, arXiv:2404.06654; NVIDIA/RULER).
+"""RULER's synthetic tasks as RULER defines them (Hsieh et al. 2024, arXiv:2404.06654).
 
-The 11 tasks of RULER's `scripts/synthetic.yaml` with its templates and answer prefixes
+The 11 tasks of NVIDIA/RULER's `scripts/synthetic.yaml` with its templates and answer prefixes
 (`scripts/data/synthetic/constants.py`), its needles, counts and tokens to generate, its haystack
 sizing (the largest haystack whose prompt, chat template and answer prefix included, leaves room
 for the tokens to generate within the length, counted in the model's tokens) and its score
@@ -180,7 +180,8 @@ class RulerTask:
   def _largest(self, count: Callable[[int], int], length: int, start: int, secants: int) -> int:
     """The largest n whose count(n) leaves room for the tokens to generate, searched from where
     secant steps through (min_units, start) land: each count is a whole prompt's encoding."""
-    limit, lo, cap = length - self.tokens_to_generate, self.min_units(length), self.max_units(length)
+    limit = length - self.tokens_to_generate
+    lo, cap = self.min_units(length), self.max_units(length)
     a, b = lo, max(start, lo + 1)
     for _ in range(secants):
       ca, cb = count(a), count(b)

@@ -1,4 +1,5 @@
-"""RULER's needle-in-a-haystack tasks (NVIDIA/RULER scripts/data/synthetic/niah.py, read, not copied).
+"""RULER's needle-in-a-haystack tasks (NVIDIA/RULER scripts/data/synthetic/niah.py, read, not
+copied).
 
 Needles "One of the special magic {numbers|uuids} for {key} is: {value}." with keys drawn from
 RULER's words (an adjective and a noun of wonderwords' lists, joined by "-"), 7-digit numbers or
@@ -44,7 +45,7 @@ def essay_words() -> tuple[str, ...]:
 
 
 def split_sentences(text: str) -> list[str]:
-  """Sentences at '.', '!' or '?' before whitespace (RULER uses nltk's Punkt, not installed here)."""
+  """Sentences at '.', '!' or '?' before whitespace (RULER's nltk Punkt is not installed here)."""
   return [s for s in re.split(r"(?<=[.!?])\s+", text) if s]
 
 
