@@ -51,7 +51,11 @@ def _wheels() -> list[str]:
   import importlib.metadata
   out = []
   for dist in DEVICE_WHEELS:
-    version = importlib.metadata.version(dist)
+    try:
+      version = importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:  # its wheel is built from what is installed
+      sys.exit(f"{dist} is not installed here, and its wheel goes to the device: "
+               f"pip install --no-deps {dist}")
     found = glob.glob(os.path.join(ROOT, CARRY, f"{dist}-{version}-*.whl"))
     if not found:
       subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w",
@@ -68,12 +72,12 @@ def split(name: str, piece_bytes: int, env: str) -> None:
   size = os.path.getsize(src)
   count = -(-size // piece_bytes)
   os.makedirs(os.path.join(ROOT, CARRY), exist_ok=True)
+  wheels = _wheels()  # first: a missing package stops here, before the pieces are cut
   pieces = _piece_names(name, count)
   with open(src, "rb") as f:
     for piece in pieces:
       with open(os.path.join(ROOT, piece), "wb") as out:
         out.write(f.read(piece_bytes))
-  wheels = _wheels()
   print(f"# {name}: {size} bytes in {count} pieces of <= {piece_bytes} bytes under {CARRY}/")
   print("# one device call each, back to back (carry = the `carry` argument of the call):")
   for k, piece in enumerate(pieces[:-1]):

@@ -72,6 +72,7 @@ def _cmd_export(args) -> int:
 def _cmd_eval(args) -> int:
   from jax_longctx.app import eval as eval_lib
   from jax_longctx.app.api import load
+  from jax_longctx.app import tasks as tasks_lib
   from jax_longctx.app.report import summary_table
   from jax_longctx.app.tasks import parse_length
 
@@ -80,13 +81,16 @@ def _cmd_eval(args) -> int:
   kv_dtypes = [x.strip() for x in args.kv_dtype.split(",") if x.strip()] if args.kv_dtype else []
   for kv in kv_dtypes:
     RunOptions(kv_dtype=kv)  # a bad name is one line, before the model loads
+  specs = eval_lib.MethodSpec.parse(args.methods, args.method_arg)
   specs = eval_lib.MethodSpec.per_kv_dtype(
-      eval_lib.MethodSpec.parse(args.methods, args.method_arg), kv_dtypes)
+      eval_lib.MethodSpec.at_points(specs, _budget_points(args)), kv_dtypes)
   lengths = [parse_length(x) for x in args.lengths.split(",")]
   depths = [float(x) for x in args.depths.split(",")]
   if any(not 0 <= d <= 1 for d in depths):
     raise ValueError(f"--depths must lie in [0, 1], got {depths}")
   options = methods_lib.parse_method_args(args.task_arg)
+  for name in tasks_lib.expand(args.task):  # a bad task or option fails before the model loads
+    tasks_lib.get(name, **options)
   if args.coordinator:
     _join(args.coordinator, args.num_processes, args.process_id)
   lm = load(args.model, dtype=args.dtype, serving=True, mesh=args.mesh)
@@ -97,6 +101,24 @@ def _cmd_eval(args) -> int:
   print(summary_table(records))
   print(f"results in {args.out}")
   return 0
+
+
+def _budget_points(args) -> list:
+  """--compression-ratios / --budgets as the sweep's points (none: no compression sweep)."""
+  from jax_longctx.app.eval import BudgetPoint
+
+  if args.compression_ratios is None and args.budgets is None:
+    return []
+  if any(a.partition("=")[0].rpartition(".")[2] == "budget" for a in args.method_arg):
+    raise ValueError("--compression-ratios / --budgets set every method's budget; drop budget "
+                     "from --method-arg")
+  if args.budgets is not None:
+    items = [x.strip() for x in args.budgets.split(",") if x.strip()]
+    if not all(x.isdigit() for x in items):
+      raise ValueError(f"--budgets takes kept tokens as integers, e.g. 512,1024, got "
+                       f"{args.budgets!r} (ratios go to --compression-ratios)")
+    return [BudgetPoint(tokens=int(x)) for x in items]
+  return [BudgetPoint(ratio=r) for r in _floats(args.compression_ratios, "--compression-ratios")]
 
 
 def _floats(text: str, option: str) -> list[float]:
@@ -175,13 +197,21 @@ def build_parser() -> argparse.ArgumentParser:
   ev.add_argument("--model", default="default", help=_MODEL_HELP)
   ev.add_argument("--task", required=True,
                   help="passkey, niah_single, niah_single_text, niah_multikey, niah_multivalue, "
-                       "niah_multiquery, chain_of_key, ppl")
+                       "niah_multiquery, chain_of_key, ppl; ruler (RULER's 11 synthetic tasks, "
+                       "docs/EVAL.md) or ruler:TASK,TASK (some of them, e.g. ruler:vt,cwe)")
   ev.add_argument("--task-arg", action="append", default=[], metavar="KEY=VALUE",
                   help="a task option, e.g. value_type=uuid, chain=5, n_scored=128")
   ev.add_argument("--methods", default="full", help="comma-separated method names")
   ev.add_argument("--method-arg", action="append", default=[], metavar="[METHOD.]KEY=VALUE",
                   help="METHOD.KEY=VALUE for one method, KEY=VALUE for every method but full")
   ev.add_argument("--lengths", default="4k", help="prompt lengths in tokens, e.g. 4k,8k")
+  points = ev.add_mutually_exclusive_group()
+  points.add_argument("--compression-ratios", default=None, metavar="R,R,...",
+                      help="a compression sweep (kvpress's plot): each method with a budget at "
+                           "each ratio, kept tokens = (1 - R) x length; full runs once as the "
+                           "baseline; e.g. 0.25,0.5,0.75")
+  points.add_argument("--budgets", default=None, metavar="TOKENS,...",
+                      help="a compression sweep at kept-token budgets, e.g. 512,1024,2048")
   ev.add_argument("--depths", default="0.1,0.3,0.5,0.7,0.9", help="needle depths in [0, 1]")
   ev.add_argument("--samples", type=int, default=20, help="samples per method and length")
   ev.add_argument("--out", required=True, help="directory for results.jsonl, summary.md, plots")

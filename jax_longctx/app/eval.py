@@ -3,6 +3,12 @@
     jax-longctx eval --model default --task passkey --methods full,snapkv --lengths 4k,8k \
         --samples 20 --depths 0.1,0.5,0.9 --out DIR --method-arg snapkv.budget=256
 
+RULER (`--task ruler`, or `ruler:vt,cwe`) runs its tasks one after the other into one DIR. A
+compression sweep runs every method with a budget at each point, full attention once:
+
+    jax-longctx eval --task ruler --lengths 4k --methods full,snapkv,tova \
+        --compression-ratios 0.25,0.5,0.75 --out DIR
+
 DIR/results.jsonl gets one line per finished sample (appended and synced as it goes, so an
 interrupted sweep resumes where it stopped; a record that the interruption cut short is run
 again); DIR/summary.md and DIR/*.png are rewritten at the end.
@@ -36,9 +42,44 @@ class EvalError(LongctxError, ValueError):
 
 
 @dataclasses.dataclass(frozen=True)
+class BudgetPoint:
+  """One point of a compression sweep: a compression ratio as kvpress defines it (the share of
+  the tokens a method drops: 1 - kept / length, the length being the sweep's, which RULER's
+  prompts fill less their tokens to generate) or a number of kept tokens. Either becomes the
+  method's `budget` in tokens (an int: a float budget would be a fraction of the cache)."""
+  ratio: float | None = None
+  tokens: int | None = None
+
+  def __post_init__(self):
+    if (self.ratio is None) == (self.tokens is None):
+      raise EvalError("a budget point is a compression ratio or a number of tokens")
+    if self.ratio is not None and not 0 <= self.ratio < 1:
+      raise EvalError(f"a compression ratio lies in [0, 1), got {self.ratio}")
+    if self.tokens is not None and self.tokens < 1:
+      raise EvalError(f"a budget of kept tokens is at least 1, got {self.tokens}")
+
+  @property
+  def tag(self) -> str:
+    return f"cr{self.ratio:g}" if self.ratio is not None else f"{self.tokens}tok"
+
+  def kept(self, length: int) -> int:
+    return self.tokens if self.tokens is not None else max(1, round((1 - self.ratio) * length))
+
+  def fields(self, length: int, n_tokens: int) -> dict:
+    """What a record of this point carries: the nominal ratio, the kept tokens, and the share
+    of this sample's prompt dropped."""
+    kept = self.kept(length)
+    return {"compression_ratio": self.ratio if self.ratio is not None else 1 - kept / length,
+            "budget_tokens": kept,
+            "prompt_compression": round(1 - min(kept, n_tokens) / n_tokens, 4)}
+
+
+@dataclasses.dataclass(frozen=True)
 class MethodSpec:
   label: str  # the name shown in tables
   method: Any
+  point: BudgetPoint | None = None  # a compression sweep's: label = f"{base}@{point.tag}"
+  base: str = ""  # the label without the point
   kv_dtype: str | None = None  # how its cache is stored (None: the run's; RunOptions.kv_dtype)
 
   @staticmethod
@@ -46,8 +87,32 @@ class MethodSpec:
     """Each spec once per cache dtype; with several, the dtype joins the label ("full int8")."""
     if len(kv_dtypes) <= 1:
       return [dataclasses.replace(s, kv_dtype=(kv_dtypes or [None])[0]) for s in specs]
-    return [dataclasses.replace(s, label=f"{s.label} {kv}", kv_dtype=kv)
+    return [dataclasses.replace(s, label=f"{s.label} {kv}", kv_dtype=kv,
+                                base=s.base and f"{s.base} {kv}")
             for s in specs for kv in kv_dtypes]
+
+  def at(self, length: int) -> "MethodSpec":
+    """The spec as it runs at `length`: a point's budget in tokens."""
+    if self.point is None:
+      return self
+    return dataclasses.replace(
+        self, method=dataclasses.replace(self.method, budget=self.point.kept(length)))
+
+  @classmethod
+  def at_points(cls, specs: list["MethodSpec"], points: list[BudgetPoint]) -> list["MethodSpec"]:
+    """Every method with a budget at every point; full attention once, the baseline."""
+    if not points:
+      return specs
+    out = []
+    for s in specs:
+      if s.method == methods_lib.get("full"):
+        out.append(s)
+      elif "budget" in s.method.hparams():
+        out += [cls(f"{s.label}@{p.tag}", s.method, point=p, base=s.label) for p in points]
+      else:
+        raise EvalError(f"{s.label} ({s.method.name}) has no budget to sweep; a compression sweep "
+                        f"runs methods with a budget, and full as the baseline")
+    return out
 
   @classmethod
   def parse(cls, names: str, method_args: list[str] | None) -> list["MethodSpec"]:
@@ -197,7 +262,13 @@ def run_sweep(lm, task_name: str, specs: list[MethodSpec], lengths: list[int],
               depths: list[float], samples: int, out_dir: str, *, chat: bool = False,
               options: RunOptions = DEFAULT, task_options: dict | None = None,
               cache_len: int | None = None) -> list[dict]:
-  task = tasks_lib.get(task_name, **(task_options or {}))
+  """task_name: one task, or several (`tasks.expand`: "ruler", "ruler:vt,cwe"), run one after
+  the other into the same results. specs: `MethodSpec.at_points` for a compression sweep."""
+  task_list = [tasks_lib.get(n, **(task_options or {})) for n in tasks_lib.expand(task_name)]
+  for task in task_list:  # a length too short for a task fails here, before anything runs
+    for length in lengths:
+      if hasattr(task, "check_length"):
+        task.check_length(lm.tokenizer, length, chat)
   # Settings a method leaves to the model (RefreshKV's calibrated threshold) filled in, so each
   # record's hparams show what ran.
   specs = [dataclasses.replace(s, method=lm.resolve_method(s.method)) for s in specs]
@@ -206,13 +277,23 @@ def run_sweep(lm, task_name: str, specs: list[MethodSpec], lengths: list[int],
   writer = jax.process_index() == 0
   done = load_results(out_dir, repair=writer)
   seen = {_key(r) for r in done}
-  todo = [p for p in plan(task, specs, lengths, depths, samples)
-          if (task.name, p[0].label, p[1], p[2], p[3]) not in seen]
-  for (spec, length, depth, seed), sample in progress(
-      made_ahead(task, lm.tokenizer, todo, chat), total=len(todo), desc=f"{task.name} sweep"):
+  runs = [(task, [p for length in lengths
+                  for p in plan(task, [s.at(length) for s in specs], [length], depths, samples)
+                  if (task.name, p[0].label, p[1], p[2], p[3]) not in seen])
+          for task in task_list]
+
+  def samples_in_turn():
+    for task, todo in runs:
+      for entry, sample in made_ahead(task, lm.tokenizer, todo, chat):
+        yield task, entry, sample
+
+  for task, (spec, length, depth, seed), sample in progress(
+      samples_in_turn(), total=sum(len(todo) for _, todo in runs), desc=f"{task_name} sweep"):
     rec = {"task": task.name, "method": spec.label, "hparams": spec.method.hparams(),
            "length": length, "depth": depth, "seed": seed, "n_tokens": sample.n_tokens,
            "chat": chat, "kv_dtype": spec.kv_dtype or options.kv_dtype or lm.config.dtype}
+    if spec.point is not None:
+      rec.update(base_method=spec.base, **spec.point.fields(length, sample.n_tokens))
     rec.update(run_sample(lm, task, spec, sample, options, cache_len))
     rec["peak_bytes"] = _peak_bytes()
     if writer:

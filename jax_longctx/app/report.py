@@ -9,25 +9,36 @@ import os
 import numpy as np
 
 from jax_longctx.app.gap_stats import LEVEL, RESAMPLES, nll_by_seed, paired_gap, pooled_ppl
+from jax_longctx.app.tasks.ruler import LEFT_OUT_NOTE, PREFIX as RULER
+from jax_longctx.app.tasks.ruler_suite import NAMES as RULER_TASKS
 
 
 def _mean(xs):
   return sum(xs) / len(xs) if xs else float("nan")
 
 
+def _len(n: int) -> str:
+  return f"{n // 1024}K" if n % 1024 == 0 else str(n)
+
+
+def _methods(labels) -> list[str]:
+  return sorted(labels, key=lambda m: (m != "full", m))
+
+
 def summary_table(records: list[dict], baselines: list[str] | None = None) -> str:
-  """Markdown: mean score per method x length (perplexity for ppl, accuracy in % otherwise)."""
+  """Markdown: mean score per method x length (perplexity for ppl, accuracy in % otherwise);
+  RULER's tables (tasks x lengths per method, and their average); score by compression ratio."""
   by = collections.defaultdict(list)
   for r in records:
-    by[(r["task"], r["method"], r["length"])].append(r["score"])
-  out = []
+    if not r["task"].startswith(RULER):
+      by[(r["task"], r["method"], r["length"])].append(r["score"])
+  out = ruler_tables(records) + compression_tables(records)
   for task in sorted({k[0] for k in by}):
-    methods = sorted({k[1] for k in by if k[0] == task}, key=lambda m: (m != "full", m))
+    methods = _methods({k[1] for k in by if k[0] == task})
     lengths = sorted({k[2] for k in by if k[0] == task})
     unit = "perplexity" if task == "ppl" else "score %"
     out.append(f"### {task} ({unit}, mean over samples; n = samples per cell)\n")
-    out.append("| method | " + " | ".join(f"{n // 1024}K" if n % 1024 == 0 else str(n)
-                                          for n in lengths) + " |")
+    out.append("| method | " + " | ".join(_len(n) for n in lengths) + " |")
     out.append("|---" * (len(lengths) + 1) + "|")
     for m in methods:
       cells = []
@@ -42,6 +53,86 @@ def summary_table(records: list[dict], baselines: list[str] | None = None) -> st
       out.append(f"| {m} | " + " | ".join(cells) + " |")
     out.append("")
   return "\n".join(out + _gap_table(records, baselines) + _stride_table(records))
+
+
+def suite_scores(records: list[dict]) -> dict[tuple, tuple[float, int, int]]:
+  """(suite, method, length) -> (score, samples, tasks). RULER's suite scores the average of its
+  tasks' mean scores (RULER's average), every other task alone; in % (perplexity for ppl)."""
+  by = collections.defaultdict(list)
+  for r in records:
+    by[(r["task"], r["method"], r["length"])].append(r["score"])
+  groups = collections.defaultdict(list)
+  for (task, m, n), xs in by.items():
+    scale = 1 if task == "ppl" else 100
+    groups[("ruler" if task.startswith(RULER) else task, m, n)].append((scale * _mean(xs), len(xs)))
+  return {k: (_mean([s for s, _ in v]), sum(c for _, c in v), len(v)) for k, v in groups.items()}
+
+
+def ruler_tables(records: list[dict]) -> list[str]:
+  """RULER's table per method: its tasks as rows, lengths as columns, the average row (RULER's:
+  the mean of the tasks' scores); each cell's samples, and the note on what differs from RULER."""
+  by = collections.defaultdict(list)
+  for r in records:
+    if r["task"].startswith(RULER):
+      by[(r["task"][len(RULER):], r["method"], r["length"])].append(r["score"])
+  if not by:
+    return []
+  out = [f"{LEFT_OUT_NOTE}\n"]
+  scores = suite_scores(records)
+  for m in _methods({k[1] for k in by}):
+    lengths = sorted({k[2] for k in by if k[1] == m})
+    out.append(f"### RULER: {m} (score %, string_match_all; n = samples per cell)\n")
+    out.append("| task | " + " | ".join(_len(n) for n in lengths) + " |")
+    out.append("|---" * (len(lengths) + 1) + "|")
+    for t in [t for t in RULER_TASKS if any(k[0] == t and k[1] == m for k in by)]:
+      cells = [f"{100 * _mean(xs):.1f} (n={len(xs)})" if (xs := by.get((t, m, n))) else "-"
+               for n in lengths]
+      out.append(f"| {t} | " + " | ".join(cells) + " |")
+    avg = [scores[("ruler", m, n)] for n in lengths]
+    out.append("| **average** | " + " | ".join(f"**{s:.1f}** ({k} tasks, n={c})"
+                                                for s, c, k in avg) + " |")
+    out.append("")
+  return out
+
+
+def _compression_points(records: list[dict]) -> dict[tuple, dict]:
+  """(suite, length) -> {base method: {compression ratio: label}} of a compression sweep."""
+  points: dict[tuple, dict] = collections.defaultdict(lambda: collections.defaultdict(dict))
+  for r in records:
+    if r.get("compression_ratio") is not None:
+      suite = "ruler" if r["task"].startswith(RULER) else r["task"]
+      points[(suite, r["length"])][r["base_method"]][round(r["compression_ratio"], 4)] = r["method"]
+  return points
+
+
+def compression_tables(records: list[dict]) -> list[str]:
+  """Per suite and length: each method's score at each compression ratio, full attention's
+  beside them (the numbers of kvpress's plot)."""
+  scores = suite_scores(records)
+  out = []
+  for (suite, n), bases in sorted(_compression_points(records).items()):
+    ratios = sorted({cr for by_cr in bases.values() for cr in by_cr})
+    full = scores.get((suite, "full", n))
+    what = "the average of RULER's tasks" if suite == "ruler" else "mean over samples"
+    out.append(f"### {suite} at {_len(n)} by compression ratio (score %, {what}; ratio = 1 - "
+               f"kept tokens / {n}, kvpress's compression_ratio; n = samples)\n")
+    out.append("full attention: " + (f"{full[0]:.1f} (n={full[1]})" if full else "not run") + "\n")
+    out.append("| method | " + " | ".join(f"{cr:g}" for cr in ratios) + " |")
+    out.append("|---" * (len(ratios) + 1) + "|")
+    for b in sorted(bases):
+      cells = [f"{sc[0]:.1f} (n={sc[1]})" if (sc := scores.get((suite, bases[b].get(cr), n)))
+               else "-" for cr in ratios]
+      out.append(f"| {b} | " + " | ".join(cells) + " |")
+    # The prompts are shorter than the length (RULER leaves room for the answer): what they lost.
+    dropped = collections.defaultdict(list)
+    for r in records:
+      if r.get("compression_ratio") is not None and r["length"] == n and (
+          suite == ("ruler" if r["task"].startswith(RULER) else r["task"])):
+        dropped[round(r["compression_ratio"], 4)].append(r["prompt_compression"])
+    out.append("| share of the prompt dropped (mean) | " + " | ".join(
+        f"{_mean(dropped[cr]):.3f}" for cr in ratios) + " |")
+    out.append("")
+  return out
 
 
 def stride_counts(records: list[dict]) -> dict[tuple, tuple[np.ndarray, float]]:
@@ -138,8 +229,8 @@ def write_plots(records: list[dict], out_dir: str) -> list[str]:
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  written = []
-  for task in sorted({r["task"] for r in records}):
+  written = _suite_plots(records, out_dir, plt)
+  for task in sorted({r["task"] for r in records if not r["task"].startswith(RULER)}):
     rs = [r for r in records if r["task"] == task]
     methods = sorted({r["method"] for r in rs}, key=lambda m: (m != "full", m))
     lengths = sorted({r["length"] for r in rs})
@@ -153,11 +244,7 @@ def write_plots(records: list[dict], out_dir: str) -> list[str]:
     ax.set_ylabel("perplexity" if task == "ppl" else "score (%)")
     ax.set_title(task)
     ax.legend()
-    path = os.path.join(out_dir, f"{task}_by_length.png")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    written.append(path)
+    written.append(_save(fig, os.path.join(out_dir, f"{task}_by_length.png"), plt))
     depths = sorted({r["depth"] for r in rs if r["depth"] is not None})
     if depths:
       fig, axes = plt.subplots(1, len(methods), figsize=(3.2 * len(methods), 3), squeeze=False)
@@ -173,11 +260,7 @@ def write_plots(records: list[dict], out_dir: str) -> list[str]:
         ax.set_title(m)
         ax.set_xlabel("length")
       axes[0][0].set_ylabel("needle depth")
-      path = os.path.join(out_dir, f"{task}_depth_heatmap.png")
-      fig.tight_layout()
-      fig.savefig(path, dpi=100)
-      plt.close(fig)
-      written.append(path)
+      written.append(_save(fig, os.path.join(out_dir, f"{task}_depth_heatmap.png"), plt))
   curves, bins = _ppl_ratio_curves(records)
   if curves:
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -187,11 +270,48 @@ def write_plots(records: list[dict], out_dir: str) -> list[str]:
     ax.set_xlabel("fraction of the scored tokens")
     ax.set_ylabel("perplexity / full attention's")
     ax.legend()
-    path = os.path.join(out_dir, "ppl_ratio_by_position.png")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    written.append(path)
+    written.append(_save(fig, os.path.join(out_dir, "ppl_ratio_by_position.png"), plt))
+  return written
+
+
+def _save(fig, path: str, plt) -> str:
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+  return path
+
+
+def _suite_plots(records: list[dict], out_dir: str, plt) -> list[str]:
+  """ruler_by_length.png (RULER's average per method by length) and, for a compression sweep,
+  compression_<suite>_<length>.png: the score against the compression ratio, a line per method,
+  full attention a horizontal line (kvpress's plot)."""
+  scores = suite_scores(records)
+  written = []
+  labels = _methods({m for (suite, m, _) in scores if suite == "ruler"})
+  if labels:
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for m in labels:
+      xs = sorted(n for (suite, mm, n) in scores if suite == "ruler" and mm == m)
+      ax.plot(xs, [scores[("ruler", m, n)][0] for n in xs], marker="o", label=m)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("RULER average (%)")
+    ax.legend(fontsize="small")
+    written.append(_save(fig, os.path.join(out_dir, "ruler_by_length.png"), plt))
+  for (suite, n), bases in sorted(_compression_points(records).items()):
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for b in sorted(bases):
+      crs = sorted(cr for cr in bases[b] if (suite, bases[b][cr], n) in scores)
+      ax.plot(crs, [scores[(suite, bases[b][cr], n)][0] for cr in crs], marker="o", label=b)
+    if (suite, "full", n) in scores:
+      ax.axhline(scores[(suite, "full", n)][0], color="black", ls="--", lw=1, label="full")
+    if suite != "ppl":
+      ax.set_ylim(-2, 102)
+    ax.set_xlabel("compression ratio (1 - kept / length)")
+    ax.set_ylabel({"ruler": "RULER average (%)", "ppl": "perplexity"}.get(suite, f"{suite} (%)"))
+    ax.set_title(f"{suite} at {_len(n)}")
+    ax.legend(fontsize="small")
+    written.append(_save(fig, os.path.join(out_dir, f"compression_{suite}_{_len(n)}.png"), plt))
   return written
 
 

