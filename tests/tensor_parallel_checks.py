@@ -259,8 +259,12 @@ def fused():
     placed = place(params, cfg, opts.mesh)
     docs = _prompts(cfg, (13, 21), seed=6)
     plain = generate(placed, cfg, docs, get("full"), max_new_tokens=5, options=opts)
-    both = generate(fuse_placed(placed, opts.mesh), cfg, docs, get("full"), max_new_tokens=5,
-                    options=opts)
+    fused_placed = fuse_placed(placed, opts.mesh)
+    layer, was = next(iter(fused_placed["layers"].values())), next(iter(placed["layers"].values()))
+    # only the fused weights are new buffers (a copy of the rest once held two models at once)
+    assert layer["attn"]["o_proj"] is was["attn"]["o_proj"], mesh
+    assert layer["mlp"]["down_proj"] is was["mlp"]["down_proj"], mesh
+    both = generate(fused_placed, cfg, docs, get("full"), max_new_tokens=5, options=opts)
     one = generate(fuse_projections(params), cfg, docs, get("full"), max_new_tokens=5)
     assert plain.tokens == both.tokens == one.tokens, mesh
 
