@@ -265,6 +265,10 @@ def fused():
     assert layer["attn"]["o_proj"] is was["attn"]["o_proj"], mesh
     assert layer["mlp"]["down_proj"] is was["mlp"]["down_proj"], mesh
     both = generate(fused_placed, cfg, docs, get("full"), max_new_tokens=5, options=opts)
+    again = place(params, cfg, opts.mesh)  # consumed as serving_params does on a GPU: the
+    consumed = fuse_placed(again, opts.mesh, consume=True)  # parts freed, the same weights
+    assert next(iter(again["layers"].values()))["attn"]["q_proj"].is_deleted(), mesh
+    jax.tree.map(np.testing.assert_array_equal, consumed, fused_placed)
     one = generate(fuse_projections(params), cfg, docs, get("full"), max_new_tokens=5)
     assert plain.tokens == both.tokens == one.tokens, mesh
 

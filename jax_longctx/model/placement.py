@@ -167,24 +167,27 @@ def serving_params(params, mesh=None):
   """The layout generation runs fastest on: fused projections on NVIDIA GPUs (H200, 8B shape,
   batch-1 decode at 32K: 5.88 -> 5.70 ms, benchmarks/decode_profile.py), as given elsewhere
   (unmeasured on TPU; on CPU the tests compare both layouts). With a mesh: params already
-  `place`d, fused by `fuse_placed`."""
+  `place`d. On a GPU the input is consumed: each layer's q/k/v and gate/up buffers are freed
+  once their fused weights are made, so fusing holds one layer twice, not every projection
+  (the 8B shape, input kept: a 25.2 GB peak for 16.1 GB of weights, before any step)."""
   if jax.default_backend() != "gpu":
     return params
-  return fuse_projections(params) if mesh is None else fuse_placed(params, mesh)
+  return fuse_placed(params, mesh, consume=True)
 
 
 _FUSED_PARTS = {"attn": ("q_proj", "k_proj", "v_proj"), "mlp": ("gate_proj", "up_proj")}
 
 
-def fuse_placed(params, mesh):
-  """`fuse_projections` of weights `place`d over `mesh`, per shard, layer by layer, each fused
-  weight split as its parts were. Only the fused weights are new buffers: every other weight is
-  the input's own (a jitted copy of whole layers once held two models: 30.0 GB against 25.2 at
-  the 8B shape on one H200 with `mesh="model=1"`)."""
+def fuse_placed(params, mesh=None, *, consume: bool = False):
+  """`fuse_projections` of weights `place`d over `mesh` (None: on one device), per shard, layer
+  by layer, each fused weight split as its parts were. Only the fused weights are new buffers:
+  every other weight is the input's own (a jitted copy of whole layers once held two models:
+  30.0 GB against 25.2 at the 8B shape on one H200 with `mesh="model=1"`). consume: the parts
+  are deleted from the input tree as each layer is fused."""
   if is_fused(params):
     return params
-  mesh = make_mesh(mesh)
-  shards = axis_size(mesh, "model")
+  mesh = mesh if mesh is None else make_mesh(mesh)
+  shards = 1 if mesh is None else axis_size(mesh, "model")
 
   def fuse(parts):
     return fuse_projections({"layers": {0: parts}}, shards)["layers"][0]
@@ -192,9 +195,12 @@ def fuse_placed(params, mesh):
   layers = {}
   for i, layer in params["layers"].items():
     parts = {block: {k: layer[block][k] for k in names} for block, names in _FUSED_PARTS.items()}
-    out = jax.tree.map(lambda s: NamedSharding(mesh, s),
-                       param_specs(jax.eval_shape(fuse, parts), mesh))
+    out = None if mesh is None else jax.tree.map(
+        lambda s: NamedSharding(mesh, s), param_specs(jax.eval_shape(fuse, parts), mesh))
     fused = jax.jit(fuse, out_shardings=out)(parts)
+    if consume:  # (donating them warns: no output can reuse a part's buffer)
+      for x in jax.tree.leaves(parts):
+        x.delete()
     layers[i] = {**layer, **{block: {**{k: v for k, v in layer[block].items()
                                         if k not in names}, **fused[block]}
                              for block, names in _FUSED_PARTS.items()}}
