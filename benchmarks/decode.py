@@ -25,6 +25,7 @@ command. Every record has the peak memory beside its weights and cache (`residen
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -61,7 +62,12 @@ def _prefill_flops_per_token(model: str, ctx: int) -> float:
 
 
 def _stage(msg: str) -> None:
-  print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+  """A progress line on stderr, with the device memory in use and its peak so far."""
+  import jax
+  stats = jax.devices()[0].memory_stats() or {}
+  gb = {k: stats.get(k, 0) / 1e9 for k in ("bytes_in_use", "peak_bytes_in_use")}
+  mem = f" [{gb['bytes_in_use']:.2f} GB in use, peak {gb['peak_bytes_in_use']:.2f}]" if stats else ""
+  print(f"[{time.strftime('%H:%M:%S')}] {msg}{mem}", file=sys.stderr, flush=True)
 
 
 def kernel_options(pairs):
@@ -90,7 +96,7 @@ def filled_cache(cfg, method, batch: int, ctx: int, cache_len: int, options):
   cache = sharding.empty_cache(cfg, method, batch, cache_len, 4096, options)
   keys = iter(jax.random.split(jax.random.key(1), len(jax.tree.leaves(cache)) + 1))
 
-  @jax.jit
+  @functools.partial(jax.jit, donate_argnums=0)  # the empty buffer goes: one cache at a time
   def fill(x, key):
     if jnp.issubdtype(x.dtype, jnp.floating):
       return jax.random.normal(key, x.shape, jnp.float32).astype(x.dtype)
@@ -159,7 +165,9 @@ def run_jax(args) -> dict:
             jnp.zeros((b, cfg.vocab_size)))
 
   if args.fill_cache:  # no prefill: random K/V in the cache, every row at the context's length
-    cache, last = filled_cache(cfg, method, b, ctx, cache_len, options), fresh()[1]
+    cache = filled_cache(cfg, method, b, ctx, cache_len, options)
+    last = jnp.zeros((b, cfg.vocab_size))
+    _stage("cache filled")
     first = prefill_s = host_s = 0.0
     timed_tokens = 0
   elif args.warmup_prefill:  # a whole prefill compiles; the next one is timed, every chunk of it
@@ -350,7 +358,7 @@ def main() -> None:
             "--label", label, "--mesh", mesh, "--kv-dtype", kv,
             *(["--fill-cache"] if args.fill_cache else []),
             *[x for a in margs for x in ("--method-arg", a)],
-            *[x for a in kopts for x in ("--kernel-option", a)]])
+            *[x for a in kopts for x in ("--kernel-option", a)]], echo_stderr=True)
         rec = run.records[-1] if run.records else {
             "impl": impl, "context": ctx, "batch": b, "error": run.stderr[-500:]}
         if gemm and "prefill_tok_s" in rec:
