@@ -25,7 +25,6 @@ command. Every record has the peak memory beside its weights and cache (`residen
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import sys
@@ -86,7 +85,9 @@ def kernel_options(pairs):
 
 def filled_cache(cfg, method, batch: int, ctx: int, cache_len: int, options):
   """An empty cache of `method` with every K/V buffer filled with random values (stored as the
-  run stores them) and every row's length ctx: what decode reads after a prefill, without one."""
+  run stores them) and every row's length ctx: what decode reads after a prefill, without one.
+  One buffer at a time: each empty buffer is freed before its random one is drawn (in its
+  dtype, no wider temporary), so the fill never holds more than the cache and one buffer."""
   import jax
   import jax.numpy as jnp
 
@@ -96,16 +97,21 @@ def filled_cache(cfg, method, batch: int, ctx: int, cache_len: int, options):
   cache = sharding.empty_cache(cfg, method, batch, cache_len, 4096, options)
   keys = iter(jax.random.split(jax.random.key(1), len(jax.tree.leaves(cache)) + 1))
 
-  @functools.partial(jax.jit, donate_argnums=0)  # the empty buffer goes: one cache at a time
-  def fill(x, key):
-    if jnp.issubdtype(x.dtype, jnp.floating):
-      return jax.random.normal(key, x.shape, jnp.float32).astype(x.dtype)
-    return jax.random.randint(key, x.shape, -127, 128).astype(x.dtype)
+  def drawn(x):
+    shape, dtype, where = x.shape, x.dtype, x.sharding
+    x.delete()
+    if jnp.issubdtype(dtype, jnp.floating):  # (E4M3 drawn in bf16: random has no 8-bit floats)
+      draw = lambda key: jax.random.normal(  # noqa: E731
+          key, shape, jnp.bfloat16 if dtype.itemsize == 1 else dtype).astype(dtype)
+    else:  # 8-bit values in [-127, 127], as quantization writes them
+      draw = lambda key: jnp.maximum(  # noqa: E731
+          jax.lax.bitcast_convert_type(jax.random.bits(key, shape, jnp.uint8), dtype), -127)
+    return jax.block_until_ready(jax.jit(draw, out_shardings=where)(next(keys)))
 
   def one(x):
     if isinstance(x, Quantized):  # 8-bit values of any magnitude, scales of a bf16 K's rows
-      return Quantized(fill(x.values, next(keys)), jnp.full_like(x.scale, 0.02))
-    return fill(x, next(keys)) if x.ndim == 4 else x
+      return Quantized(drawn(x.values), jnp.full_like(x.scale, 0.02))
+    return drawn(x) if x.ndim == 4 else x
   state = jax.tree.map(one, cache.state, is_leaf=lambda x: isinstance(x, Quantized))
   return cache.replace(state=state, lengths=jnp.full((batch,), ctx, jnp.int32))
 
