@@ -367,7 +367,7 @@ def main() -> None:
             *[x for a in kopts for x in ("--kernel-option", a)]], echo_stderr=True)
         rec = run.records[-1] if run.records else {
             "impl": impl, "context": ctx, "batch": b, "error": run.stderr[-500:]}
-        if gemm and "prefill_tok_s" in rec:
+        if gemm and rec.get("prefill_tok_s"):  # (None with --fill-cache)
           rec["gemm_tflops"] = gemm
           rec["prefill_tflops"] = rec["prefill_tok_s"] * _prefill_flops_per_token(args.model, ctx)
           rec["prefill_of_gemm"] = rec["prefill_tflops"] / (gemm * rec.get("device_count", 1))
