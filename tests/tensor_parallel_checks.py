@@ -64,13 +64,20 @@ def _host(tree):
 
 def same_state(one, many, what: str):
   """Caches equal leaf by leaf; a leaf whose KV-head dimension the mesh copied is compared on
-  one copy of each head. Integer leaves (positions, slots) exactly."""
+  one copy of each head. Integer leaves (positions, slots) exactly, 8-bit cache values
+  within one rounding step (on under 1% of them)."""
   for a, b in zip(jax.tree.leaves(_host(one)), jax.tree.leaves(_host(many))):
     for d, (x, y) in enumerate(zip(a.shape, b.shape)):
       if x != y:
         assert y % x == 0, (what, a.shape, b.shape)
         b = np.take(b, np.arange(0, y, y // x), axis=d)
-    if np.issubdtype(a.dtype, np.integer) or a.dtype == bool:
+    if a.dtype.itemsize == 1 and a.dtype != bool:  # an 8-bit cache's values: a float a hair
+      int_values = np.issubdtype(a.dtype, np.integer)  # apart may round one step the other way
+      a, b = a.astype(np.float32), b.astype(np.float32)
+      np.testing.assert_allclose(a, b, atol=1 if int_values else 2 ** -9, rtol=0.125,
+                                 err_msg=what)
+      assert np.mean(a != b) < 1e-2, what
+    elif np.issubdtype(a.dtype, np.integer) or a.dtype == bool:
       np.testing.assert_array_equal(a, b, err_msg=what)
     else:
       np.testing.assert_allclose(a, b, atol=2e-4, rtol=2e-4, err_msg=what)

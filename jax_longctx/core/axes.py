@@ -90,7 +90,8 @@ def _leaf(value, names: tuple, where: str):
   if value is None:
     return None
   if isinstance(value, Quantized):
-    return Quantized(_leaf(value.values, names, where), Axes(names[:-1]))
+    scale = None if value.scale is None else Axes(names[:-1])  # (None: a tree of Nones)
+    return Quantized(_leaf(value.values, names, where), scale)
   if len(names) != len(value.shape):
     raise ValueError(f"{where}: declared {len(names)} axes {names} for an array of shape "
                      f"{tuple(value.shape)}")
