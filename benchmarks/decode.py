@@ -64,8 +64,8 @@ def _stage(msg: str) -> None:
   """A progress line on stderr, with the device memory in use and its peak so far."""
   import jax
   stats = jax.devices()[0].memory_stats() or {}
-  gb = {k: stats.get(k, 0) / 1e9 for k in ("bytes_in_use", "peak_bytes_in_use")}
-  mem = f" [{gb['bytes_in_use']:.2f} GB in use, peak {gb['peak_bytes_in_use']:.2f}]" if stats else ""
+  used, peak = (stats.get(k, 0) / 1e9 for k in ("bytes_in_use", "peak_bytes_in_use"))
+  mem = f" [{used:.2f} GB in use, peak {peak:.2f}]" if stats else ""
   print(f"[{time.strftime('%H:%M:%S')}] {msg}{mem}", file=sys.stderr, flush=True)
 
 
