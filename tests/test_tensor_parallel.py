@@ -16,7 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.mark.parametrize("name", ["all_methods", "meshes_mha", "meshes_gqa", "qwen", "nine",
                                   "mesh_methods", "hlo_no_cache_gather", "errors", "fused",
-                                  "tpu_export", "quantized", "hlo_no_cache_gather_int8"])
+                                  "tpu_export"])
 def test_on_eight_devices(name):
   run_on_eight_devices("tests.tensor_parallel_checks", name)
 
