@@ -32,7 +32,8 @@ def _cmd_generate(args) -> int:
   routed = methods_lib.args_per_method(args.method_arg, {args.method: args.method},
                                            option="--method")
   method = methods_lib.get(args.method, **methods_lib.parse_method_args(routed[args.method]))
-  lm = load(args.model, dtype=args.dtype, serving=True, mesh=args.mesh, kv_dtype=args.kv_dtype)
+  lm = load(args.model, dtype=args.dtype, serving=True, mesh=args.mesh, kv_dtype=args.kv_dtype,
+            smooth_keys=_smoothing(args, [args.kv_dtype]))
   (text,) = lm.generate([prompt], method, max_new_tokens=args.max_new_tokens,
                         temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                         chat=args.chat, chunk_size=args.chunk_size,
@@ -93,7 +94,8 @@ def _cmd_eval(args) -> int:
     tasks_lib.get(name, **options)
   if args.coordinator:
     _join(args.coordinator, args.num_processes, args.process_id)
-  lm = load(args.model, dtype=args.dtype, serving=True, mesh=args.mesh)
+  lm = load(args.model, dtype=args.dtype, serving=True, mesh=args.mesh,
+            smooth_keys=_smoothing(args, kv_dtypes))
   records = eval_lib.run_sweep(lm, args.task, specs, lengths, depths, args.samples, args.out,
                                chat=args.chat, options=lm.run_options(args.chunk_size),
                                task_options=options,
@@ -101,6 +103,13 @@ def _cmd_eval(args) -> int:
   print(summary_table(records))
   print(f"results in {args.out}")
   return 0
+
+
+def _smoothing(args, kv_dtypes) -> bool:
+  """Whether the model loads with key smoothing: for an 8-bit cache, unless turned off."""
+  from pallas_kernels.quant import EIGHT_BIT
+
+  return not args.no_key_smoothing and any(kv in EIGHT_BIT for kv in kv_dtypes)
 
 
 def _budget_points(args) -> list:
@@ -140,7 +149,8 @@ def _cmd_calibrate(args) -> int:
   readings = [r.strip() for r in args.readings.split(",") if r.strip()]
   check_args(readings, thresholds, args.texts, strides)
   rule = Rule(tolerance=args.tolerance, min_stride=args.min_stride)
-  lm = load(args.model, dtype=args.dtype, serving=True, mesh=args.mesh, kv_dtype=args.kv_dtype)
+  lm = load(args.model, dtype=args.dtype, serving=True, mesh=args.mesh, kv_dtype=args.kv_dtype,
+            smooth_keys=_smoothing(args, [args.kv_dtype]))
   calib = calibrate_refreshkv(
       lm, lengths=lengths, texts=args.texts, thresholds=thresholds, readings=readings,
       qc_strides=strides, budget=args.budget, n_scored=args.n_scored, rule=rule,
@@ -162,6 +172,8 @@ def _join(coordinator: str, num_processes: int, process_id: int) -> None:
 _MESH_HELP = ("devices to run on, e.g. data=2,model=4: rows over data, heads and hidden units over "
               "model (tensor parallel), the context over ctx (star, ring, reattention_mesh); "
               "axes left out are 1")
+_SMOOTH_HELP = ("with an 8-bit cache, quantize the keys as the model makes them (default: "
+                "per-channel key smoothing calibrated at load, exact for every score)")
 _KV_HELP = ("how the KV cache is stored: the model's dtype (default), or int8 / float8_e4m3fn "
             "(8 bits with a scale per token and KV head, about half the bytes)")
 _MODEL_HELP = ("'default' (SmolLM2-135M), 'qwen2.5-coder-0.5b' or 'qwen2.5-coder-1.5b' (bundled, "
@@ -190,6 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
   g.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
   g.add_argument("--mesh", default=None, metavar="AXIS=N,...", help=_MESH_HELP)
   g.add_argument("--kv-dtype", default=None, metavar="DTYPE", help=_KV_HELP)
+  g.add_argument("--no-key-smoothing", action="store_true", help=_SMOOTH_HELP)
   _add_method_args(g)
   g.set_defaults(func=_cmd_generate)
 
@@ -224,6 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
   ev.add_argument("--mesh", default=None, metavar="AXIS=N,...", help=_MESH_HELP)
   ev.add_argument("--kv-dtype", default=None, metavar="DTYPE[,DTYPE...]",
                   help=_KV_HELP + "; a comma list runs every method with each (labelled)")
+  ev.add_argument("--no-key-smoothing", action="store_true", help=_SMOOTH_HELP)
   ev.add_argument("--coordinator", default=None, metavar="HOST:PORT",
                   help="run as one of --num-processes processes (jax.distributed, one per GPU "
                        "or host): mesh methods span every process's devices; process 0 writes")
@@ -251,6 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
   cal.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
   cal.add_argument("--mesh", default=None, metavar="AXIS=N,...", help=_MESH_HELP)
   cal.add_argument("--kv-dtype", default=None, metavar="DTYPE", help=_KV_HELP)
+  cal.add_argument("--no-key-smoothing", action="store_true", help=_SMOOTH_HELP)
   cal.add_argument("--chunk-size", type=int, default=None,
                    help="prefill chunk length (default: 8192 on GPUs, 512 elsewhere)")
   cal.add_argument("--out", default=None,

@@ -217,6 +217,9 @@ def export_hf(params: dict, cfg: LlamaConfig, dst: str, tokenizer_dir: str | Non
   """Writes an HF Llama directory (config.json + safetensors, sharded with an index if large)."""
   import jax
 
+  if cfg.key_smoothing:  # HF has no such weights; q/k would export scaled by them
+    raise CheckpointError("export_hf takes the weights as loaded, not smoothed for an 8-bit "
+                          "cache (load without kv_dtype, or with smooth_keys=False)")
   entries = layout.hf_names(cfg)
   specs, shards, size = {}, [[]], 0
   for name, rule, i in entries:

@@ -36,6 +36,9 @@ class LlamaConfig:
   architecture: str = "llama"  # one of ARCHITECTURES (HF names, export, GGUF q/k permutation)
   attention_bias: bool = False  # q/k/v projection biases (Qwen2); no bias on o
   qk_norm: bool = False  # RMSNorm over head_dim on each q and k head before RoPE (Qwen3)
+  # Per-(KV head, channel) key scales in the weights (`k_smooth`; run/key_smoothing.py): set by
+  # calibration for an 8-bit cache, not a checkpoint's own fact.
+  key_smoothing: bool = False
 
   def __post_init__(self):
     if self.architecture not in ARCHITECTURES:

@@ -142,6 +142,10 @@ class AttnContext:
   heads: Heads = Heads()
   # The part of a cache split along the tokens this device holds (methods that splits_tokens).
   tokens: TokenShards = TokenShards()
+  # [H, hd] what this layer's queries were multiplied by (and its keys divided by) before the
+  # method saw them (model key smoothing; None: nothing). Every q.k is unchanged by it; a method
+  # that reads queries or keys otherwise divides it out (RefreshKV's query similarity).
+  query_smoothing: jnp.ndarray | None = None
 
   def replace(self, **kw) -> "AttnContext":
     return dataclasses.replace(self, **kw)

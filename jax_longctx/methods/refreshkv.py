@@ -179,6 +179,8 @@ class RefreshKV(Method):
     return RefreshPrefill(snap, jnp.zeros((batch, cfg.head_dim), jnp.float32))
 
   def _mean_query(self, q, ctx: AttnContext):
+    if ctx.query_smoothing is not None:  # the similarity is of the model's own queries
+      q = q / ctx.query_smoothing.astype(q.dtype)
     if self.similarity_after_rope:  # None (no calibration) compares before RoPE
       q = apply_rope(q, ctx.q_pos, ctx.freqs)
     return ctx.heads.mean(q.astype(jnp.float32), axis=2)  # [B, S, d]: over the layer's heads

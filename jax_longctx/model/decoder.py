@@ -44,6 +44,7 @@ WEIGHT_AXES = {
     "v_proj": (None, KV_HEADS, None), "qkv_proj": (None, HEADS, None),
     "o_proj": (HEADS, None, None),
     "q_bias": (HEADS, None), "k_bias": (KV_HEADS, None), "v_bias": (KV_HEADS, None),
+    "k_smooth": (KV_HEADS, None),
     "gate_proj": (None, HIDDEN), "up_proj": (None, HIDDEN), "gate_up_proj": (None, HIDDEN),
     "down_proj": (HIDDEN, None), "scale": (None,),
 }
@@ -97,6 +98,8 @@ class Attention(nnx.Module):
     if cfg.qk_norm:  # Qwen3
       self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, dt)
       self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dt)
+    if cfg.key_smoothing:  # powers of two, one per (KV head, channel): run.key_smoothing
+      self.k_smooth = nnx.Param(jnp.ones((kv, hd), dt))
     self.q_scale = query_scale(cfg)
     self.num_heads, self.num_kv_heads = h, kv
 
@@ -116,6 +119,13 @@ class Attention(nnx.Module):
       q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
     if hasattr(self, "q_norm"):
       q, k = self.q_norm(q), self.k_norm(k)
+    if hasattr(self, "k_smooth"):
+      # Keys divided and queries multiplied by the same power of two per channel: every q.k is
+      # unchanged bit for bit (and RoPE commutes: a RoPE pair shares its factor), while an
+      # 8-bit cache's per-token scale is no longer set by a few large key channels.
+      s = jnp.repeat(self.k_smooth[...], self.num_heads // self.num_kv_heads, axis=0)  # [H, hd]
+      q, k = q * s.astype(q.dtype), k / self.k_smooth[...].astype(k.dtype)
+      ctx = ctx.replace(query_smoothing=s)
     if self.q_scale != 1.0:
       # Methods get keys and queries before RoPE; a constant on q scales every score as
       # YaRN's factor on both rotated q and k does, and leaves the cached keys untouched.
@@ -252,7 +262,7 @@ def _draw(shape: tuple, dtype, sharding, ones: bool):
 
 
 def random_params(cfg: LlamaConfig, seed: int = 0, shardings=None):
-  """Random weights (std 0.02, norm scales 1) for tests and benchmarks, on the default device
+  """Random weights (std 0.02, norm scales and key smoothing 1) for tests and benchmarks, on the default device
   or, leaf by leaf, straight into `shardings` (a tree of them: no device holds a whole leaf
   its sharding splits; the values do not depend on it).
 
@@ -262,7 +272,7 @@ def random_params(cfg: LlamaConfig, seed: int = 0, shardings=None):
   leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
   where = [None] * len(leaves) if shardings is None else jax.tree.leaves(shardings)
   keys = jax.random.split(jax.random.key(seed), len(leaves))
-  out = [_draw(tuple(s.shape), jnp.dtype(s.dtype), w, str(path[-1]).endswith("'scale']"))(k)
+  out = [_draw(tuple(s.shape), jnp.dtype(s.dtype), w, str(path[-1]).endswith(("'scale']", "'k_smooth']")))(k)
          for (path, s), k, w in zip(leaves, keys, where)]
   return jax.tree_util.tree_unflatten(treedef, out)
 

@@ -88,14 +88,25 @@ def place(params, cfg: LlamaConfig, mesh):
     if jax.process_count() > 1 and isinstance(x, jax.Array) and x.is_fully_addressable:
       x = np.asarray(x)  # this process's copy: every process holds the same weights
     if isinstance(x, np.ndarray):
-      placed = _placed_leaf(name, x, shards)
-      return jax.make_array_from_callback(placed.shape, sharding, lambda idx: placed[idx])
+      return _from_host(name, x, shards, sharding)
     if (jax.eval_shape(lambda y: _placed_leaf(name, y, shards), x).shape == x.shape
         and x.sharding.is_equivalent_to(sharding, x.ndim)):
       return x  # read or drawn into its shards already: no copy (a 70B model has no room)
     return _placer(name, shards, sharding)(x)
 
   return jax.tree_util.tree_map_with_path(one, params, standard)
+
+
+def _from_host(name: str, x: np.ndarray, shards: ModelShards, sharding: NamedSharding):
+  placed = _placed_leaf(name, x, shards)
+  return jax.make_array_from_callback(placed.shape, sharding, lambda idx: placed[idx])
+
+
+def place_leaf(name: str, x, cfg: LlamaConfig, mesh):
+  """One weight (standard layout, a host array) placed over `mesh` as `place` places it."""
+  mesh = make_mesh(mesh)
+  return _from_host(name, np.asarray(x), ModelShards.of(cfg, mesh),
+                    NamedSharding(mesh, _spec(name, mesh)))
 
 
 def restore_shardings(cfg: LlamaConfig, mesh):
