@@ -39,6 +39,7 @@ from jax_longctx.model import fuse_placed, fuse_projections, place, random_param
 from jax_longctx.run import chunked_prefill, sharding
 from jax_longctx.run import generation as gen
 from jax_longctx.run.driver import generate
+from jax_longctx.run.key_smoothing import smooth_keys
 from tests.conftest import tiny_config
 from tests.test_methods import CACHE_LEN, _apart, _method, _prompts
 
@@ -152,6 +153,31 @@ def quantized():
           for mesh in ("ctx=2", "ctx=2,model=2")]
   assert runs[0].tokens == runs[1].tokens
   same_state(runs[0].cache.state, runs[1].cache.state, "reattention_mesh int8")
+
+
+def smoothed():
+  """Key smoothing calibrated on a mesh whose KV heads are copied (gqa, 2 KV heads, on model=4):
+  the smoothing one device calibrates (each copy of a head the same), and with it the int8
+  cache's tokens, logits and cache as one device's."""
+  cfg, params = _model("gqa")
+  ids = _prompts(cfg, (40,), seed=6)[0]
+  one, cfg_one = smooth_keys(params, cfg, ids)
+  opts = RunOptions(prefill_chunk=8, kv_dtype="int8", mesh="data=2,model=4")
+  many, cfg_many = smooth_keys(params, cfg, ids, opts)
+  assert cfg_one == cfg_many and cfg_one.key_smoothing
+  for i, layer in one["layers"].items():
+    want = np.asarray(layer["attn"]["k_smooth"])
+    got = np.asarray(many["layers"][i]["attn"]["k_smooth"])  # [KV x copies, hd]
+    assert got.shape == (2 * want.shape[0], want.shape[1]), got.shape
+    np.testing.assert_array_equal(got[::2], want, err_msg=f"layer {i}")
+    np.testing.assert_array_equal(got[1::2], want, err_msg=f"layer {i}")
+  docs = _prompts(cfg, (13, 21, 17, 26), seed=3)
+  for name in ("full", "refreshkv", "reattention"):
+    m = _method(name, BUDGET)
+    runs = [generate(p, cfg_one, docs, m, max_new_tokens=NEW, cache_len=CACHE_LEN, options=o)
+            for p, o in ((one, opts.replace(mesh=None)), (many, opts))]
+    assert runs[0].tokens == runs[1].tokens, name
+    same_state(runs[0].cache.state, runs[1].cache.state, f"{name} smoothed int8")
 
 
 def mesh_methods():
@@ -290,7 +316,8 @@ CHECKS = {"tpu_export": tpu_export, "all_methods": all_methods,
           "meshes_gqa": lambda: meshes("gqa", "data=4,model=2"), "qwen": qwen, "nine": nine,
           "mesh_methods": mesh_methods, "hlo_no_cache_gather": hlo_no_cache_gather,
           "errors": errors, "fused": fused,
-          "quantized": quantized, "hlo_no_cache_gather_int8": lambda: hlo_no_cache_gather("int8")}
+          "quantized": quantized, "hlo_no_cache_gather_int8": lambda: hlo_no_cache_gather("int8"),
+          "smoothed": smoothed}
 
 if __name__ == "__main__":
   CHECKS[sys.argv[1]]()

@@ -64,8 +64,7 @@ def key_pair_rms(params, cfg: LlamaConfig, ids, options: RunOptions = DEFAULT) -
 def smoothing_from_rms(rms: np.ndarray, strength: float = STRENGTH) -> np.ndarray:
   """[..., hd / 2] pair RMS -> [..., hd] the powers of two keys are divided by (a pair's two
   channels, c and c + hd / 2 in the HF rotate-half layout, share one)."""
-  with np.errstate(divide="ignore"):
-    e = np.round(strength * np.log2(np.asarray(rms, np.float64)))
+  e = np.round(strength * np.log2(np.maximum(np.asarray(rms, np.float64), 2.0 ** -100)))
   s = np.exp2(np.clip(e, -_MAX_EXPONENT, _MAX_EXPONENT)).astype(np.float32)
   return np.concatenate([s, s], axis=-1)
 
