@@ -129,7 +129,9 @@ def run_jax(args) -> dict:
   from jax_longctx.run.chunked_prefill import end_prefill, prefill_step
   from jax_longctx.run.generation import Sampling, decode_loop, row_keys
 
-  cfg = preset(args.model, dtype="bfloat16")
+  # --key-smoothing: the model as an 8-bit `load` makes it (its factors 1 here; the products the
+  # attention layers add are the same whatever the factors)
+  cfg = preset(args.model, dtype="bfloat16").replace(key_smoothing=args.key_smoothing)
   method = get(args.method, **parse_method_args(args.method_arg))
   options = RunOptions(mesh=args.mesh or None, kernels=kernel_options(args.kernel_option),
                        kv_dtype=args.kv_dtype or None)
@@ -289,7 +291,7 @@ def child(args) -> None:
   rec = {"impl": args.impl, "model": args.model, "context": args.context, "batch": args.batch,
          "new_tokens": args.new_tokens, "method": args.method, "method_args": args.method_arg,
          "label": args.label or args.method, "mesh": args.mesh or None,
-         "kernel_options": args.kernel_option}
+         "kernel_options": args.kernel_option, "key_smoothing": args.key_smoothing}
   try:
     rec.update(run_jax(args) if args.impl == "jax" else run_hf(args))
   except Exception as e:  # out of memory at large batch x context is a result, not a crash
@@ -319,6 +321,8 @@ def main() -> None:
                       "float8_e4m3fn")
   p.add_argument("--fill-cache", action="store_true",
                  help="decode only, over a cache filled with random K/V (no prefill)")
+  p.add_argument("--key-smoothing", action="store_true",
+                 help="the weights with key smoothing (run/key_smoothing.py), as an 8-bit load")
   p.add_argument("--new-tokens", type=int, default=64)
   p.add_argument("--reps", type=int, default=3)
   p.add_argument("--chunk", type=int, default=4096)
@@ -363,6 +367,7 @@ def main() -> None:
             "--warmup-prefill" if args.warmup_prefill else "--no-warmup-prefill",
             "--label", label, "--mesh", mesh, "--kv-dtype", kv,
             *(["--fill-cache"] if args.fill_cache else []),
+            *(["--key-smoothing"] if args.key_smoothing else []),
             *[x for a in margs for x in ("--method-arg", a)],
             *[x for a in kopts for x in ("--kernel-option", a)]], echo_stderr=True)
         rec = run.records[-1] if run.records else {
