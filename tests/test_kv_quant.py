@@ -5,7 +5,9 @@ that are never zero, inf or NaN. Every registered method (tiny random model, fp3
 device, budgets as tokens; the mesh and ratio budgets: tests/tensor_parallel_checks.py
 `quantized`): the prompt's last logits and the teacher-forced NLL of 4 decode steps within a
 stated tolerance of the same run with the cache in the model's dtype, and the cache really held
-in 8 bits (every K/V buffer a Quantized of the asked dtype, about half the bytes).
+in 8 bits (every K/V buffer a Quantized of the asked dtype, about half the bytes). Beside it,
+key smoothing (random powers of two) changes no score: the same logits and NLL with the cache in
+the model's dtype (tests/test_key_smoothing.py has the rest of it).
 
 Tolerances: symmetric int8 with a scale per (token, KV head) rounds each value by at most half a
 step, 1/254 of the row's largest magnitude; E4M3 keeps 3 mantissa bits, a relative 1/16 per
@@ -78,15 +80,33 @@ def _run(params, cfg, method, kv_dtype):
   return np.asarray(last), np.asarray(nll), cache
 
 
+def _with_smoothing(params, cfg, seed=0):
+  """params with random powers of two in 2^-3..2^3 (pair-shared) as every layer's key smoothing
+  (run/key_smoothing.py)."""
+  rng = np.random.default_rng(seed)
+  layers = {}
+  for i, layer in params["layers"].items():
+    e = rng.integers(-3, 4, (cfg.num_kv_heads, cfg.head_dim // 2))
+    s = np.exp2(np.concatenate([e, e], -1)).astype(np.float32)
+    layers[i] = {**layer, "attn": {**layer["attn"], "k_smooth": jnp.asarray(s, cfg.jnp_dtype)}}
+  return {**params, "layers": layers}, cfg.replace(key_smoothing=True)
+
+
 def _bytes(tree):
   return sum(x.nbytes for x in jax.tree.leaves(tree))
 
 
 @pytest.mark.parametrize("name", names())
-def test_every_method_runs_on_an_8_bit_cache(tiny, name):
+def test_every_method_runs_on_an_8_bit_cache_and_key_smoothing_changes_no_score(tiny, name):
   cfg, params = tiny
   method = _method(name, 24) if name in names("layer") else _mesh_method(name)
   want_last, want_nll, plain = _run(params, cfg, method, None)
+  # Key smoothing changes no score: the factors reach 2^+-3, so a method that read a query or
+  # key other than through q.k would differ here unless its decision did not turn on it (these
+  # 4 steps decide no RefreshKV refresh by similarity: test_key_smoothing.py checks that one).
+  last, nll, _ = _run(*_with_smoothing(params, cfg), method, None)
+  np.testing.assert_allclose(last, want_last, atol=1e-5, rtol=0, err_msg=f"{name} smoothed")
+  np.testing.assert_allclose(nll, want_nll, atol=0, rtol=1e-5, err_msg=f"{name} smoothed")
   for dtype, (atol, rtol) in TOL.items():
     last, nll, cache = _run(params, cfg, method, dtype)
     np.testing.assert_allclose(last, want_last, atol=atol, rtol=0, err_msg=f"{name} {dtype}")
