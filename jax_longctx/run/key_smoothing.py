@@ -16,8 +16,9 @@ Qwen2.5-Coder-1.5B (CPU, fp32, all 1,023 predictions of a 1K text, calibrated on
 int8 cache against fp32; experiments/key_smoothing_proxy.py): NLL +0.28% unsmoothed, +0.016%
 at strength 1, +0.009% at 0.5; calibrated on random token ids +0.10% / +0.017%. 0.5 is the
 default: a key channel's quantization error reaches the score times the query's s_c, so full
-equalization (1) buys the keys' grid at the queries' cost. E4M3 is not helped (+8.0% / +8.0% / +65%): its error is relative
-to each value, not set by the row's largest, so evening the channels out does not reduce it.
+equalization (1) buys the keys' grid at the queries' cost. E4M3 is not helped (+8.0% / +8.0% /
++65%): its error is relative to each value, not set by the row's largest, so evening the
+channels out does not reduce it.
 """
 
 from __future__ import annotations
