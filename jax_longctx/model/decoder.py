@@ -262,9 +262,9 @@ def _draw(shape: tuple, dtype, sharding, ones: bool):
 
 
 def random_params(cfg: LlamaConfig, seed: int = 0, shardings=None):
-  """Random weights (std 0.02, norm scales and key smoothing 1) for tests and benchmarks, on the default device
-  or, leaf by leaf, straight into `shardings` (a tree of them: no device holds a whole leaf
-  its sharding splits; the values do not depend on it).
+  """Random weights (std 0.02, norm scales and key smoothing 1) for tests and benchmarks, on the
+  default device or, leaf by leaf, straight into `shardings` (a tree of them: no device holds a
+  whole leaf its sharding splits; the values do not depend on it).
 
   Leaf by leaf, so compile time stays small at any depth (one compile per distinct shape).
   """
