@@ -1,8 +1,8 @@
 """The 8-bit KV cache on 8 fake CPU devices (tests/tensor_parallel_checks.py `quantized`,
-`hlo_no_cache_gather_int8`, `smoothed`): every per-layer method with an int8 cache and four with fp8 on
-(data 2, model 2) against one device with the same cache, mesh ReAttention's on (ctx 2,
-model 2), no all-gather of a cache's size with an int8 cache, and key smoothing calibrated
-on a mesh that copies KV heads as on one device. A file of its own so that
+`hlo_no_cache_gather_int8`, `smoothed`): every per-layer method with an int8 cache and four
+with fp8 on (data 2, model 2) against one device with the same cache, mesh ReAttention's on
+(ctx 2, model 2), no all-gather of a cache's size with an int8 cache, and key smoothing
+calibrated on a mesh that copies KV heads as on one device. A file of its own so that
 `pytest -n 2 --dist loadfile` runs it beside test_tensor_parallel.py, not after it."""
 
 import pytest

@@ -272,7 +272,8 @@ def random_params(cfg: LlamaConfig, seed: int = 0, shardings=None):
   leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
   where = [None] * len(leaves) if shardings is None else jax.tree.leaves(shardings)
   keys = jax.random.split(jax.random.key(seed), len(leaves))
-  out = [_draw(tuple(s.shape), jnp.dtype(s.dtype), w, str(path[-1]).endswith(("'scale']", "'k_smooth']")))(k)
+  ones = ("'scale']", "'k_smooth']")  # norm scales and key smoothing start at 1
+  out = [_draw(tuple(s.shape), jnp.dtype(s.dtype), w, str(path[-1]).endswith(ones))(k)
          for (path, s), k, w in zip(leaves, keys, where)]
   return jax.tree_util.tree_unflatten(treedef, out)
 
