@@ -25,7 +25,7 @@ import jax_longctx
 from jax_longctx.app.tasks import text_sources
 from jax_longctx.core.options import RunOptions
 from jax_longctx.run.driver import uncached_logits
-from jax_longctx.run.key_smoothing import smooth_keys, smoothing_from_rms
+from jax_longctx.run.key_smoothing import smooth_keys, smoothing_from_rms, with_smoothing
 from pallas_kernels import quant
 
 
@@ -53,12 +53,6 @@ def weight_rms(params, cfg) -> np.ndarray:
                              else 0.0)
     out.append(np.sqrt((var[:, :half] + var[:, half:]) / 2))
   return np.stack(out)
-
-
-def with_smoothing(params, cfg, s):
-  layers = {i: {**layer, "attn": {**layer["attn"], "k_smooth": s[i].astype(cfg.jnp_dtype)}}
-            for i, layer in params["layers"].items()}
-  return {**params, "layers": layers}, cfg.replace(key_smoothing=True)
 
 
 def main():

@@ -27,6 +27,7 @@ from jax_longctx.core.options import RunOptions
 from jax_longctx.methods import get, names
 from jax_longctx.ops.cache import Quantized
 from jax_longctx.run import generation as gen
+from jax_longctx.run.key_smoothing import with_smoothing
 from pallas_kernels import quant
 from tests.test_methods import CACHE_LEN, _apart, _method, _prompts
 
@@ -83,13 +84,9 @@ def _run(params, cfg, method, kv_dtype):
 def _with_smoothing(params, cfg, seed=0):
   """params with random powers of two in 2^-3..2^3 (pair-shared) as every layer's key smoothing
   (run/key_smoothing.py)."""
-  rng = np.random.default_rng(seed)
-  layers = {}
-  for i, layer in params["layers"].items():
-    e = rng.integers(-3, 4, (cfg.num_kv_heads, cfg.head_dim // 2))
-    s = np.exp2(np.concatenate([e, e], -1)).astype(np.float32)
-    layers[i] = {**layer, "attn": {**layer["attn"], "k_smooth": jnp.asarray(s, cfg.jnp_dtype)}}
-  return {**params, "layers": layers}, cfg.replace(key_smoothing=True)
+  e = np.random.default_rng(seed).integers(-3, 4, (cfg.num_layers, cfg.num_kv_heads,
+                                                   cfg.head_dim // 2))
+  return with_smoothing(params, cfg, np.exp2(np.concatenate([e, e], -1)))
 
 
 def _bytes(tree):

@@ -35,7 +35,7 @@ from jax_longctx.core.options import DEFAULT, RunOptions
 from jax_longctx.methods.base import get
 from jax_longctx.model.placement import place_leaf
 from jax_longctx.run.generation import prefill
-from jax_longctx.run.sharding import HostBatch
+from jax_longctx.run.sharding import HostBatch, placed
 
 STRENGTH = 0.5  # SmoothQuant's alpha between keys (1: keys evened out) and queries (0: nothing)
 _MAX_EXPONENT = 24  # |log2 s|: a channel of zeros (RMS 0) gets 2^-24, not 0
@@ -48,8 +48,8 @@ def key_pair_rms(params, cfg: LlamaConfig, ids, options: RunOptions = DEFAULT) -
     raise LongctxError("these weights are smoothed already (cfg.key_smoothing)")
   ids = [int(i) for i in ids]
   options = options.replace(kv_dtype=None)
-  host, placed, rows = HostBatch.enter(params, cfg, options, [ids])
-  cache, _ = prefill(placed, cfg, rows, get("full"), cache_len=len(ids), options=options)
+  _, weights, rows = HostBatch.enter(params, cfg, options, [ids])
+  cache, _ = prefill(weights, cfg, rows, get("full"), cache_len=len(ids), options=options)
   half = cfg.head_dim // 2
 
   @jax.jit
@@ -78,13 +78,18 @@ def smooth_keys(params, cfg: LlamaConfig, ids, options: RunOptions = DEFAULT,
   placed there. The input tree is left as it is."""
   if not 0 <= strength <= 1:
     raise LongctxError(f"key smoothing strength must lie in [0, 1], got {strength}")
-  s = smoothing_from_rms(key_pair_rms(params, cfg, ids, options), strength)
   if options.mesh is not None:
-    params = HostBatch.enter(params, cfg, options, [[0]])[1]  # placed once, as the model runs
+    params = placed(params, cfg, options.mesh)  # once: the calibration runs on these
+  s = smoothing_from_rms(key_pair_rms(params, cfg, ids, options), strength)
+  return with_smoothing(params, cfg, s, options.mesh)
 
+
+def with_smoothing(params, cfg: LlamaConfig, s, mesh=None):
+  """(params, cfg) with `s` [layers, KV, hd] (standard head layout) as each layer's
+  `attn.k_smooth`, placed over `mesh` as the weights are (given: already placed there)."""
   def leaf(x):
-    x = x.astype(cfg.jnp_dtype)  # powers of two are exact in every float dtype
-    return jnp.asarray(x) if options.mesh is None else place_leaf("k_smooth", x, cfg, options.mesh)
+    x = np.asarray(x).astype(cfg.jnp_dtype)  # powers of two are exact in every float dtype
+    return jnp.asarray(x) if mesh is None else place_leaf("k_smooth", x, cfg, mesh)
 
   layers = {i: {**layer, "attn": {**layer["attn"], "k_smooth": leaf(s[i])}}
             for i, layer in params["layers"].items()}
