@@ -67,7 +67,9 @@ def test_blocks_float_scores_and_holes(pick):
   v, i = topk_blocks.topk_scores(q, k, 8, lo, hi, scale=0.125, pick=pick, interpret=True)
   rv, ri = reference.topk_scores(q, k, 8, lo, hi, scale=0.125)
   np.testing.assert_array_equal(np.asarray(i), np.asarray(ri))
-  np.testing.assert_allclose(np.asarray(v), np.asarray(rv), rtol=1e-6)
+  # Two fp32 products laid out apart (the kernel's einsum, the reference's grouped one) sum the
+  # 128 terms in orders XLA picks per CPU: 3e-6 apart on one machine, equal on another.
+  np.testing.assert_allclose(np.asarray(v), np.asarray(rv), rtol=1e-5)
   assert np.all(np.asarray(i)[1, ..., 6:] == -1) and np.all(np.isneginf(np.asarray(v)[1, ..., 6:]))
 
 
