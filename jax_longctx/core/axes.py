@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 from flax import struct
 
 from pallas_kernels.quant import Quantized
@@ -100,3 +101,11 @@ def _leaf(value, names: tuple, where: str):
 
 def is_axes(x) -> bool:
   return isinstance(x, Axes)
+
+
+def take_rows(tree, start: int, stop: int, where: str = "state"):
+  """The tree's rows start..stop: every array sliced along its ROWS dimension, the others kept
+  whole (a batch's one sequence, for its report; the caller's rows of a padded batch)."""
+  def cut(x, a: Axes):
+    return x[tuple(slice(start, stop) if n == ROWS else slice(None) for n in a.names)]
+  return jax.tree.map(cut, tree, logical_axes(tree, where))

@@ -36,7 +36,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jax_longctx.core.axes import ROWS, logical_axes
+from jax_longctx.core.axes import ROWS, take_rows
 from jax_longctx.core.config import LlamaConfig
 from jax_longctx.core.mesh import MeshError, ModelShards, axis_size, make_mesh, spec_of, specs
 from jax_longctx.core.options import RunOptions
@@ -223,11 +223,7 @@ class HostBatch:
 
   def cache(self, cache: Cache) -> Cache:
     """The cache of the caller's rows (for reports and results)."""
-    if self.padded == self.n:
-      return cache
-    return jax.tree.map(lambda x, a: x[tuple(slice(0, self.n) if r == ROWS else slice(None)
-                                             for r in a.names)],
-                        cache, logical_axes(cache, "cache"))
+    return cache if self.padded == self.n else take_rows(cache, 0, self.n, "cache")
 
 
 def placed(params, cfg: LlamaConfig, mesh):
