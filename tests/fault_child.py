@@ -77,10 +77,10 @@ def _eval(moment: str, args: list[str]) -> None:
   from jax_longctx.app import eval as eval_lib
 
   path = os.path.join(args[args.index("--out") + 1], eval_lib.RESULTS)
-  real_run, real_append = eval_lib.run_sample, eval_lib.append_record
+  real_run, real_append = eval_lib.run_batch, eval_lib.append_record
   real_report = eval_lib.write_report
 
-  def run_sample(*a, **kw):
+  def run_batch(*a, **kw):
     _stop_if(moment, eval_moment("compute", _records(path)))
     return real_run(*a, **kw)
 
@@ -96,7 +96,7 @@ def _eval(moment: str, args: list[str]) -> None:
     _stop_if(moment, "report")
     return real_report(*a, **kw)
 
-  eval_lib.run_sample, eval_lib.append_record, eval_lib.write_report = run_sample, append, report
+  eval_lib.run_batch, eval_lib.append_record, eval_lib.write_report = run_batch, append, report
   sys.exit(cli.main(["eval", *args]))
 
 

@@ -191,7 +191,8 @@ def test_an_eval_record_shows_the_threshold_that_ran(default_lm, tmp_path, monke
   """The sweep resolves each method for its model before running it (the run itself is not
   what is tested here: it is replaced by a stub that returns at once)."""
   from jax_longctx.app import eval as eval_lib
-  monkeypatch.setattr(eval_lib, "run_sample", lambda lm, task, spec, *a: {"score": 1.0})
+  monkeypatch.setattr(eval_lib, "run_batch",
+                      lambda lm, task, spec, samples, *a, **kw: [{"score": 1.0}] * len(samples))
   calibration_store._NOTIFIED.clear()
   specs = eval_lib.MethodSpec.parse("rkv:refreshkv,mine:refreshkv", ["mine.threshold=0.5"])
   recs = eval_lib.run_sweep(default_lm, "ppl", specs, [300], [0.5], 1, str(tmp_path))

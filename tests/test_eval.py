@@ -27,8 +27,8 @@ def test_sweep_writes_results_summary_and_plots_and_resumes(default_lm, tmp_path
     assert field in rec
   assert rec["hparams"]["budget"] == 64
   calls = []
-  real = eval_lib.run_sample
-  monkeypatch.setattr(eval_lib, "run_sample", lambda *a: calls.append(a) or real(*a))
+  real = eval_lib.run_batch
+  monkeypatch.setattr(eval_lib, "run_batch", lambda *a, **kw: calls.append(a) or real(*a, **kw))
   run_sweep(default_lm, "passkey", _specs(), [300], [0.2, 0.8], 2, out)  # one more sample each
   assert len(calls) == 2
   assert len(open(os.path.join(out, "results.jsonl")).readlines()) == 4
@@ -111,20 +111,64 @@ class _SlowTask:
 
 def test_samples_are_built_ahead_in_order_on_a_thread():
   task = _SlowTask()
-  todo = [(None, 64, 0.5, seed) for seed in (0, 1, 2)]
+  batches = [[(None, 64, 0.5, 0)], [(None, 64, 0.5, 1), (None, 64, 0.5, 2)]]
   got = []
-  for entry, sample in eval_lib.made_ahead(task, "tok", todo, chat=True):
-    if not got:  # the next sample is built while this one "runs"
+  for made in eval_lib.made_ahead(task, "tok", batches, chat=True):
+    if not got:  # the next batch is built while this one "runs"
       assert task.second_started.wait(timeout=10)
-    got.append((entry, sample))
-  assert got == [(e, ("tok", 64, 0.5, e[3], True)) for e in todo]
+    got.append(made)
+  assert got == [[(e, ("tok", 64, 0.5, e[3], True)) for e in b] for b in batches]
   assert task.calls == [0, 1, 2]
 
 
 def test_a_failed_sample_build_raises_at_its_turn():
-  todo = [(None, 64, 0.5, seed) for seed in (0, 9, 2)]
-  it = eval_lib.made_ahead(_SlowTask(), "tok", todo, chat=False)
-  assert next(it)[1][3] == 0
+  batches = [[(None, 64, 0.5, seed)] for seed in (0, 9, 2)]
+  it = eval_lib.made_ahead(_SlowTask(), "tok", batches, chat=False)
+  assert next(it)[0][1][3] == 0
   with pytest.raises(ValueError, match="bad sample 9"):
     next(it)
   assert list(eval_lib.made_ahead(_SlowTask(), "tok", [], chat=False)) == []
+
+
+def test_batches_hold_one_method_and_length_each():
+  todo = [("a", 1, d, 0) for d in range(3)] + [("a", 2, 0, 0), ("b", 2, 0, 0), ("b", 2, 1, 0)]
+  assert [[e[:3] for e in b] for b in eval_lib.batched(todo, 2)] == [
+      [("a", 1, 0), ("a", 1, 1)], [("a", 1, 2)], [("a", 2, 0)], [("b", 2, 0), ("b", 2, 1)]]
+  with pytest.raises(EvalError, match="at least one sample"):
+    run_sweep(None, "passkey", [], [300], [0.5], 1, "unused", batch_size=0)
+
+
+_SAME = ("method", "seed", "depth", "n_tokens", "prediction", "expected")
+
+
+@pytest.fixture(scope="module")
+def tiny_text_lm(default_lm):
+  """A tiny random model that reads the default model's tokens: prompts as the tasks make them,
+  compiled in seconds."""
+  from jax_longctx.app.api import LM
+  from jax_longctx.model import random_params
+  from tests.conftest import tiny_config
+  cfg = tiny_config(vocab_size=default_lm.config.vocab_size, max_position_embeddings=1024)
+  return LM(cfg, random_params(cfg, seed=3), default_lm.tokenizer)
+
+
+@pytest.mark.parametrize("task", ["passkey", "ppl"])
+def test_a_batched_sweep_records_what_single_runs_record(tiny_text_lm, tmp_path, task):
+  """Three samples in batches of two (the last filled with a copy) against one at a time: the
+  same predictions, scores and per-token NLL; each record has its own row's method report
+  (RefreshKV's full steps, its rows refreshing apart) and the batch's size."""
+  specs = MethodSpec.parse("full,streaming_llm,refreshkv", [  # threshold: rows refresh apart
+      "streaming_llm.budget=64", "refreshkv.budget=64", "refreshkv.threshold=0.2"])
+  options = {"n_scored": 16} if task == "ppl" else {}
+  one, two = (run_sweep(tiny_text_lm, task, specs, [300], [0.2, 0.8], 3, str(tmp_path / str(n)),
+                        task_options=options, batch_size=n) for n in (1, 2))
+  assert [r["batch"] for r in two] == [2] * 9 and {r["batch"] for r in one} == {1}
+  for a, b in zip(one, two):
+    assert {f: a.get(f) for f in _SAME} == {f: b.get(f) for f in _SAME}
+    np.testing.assert_allclose(b["score"], a["score"], rtol=1e-5)  # ppl: fp32 sums of a batch
+    if task == "ppl":
+      np.testing.assert_allclose(a["nll"], b["nll"], atol=1e-5)
+    if a["method"] == "refreshkv":
+      assert a["full_steps"] == b["full_steps"] and a["decode_steps"] == b["decode_steps"]
+  full_steps = [r["full_steps"] for r in one if r["method"] == "refreshkv"]
+  assert any(f != full_steps[0] for f in full_steps)  # the rows' own counts, not the batch's

@@ -99,7 +99,7 @@ def _cmd_eval(args) -> int:
   records = eval_lib.run_sweep(lm, args.task, specs, lengths, depths, args.samples, args.out,
                                chat=args.chat, options=lm.run_options(args.chunk_size),
                                task_options=options,
-                               cache_len=args.cache_len)
+                               cache_len=args.cache_len, batch_size=args.batch_size)
   print(summary_table(records))
   print(f"results in {args.out}")
   return 0
@@ -233,6 +233,9 @@ def build_parser() -> argparse.ArgumentParser:
                   help="prefill chunk length (default: 8192 on GPUs, 512 elsewhere)")
   ev.add_argument("--cache-len", type=int, default=None,
                   help="one cache size (tokens) for all lengths: one compile per method")
+  ev.add_argument("--batch-size", type=int, default=1, metavar="N",
+                  help="samples of one method and length run together as one batch (default 1; "
+                       "on a GPU, 8-16 at 4K-32K shares each decode step's weight reads)")
   ev.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
   ev.add_argument("--mesh", default=None, metavar="AXIS=N,...", help=_MESH_HELP)
   ev.add_argument("--kv-dtype", default=None, metavar="DTYPE[,DTYPE...]",

@@ -9,9 +9,11 @@ compression sweep runs every method with a budget at each point, full attention 
     jax-longctx eval --task ruler --lengths 4k --methods full,snapkv,tova \
         --compression-ratios 0.25,0.5,0.75 --out DIR
 
-DIR/results.jsonl gets one line per finished sample (appended and synced as it goes, so an
-interrupted sweep resumes where it stopped; a record that the interruption cut short is run
-again); DIR/summary.md and DIR/*.png are rewritten at the end.
+`--batch-size N` runs N samples of one method and length as one batch (records as single runs
+make them, each carrying the batch's timings and size). DIR/results.jsonl gets one line per
+finished sample (appended and synced as it goes, so an interrupted sweep resumes where it
+stopped; a record that the interruption cut short is run again); DIR/summary.md and DIR/*.png
+are rewritten at the end.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import jax
 from jax_longctx import methods as methods_lib
 from jax_longctx.app import tasks as tasks_lib
 from jax_longctx.run.driver import continuation_nll, generate
+from jax_longctx.core.axes import take_rows
 from jax_longctx.core.options import DEFAULT, RunOptions
 from jax_longctx.core.errors import LongctxError
 from jax_longctx.core.progress import progress
@@ -202,38 +205,53 @@ def stored_expected(expected) -> dict:
   return {"expected": expected[:STORED_ANSWERS], "n_expected": len(expected)}
 
 
-def run_sample(lm, task, spec: MethodSpec, sample, options: RunOptions = DEFAULT,
-               cache_len: int | None = None) -> dict:
-  """One sample through one method (`driver`): prediction, score, timings, the method's report.
+def run_batch(lm, task, spec: MethodSpec, samples: list, options: RunOptions = DEFAULT,
+              cache_len: int | None = None, rows: int | None = None) -> list[dict]:
+  """Samples of one task and length through one method (`driver`) as one batch: each sample's
+  prediction, score and the method's report on its own row; the batch's timings.
 
   cache_len: one cache size for every sample (one compile per method for a whole sweep of
-  lengths); None sizes the cache per requested length.
+  lengths); None sizes the cache per requested length. rows: the batch's size (at least the
+  samples'): the last sample is repeated to fill it and its copies' results dropped, so a
+  sweep's last, short batch runs the compiled steps of the full ones.
   """
-  method = spec.method
+  method, n = spec.method, len(samples)
+  samples = list(samples) + [samples[-1]] * (max(rows or n, n) - n)
   if spec.kv_dtype is not None:
     options = options.replace(kv_dtype=spec.kv_dtype)
+  timing = {"batch": len(samples)}
   if task.name == "ppl":
-    prefix, targets = task.split(sample)
-    nll, run = continuation_nll(lm.params, lm.config, method, prefix, targets,
-                                lm.instruction_ids(sample.instruction),
-                                cache_len=cache_len or _cache_len(sample.length, 0),
+    prefixes, targets = zip(*(task.split(s) for s in samples))
+    nll, run = continuation_nll(lm.params, lm.config, method, prefixes, targets,
+                                [lm.instruction_ids(s.instruction) for s in samples],
+                                cache_len=cache_len or _cache_len(samples[0].length, 0),
                                 options=options)
-    return {"prediction": None, "expected": None, "score": float(math.exp(nll.mean())),
-            "nll": nll.round(5).tolist(), "prefill_s": run.prefill_s, "decode_s": run.decode_s,
-            **run.report}
+    timing.update(prefill_s=run.prefill_s, decode_s=run.decode_s)
+    return [{"prediction": None, "expected": None, "score": float(math.exp(nll[i].mean())),
+             "nll": nll[i].round(5).tolist(), **timing, **_row_report(method, run, i)}
+            for i in range(n)]
   if method.needs_instruction:  # CItruS, or a mesh method's query
-    ids, instruction = lm.apart(sample.document, sample.instruction)
-    instructions = [instruction]
+    ids, instructions = zip(*(lm.apart(s.document, s.instruction) for s in samples))
   else:
-    ids, instructions = lm.tokenizer.encode(sample.prompt), None
-  run = generate(lm.params, lm.config, [ids], method, instructions=instructions,
+    ids, instructions = [lm.tokenizer.encode(s.prompt) for s in samples], None
+  run = generate(lm.params, lm.config, ids, method, instructions=instructions,
                  max_new_tokens=task.max_new_tokens, stop_tokens=lm.stop_tokens(),
                  options=options,
-                 cache_len=cache_len or _cache_len(sample.length, task.max_new_tokens))
-  prediction = lm.tokenizer.decode(run.tokens[0])
-  return {"prediction": prediction, **stored_expected(sample.expected),
-          "score": task.score(prediction, sample), "prefill_s": run.prefill_s,
-          "decode_s": run.decode_s, **run.report}
+                 cache_len=cache_len or _cache_len(samples[0].length, task.max_new_tokens))
+  timing.update(prefill_s=run.prefill_s, decode_s=run.decode_s)
+  out = []
+  for i, sample in enumerate(samples[:n]):
+    prediction = lm.tokenizer.decode(run.tokens[i])
+    out.append({"prediction": prediction, **stored_expected(sample.expected),
+                "score": task.score(prediction, sample), **timing,
+                **_row_report(method, run, i)})
+  return out
+
+
+def _row_report(method, run, i: int) -> dict:
+  """The method's report on row i of a run's cache (a batch-1 run: on its whole cache)."""
+  one = run.cache if len(run.prompt_lengths) == 1 else take_rows(run.cache, i, i + 1, "cache")
+  return method.report(one)
 
 
 def plan(task, specs, lengths, depths, samples) -> list[tuple]:
@@ -243,27 +261,43 @@ def plan(task, specs, lengths, depths, samples) -> list[tuple]:
           for spec in specs for length in lengths for i in range(samples)]
 
 
-def made_ahead(task, tokenizer, todo: list[tuple], chat: bool) -> Iterator[tuple]:
-  """(plan entry, its sample) for each entry of `todo` in order, each sample built on a thread
-  while the one before runs: a 1M-token prompt takes 15-20 s on the host that the devices would
-  otherwise wait for (the tokenizer releases the GIL). A failed build raises at its turn."""
+def made_ahead(task, tokenizer, batches: list[list[tuple]], chat: bool) -> Iterator[list]:
+  """[(plan entry, its sample), ...] for each batch of plan entries in order, each batch's
+  samples built on a thread while the batch before runs: a 1M-token prompt takes 15-20 s on the
+  host that the devices would otherwise wait for (the tokenizer releases the GIL). A failed
+  build raises at its turn."""
   with ThreadPoolExecutor(max_workers=1) as pool:
-    def build(entry):
-      _, length, depth, seed = entry
-      return pool.submit(task.make, tokenizer, length, depth, seed, chat=chat)
-    pending = build(todo[0]) if todo else None
-    for i, entry in enumerate(todo):
-      sample = pending.result()
-      pending = build(todo[i + 1]) if i + 1 < len(todo) else None
-      yield entry, sample
+    def build(entries):
+      return pool.submit(lambda: [(e, task.make(tokenizer, e[1], e[2], e[3], chat=chat))
+                                  for e in entries])
+    pending = build(batches[0]) if batches else None
+    for i in range(len(batches)):
+      made = pending.result()
+      pending = build(batches[i + 1]) if i + 1 < len(batches) else None
+      yield made
+
+
+def batched(todo: list[tuple], size: int) -> list[list[tuple]]:
+  """Plan entries in batches of up to `size`, each of one method and one length, in order."""
+  out = []
+  for entry in todo:
+    if out and len(out[-1]) < size and out[-1][0][:2] == entry[:2]:
+      out[-1].append(entry)
+    else:
+      out.append([entry])
+  return out
 
 
 def run_sweep(lm, task_name: str, specs: list[MethodSpec], lengths: list[int],
               depths: list[float], samples: int, out_dir: str, *, chat: bool = False,
               options: RunOptions = DEFAULT, task_options: dict | None = None,
-              cache_len: int | None = None) -> list[dict]:
+              cache_len: int | None = None, batch_size: int = 1) -> list[dict]:
   """task_name: one task, or several (`tasks.expand`: "ruler", "ruler:vt,cwe"), run one after
-  the other into the same results. specs: `MethodSpec.at_points` for a compression sweep."""
+  the other into the same results. specs: `MethodSpec.at_points` for a compression sweep.
+  batch_size: samples of one method and length run as one batch (`run_batch`; the last one
+  filled with copies): fewer, fuller device steps; the records are those of single runs."""
+  if batch_size < 1:
+    raise EvalError(f"a batch holds at least one sample, got {batch_size}")
   task_list = [tasks_lib.get(n, **(task_options or {})) for n in tasks_lib.expand(task_name)]
   for task in task_list:  # a length too short for a task fails here, before anything runs
     for length in lengths:
@@ -282,23 +316,28 @@ def run_sweep(lm, task_name: str, specs: list[MethodSpec], lengths: list[int],
                   if (task.name, p[0].label, p[1], p[2], p[3]) not in seen])
           for task in task_list]
 
-  def samples_in_turn():
-    for task, todo in runs:
-      for entry, sample in made_ahead(task, lm.tokenizer, todo, chat):
-        yield task, entry, sample
+  runs = [(task, batched(todo, batch_size)) for task, todo in runs]
 
-  for task, (spec, length, depth, seed), sample in progress(
-      samples_in_turn(), total=sum(len(todo) for _, todo in runs), desc=f"{task_name} sweep"):
-    rec = {"task": task.name, "method": spec.label, "hparams": spec.method.hparams(),
-           "length": length, "depth": depth, "seed": seed, "n_tokens": sample.n_tokens,
-           "chat": chat, "kv_dtype": spec.kv_dtype or options.kv_dtype or lm.config.dtype}
-    if spec.point is not None:
-      rec.update(base_method=spec.base, **spec.point.fields(length, sample.n_tokens))
-    rec.update(run_sample(lm, task, spec, sample, options, cache_len))
-    rec["peak_bytes"] = _peak_bytes()
-    if writer:
-      append_record(os.path.join(out_dir, RESULTS), rec)
-    done.append(rec)
+  def batches_in_turn():
+    for task, batches in runs:
+      for made in made_ahead(task, lm.tokenizer, batches, chat):
+        yield task, made
+
+  for task, made in progress(batches_in_turn(), total=sum(len(b) for _, b in runs),
+                             desc=f"{task_name} sweep", unit="batch" if batch_size > 1 else "it"):
+    (spec, length, _, _), _ = made[0]
+    results = run_batch(lm, task, spec, [sample for _, sample in made], options, cache_len,
+                        rows=batch_size)
+    for ((_, _, depth, seed), sample), result in zip(made, results):
+      rec = {"task": task.name, "method": spec.label, "hparams": spec.method.hparams(),
+             "length": length, "depth": depth, "seed": seed, "n_tokens": sample.n_tokens,
+             "chat": chat, "kv_dtype": spec.kv_dtype or options.kv_dtype or lm.config.dtype}
+      if spec.point is not None:
+        rec.update(base_method=spec.base, **spec.point.fields(length, sample.n_tokens))
+      rec.update(result, peak_bytes=_peak_bytes())
+      if writer:
+        append_record(os.path.join(out_dir, RESULTS), rec)
+      done.append(rec)
   if writer:
     write_report(done, out_dir)
   return done

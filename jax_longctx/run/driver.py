@@ -26,8 +26,8 @@ from jax_longctx.core.options import DEFAULT, RunOptions
 from jax_longctx.methods.base import Method, get
 from jax_longctx.model import forward
 from jax_longctx.run import sharding
-from jax_longctx.run.generation import (GenerationResult, Sampling, decode, prefill,
-                                        teacher_forced_nll)
+from jax_longctx.run.generation import (GenerationError, GenerationResult, Sampling, decode,
+                                        prefill, teacher_forced_nll)
 from jax_longctx.run.sharding import HostBatch, mesh_step
 
 __all__ = ["continuation_nll", "generate", "uncached_logits"]
@@ -83,28 +83,33 @@ def generate(params, cfg: LlamaConfig, prompts: Sequence[Sequence[int]], method:
                           time.perf_counter() - t1, report, host.rows(last))
 
 
-def continuation_nll(params, cfg: LlamaConfig, method: Method, prefix: Sequence[int],
-                     targets: Sequence[int], instruction: Sequence[int] | None = None, *,
-                     cache_len: int, options: RunOptions = DEFAULT):
-  """Per-token NLL of `targets` fed after `prefix` (teacher forcing). A method that
-  `needs_instruction` has its eviction steered by `instruction`, which is not encoded: the text
-  goes on right after the prefix. Returns (nll [N] float64, a GenerationResult with the timings
-  and the method's report)."""
+def continuation_nll(params, cfg: LlamaConfig, method: Method,
+                     prefixes: Sequence[Sequence[int]], targets: Sequence[Sequence[int]],
+                     instructions: Sequence[Sequence[int]] | None = None, *, cache_len: int,
+                     options: RunOptions = DEFAULT):
+  """Per-token NLL of each row's `targets` (one length for every row) fed after its prefix (any
+  lengths; teacher forcing). A method that `needs_instruction` has its eviction steered by each
+  row's instruction, which is not encoded: the text goes on right after the prefix. Returns
+  (nll [rows, N] float64, a GenerationResult with the timings and the method's report)."""
+  if len({len(t) for t in targets}) > 1:
+    raise GenerationError("continuation_nll: every row's targets must have one length, got "
+                          f"{sorted({len(t) for t in targets})}")
   options = run_options(method, options)
   t0 = time.perf_counter()
   steered = method.needs_instruction
   host, params, prefixes, instructions, rows = HostBatch.enter(
-      params, cfg, options, [prefix], [instruction] if steered else None, [targets])
+      params, cfg, options, prefixes, instructions if steered else None, targets)
   cache, last = prefill(params, cfg, prefixes, method, cache_len=cache_len,
-                        decode_room=len(targets) if steered else None,
+                        decode_room=len(targets[0]) if steered else None,
                         instructions=instructions, encode_instruction=False, options=options)
   jax.block_until_ready(last)
   t1 = time.perf_counter()
   nll, cache = teacher_forced_nll(params, cache, last, np.asarray(rows, np.int32), cfg=cfg,
                                   method=method, options=options)
   cache = host.cache(cache)
-  return np.asarray(nll[0], np.float64), GenerationResult(
-      [], cache, [len(prefix)], t1 - t0, time.perf_counter() - t1, method.report(cache))
+  return host.rows(np.asarray(nll, np.float64)), GenerationResult(
+      [], cache, host.rows([len(p) for p in prefixes]), t1 - t0, time.perf_counter() - t1,
+      method.report(cache))
 
 
 def uncached_logits(params, cfg: LlamaConfig, ids, options: RunOptions = DEFAULT):
