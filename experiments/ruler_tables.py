@@ -23,13 +23,16 @@ records kept. Run a part again until it prints "complete". After each call copy 
 docs/results/ruler/ (every file of a part's directory: results.jsonl, summary.md, plots).
 
 Environment: MODEL (qwen2.5-coder-1.5b), OUT (docs/results/ruler), SEED_FROM (docs/results/ruler),
-SAMPLES (50), PRESS_SAMPLES (20), LONG_SAMPLES (10), DTYPE (bfloat16), DEADLINE (540), CALL_BUDGET
-(510: the estimated seconds one part and one planned call may take). JAX_COMPILATION_CACHE_DIR
+SAMPLES (50), PRESS_SAMPLES (20), LONG_SAMPLES (10), DTYPE (bfloat16), BATCH, DEADLINE (540),
+CALL_BUDGET (510: the estimated seconds one part and one planned call may take). JAX_COMPILATION_CACHE_DIR
 defaults to /tmp/jax_ruler_cache, so later calls on a warm machine reuse compiled programs (set
 it empty for none). Progress: a line per part before and after ("[ruler] PART: done/total
 ..."), the eval's progress bar in between (tqdm, where installed).
 
-Estimates (seconds, one H100 / H200): per sample, max(device, host). Device: prefill by method
+Samples run in batches (`eval --batch-size`): BATCH (default 8 up to 32K, 1 at 64K / 128K)
+sets one size for every part. Estimates (seconds, one H100 / H200): per sample, max(device,
+host), a decode step shared by a batch's rows at DECODE_BATCH_COST (1.5, not measured) times
+one row's. Device: prefill by method
 and length plus the answer's tokens at ~5 ms each (RefreshKV ~12, ReAttention ~6), from the
 committed GPU records of this model (docs/results/{qwen,citrus,resa,refreshkv,reattention}/
 *1.5b*: median prefill 0.06 / 0.22 / 0.34 s at 8K / 16K / 32K for full attention in a process of
@@ -87,8 +90,24 @@ LOAD_S = 60
 HOST_S = {4 * K: 0.04, 8 * K: 0.07, 16 * K: 0.12, 32 * K: 0.23, 64 * K: 0.5, 128 * K: 1.0}
 
 
+# Samples a batch (`eval --batch-size`) by length: up to 32K eight, which share each decode
+# step's weight reads; 64K and 128K one at a time (prefill-bound there).
+BATCH = {n * K: 8 for n in (4, 8, 16, 32)} | {64 * K: 1, 128 * K: 1}
+# A decode step of 8 rows against one row (an estimate, not measured yet: the weights are read
+# once a step; the cache reads and the sampling grow with the rows).
+DECODE_BATCH_COST = 1.5
+
+
+def batch_size(length: int) -> int:
+  return int(os.environ.get("BATCH", BATCH[length]))
+
+
 def sample_seconds(method: str, length: int, task: str) -> float:
-  device = PREFILL[(method, length)] + ANSWER.get(task, 12) * MS_PER_TOKEN.get(method, 5.0) / 1e3
+  """Estimated seconds a sample, in batches of batch_size(length): the prefill per sample, a
+  decode step shared by the batch's rows."""
+  b = batch_size(length)
+  decode = ANSWER.get(task, 12) * MS_PER_TOKEN.get(method, 5.0) / 1e3
+  device = PREFILL[(method, length)] + decode * (DECODE_BATCH_COST if b > 1 else 1.0) / b
   return max(device, HOST_S[length])
 
 
@@ -120,7 +139,8 @@ class Part:
     cmd = [sys.executable, "-m", "jax_longctx", "eval", "--model", os.environ.get(
         "MODEL", "qwen2.5-coder-1.5b"), "--dtype", os.environ.get("DTYPE", "bfloat16"), "--chat",
         "--task", "ruler:" + ",".join(self.tasks), "--lengths", str(self.length),
-        "--samples", str(self.samples), "--methods", self.method, "--out", out_dir]
+        "--samples", str(self.samples), "--methods", self.method, "--out", out_dir,
+        "--batch-size", str(batch_size(self.length))]
     if self.ratios:
       cmd += ["--compression-ratios", ",".join(f"{r:g}" for r in self.ratios)]
     if self.method == "reattention":
