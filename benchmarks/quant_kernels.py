@@ -156,7 +156,9 @@ def time_decode(reps, bw):
 
 def time_decode_tiles(reps, bw):
   """Decode attention over 8-bit K/V at 128K and 1M keys under tilings of the split-K kernel
-  (key tile, warps, stages): an 8-bit tile holds half a bf16 tile's bytes."""
+  (key tile, warps, stages, key splits): an 8-bit tile holds half a bf16 tile's bytes. Key
+  splits: the default plan gives 2 programs per SM (one sequence: 8 KV heads x 33 splits on an
+  H200), whose tiles run one after the other; more splits put more tiles in flight."""
   import itertools
 
   import jax
@@ -169,18 +171,20 @@ def time_decode_tiles(reps, bw):
       q, k, v = _inputs(8, 1, 1, t, dtype)
       pos = jnp.asarray([t - 1])
       read = _nbytes(k, v)
-      for bk, warps, stages in itertools.product((64, 128, 256, 512), (4, 8), (2, 3, 4)):
-        tl = Tiling(block_keys=bk, num_warps=warps, num_stages=stages)
+      for bk, warps, stages, splits in itertools.product((64, 128, 256, 512), (4, 8), (2, 3),
+                                                         (None, 132, 264)):
+        tl = Tiling(block_keys=bk, num_warps=warps, num_stages=stages, key_splits=splits)
         fn = jax.jit(lambda q, k, v, tl=tl: flash_attention(
             q, k, v, causal=True, q_offset=pos, kv_len=pos + 1, kv_layout="BHTD", tiling=tl))
         try:
           med, _ = median_time(lambda: jax.block_until_ready(fn(q, k, v)), warmup=2, reps=reps)
         except Exception as e:  # noqa: BLE001 - a tiling that does not fit is a result
           recs.append({"keys": t, "dtype": dtype, "block_keys": bk, "warps": warps,
-                       "stages": stages, "error": str(e)[:200]})
+                       "stages": stages, "key_splits": splits, "error": str(e)[:200]})
           continue
         recs.append({"keys": t, "dtype": dtype, "block_keys": bk, "warps": warps,
-                     "stages": stages, "ms": med * 1e3, "of_copy_bw": read / med / bw})
+                     "stages": stages, "key_splits": splits, "ms": med * 1e3,
+                     "of_copy_bw": read / med / bw})
       del q, k, v
   return recs
 
