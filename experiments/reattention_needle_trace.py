@@ -12,8 +12,7 @@ table (100 = every needle token attended) and the answer.
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import functools
+import os
 import sys
 
 import jax
@@ -24,33 +23,10 @@ from jax_longctx import load
 
 from jax_longctx.app import tasks
 from jax_longctx.run.generation import Sampling, decode_loop, prefill
-from jax_longctx.methods import get, register
-from jax_longctx.methods.reattention import ReAttention
+from jax_longctx.methods import get
 
-TRACE: dict[tuple[int, int], float] = {}  # (layer, first query position) -> % of needle in scope
-
-
-@register
-@dataclasses.dataclass(frozen=True)
-class TracedReAttention(ReAttention):
-  """ReAttention that reports each scope to the host (diagnostics only)."""
-
-  name = "reattention_traced"
-  needle: tuple[int, ...] = ()
-  from_position: int = 0  # only steps whose last query is at or past this are recorded
-
-  def scope(self, state, q, ctx):
-    sc = super().scope(state, q, ctx)
-    jax.debug.callback(functools.partial(_record, self.needle, self.from_position, ctx.layer),
-                       sc.idx[0], sc.length[0], jnp.max(jnp.where(ctx.valid[0], ctx.q_pos[0], -1)))
-    return sc
-
-
-def _record(needle, from_position, layer, idx, length, last_q):
-  if int(last_q) < from_position:
-    return
-  held = set(np.asarray(idx)[:int(length)].tolist())
-  TRACE[(layer, int(last_q))] = 100.0 * sum(t in held for t in needle) / max(1, len(needle))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from experiments import scope_trace  # noqa: E402
 
 
 def answer_positions(tokenizer, ids, answers) -> list[int]:
@@ -84,20 +60,21 @@ def main() -> None:
                      chat=True)
   ids = lm.tokenizer.encode(sample.prompt)
   needle = answer_positions(lm.tokenizer, ids, sample.expected)
-  method = get("reattention_traced", needle=tuple(needle), from_position=len(ids) - 1)
+  method = get("reattention_traced", steps="all", from_position=len(ids) - 1)
   cache_len = len(ids) + args.steps + 1
   cache, last = prefill(lm.params, lm.config, [ids], method, cache_len=cache_len)
   out, steps, _ = decode_loop(lm.params, cache, last, jnp.asarray([-1], jnp.int32),
                               jax.random.key(0), cfg=lm.config, method=method,
                               max_new_tokens=args.steps, sampling=Sampling())
-  jax.effects_barrier()
+  trace = {(layer, last): 100.0 * np.isin(needle, slots).mean()
+           for (_, layer, last), slots in scope_trace.taken().items()}
   print(f"{args.task} {args.length} depth {args.depth}: needle tokens {needle[0]}..{needle[-1]} "
         f"of {len(ids)}; answer {lm.tokenizer.decode(np.asarray(out)[0].tolist())!r}, "
         f"expected {sample.expected}")
-  steps_seen = sorted({s for _, s in TRACE})
+  steps_seen = sorted({s for _, s in trace})
   print("layer | " + " | ".join(f"q@{s}" for s in steps_seen))
   for layer in range(lm.config.num_layers):
-    print(f"{layer:5d} | " + " | ".join(f"{TRACE.get((layer, s), float('nan')):5.0f}"
+    print(f"{layer:5d} | " + " | ".join(f"{trace.get((layer, s), float('nan')):5.0f}"
                                         for s in steps_seen))
   sys.stdout.flush()
 
