@@ -249,9 +249,11 @@ def run_batch(lm, task, spec: MethodSpec, samples: list, options: RunOptions = D
 
 
 def _row_report(method, run, i: int) -> dict:
-  """The method's report on row i of a run's cache (a batch-1 run: on its whole cache)."""
-  one = run.cache if len(run.prompt_lengths) == 1 else take_rows(run.cache, i, i + 1, "cache")
-  return method.report(one)
+  """The method's report on row i of a run's cache (a batch-1 run: on its whole cache), over
+  the run's own entries (the devices a mesh run spanned)."""
+  if len(run.prompt_lengths) == 1:
+    return run.report
+  return {**run.report, **method.report(take_rows(run.cache, i, i + 1, "cache"))}
 
 
 def plan(task, specs, lengths, depths, samples) -> list[tuple]:

@@ -76,11 +76,17 @@ def generate(params, cfg: LlamaConfig, prompts: Sequence[Sequence[int]], method:
   rows, cache = decode(params, cfg, cache, last, method, max_new_tokens=max_new_tokens,
                        sampling=sampling, stop_tokens=stop_tokens, options=options)
   cache = host.cache(cache)
+  return GenerationResult(host.rows(rows), cache, host.rows(lengths), t1 - t0,
+                          time.perf_counter() - t1, _report(method, cache, options),
+                          host.rows(last))
+
+
+def _report(method: Method, cache, options: RunOptions) -> dict:
+  """The method's report on a run's cache, and the devices a mesh run spanned."""
   report = method.report(cache)
   if options.mesh is not None:
     report["devices"] = options.mesh.size
-  return GenerationResult(host.rows(rows), cache, host.rows(lengths), t1 - t0,
-                          time.perf_counter() - t1, report, host.rows(last))
+  return report
 
 
 def continuation_nll(params, cfg: LlamaConfig, method: Method,
@@ -109,7 +115,7 @@ def continuation_nll(params, cfg: LlamaConfig, method: Method,
   cache = host.cache(cache)
   return host.rows(np.asarray(nll, np.float64)), GenerationResult(
       [], cache, host.rows([len(p) for p in prefixes]), t1 - t0, time.perf_counter() - t1,
-      method.report(cache))
+      _report(method, cache, options))
 
 
 def uncached_logits(params, cfg: LlamaConfig, ids, options: RunOptions = DEFAULT):
