@@ -1,9 +1,11 @@
 """ReAttention on an 8-bit cache: how often each decode step selects the scope the bf16 cache
 selects (issue 54's "share of decode steps whose top-k scope equals bf16's").
 
-    python experiments/reattention_scope_agreement.py --model default --length 16k --texts 4 \
-        --n-scored 32 --kv-dtypes int8,float8_e4m3fn --method-arg n_local=2048 \
-        --method-arg clip=191 --out docs/results/kv_quant/smollm2/reattention_scope_16k
+    python experiments/reattention_scope_agreement.py --model default --length 16k --texts 2 \
+        --n-scored 16 --kv-dtypes int8,float8_e4m3fn --method-arg n_local=2048 \
+        --method-arg clip=191 --out docs/results/kv_quant/smollm2-135m/reattention_scope_16k_cpu
+
+(about an hour on 2 CPU cores: docs/CLAIMS.md has its table.)
 
 The ppl task's evaluation texts (the same texts as `eval --task ppl`) are prefilled and their
 last n_scored tokens fed one at a time (teacher forcing: every cache dtype sees the same tokens),
