@@ -12,24 +12,6 @@ from jax_longctx.core.config import LlamaConfig, RopeScaling  # noqa: E402
 from jax_longctx.model import random_params  # noqa: E402
 
 
-# The files that run for minutes, longest first: handed to the xdist workers before the others,
-# so that the two workers of `-n 2 --dist loadfile` end together (xdist's own order, most tests
-# first, left these few-test files for last, where one worker ran on alone for minutes).
-LONG_FILES = ("test_tensor_parallel.py", "test_kv_quant_mesh.py", "test_kv_quant.py",
-              "test_methods.py", "test_calibration.py", "test_citrus.py", "test_cli.py",
-              "test_distributed.py", "test_train_cpt.py")
-
-
-def pytest_configure(config):
-  if hasattr(config.option, "loadscopereorder"):  # pytest-xdist: keep the order set below
-    config.option.loadscopereorder = False
-
-
-def pytest_collection_modifyitems(items):
-  rank = {name: i for i, name in enumerate(LONG_FILES)}
-  items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FILES)))  # stable
-
-
 @pytest.fixture(autouse=True, scope="module")
 def _drop_compiled_programs():
   """Frees each test module's compiled programs when it ends. XLA's CPU executables stay mapped
