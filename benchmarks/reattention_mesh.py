@@ -4,6 +4,7 @@ per device, with the pre-RoPE cache split along the tokens over N devices (issue
     python benchmarks/reattention_mesh.py --out $OUT/reattention_mesh.json          # 2^21, all GPUs
     python benchmarks/reattention_mesh.py --contexts 1048576 --devices 4,1 --out ...  # 4 GPUs, then 1
     python benchmarks/reattention_mesh.py --contexts 1048576 --shard-blocks 0,2048 --out ...  # layouts
+    python benchmarks/reattention_mesh.py --contexts 262144 --devices 2 --model-splits 1,2 --out ...
     python benchmarks/reattention_mesh.py --smoke --out /tmp/smoke.json             # CPU, tiny
 
 Random bf16 weights at the Llama-3.2-3B shape (speed does not depend on the values), replicated
@@ -14,7 +15,9 @@ chunks after it; `prefill_s` is the whole prefill), then `--decode-reps` timed r
 `--decode-tokens` greedy tokens after one warm-up run (the on-device decode loop; ms/token = run
 time / tokens, the median reported). `--shard-blocks`: the cache's layouts over the devices
 (`reattention_mesh.shard_block`; 0 contiguous shards, else blocks of that many tokens dealt in
-turn). Each (context, mesh size, layout) runs in its own process, so
+turn). `--model-splits`: the devices as `ctx` x `model` (M > 1 splits the weights, heads and
+dense work M ways, Megatron-style, and the tokens over the other N / M devices; 1: every device
+holds the whole model). Each (context, mesh size, layout, split) runs in its own process, so
 `peak_bytes` (per device, from its memory stats) is that run's. Progress lines go to stderr; the
 JSON file `--out` is rewritten after every run ({facts, records}), so a run cut off keeps what
 it measured.
@@ -52,12 +55,19 @@ def _peaks(devices) -> list:
   return [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in devices]
 
 
+def _bytes_on(tree, device) -> int:
+  """Bytes of `tree`'s shards held by `device`."""
+  import jax
+  return sum(s.data.nbytes for x in jax.tree.leaves(tree) for s in x.addressable_shards
+             if s.device == device)
+
+
 def child(args) -> dict:
   import jax
   import numpy as np
-  from jax.sharding import Mesh
 
   from jax_longctx import preset
+  from jax_longctx.core.mesh import make_mesh
   from jax_longctx.core.options import RunOptions
   from jax_longctx.run.generation import decode, prefill
   from jax_longctx.run.sharding import placed
@@ -79,15 +89,18 @@ def child(args) -> dict:
   devices = jax.local_devices()[:args.devices or None]
   if args.devices and len(devices) < args.devices:
     raise SystemExit(f"{args.devices} devices asked for, {len(devices)} visible")
-  n_dev, c = len(devices), args.context
-  options = RunOptions(mesh=Mesh(np.array(devices), ("ctx",)), kv_dtype=args.kv_dtype or None)
+  n_dev, c, m = len(devices), args.context, args.model_splits
+  if n_dev % m:
+    raise SystemExit(f"--model-splits {m} does not divide {n_dev} devices")
+  mesh = make_mesh(f"ctx={n_dev // m},model={m}", devices)
+  options = RunOptions(mesh=mesh, kv_dtype=args.kv_dtype or None)
   room = args.decode_tokens * (args.decode_reps + 1)
-  unit = math.lcm(128, method.cache_unit(n_dev))
+  unit = math.lcm(128, method.cache_unit(n_dev // m))
   cache_len = -(-(c + room) // unit) * unit
-  _stage(f"context {c} over {n_dev} devices: cache {cache_len} slots "
-         f"({cache_len // n_dev} a device), {args.method}, chunk {chunk}, "
+  _stage(f"context {c} over ctx={n_dev // m} x model={m}: cache {cache_len} slots "
+         f"({cache_len // (n_dev // m)} a ctx shard), {args.method}, chunk {chunk}, "
          f"shard_block {args.shard_blocks}")
-  params = placed(random_params(cfg), cfg, options.mesh)  # copied onto every device of ctx
+  params = placed(random_params(cfg), cfg, options.mesh)  # copied along ctx, split along model
   prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, c).tolist()
   marks = {}
 
@@ -107,9 +120,10 @@ def child(args) -> dict:
   jax.block_until_ready((cache, last))  # RESA's end of prefill included
   t_end = time.perf_counter()
   n_chunks = -(-c // chunk)
-  cache_bytes = sum(x.nbytes for x in jax.tree.leaves(cache)) // n_dev  # a device's share
-  weights_bytes = sum(x.nbytes for x in jax.tree.leaves(params))  # every device holds them
+  cache_bytes = _bytes_on(cache, devices[0])  # a device's share
+  weights_bytes = _bytes_on(params, devices[0])
   rec = {"model": args.model, "method": args.method, "smoke": args.smoke, "devices": n_dev,
+         "model_split": m,
          "context": c, "cache_len": cache_len, "chunk": chunk, "hparams": method.hparams(),
          "kv_dtype": options.kv_dtype, "cache_bytes_per_device": cache_bytes,
          "resident_bytes_per_device": cache_bytes + weights_bytes,
@@ -135,11 +149,12 @@ def child(args) -> dict:
   return rec
 
 
-def _run_child(args, context: int, devices: int, block: int) -> dict:
-  """One context on one mesh size and layout in its own process (its peak memory alone); its
-  record, or its error."""
+def _run_child(args, context: int, devices: int, block: int, split: int) -> dict:
+  """One context on one mesh size, layout and model split in its own process (its peak memory
+  alone); its record, or its error."""
   cmd = ["--context", str(context), "--method", args.method, "--model", args.model,
          "--devices", str(devices), "--shard-blocks", str(block), "--chunk", str(args.chunk),
+         "--model-splits", str(split),
          "--decode-tokens", str(args.decode_tokens), "--decode-reps", str(args.decode_reps),
          "--kv-dtype", args.kv_dtype, "--vote-stride", str(args.vote_stride)]
   env = dict(os.environ)
@@ -151,7 +166,7 @@ def _run_child(args, context: int, devices: int, block: int) -> dict:
   run = run_child(__file__, cmd, env=env, echo_stderr=True)
   if run.records:
     return run.records[0]
-  return {"context": context, "devices": devices, "shard_block": block,
+  return {"context": context, "devices": devices, "shard_block": block, "model_split": split,
           "error": f"exit {run.returncode}: {run.stderr[-2000:]}"}
 
 
@@ -169,6 +184,9 @@ def main() -> None:
   p.add_argument("--shard-blocks", default="0",
                  help="comma list of layouts, each run per context and mesh size: 0 contiguous "
                       "shards, else a block size (a multiple of --chunk) dealt to the devices")
+  p.add_argument("--model-splits", default="1",
+                 help="comma list of model-axis sizes, each run per mesh size: the devices as "
+                      "ctx=N/M x model=M (M > 1 splits the weights and dense work)")
   p.add_argument("--decode-tokens", type=int, default=32, help="tokens per timed decode run")
   p.add_argument("--kv-dtype", default="", help="the cache in 8 bits: int8 or float8_e4m3fn")
   p.add_argument("--vote-stride", type=int, default=0, help="ReAttention's vote_stride (0: its own)")
@@ -180,6 +198,7 @@ def main() -> None:
   args = p.parse_args()
   if args.child:
     args.devices, args.shard_blocks = int(args.devices), int(args.shard_blocks)
+    args.model_splits = int(args.model_splits)
     child_result(child(args))
     return
   if not args.out:
@@ -190,10 +209,11 @@ def main() -> None:
     if args.contexts == str(2 ** 21):
       args.contexts = "200,520"
   records = []
-  runs = [(int(c), int(n), int(b)) for c in args.contexts.split(",")
-          for n in args.devices.split(",") for b in args.shard_blocks.split(",")]
-  for context, devices, block in runs:
-    records.append(_run_child(args, context, devices, block))
+  runs = [(int(c), int(n), int(b), int(m)) for c in args.contexts.split(",")
+          for n in args.devices.split(",") for b in args.shard_blocks.split(",")
+          for m in args.model_splits.split(",") if int(n) == 0 or int(n) % int(m) == 0]
+  for context, devices, block, split in runs:
+    records.append(_run_child(args, context, devices, block, split))
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
       json.dump({"argv": sys.argv[1:], "records": records}, f, indent=1)
