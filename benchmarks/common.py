@@ -42,6 +42,13 @@ def jax_peak_bytes() -> int | None:
   return stats.get("peak_bytes_in_use")
 
 
+def bytes_on(tree, device) -> int:
+  """Bytes of `tree`'s arrays that `device` holds (its shards; a whole array where unsharded)."""
+  import jax
+  return sum(s.data.nbytes for x in jax.tree.leaves(tree) for s in x.addressable_shards
+             if s.device == device)
+
+
 def write_json(path: str, record: dict) -> None:
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   with open(path, "a") as f:

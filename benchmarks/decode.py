@@ -33,7 +33,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import common  # noqa: E402
-from benchmarks.common import (child_result, device_facts, jax_peak_bytes,  # noqa: E402
+from benchmarks.common import (bytes_on, child_result, device_facts, jax_peak_bytes,  # noqa: E402
                                median_time, run_child, write_json)
 
 
@@ -219,6 +219,10 @@ def run_jax(args) -> dict:
   if mesh is not None:  # what one device reads: its weights, its rows' KV of its heads
     model, data = (mesh.shape[a] for a in ("model", "data"))
     wbytes, kvbytes = wbytes // model, kvbytes * max(model // cfg.num_kv_heads, 1) // (model * data)
+  # A method that keeps fewer slots than the context (SnapKV's budget, a streaming window) reads
+  # at most what one device holds of its cache.
+  kvbytes = min(kvbytes, bytes_on(state["cache"], jax.devices()[0] if mesh is None
+                                  else mesh.devices.flat[0]))
   report = method.report(state["cache"])
   weights_total = sum(x.nbytes for x in jax.tree.leaves(params))
   return {**report, "hparams": method.hparams(), "kv_dtype": options.kv_dtype,

@@ -36,7 +36,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import child_result, device_facts, run_child  # noqa: E402
+from benchmarks.common import bytes_on, child_result, device_facts, run_child  # noqa: E402
 
 SMOKE_DEVICES = 8
 # A tiny model of the 3B layout (GQA, llama3 RoPE) and a ReAttention scope to match: selection
@@ -53,13 +53,6 @@ def _stage(msg: str) -> None:
 def _peaks(devices) -> list:
   """Peak bytes in use on each device (None where the platform keeps no statistics)."""
   return [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in devices]
-
-
-def _bytes_on(tree, device) -> int:
-  """Bytes of `tree`'s shards held by `device`."""
-  import jax
-  return sum(s.data.nbytes for x in jax.tree.leaves(tree) for s in x.addressable_shards
-             if s.device == device)
 
 
 def child(args) -> dict:
@@ -120,8 +113,8 @@ def child(args) -> dict:
   jax.block_until_ready((cache, last))  # RESA's end of prefill included
   t_end = time.perf_counter()
   n_chunks = -(-c // chunk)
-  cache_bytes = _bytes_on(cache, devices[0])  # a device's share
-  weights_bytes = _bytes_on(params, devices[0])
+  cache_bytes = bytes_on(cache, devices[0])  # a device's share
+  weights_bytes = bytes_on(params, devices[0])
   rec = {"model": args.model, "method": args.method, "smoke": args.smoke, "devices": n_dev,
          "model_split": m,
          "context": c, "cache_len": cache_len, "chunk": chunk, "hparams": method.hparams(),
