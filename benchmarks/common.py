@@ -252,7 +252,8 @@ def launched_ops(jitted, *args) -> list[str]:
 
 def device_kernel_times(run, calls: int, per_call: int = 1) -> list[dict]:
   """Device kernels that `run()` launches, from a profiler trace of `calls` runs: name, launches
-  and microseconds per unit (a run does `per_call` units, e.g. layers), longest first."""
+  and microseconds per unit (a run does `per_call` units, e.g. layers) and per device (a run
+  over several devices: their mean), longest first."""
   import glob
   import gzip
   import tempfile
@@ -272,7 +273,7 @@ def device_kernel_times(run, calls: int, per_call: int = 1) -> list[dict]:
   for e in events:
     if e.get("ph") == "X" and e.get("pid") in device and "dur" in e:
       total.setdefault(e["name"], []).append(float(e["dur"]))
-  units = calls * per_call
+  units = calls * per_call * max(len(device), 1)
   rows = [{"kernel": name[:120], "launches": len(d) / units, "us": sum(d) / units}
           for name, d in total.items()]
   return sorted(rows, key=lambda r: -r["us"])

@@ -6,6 +6,8 @@
     python benchmarks/decode.py --meshes "none;model=2;data=2" --batches 8 ...  # 1 GPU vs 2
     python benchmarks/decode.py --kv-dtypes "none;int8;float8_e4m3fn" ...  # the cache in 8 bits
     python benchmarks/decode.py --contexts 1048576 --fill-cache ...  # decode only, no prefill
+    python benchmarks/decode.py --meshes "none;model=2" --fill-cache --kernel-profile 15 ...
+        # where a step's time goes, per device: the all-reduces of tensor parallel show there
 
 Random bf16 weights at the named model's shape (speed does not depend on the values). Each
 (impl, context, batch) runs in its own process so peak memory is per configuration. Decode is
@@ -144,7 +146,8 @@ def run_jax(args) -> dict:
   _stage("params ready")
   b, ctx = args.batch, args.context
   chunk = method.prefill_chunk or args.chunk  # as generation.prefill: the method's own, if any
-  cache_len = -(-(ctx + args.new_tokens * (args.reps + 2)) // 128) * 128
+  loops = args.reps + 2 + (2 if args.kernel_profile else 0)  # the decode loops the cache takes
+  cache_len = -(-(ctx + args.new_tokens * loops) // 128) * 128
   tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (b, ctx)).astype(np.int32)
   plen = jnp.full((b,), ctx, jnp.int32)
   tokens = jnp.asarray(tokens)
@@ -223,6 +226,8 @@ def run_jax(args) -> dict:
   # at most what one device holds of its cache.
   kvbytes = min(kvbytes, bytes_on(state["cache"], jax.devices()[0] if mesh is None
                                   else mesh.devices.flat[0]))
+  kernels = (common.device_kernel_times(decode, calls=1, per_call=args.new_tokens - 1)
+             [:args.kernel_profile] if args.kernel_profile else None)
   report = method.report(state["cache"])
   weights_total = sum(x.nbytes for x in jax.tree.leaves(params))
   return {**report, "hparams": method.hparams(), "kv_dtype": options.kv_dtype,
@@ -234,6 +239,7 @@ def run_jax(args) -> dict:
           "prefill_chunk": chunk, "prefill_s": prefill_s, "prefill_host_enqueue_s": host_s,
           "prefill_first_chunk_s": first, "decode_ms": per_token * 1e3,
           "decode_times_s": times, "decode_compile_s": decode_compile_s,
+          **({"kernels_per_token": kernels} if kernels is not None else {}),
           "weight_bytes": wbytes, "kv_bytes": kvbytes, "peak_bytes": jax_peak_bytes(),
           "device_count": 1 if mesh is None else mesh.size,
           "peak_bytes_per_device": [(d.memory_stats() or {}).get("peak_bytes_in_use")
@@ -325,6 +331,9 @@ def main() -> None:
                       "float8_e4m3fn")
   p.add_argument("--fill-cache", action="store_true",
                  help="decode only, over a cache filled with random K/V (no prefill)")
+  p.add_argument("--kernel-profile", type=int, default=0, metavar="N",
+                 help="record the N longest device kernels of a decode step (a traced loop "
+                      "after the timed ones; per device on a mesh: the collectives show there)")
   p.add_argument("--key-smoothing", action="store_true",
                  help="the weights with key smoothing (run/key_smoothing.py), as an 8-bit load")
   p.add_argument("--new-tokens", type=int, default=64)
@@ -372,6 +381,7 @@ def main() -> None:
             "--label", label, "--mesh", mesh, "--kv-dtype", kv,
             *(["--fill-cache"] if args.fill_cache else []),
             *(["--key-smoothing"] if args.key_smoothing else []),
+            "--kernel-profile", str(args.kernel_profile),
             *[x for a in margs for x in ("--method-arg", a)],
             *[x for a in kopts for x in ("--kernel-option", a)]], echo_stderr=True)
         rec = run.records[-1] if run.records else {
