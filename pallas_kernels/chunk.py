@@ -14,11 +14,13 @@ dot_product_attention`, which returns the softmax statistics in fp32 (the public
 guarded: `cudnn_available()` is False when that function is missing or its signature changed,
 and the chunk then runs the Pallas flash-attention kernel (tests cover both routes).
 
-A quantized cache (quant.Quantized, 8-bit values and a scale per key and head) cannot go to cuDNN:
-the chunk is then one `flash_attention` call with the offset over the cache, which holds the
-chunk's own keys too (quantized, as decode will read them; k/v_chunk go unused): on Hopper the
-Mosaic GPU kernel, which dequantizes each K/V tile once into shared memory, elsewhere the Triton
-kernel, which converts the tiles in registers.
+A quantized cache (quant.Quantized, 8-bit values and a scale per key and head) cannot go to cuDNN.
+On a GPU, while the dequantized copy fits `KernelOptions.prefill_dequantize_bytes`, the cache is
+dequantized to the queries' dtype and the chunk takes the bf16 route: the attention of a 4096-query
+chunk is compute-bound, so one pass over the 8-bit cache costs a few percent of it, while the
+8-bit flash kernel runs at about half the bf16 kernel's rate. Otherwise (longer caches, TPUs, the
+interpreter) the chunk is one `flash_attention` call with the offset over the 8-bit cache, which
+holds the chunk's own keys too (quantized, as decode will read them; k/v_chunk go unused).
 """
 
 from __future__ import annotations
@@ -120,6 +122,15 @@ def cudnn_route(q, k_cache, backend: str, kv_layout: str = "BTHD",
           and q.dtype in (jnp.bfloat16, jnp.float16) and q.dtype == k_cache.dtype)
 
 
+def dequantize_first(q, k_cache, variant, options: KernelOptions = DEFAULT) -> bool:
+  """Whether a chunk over this 8-bit cache runs on its bf16 copy (module docstring): on a native
+  GPU, the copy of K and V at most `options.prefill_dequantize_bytes`."""
+  if not quant.is_quantized(k_cache) or variant.kind != "gpu" or variant.interpret:
+    return False
+  copy = 2 * k_cache.values.size * jnp.dtype(q.dtype).itemsize
+  return copy <= options.prefill_dequantize_bytes
+
+
 def chunk_attention(q, k_cache, v_cache, k_chunk, v_chunk, q_offset, *, kv_layout: str = "BTHD",
                     scale: float | None = None, backend: str = "auto",
                     use_cudnn: bool | None = None, options: KernelOptions = DEFAULT):
@@ -135,6 +146,9 @@ def chunk_attention(q, k_cache, v_cache, k_chunk, v_chunk, q_offset, *, kv_layou
   b, c, _, d = q.shape
   scale = float(scale) if scale is not None else d ** -0.5
   q_off = layout.per_batch(q_offset, b, 0)
+  if dequantize_first(q, k_cache, backend_lib.resolve(backend), options):
+    k_cache, v_cache, k_chunk, v_chunk = (quant.dequantize(x, q.dtype)
+                                          for x in (k_cache, v_cache, k_chunk, v_chunk))
   if use_cudnn is None:
     use_cudnn = cudnn_route(q, k_cache, backend, kv_layout, options)
   elif use_cudnn and quant.is_quantized(k_cache):

@@ -57,6 +57,14 @@ class KernelOptions:
   # k best keys in the kernel's running set (its selection rounds). top_k = 1 keeps its running
   # argmax either way.
   topk_many_rows: str = "segments"
+  # A prefill chunk over an 8-bit cache on a GPU: the cache (this layer's, this device's share)
+  # is dequantized to the queries' dtype and the chunk runs the bf16 route (Mosaic, else cuDNN)
+  # when that copy takes at most this many bytes; else the 8-bit flash kernel reads the cache
+  # (Triton: the Mosaic 8-bit path hung on an H200), which ran 4096-query chunks at 0.4-0.5x the
+  # bf16 Mosaic kernel. The chunk's attention is compute-bound, so a pass over the cache is a
+  # few percent of it; the cap bounds the transient copy (1 GiB: 256K tokens of 8 KV heads x 128).
+  # 0: never.
+  prefill_dequantize_bytes: int = 1 << 30
 
   def __post_init__(self):
     for field in ("prefill_impl", "topk_impl"):

@@ -262,6 +262,39 @@ def test_chunk_over_a_quantized_cache():
     chunk_attention(q, k, v, own, own, off, kv_layout="BHTD", use_cudnn=True)
 
 
+def test_chunk_over_a_quantized_cache_dequantizes_it_first_within_the_cap(monkeypatch):
+  """On a native GPU a prefill chunk over an 8-bit cache runs the bf16 route on a dequantized
+  copy while the copy fits `prefill_dequantize_bytes` (the jaxpr makes it), and reads the 8-bit
+  cache otherwise; both agree with the reference. The interpreter stands in for the GPU."""
+  from pallas_kernels.options import KernelOptions
+  b, c, h, kvh, t, d = 2, 16, 6, 2, 96, 64
+  q, k, v = qkv(12, b, c, h, kvh, t, d, "BHTD", jnp.float32, jnp.int8)
+  off = jnp.asarray([37, 5], jnp.int32)
+  own = jnp.zeros((b, c, kvh, d), jnp.float32)
+  copy = 2 * k.values.size * 4  # K and V in fp32, q's dtype
+  native = Variant("gpu", False)
+  assert chunk_module.dequantize_first(q, k, native)
+  assert chunk_module.dequantize_first(q, k, native, KernelOptions(prefill_dequantize_bytes=copy))
+  assert not chunk_module.dequantize_first(
+      q, k, native, KernelOptions(prefill_dequantize_bytes=copy - 1))
+  assert not chunk_module.dequantize_first(q, k, Variant("gpu", True))  # the interpreter
+  assert not chunk_module.dequantize_first(q, k, Variant("tpu", False))
+  assert not chunk_module.dequantize_first(q, k.values.astype(jnp.float32), native)
+  ref = reference.flash_attention(q, k, v, causal=True, q_offset=off, kv_len=off + c,
+                                  scale=d ** -0.5, kv_layout="BHTD")
+  for cap, copies in ((copy, 1), (0, 0)):
+    options = KernelOptions(prefill_dequantize_bytes=cap)
+    monkeypatch.setattr(chunk_module, "dequantize_first",
+                        lambda q, k, variant, options=options, real=chunk_module.dequantize_first:
+                        real(q, k, Variant("gpu", False), options))
+    fn = lambda q, k, v, off: chunk_attention(  # noqa: E731
+        q, k, v, own, own, off, kv_layout="BHTD", backend="gpu", options=options)
+    made = _float_temporaries(jax.make_jaxpr(fn)(q, k, v, off).jaxpr, k.values.size)
+    assert len([m for m in made if m[1] == f"float32[{b},{kvh},{t},{d}]"]) >= copies, made
+    assert (copies == 0) == (made == []), made
+    assert_close(fn(q, k, v, off), ref, "fp32")
+
+
 def test_quantized_kv_errors():
   q, k, v = qkv(2, 1, 2, 4, 2, 40, 64, "BTHD", jnp.bfloat16, jnp.int8)
   idx = jnp.zeros((1, 2, 8), jnp.int32)
