@@ -270,10 +270,12 @@ def device_kernel_times(run, calls: int, per_call: int = 1) -> list[dict]:
   device = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
             and str(e["args"].get("name", "")).startswith("/device:")}
   total: dict[str, list[float]] = {}
+  busy = set()  # devices that ran a kernel: a one-device run on a host of several lists them all
   for e in events:
     if e.get("ph") == "X" and e.get("pid") in device and "dur" in e:
       total.setdefault(e["name"], []).append(float(e["dur"]))
-  units = calls * per_call * max(len(device), 1)
+      busy.add(e["pid"])
+  units = calls * per_call * max(len(busy), 1)
   rows = [{"kernel": name[:120], "launches": len(d) / units, "us": sum(d) / units}
           for name, d in total.items()]
   return sorted(rows, key=lambda r: -r["us"])
