@@ -6,7 +6,7 @@ on the device, then timed against the same kernels over bf16 K/V.
 
 Checks (each kernel, int8 and float8_e4m3fn, random inputs with outlier key channels): flash
 attention prefill (causal at a query offset, use_cudnn=False: the Triton kernel, which 8-bit K/V
-take on a GPU), split-K decode, chunk_attention over a quantized cache, gathered attention
+take on a GPU when a chunk does not dequantize the cache first), split-K decode, chunk_attention over a quantized cache, gathered attention
 rotating pre-RoPE keys, top-k (Triton prefill rows, decode's block path): the largest error
 against the jnp reference that dequantizes first (attention), the share of indices equal to the
 reference's (top-k; exact ties cannot be guaranteed on random data, so the scores at the
@@ -16,7 +16,8 @@ Timings (median of --reps after a warm-up; Llama-3.1-8B's attention shape: 32 qu
 KV heads, d 128, batch 1): decode attention over 32K / 128K / 1M keys and decode top-4 over the
 same, each with the bytes it reads (8-bit values and fp32 scales, or bf16) over its time beside
 the device's copy bandwidth measured in the same run; a 4096-query prefill chunk at offsets 28K
-and 124K (chunk_attention, as full attention's prefill runs it) and a 512-query top-4 over 32K /
+and 124K (chunk_attention, as full attention's prefill runs it: over an 8-bit cache its
+dequantized copy and the bf16 kernel, KernelOptions.prefill_dequantize_bytes) and a 512-query top-4 over 32K /
 128K keys.
 """
 
