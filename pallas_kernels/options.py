@@ -74,6 +74,9 @@ class KernelOptions:
       raise ValueError(f"topk_few_rows={self.topk_few_rows!r} must be one of {TOPK_FEW_ROWS}")
     if self.topk_many_rows not in TOPK_MANY_ROWS:
       raise ValueError(f"topk_many_rows={self.topk_many_rows!r} must be one of {TOPK_MANY_ROWS}")
+    if not isinstance(self.prefill_dequantize_bytes, int) or self.prefill_dequantize_bytes < 0:
+      raise ValueError(f"prefill_dequantize_bytes={self.prefill_dequantize_bytes!r} must be a "
+                       "byte count >= 0 (0: never)")
     if self.topk_selection not in TOPK_SELECTIONS:
       raise ValueError(f"topk_selection={self.topk_selection!r} must be one of {TOPK_SELECTIONS}")
 

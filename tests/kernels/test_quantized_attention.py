@@ -262,13 +262,14 @@ def test_chunk_over_a_quantized_cache():
     chunk_attention(q, k, v, own, own, off, kv_layout="BHTD", use_cudnn=True)
 
 
-def test_chunk_over_a_quantized_cache_dequantizes_it_first_within_the_cap(monkeypatch):
+@pytest.mark.parametrize("kv_dtype", [jnp.int8, F8])
+def test_chunk_over_a_quantized_cache_dequantizes_it_first_within_the_cap(monkeypatch, kv_dtype):
   """On a native GPU a prefill chunk over an 8-bit cache runs the bf16 route on a dequantized
   copy while the copy fits `prefill_dequantize_bytes` (the jaxpr makes it), and reads the 8-bit
   cache otherwise; both agree with the reference. The interpreter stands in for the GPU."""
   from pallas_kernels.options import KernelOptions
   b, c, h, kvh, t, d = 2, 16, 6, 2, 96, 64
-  q, k, v = qkv(12, b, c, h, kvh, t, d, "BHTD", jnp.float32, jnp.int8)
+  q, k, v = qkv(12, b, c, h, kvh, t, d, "BHTD", jnp.float32, kv_dtype)
   off = jnp.asarray([37, 5], jnp.int32)
   own = jnp.zeros((b, c, kvh, d), jnp.float32)
   copy = 2 * k.values.size * 4  # K and V in fp32, q's dtype
@@ -280,6 +281,8 @@ def test_chunk_over_a_quantized_cache_dequantizes_it_first_within_the_cap(monkey
   assert not chunk_module.dequantize_first(q, k, Variant("gpu", True))  # the interpreter
   assert not chunk_module.dequantize_first(q, k, Variant("tpu", False))
   assert not chunk_module.dequantize_first(q, k.values.astype(jnp.float32), native)
+  with pytest.raises(ValueError, match="prefill_dequantize_bytes=-1 must be a byte count"):
+    KernelOptions(prefill_dequantize_bytes=-1)
   ref = reference.flash_attention(q, k, v, causal=True, q_offset=off, kv_len=off + c,
                                   scale=d ** -0.5, kv_layout="BHTD")
   for cap, copies in ((copy, 1), (0, 0)):
@@ -289,7 +292,8 @@ def test_chunk_over_a_quantized_cache_dequantizes_it_first_within_the_cap(monkey
                         real(q, k, Variant("gpu", False), options))
     fn = lambda q, k, v, off: chunk_attention(  # noqa: E731
         q, k, v, own, own, off, kv_layout="BHTD", backend="gpu", options=options)
-    made = _float_temporaries(jax.make_jaxpr(fn)(q, k, v, off).jaxpr, k.values.size)
+    made = [m for m in _float_temporaries(jax.make_jaxpr(fn)(q, k, v, off).jaxpr, k.values.size)
+            if m[1].startswith("float32")]  # q's dtype (the 8-bit route pads E4M3 values)
     assert len([m for m in made if m[1] == f"float32[{b},{kvh},{t},{d}]"]) >= copies, made
     assert (copies == 0) == (made == []), made
     assert_close(fn(q, k, v, off), ref, "fp32")
