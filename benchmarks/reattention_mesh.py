@@ -63,9 +63,8 @@ def child(args) -> dict:
   from jax_longctx.core.mesh import make_mesh
   from jax_longctx.core.options import RunOptions
   from jax_longctx.run.generation import decode, prefill
-  from jax_longctx.run.sharding import placed
   from jax_longctx.methods import get
-  from jax_longctx.model import random_params
+  from jax_longctx.model import random_on_mesh
 
   cfg = preset(args.model, dtype="bfloat16")
   settings = dict(SMOKE_METHOD) if args.smoke else {}
@@ -93,7 +92,9 @@ def child(args) -> dict:
   _stage(f"context {c} over ctx={n_dev // m} x model={m}: cache {cache_len} slots "
          f"({cache_len // (n_dev // m)} a ctx shard), {args.method}, chunk {chunk}, "
          f"shard_block {args.shard_blocks}")
-  params = placed(random_params(cfg), cfg, options.mesh)  # copied along ctx, split along model
+  # drawn straight into their shards (copied along ctx, split along model): no device holds the
+  # whole model, so the 70B shape runs on model=2 or 4
+  params = random_on_mesh(cfg, options.mesh)
   prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, c).tolist()
   marks = {}
 
