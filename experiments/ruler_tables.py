@@ -22,6 +22,12 @@ stopped at DEADLINE seconds after `run` started (default 540: under a 10-minute 
 records kept. Run a part again until it prints "complete". After each call copy OUT's files into
 docs/results/ruler/ (every file of a part's directory: results.jsonl, summary.md, plots).
 
+GPUS=N (default 1): on a machine of N GPUs, `run` deals its parts to N processes, one a GPU
+(CUDA_VISIBLE_DEVICES), the longest first onto the least loaded, each writing under its own
+/tmp/ruler_lanes/<i>; when they end (by DEADLINE) their records are united into OUT and the
+machine's state. `GPUS=N plan` packs the parts into calls of N such lanes: the device time a
+call holds is its longest lane, so 4 GPUs take about a quarter of one GPU's calls.
+
 Environment: MODEL (qwen2.5-coder-1.5b), OUT (docs/results/ruler), SEED_FROM (docs/results/ruler),
 SAMPLES (50), PRESS_SAMPLES (20), LONG_SAMPLES (10), DTYPE (bfloat16), BATCH, DEADLINE (540),
 CALL_BUDGET (510: the estimated seconds one part and one planned call may take). JAX_COMPILATION_CACHE_DIR
@@ -67,6 +73,7 @@ from jax_longctx.app.tasks.ruler_suite import NAMES  # noqa: E402
 
 K = 1024
 STATE = "/tmp/ruler_state"
+LANES = "/tmp/ruler_lanes"  # one directory a GPU's process when GPUS > 1
 PRESS = ("snapkv", "h2o", "tova", "streaming_llm", "quest", "citrus_shared", "refreshkv")
 RATIOS = (0.25, 0.5, 0.75)
 REATTENTION_ARGS = ("reattention.n_local=16384", "reattention.clip=511")
@@ -195,16 +202,22 @@ def seed(part: Part, out_dir: str) -> int:
   if part.directory == "press":
     extra = [os.path.join(d, "full") for d in (os.environ.get(
         "SEED_FROM", os.path.join(ROOT, "docs/results/ruler")), STATE)]
+  def wanted(src, r):
+    return src not in extra or (r["method"] == "full" and r["length"] == 4 * K
+                                and r["seed"] < part.samples)  # the sweep's own samples
+  return unite(out_dir, sources + extra, wanted)
+
+
+def unite(out_dir: str, sources: list[str], wanted=lambda src, rec: True) -> int:
+  """Adds to out_dir's results the records of `sources` (directories) it lacks; the count."""
   merged = {_key(r): r for r in load_results(out_dir)}
   before = len(merged)
-  for src in sources + extra:
+  for src in sources:
     if os.path.abspath(src) == os.path.abspath(out_dir):
       continue
     for r in load_results(src, repair=False):
-      if src in extra and not (r["method"] == "full" and r["length"] == 4 * K
-                               and r["seed"] < part.samples):  # the sweep's own samples
-        continue
-      merged.setdefault(_key(r), r)
+      if wanted(src, r):
+        merged.setdefault(_key(r), r)
   if len(merged) > before:
     os.makedirs(out_dir, exist_ok=True)
     tmp = os.path.join(out_dir, RESULTS + ".tmp")
@@ -220,6 +233,13 @@ def done_count(part: Part, out_dir: str) -> int:
              and r["method"] in part.labels and r["length"] == part.length)
 
 
+def gpus() -> int:
+  n = int(os.environ.get("GPUS", 1))
+  if n < 1:
+    sys.exit(f"GPUS={n}: give the number of GPUs to run parts on side by side (1 or more)")
+  return n
+
+
 def run(names: list[str]) -> int:
   parts = {p.name: p for p in all_parts()}
   unknown = [n for n in names if n not in parts]
@@ -230,6 +250,8 @@ def run(names: list[str]) -> int:
   os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", "/tmp/jax_ruler_cache")
   if not os.environ["JAX_COMPILATION_CACHE_DIR"]:  # set empty: no persistent cache
     del os.environ["JAX_COMPILATION_CACHE_DIR"]
+  if gpus() > 1:
+    return run_lanes([parts[n] for n in names], gpus(), out, deadline)
   incomplete = 0
   for name in names:
     part = parts[name]
@@ -249,9 +271,8 @@ def run(names: list[str]) -> int:
     records = load_results(out_dir)
     if records:
       write_report(records, out_dir)
-      os.makedirs(os.path.join(STATE, DIRECTORIES[part.directory]), exist_ok=True)
-      shutil.copy(os.path.join(out_dir, RESULTS),
-                  os.path.join(STATE, DIRECTORIES[part.directory], RESULTS))
+      if not os.environ.get("RULER_LANE"):  # a lane's records reach the state through its parent
+        unite(os.path.join(STATE, DIRECTORIES[part.directory]), [out_dir])
     done = done_count(part, out_dir)
     incomplete += done < part.total
     print(f"[ruler] {name}: {done}/{part.total} " + (
@@ -259,16 +280,61 @@ def run(names: list[str]) -> int:
   return 1 if incomplete else 0
 
 
-def plan(budget: float) -> list[list[Part]]:
-  """Parts in order, packed into calls of at most `budget` estimated seconds (model loads and
-  compiles counted per part)."""
+def deal(parts: list[Part], n: int) -> list[list[Part]]:
+  """The parts over n GPUs: the longest first, each onto the GPU with the least work so far."""
+  lanes: list[list[Part]] = [[] for _ in range(n)]
+  for p in sorted(parts, key=lambda p: -p.seconds()):
+    min(lanes, key=lambda lane: sum(q.seconds() for q in lane)).append(p)
+  return lanes
+
+
+def run_lanes(parts: list[Part], n: int, out: str, deadline: float) -> int:
+  """`run` over n GPUs of one machine: a process a GPU with its share of the parts (`deal`),
+  each resuming from the same seeds into its own directory, stopped by the same deadline; then
+  their records united into OUT (and the machine's state) and each part's count printed."""
+  shutil.rmtree(LANES, ignore_errors=True)
+  procs = []
+  for i, lane in enumerate(deal(parts, n)):
+    if lane:
+      env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(i), GPUS="1", RULER_LANE="1",
+                 OUT=os.path.join(LANES, str(i)),
+                 DEADLINE=str(max(0.0, deadline - time.monotonic() - 20)))  # 20 s to unite
+      print(f"[ruler] GPU {i}: {' '.join(p.name for p in lane)}", flush=True)
+      procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), "run",
+                                     *(p.name for p in lane)], env=env, cwd=ROOT))
+  for proc in procs:
+    proc.wait()
+  incomplete = 0
+  for directory in sorted({DIRECTORIES[p.directory] for p in parts}):
+    out_dir = os.path.join(out, directory)
+    unite(out_dir, [os.path.join(LANES, str(i), directory) for i in range(n)])
+    records = load_results(out_dir)
+    if records:
+      write_report(records, out_dir)
+      unite(os.path.join(STATE, directory), [out_dir])
+  for p in parts:
+    done = done_count(p, os.path.join(out, DIRECTORIES[p.directory]))
+    incomplete += done < p.total
+    print(f"[ruler] {p.name}: {done}/{p.total} " + (
+        "complete" if done >= p.total else "not complete: run it again"), flush=True)
+  return 1 if incomplete else 0
+
+
+def plan(budget: float, n: int = 1) -> list[list[Part]]:
+  """Parts in order, packed into calls whose every GPU's share (`deal`) takes at most `budget`
+  estimated seconds (model loads and compiles counted per part)."""
   calls: list[list[Part]] = []
   for p in all_parts():
-    if calls and sum(q.seconds() for q in calls[-1]) + p.seconds() <= budget:
+    if calls and max(sum(q.seconds() for q in lane)
+                     for lane in deal(calls[-1] + [p], n)) <= budget:
       calls[-1].append(p)
     else:
       calls.append([p])
   return calls
+
+
+def call_seconds(call: list[Part], n: int) -> float:
+  return max(sum(p.seconds() for p in lane) for lane in deal(call, n))
 
 
 def main() -> int:
@@ -289,12 +355,14 @@ def main() -> int:
             f"~{p.seconds() / 60:4.1f} min  {','.join(p.tasks)}")
     print(f"total ~{total / 60:.0f} min of device commands")
     return 0
-  calls = plan(float(os.environ.get("CALL_BUDGET", 510)))
+  n = gpus()
+  calls = plan(float(os.environ.get("CALL_BUDGET", 510)), n)
+  prefix = f"GPUS={n} " if n > 1 else ""
   for i, call in enumerate(calls, 1):
-    est = sum(p.seconds() for p in call) / 60
-    print(f"call {i:2d} (~{est:.1f} min): python experiments/ruler_tables.py run "
-          + " ".join(p.name for p in call))
-  print(f"{len(calls)} calls, ~{sum(p.seconds() for c in calls for p in c) / 60:.0f} min")
+    print(f"call {i:2d} (~{call_seconds(call, n) / 60:.1f} min): {prefix}python "
+          "experiments/ruler_tables.py run " + " ".join(p.name for p in call))
+  print(f"{len(calls)} calls, ~{sum(call_seconds(c, n) for c in calls) / 60:.0f} min"
+        + (f" on {n} GPUs" if n > 1 else ""))
   return 0
 
 
