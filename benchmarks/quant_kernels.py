@@ -13,7 +13,7 @@ reference's (top-k; exact ties cannot be guaranteed on random data, so the score
 differing slots are reported too).
 
 Timings (median of --reps after a warm-up; Llama-3.1-8B's attention shape: 32 query heads over 8
-KV heads, d 128, batch 1): decode attention over 32K / 128K / 1M keys and decode top-4 over the
+KV heads, d 128, batch 1; `--heads 32/4` for what one GPU of the 70B on model=2 holds): decode attention over 32K / 128K / 1M keys and decode top-4 over the
 same, each with the bytes it reads (8-bit values and fp32 scales, or bf16) over its time beside
 the device's copy bandwidth measured in the same run; a 4096-query prefill chunk at offsets 28K
 and 124K (chunk_attention, as full attention's prefill runs it: over an 8-bit cache its
@@ -219,17 +219,26 @@ def time_prefill(reps):
 
 
 def main() -> None:
+  global H, KV, D
   p = argparse.ArgumentParser(description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--out", required=True)
   p.add_argument("--reps", type=int, default=20)
   p.add_argument("--only", default="", help="comma list of cases")
+  p.add_argument("--heads", default=f"{H}/{KV}",
+                 help="query heads / KV heads a device holds, e.g. 32/4: the 70B on model=2 "
+                      "(default: the 8B on one device)")
   p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU, kernels interpreted")
   args = p.parse_args()
+  try:
+    H, KV = (int(n) for n in args.heads.split("/"))
+  except ValueError:
+    p.error(f"--heads {args.heads!r}: give query heads / KV heads, e.g. 32/8")
+  if H % KV:
+    p.error(f"--heads {args.heads}: the KV heads must divide the query heads")
   backend = "auto"
   if args.smoke:
-    global H, KV, D
-    H, KV, D = 4, 2, 16
+    H, KV, D = H // KV * 2, 2, 16
     SIZES.update(decode=(512,), chunk=64, offsets=(192,), topk_rows=64, topk_keys=(512,),
                  tile_keys=(256,), check=100)
     backend, args.reps = "gpu", 1
@@ -238,7 +247,8 @@ def main() -> None:
            "check_topk": lambda: check_topk(backend),
            "decode": lambda: time_decode(args.reps, bw), "prefill": lambda: time_prefill(args.reps),
            "decode_tiles": lambda: time_decode_tiles(args.reps, bw)}
-  failed = run_cases_to_json(cases, args.out, {**device_facts(), "copy_bw": bw}, args.only)
+  failed = run_cases_to_json(cases, args.out, {**device_facts(), "copy_bw": bw,
+                                               "heads": f"{H}/{KV}", "head_dim": D}, args.only)
   sys.exit(1 if failed else 0)
 
 
