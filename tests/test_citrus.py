@@ -182,12 +182,16 @@ def test_api_and_eval_run_citrus_on_the_default_model(default_lm, tmp_path):
   ids, ins = lm.apart(doc, question, chat=True)
   assert len(ids) < 460
   assert lm.tokenizer.decode(lm.generate([ids + ins], "full", max_new_tokens=8)[0]) == got[0]
-  split = lm.generate(doc + question, "citrus_shared", budget=96, chunk=64, chat=True,
-                      max_new_tokens=8)  # split after the last blank line
-  assert split == lm.generate(doc + "\n\n", "citrus_shared", budget=96, chunk=64, chat=True,
-                              max_new_tokens=8, instruction=question.lstrip())
+  # The split and the two sweeps below run one setting (budget 128 < the document's tokens, so
+  # it evicts; passkey's 12 new tokens) and one cache size (512: a ~470-token prompt, passkey at
+  # 480 and ppl at 500 tokens), so they share one set of compiled 30-layer programs: each other
+  # setting or size compiled its own (~25 s each on 2 cores).
+  split = lm.generate(doc + question, "citrus_shared", budget=128, chunk=64, chat=True,
+                      max_new_tokens=12)  # split after the last blank line
+  assert split == lm.generate(doc + "\n\n", "citrus_shared", budget=128, chunk=64, chat=True,
+                              max_new_tokens=12, instruction=question.lstrip())
   specs = MethodSpec.parse("citrus_shared", ["citrus_shared.budget=128", "citrus_shared.chunk=64"])
-  recs = run_sweep(lm, "passkey", specs, [600], [0.5], 1, str(tmp_path / "pk"), chat=True)
+  recs = run_sweep(lm, "passkey", specs, [480], [0.5], 1, str(tmp_path / "pk"), chat=True)
   assert 0 <= recs[0]["score"] <= 1 and recs[0]["prediction"]
   recs = run_sweep(lm, "ppl", specs, [500], [0.5], 1, str(tmp_path / "ppl"),
                    task_options={"n_scored": 32})
