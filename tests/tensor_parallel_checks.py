@@ -308,6 +308,21 @@ def fused():
     jax.tree.map(np.testing.assert_array_equal, consumed, fused_placed)
     one = generate(fuse_projections(params), cfg, docs, get("full"), max_new_tokens=5)
     assert plain.tokens == both.tokens == one.tokens, mesh
+  # Weights fused on one device (what a process of a one-process-per-GPU run serves) go to a mesh
+  # that does not split the model as they are; one that splits it needs them placed first.
+  one_device = fuse_projections(params)
+  queries = _prompts(cfg, (4, 5), seed=7)
+  for mesh, method in (("data=8", get("full")), ("data=2,ctx=4", get("star"))):
+    opts = RunOptions(prefill_chunk=8, mesh=mesh)
+    spread, want = (generate(p, cfg, docs, method, instructions=queries, max_new_tokens=5,
+                             options=opts) for p in (one_device, params))
+    assert spread.tokens == want.tokens, mesh
+  try:
+    place(one_device, cfg, "model=2")
+  except MeshError as e:
+    assert "place the weights before fusing them on a mesh that splits the model" in str(e), e
+  else:
+    raise AssertionError("fused weights placed over model=2")
 
 
 def tpu_export():

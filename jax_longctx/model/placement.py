@@ -73,11 +73,16 @@ def _placer(name: str, shards: ModelShards, sharding: NamedSharding):
 def place(params, cfg: LlamaConfig, mesh):
   """The weights (standard layout, on any device or in host memory) placed over `mesh`, leaf by
   leaf. The input tree is left as it is; drop it to free it."""
-  if is_fused(params):
-    raise MeshError("place the weights before fusing them (model.serving_params after place)")
   mesh = make_mesh(mesh)
+  fused = is_fused(params)
+  if fused and axis_size(mesh, "model") > 1:  # fusing interleaves each shard's parts
+    raise MeshError("place the weights before fusing them on a mesh that splits the model "
+                    "(model.serving_params after place)")
+  # With one model shard a fused tree is what fusing after placing makes (the data and ctx axes
+  # hold copies): e.g. each process of a one-process-per-GPU run fuses on its own GPU, and Star
+  # then spreads the weights over the processes' ctx mesh.
   shards = ModelShards.of(cfg, mesh)
-  standard = abstract_model(cfg)[1]
+  standard = abstract_model(cfg, fused)[1]
 
   def one(path, x, want):
     name = _name(path)
