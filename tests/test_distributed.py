@@ -55,12 +55,13 @@ def test_mesh_method_across_two_processes_matches_one(tmp_path, method):
     np.testing.assert_allclose(got["logits"], want["logits"], atol=1e-5)
 
 
-def test_eval_as_two_processes(tmp_path, default_lm):
+def test_eval_as_two_processes(tmp_path):
   """`jax-longctx eval --coordinator ...` as 2 processes x 2 CPU devices, as one process per GPU
-  would run it: Star's mesh spans both processes' 4 devices, and only process 0 writes."""
+  would run it: Star's mesh spans both processes' 4 devices, and only process 0 writes. The
+  cache is empty, so the processes first convert the model (it once deadlocked there)."""
   import json
   port, out = _free_port(), tmp_path / "eval"
-  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu",
+  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", JAX_LONGCTX_CACHE=str(tmp_path),
              XLA_FLAGS="--xla_force_host_platform_device_count=2")
   cmd = [sys.executable, "-m", "jax_longctx", "eval", "--model", "default", "--task",
          "passkey", "--chat", "--methods", "star", "--lengths", "1k", "--samples", "1",

@@ -140,6 +140,16 @@ class LM:
     return result.tokens
 
 
+def checkpoint_path(name_or_path: str) -> tuple[str, str]:
+  """(path, model id) of what `load` reads: 'default' and the bundled names are converted into
+  the cache first (once, under its lock), any other path is as given."""
+  if name_or_path == "default":
+    return default_model.checkpoint_dir(), default_model.DEFAULT_NAME
+  if name_or_path in bundled.BUNDLED and not os.path.exists(name_or_path):
+    return bundled.checkpoint_dir(name_or_path), name_or_path
+  return name_or_path, os.path.basename(os.path.normpath(name_or_path))
+
+
 def load(name_or_path: str = "default", dtype=None, serving: bool = False, mesh=None,
          kv_dtype: str | None = None, smooth_keys: bool | None = None) -> LM:
   """'default' (SmolLM2-135M-Instruct), a bundled model's name ('qwen2.5-coder-0.5b',
@@ -159,13 +169,7 @@ def load(name_or_path: str = "default", dtype=None, serving: bool = False, mesh=
   None (default): when kv_dtype is 8-bit."""
   mesh = make_mesh(mesh)
   kv_dtype = RunOptions(kv_dtype=kv_dtype).kv_dtype  # checked before any loading
-  if name_or_path == "default":
-    path, model_id = default_model.checkpoint_dir(), default_model.DEFAULT_NAME
-  elif name_or_path in bundled.BUNDLED and not os.path.exists(name_or_path):
-    path, model_id = bundled.checkpoint_dir(name_or_path), name_or_path
-  else:
-    path = name_or_path
-    model_id = os.path.basename(os.path.normpath(path))
+  path, model_id = checkpoint_path(name_or_path)
   if not os.path.exists(path):
     raise CheckpointError(f"checkpoint not found: {path}")
   if os.path.isdir(path) and os.path.isdir(os.path.join(path, "params")):

@@ -93,6 +93,7 @@ def _cmd_eval(args) -> int:
   for name in tasks_lib.expand(args.task):  # a bad task or option fails before the model loads
     tasks_lib.get(name, **options)
   if args.coordinator:
+    _convert_apart(args.model)
     _join(args.coordinator, args.num_processes, args.process_id)
   lm = load(args.model, dtype=args.dtype, serving=True, mesh=args.mesh,
             smooth_keys=_smoothing(args, kv_dtypes))
@@ -158,6 +159,20 @@ def _cmd_calibrate(args) -> int:
   print(calibration_table(calib))
   print(f"wrote {calib['written_to']}" + (f"; tables and plots in {args.out}" if args.out else ""))
   return 0
+
+
+def _convert_apart(model: str) -> None:
+  """Converts a bundled model (or the default) in a child process, before this one joins the
+  others. Converted inside a joined process, it deadlocked (4 H200s; CPU too): the converting
+  process's JAX backend and orbax wait for every process, and the others wait on the
+  conversion's lock. The children take turns on that lock; one converts."""
+  import subprocess
+  code = ("import sys\nfrom jax_longctx.app.api import checkpoint_path\n"
+          "try:\n  checkpoint_path(sys.argv[1])\n"
+          "except Exception as e:\n  sys.exit(f'jax-longctx: error: {e}')")
+  done = subprocess.run([sys.executable, "-c", code, model])
+  if done.returncode:
+    sys.exit(done.returncode)  # the child printed the one-line error
 
 
 def _join(coordinator: str, num_processes: int, process_id: int) -> None:
