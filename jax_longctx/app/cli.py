@@ -166,11 +166,14 @@ def _convert_apart(model: str) -> None:
   others. Converted inside a joined process, it deadlocked (4 H200s; CPU too): the converting
   process's JAX backend and orbax wait for every process, and the others wait on the
   conversion's lock. The children take turns on that lock; one converts."""
+  import os
   import subprocess
   code = ("import sys\nfrom jax_longctx.app.api import checkpoint_path\n"
           "try:\n  checkpoint_path(sys.argv[1])\n"
           "except Exception as e:\n  sys.exit(f'jax-longctx: error: {e}')")
-  done = subprocess.run([sys.executable, "-c", code, model])
+  # The conversion needs no accelerator: the child leaves the GPUs alone.
+  done = subprocess.run([sys.executable, "-c", code, model],
+                        env=dict(os.environ, JAX_PLATFORMS="cpu"))
   if done.returncode:
     sys.exit(done.returncode)  # the child printed the one-line error
 
