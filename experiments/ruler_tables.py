@@ -4,6 +4,7 @@ docs/results/ruler/: Qwen2.5-Coder-1.5B, bf16, chat template.
     python experiments/ruler_tables.py list          # every part, its samples and estimated time
     python experiments/ruler_tables.py plan          # the parts grouped into device calls
     python experiments/ruler_tables.py run PART...   # (on the GPU machine) run them, in order
+    python experiments/ruler_tables.py run all       # every part not yet complete
 
 Directories (each one resumable results.jsonl, its summary.md and plots):
   full/      full attention, RULER's 11 tasks at 4K, 8K, 16K, 32K, SAMPLES (50) per task and length
@@ -23,10 +24,15 @@ records kept. Run a part again until it prints "complete". After each call copy 
 docs/results/ruler/ (every file of a part's directory: results.jsonl, summary.md, plots).
 
 GPUS=N (default 1): on a machine of N GPUs, `run` deals its parts to N processes, one a GPU
-(CUDA_VISIBLE_DEVICES), the longest first onto the least loaded, each writing under its own
-/tmp/ruler_lanes/<i>; when they end (by DEADLINE) their records are united into OUT and the
+(CUDA_VISIBLE_DEVICES), the most work left first onto the least loaded, each writing under its
+own /tmp/ruler_lanes/<i>; when they end (by DEADLINE) their records are united into OUT and the
 machine's state. `GPUS=N plan` packs the parts into calls of N such lanes: the device time a
 call holds is its longest lane, so 4 GPUs take about a quarter of one GPU's calls.
+LANES_PER_GPU=K (default 1) runs K such processes on each GPU, each with 0.9 / K of its memory:
+the model is small and the samples short, so one process leaves its GPU idle between steps.
+How much faster K processes finish is not measured yet, so `plan` does not count on it; instead
+`run all` deals every part not yet complete by the work it has left, and stops at DEADLINE:
+give the same command call after call until every part prints "complete".
 
 Environment: MODEL (qwen2.5-coder-1.5b), OUT (docs/results/ruler), SEED_FROM (docs/results/ruler),
 SAMPLES (50), PRESS_SAMPLES (20), LONG_SAMPLES (10), DTYPE (bfloat16), BATCH, DEADLINE (540),
@@ -240,8 +246,17 @@ def gpus() -> int:
   return n
 
 
+def lanes_per_gpu() -> int:
+  n = int(os.environ.get("LANES_PER_GPU", 1))
+  if n < 1:
+    sys.exit(f"LANES_PER_GPU={n}: give the number of processes to share each GPU (1 or more)")
+  return n
+
+
 def run(names: list[str]) -> int:
   parts = {p.name: p for p in all_parts()}
+  if names == ["all"]:
+    names = list(parts)
   unknown = [n for n in names if n not in parts]
   if unknown:
     sys.exit(f"unknown part(s) {', '.join(unknown)}; see: python {sys.argv[0]} list")
@@ -250,8 +265,8 @@ def run(names: list[str]) -> int:
   os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", "/tmp/jax_ruler_cache")
   if not os.environ["JAX_COMPILATION_CACHE_DIR"]:  # set empty: no persistent cache
     del os.environ["JAX_COMPILATION_CACHE_DIR"]
-  if gpus() > 1:
-    return run_lanes([parts[n] for n in names], gpus(), out, deadline)
+  if gpus() * lanes_per_gpu() > 1 and not os.environ.get("RULER_LANE"):
+    return run_lanes([parts[n] for n in names], gpus(), out, deadline, lanes_per_gpu())
   incomplete = 0
   for name in names:
     part = parts[name]
@@ -280,26 +295,41 @@ def run(names: list[str]) -> int:
   return 1 if incomplete else 0
 
 
-def deal(parts: list[Part], n: int) -> list[list[Part]]:
-  """The parts over n GPUs: the longest first, each onto the GPU with the least work so far."""
+def deal(parts: list[Part], n: int, done: dict[str, int] | None = None) -> list[list[Part]]:
+  """The parts over n lanes: the most work left first, each onto the lane with the least work
+  so far. done: samples a part has already (its estimate counts only the rest)."""
+  done = done or {}
+  def left(p: Part) -> float:
+    return p.seconds(done.get(p.name, 0))
   lanes: list[list[Part]] = [[] for _ in range(n)]
-  for p in sorted(parts, key=lambda p: -p.seconds()):
-    min(lanes, key=lambda lane: sum(q.seconds() for q in lane)).append(p)
+  for p in sorted(parts, key=lambda p: -left(p)):
+    min(lanes, key=lambda lane: sum(left(q) for q in lane)).append(p)
   return lanes
 
 
-def run_lanes(parts: list[Part], n: int, out: str, deadline: float) -> int:
-  """`run` over n GPUs of one machine: a process a GPU with its share of the parts (`deal`),
+def run_lanes(parts: list[Part], n: int, out: str, deadline: float, per_gpu: int = 1) -> int:
+  """`run` over n GPUs of one machine, per_gpu processes a GPU (each with 0.9 / per_gpu of its
+  memory unless XLA_PYTHON_CLIENT_MEM_FRACTION is set): the parts not yet complete dealt to the
+  processes by the work they have left (`deal`; so the same list can be given call after call),
   each resuming from the same seeds into its own directory, stopped by the same deadline; then
   their records united into OUT (and the machine's state) and each part's count printed."""
   shutil.rmtree(LANES, ignore_errors=True)
+  done = {}
+  for p in parts:  # what earlier calls made (SEED_FROM, the machine's state), united into OUT
+    out_dir = os.path.join(out, DIRECTORIES[p.directory])
+    seed(p, out_dir)
+    done[p.name] = done_count(p, out_dir)
+  todo = [p for p in parts if done[p.name] < p.total]
   procs = []
-  for i, lane in enumerate(deal(parts, n)):
+  lanes = n * per_gpu
+  for i, lane in enumerate(deal(todo, lanes, done)):
     if lane:
-      env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(i), GPUS="1", RULER_LANE="1",
+      env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(i % n), GPUS="1", RULER_LANE="1",
                  OUT=os.path.join(LANES, str(i)),
                  DEADLINE=str(max(0.0, deadline - time.monotonic() - 20)))  # 20 s to unite
-      print(f"[ruler] GPU {i}: {' '.join(p.name for p in lane)}", flush=True)
+      if per_gpu > 1:
+        env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{0.9 / per_gpu:.2f}")
+      print(f"[ruler] GPU {i % n}, lane {i}: {' '.join(p.name for p in lane)}", flush=True)
       procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), "run",
                                      *(p.name for p in lane)], env=env, cwd=ROOT))
   for proc in procs:
@@ -307,7 +337,7 @@ def run_lanes(parts: list[Part], n: int, out: str, deadline: float) -> int:
   incomplete = 0
   for directory in sorted({DIRECTORIES[p.directory] for p in parts}):
     out_dir = os.path.join(out, directory)
-    unite(out_dir, [os.path.join(LANES, str(i), directory) for i in range(n)])
+    unite(out_dir, [os.path.join(LANES, str(i), directory) for i in range(lanes)])
     records = load_results(out_dir)
     if records:
       write_report(records, out_dir)

@@ -97,3 +97,41 @@ def test_gpus_below_one_is_one_line(monkeypatch):
   monkeypatch.setenv("GPUS", "0")
   with pytest.raises(SystemExit, match="GPUS=0"):
     rt.gpus()
+
+
+def test_lanes_share_a_gpu_and_a_second_call_deals_only_what_is_left(tmp_path, monkeypatch,
+                                                                      capsys):
+  monkeypatch.setattr(rt, "STATE", str(tmp_path / "state"))
+  monkeypatch.setattr(rt, "LANES", str(tmp_path / "lanes"))
+  monkeypatch.setattr(rt.subprocess, "run", _fake_eval)
+  monkeypatch.setattr(rt, "write_report", lambda records, out_dir: None)
+  envs = []
+
+  def lane(cmd, env, cwd):
+    keep = ("CUDA_VISIBLE_DEVICES", "XLA_PYTHON_CLIENT_MEM_FRACTION")
+    envs.append({k: env.get(k) for k in keep} | {"parts": cmd[cmd.index("run") + 1:]})
+    return _InProcess(cmd, env, cwd)
+
+  monkeypatch.setattr(rt.subprocess, "Popen", lane)
+  for k, v in {"OUT": str(tmp_path / "out"), "SEED_FROM": str(tmp_path / "none"), "GPUS": "1",
+               "LANES_PER_GPU": "2", "SAMPLES": "1", "JAX_COMPILATION_CACHE_DIR": ""}.items():
+    monkeypatch.setenv(k, v)
+  monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+  assert rt.run(["full_4k", "full_8k"]) == 0
+  assert sorted(e["CUDA_VISIBLE_DEVICES"] for e in envs) == ["0", "0"]  # two lanes, one GPU
+  assert {e["XLA_PYTHON_CLIENT_MEM_FRACTION"] for e in envs} == {"0.45"}
+  assert sorted(p for e in envs for p in e["parts"]) == ["full_4k", "full_8k"]
+  # the next call, given more: the complete parts (now in the machine's state) are not dealt
+  envs.clear()
+  rt.run(["full_4k", "full_8k", "full_16k"])
+  assert [e["parts"] for e in envs] == [["full_16k"]]
+  assert "full_4k: 11/11 complete" in capsys.readouterr().out
+
+
+def test_run_all_names_every_part(monkeypatch):
+  called = []
+  monkeypatch.setattr(rt, "run_lanes", lambda parts, *a: called.extend(p.name for p in parts) or 0)
+  monkeypatch.setenv("GPUS", "2")
+  monkeypatch.delenv("RULER_LANE", raising=False)
+  assert rt.run(["all"]) == 0
+  assert called == [p.name for p in rt.all_parts()]
