@@ -265,7 +265,7 @@ def run(names: list[str]) -> int:
   os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", "/tmp/jax_ruler_cache")
   if not os.environ["JAX_COMPILATION_CACHE_DIR"]:  # set empty: no persistent cache
     del os.environ["JAX_COMPILATION_CACHE_DIR"]
-  if gpus() * lanes_per_gpu() > 1 and not os.environ.get("RULER_LANE"):
+  if gpus() * lanes_per_gpu() > 1:
     return run_lanes([parts[n] for n in names], gpus(), out, deadline, lanes_per_gpu())
   incomplete = 0
   for name in names:
@@ -324,8 +324,8 @@ def run_lanes(parts: list[Part], n: int, out: str, deadline: float, per_gpu: int
   lanes = n * per_gpu
   for i, lane in enumerate(deal(todo, lanes, done)):
     if lane:
-      env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(i % n), GPUS="1", RULER_LANE="1",
-                 OUT=os.path.join(LANES, str(i)),
+      env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(i % n), GPUS="1", LANES_PER_GPU="1",
+                 RULER_LANE="1", OUT=os.path.join(LANES, str(i)),
                  DEADLINE=str(max(0.0, deadline - time.monotonic() - 20)))  # 20 s to unite
       if per_gpu > 1:
         env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{0.9 / per_gpu:.2f}")
