@@ -299,12 +299,17 @@ def fused():
     fused_placed = fuse_placed(placed, opts.mesh)
     layer, was = next(iter(fused_placed["layers"].values())), next(iter(placed["layers"].values()))
     # only the fused weights are new buffers (a copy of the rest once held two models at once)
-    assert layer["attn"]["o_proj"] is was["attn"]["o_proj"], mesh
     assert layer["mlp"]["down_proj"] is was["mlp"]["down_proj"], mesh
+    assert layer["attn_norm"]["scale"] is was["attn_norm"]["scale"], mesh
+    # the transposed output projection splits along its heads, as o_proj did
+    heads = jax.sharding.NamedSharding(make_mesh(opts.mesh),
+                                       jax.sharding.PartitionSpec(None, "model", None))
+    assert layer["attn"]["o_proj_t"].sharding.is_equivalent_to(heads, 3), mesh
     both = generate(fused_placed, cfg, docs, get("full"), max_new_tokens=5, options=opts)
     again = place(params, cfg, opts.mesh)  # consumed as serving_params does on a GPU: the
     consumed = fuse_placed(again, opts.mesh, consume=True)  # parts freed, the same weights
     assert next(iter(again["layers"].values()))["attn"]["q_proj"].is_deleted(), mesh
+    assert next(iter(again["layers"].values()))["attn"]["o_proj"].is_deleted(), mesh
     jax.tree.map(np.testing.assert_array_equal, consumed, fused_placed)
     one = generate(fuse_projections(params), cfg, docs, get("full"), max_new_tokens=5)
     assert plain.tokens == both.tokens == one.tokens, mesh

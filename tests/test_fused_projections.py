@@ -32,7 +32,11 @@ def test_fused_logits_equal_unfused(family):
   h, kv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
   assert layer["attn"]["qkv_proj"].shape == (cfg.hidden_size, h + 2 * kv, d)
   assert layer["mlp"]["gate_up_proj"].shape == (cfg.hidden_size, 2 * cfg.intermediate_size)
+  # the output projection transposed [D, H, hd]: the same numbers, its reduction along rows
+  np.testing.assert_array_equal(layer["attn"]["o_proj_t"],
+                                np.transpose(params["layers"][0]["attn"]["o_proj"], (2, 0, 1)))
   assert "q_proj" not in layer["attn"] and "gate_proj" not in layer["mlp"]
+  assert "o_proj" not in layer["attn"]
   assert "q_proj" in params["layers"][0]["attn"]  # the input tree is left as it was
   # the fused tree has exactly the shapes of the fused model (nnx.merge would refuse otherwise)
   _, shapes = abstract_model(cfg, fused=True)

@@ -9,8 +9,9 @@ each layer's weights and cache slice out of the stacked buffers every step (3x t
 15.3 ms/token against a 4.5 ms bound); separate buffers let every matmul read them in place.
 
 Serving params may be fused (placement.py, `fuse_projections`): q/k/v as one weight and gate/up
-as one, so a decode step runs one matrix-vector product where it ran three (two). `forward` tells
-the two layouts apart by the params' structure. Under tensor parallelism (`RunOptions.mesh` with
+as one, so a decode step runs one matrix-vector product where it ran three (two), and the output
+projection stored [D, H, hd] (`o_proj_t`) so its reduction runs along contiguous rows. `forward`
+tells the two layouts apart by the params' structure. Under tensor parallelism (`RunOptions.mesh` with
 a `model` axis) `forward` is one device's step: this device's heads, hidden units and vocabulary
 slice, with an all-reduce after the attention output and the MLP (Megatron).
 """
@@ -42,7 +43,7 @@ WEIGHT_AXES = {
     "embed": (VOCAB, None), "lm_head": (None, VOCAB),
     "q_proj": (None, HEADS, None), "k_proj": (None, KV_HEADS, None),
     "v_proj": (None, KV_HEADS, None), "qkv_proj": (None, HEADS, None),
-    "o_proj": (HEADS, None, None),
+    "o_proj": (HEADS, None, None), "o_proj_t": (None, HEADS, None),
     "q_bias": (HEADS, None), "k_bias": (KV_HEADS, None), "v_bias": (KV_HEADS, None),
     "k_smooth": (KV_HEADS, None),
     "gate_proj": (None, HIDDEN), "up_proj": (None, HIDDEN), "gate_up_proj": (None, HIDDEN),
@@ -90,7 +91,10 @@ class Attention(nnx.Module):
       self.q_proj = _param(rngs, "q_proj", (d, h, hd), dt)
       self.k_proj = _param(rngs, "k_proj", (d, kv, hd), dt)
       self.v_proj = _param(rngs, "v_proj", (d, kv, hd), dt)
-    self.o_proj = _param(rngs, "o_proj", (h, hd, d), dt)
+    if fused:  # the output projection transposed: placement.fuse_projections says why
+      self.o_proj_t = _param(rngs, "o_proj_t", (d, h, hd), dt)
+    else:
+      self.o_proj = _param(rngs, "o_proj", (h, hd, d), dt)
     if cfg.attention_bias:  # Qwen2
       self.q_bias = _param(rngs, "q_bias", (h, hd), dt)
       self.k_bias = _param(rngs, "k_bias", (kv, hd), dt)
@@ -132,8 +136,12 @@ class Attention(nnx.Module):
       q = q * jnp.asarray(self.q_scale, q.dtype)
     step = method.decode if decode else method.prefill
     out, state = step(state, q, k, v, ctx)  # [B, S, H, hd]
-    out = jnp.einsum("bshk,hkd->bsd", out.astype(x.dtype), self.o_proj[...])
-    return _all_reduce(out, ctx.heads.axis), state
+    return _all_reduce(self._out(out.astype(x.dtype)), ctx.heads.axis), state
+
+  def _out(self, out):  # [B, S, H, hd] -> [B, S, D]
+    if hasattr(self, "o_proj_t"):
+      return jnp.einsum("bshk,dhk->bsd", out, self.o_proj_t[...])
+    return jnp.einsum("bshk,hkd->bsd", out, self.o_proj[...])
 
 
 class MLP(nnx.Module):

@@ -155,11 +155,24 @@ def _fuse_units(parts, shards: int):
   return jnp.concatenate(split, axis=2).reshape(d, -1)
 
 
+# The weights fusing replaces, by block.
+_FUSED_PARTS = {"attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj")}
+
+
 def fuse_projections(params, shards: int = 1):
-  """The serving layout: per layer q/k/v concatenated over heads into `qkv_proj` [D, H+2KV, hd]
-  and gate/up over outputs into `gate_up_proj` [D, 2F]; everything else shared, not copied.
-  Over `shards` devices of the `model` axis each shard's part of q, k and v (gate and up) sits
-  together, so a placed fused weight splits into per-device fused weights.
+  """The serving layout: per layer q/k/v concatenated over heads into `qkv_proj` [D, H+2KV, hd],
+  gate/up over outputs into `gate_up_proj` [D, 2F], and the output projection transposed into
+  `o_proj_t` [D, H, hd]; everything else shared, not copied. Over `shards` devices of the
+  `model` axis each shard's part of q, k and v (gate and up) sits together, so a placed fused
+  weight splits into per-device fused weights (a transposed one splits along its heads as
+  before).
+
+  Why `o_proj_t`: at batch 1, XLA's GPU simplifier turns a matrix-vector dot whose operands
+  hold under 10M elements into a multiply and a reduction (the 8B's [2048 x 4096] a device on
+  `model=2`, the 3B's [3072 x 3072] on one GPU). Stored [H, hd, D] that reduction runs across
+  rows; stored [D, H, hd] along them: 28.9 -> 12.4 us a call (8B, `model=2`), 37.8 -> 14.7
+  (3B), and 39.6 -> 37.1 where the dot stays a GEMM (8B, one GPU), on an H200
+  (benchmarks/matvec_forms.py, BENCHMARKS.md).
 
   A new tree (the input is left as it is; drop it to free the unfused weights). Why: a batch-1
   decode step is one matrix-vector product per weight, and each small one (k, v: 8 MB at the 8B
@@ -171,9 +184,10 @@ def fuse_projections(params, shards: int = 1):
   layers = {}
   for i, layer in params["layers"].items():
     a, m = layer["attn"], layer["mlp"]
-    attn = {k: v for k, v in a.items() if k not in ("q_proj", "k_proj", "v_proj")}
+    attn = {k: v for k, v in a.items() if k not in _FUSED_PARTS["attn"]}
     attn["qkv_proj"] = _fuse_heads([a["q_proj"], a["k_proj"], a["v_proj"]], shards)
-    mlp = {k: v for k, v in m.items() if k not in ("gate_proj", "up_proj")}
+    attn["o_proj_t"] = jnp.transpose(a["o_proj"], (2, 0, 1))  # [H, hd, D] -> [D, H, hd]
+    mlp = {k: v for k, v in m.items() if k not in _FUSED_PARTS["mlp"]}
     mlp["gate_up_proj"] = _fuse_units([m["gate_proj"], m["up_proj"]], shards)
     layers[i] = {**layer, "attn": attn, "mlp": mlp}
   return {**params, "layers": layers}
@@ -183,15 +197,12 @@ def serving_params(params, mesh=None):
   """The layout generation runs fastest on: fused projections on NVIDIA GPUs (H200, 8B shape,
   batch-1 decode at 32K: 5.88 -> 5.70 ms, benchmarks/decode_profile.py), as given elsewhere
   (unmeasured on TPU; on CPU the tests compare both layouts). With a mesh: params already
-  `place`d. On a GPU the input is consumed: each layer's q/k/v and gate/up buffers are freed
+  `place`d. On a GPU the input is consumed: each layer's q/k/v, o and gate/up buffers are freed
   once their fused weights are made, so fusing holds one layer twice, not every projection
   (the 8B shape, input kept: a 25.2 GB peak for 16.1 GB of weights, before any step)."""
   if jax.default_backend() != "gpu":
     return params
   return fuse_placed(params, mesh, consume=True)
-
-
-_FUSED_PARTS = {"attn": ("q_proj", "k_proj", "v_proj"), "mlp": ("gate_proj", "up_proj")}
 
 
 def fuse_placed(params, mesh=None, *, consume: bool = False):
