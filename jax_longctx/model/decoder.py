@@ -11,9 +11,10 @@ each layer's weights and cache slice out of the stacked buffers every step (3x t
 Serving params may be fused (placement.py, `fuse_projections`): q/k/v as one weight and gate/up
 as one, so a decode step runs one matrix-vector product where it ran three (two), and the output
 projection stored [D, H, hd] (`o_proj_t`) so its reduction runs along contiguous rows. `forward`
-tells the two layouts apart by the params' structure. Under tensor parallelism (`RunOptions.mesh` with
-a `model` axis) `forward` is one device's step: this device's heads, hidden units and vocabulary
-slice, with an all-reduce after the attention output and the MLP (Megatron).
+tells the two layouts apart by the params' structure. Under tensor parallelism
+(`RunOptions.mesh` with a `model` axis) `forward` is one device's step: this device's heads,
+hidden units and vocabulary slice, with an all-reduce after the attention output and the MLP
+(Megatron).
 """
 
 from __future__ import annotations
