@@ -84,9 +84,9 @@ def main(argv=None) -> int:
       records.append(rec)
       print(f"seed {seed} exact {variant}: {rec['score']:.0%} {prediction.strip()!r} "
             f"(expected {sample.expected}; needles by block {needles})", flush=True)
-  if args.out:
-    with open(args.out, "w") as f:
-      json.dump({"model": args.model, "dtype": args.dtype, "records": records}, f, indent=1)
+    if args.out:  # after each sample: a long run that dies keeps what it finished
+      with open(args.out, "w") as f:
+        json.dump({"model": args.model, "dtype": args.dtype, "records": records}, f, indent=1)
   return 0
 
 
