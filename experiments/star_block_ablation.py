@@ -5,12 +5,13 @@ query and greedy decoding as `eval` runs them. A block that turns a wrong answer
 exact is the one whose approximation made it.
 
     python experiments/star_block_ablation.py --model qwen2.5-coder-1.5b --length 16k \
-        --seeds 1,6 --depth 0.3 --exact none 3 2,3 all --out docs/results/star/ablation.json
+        --seeds 1 --depth 0.3 --exact none 3 2 2,3 all \
+        --out docs/results/star/ablation/qwen2.5-coder-1.5b_16k_seed1.json
 
 Blocks are numbered from 0 as Star cuts them (a quarter of the context each, by default); block
 0 is the anchor and block 1's KV is exact already when the anchor is a whole block. `--exact`
-takes variants: `none` (Star itself), `all` (every block exact: full attention's context, Star's query step), or a
-comma list of blocks. Runs on one device (CPU: fp32 by default); prints a line per variant and
+takes variants: `none` (Star itself), `all` (every block exact: full attention's context under
+Star's query step), or a comma list of blocks. Runs on one device (CPU: fp32 by default); prints a line per variant and
 writes JSON records (the sample, the variant, the prediction, its score, where each needle sits).
 """
 
