@@ -11,8 +11,9 @@ exact is the one whose approximation made it.
 Blocks are numbered from 0 as Star cuts them (a quarter of the context each, by default); block
 0 is the anchor and block 1's KV is exact already when the anchor is a whole block. `--exact`
 takes variants: `none` (Star itself), `all` (every block exact: full attention's context under
-Star's query step), or a comma list of blocks. Runs on one device (CPU: fp32 by default); prints a line per variant and
-writes JSON records (the sample, the variant, the prediction, its score, where each needle sits).
+Star's query step), or a comma list of blocks. Runs on one device (CPU: fp32 by default);
+prints a line per variant and writes JSON records (the sample, the variant, the prediction, its
+score, where each needle sits) after each sample.
 """
 
 from __future__ import annotations
