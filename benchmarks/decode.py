@@ -6,6 +6,7 @@
     python benchmarks/decode.py --meshes "none;model=2;data=2" --batches 8 ...  # 1 GPU vs 2
     python benchmarks/decode.py --kv-dtypes "none;int8;float8_e4m3fn" ...  # the cache in 8 bits
     python benchmarks/decode.py --contexts 1048576 --fill-cache ...  # decode only, no prefill
+    python benchmarks/decode.py --run-option add_norm_backend=auto ...  # a RunOptions switch
     python benchmarks/decode.py --meshes "none;model=2" --fill-cache --kernel-profile 15 ...
         # where a step's time goes, per device: the all-reduces of tensor parallel show there
 
@@ -71,18 +72,32 @@ def _stage(msg: str) -> None:
   print(f"[{time.strftime('%H:%M:%S')}] {msg}{mem}", file=sys.stderr, flush=True)
 
 
-def kernel_options(pairs):
-  """KernelOptions from KEY=VALUE strings (--kernel-option), each value read as its field's
-  type (booleans: true / false)."""
-  import pallas_kernels
-  fields = {}
+def option_fields(cls, pairs, flag: str) -> dict:
+  """Fields of the dataclass `cls` from KEY=VALUE strings (--kernel-option, --run-option), each
+  value read as its field's default's type (booleans: true / false; `none`: None; a field whose
+  default is None: the string)."""
+  import dataclasses
+  names = {f.name for f in dataclasses.fields(cls)}
+  default, fields = cls(), {}
   for pair in pairs:
     key, _, value = pair.partition("=")
-    if not hasattr(pallas_kernels.KernelOptions, key):
-      raise SystemExit(f"--kernel-option {pair}: KernelOptions has no field {key!r}")
-    kind = type(getattr(pallas_kernels.KernelOptions(), key))
-    fields[key] = value.lower() in ("1", "true", "yes") if kind is bool else kind(value)
-  return pallas_kernels.KernelOptions(**fields)
+    if key not in names:
+      raise SystemExit(f"{flag} {pair}: {cls.__name__} has no field {key!r}")
+    current = getattr(default, key)
+    if value.lower() == "none":
+      fields[key] = None
+    elif isinstance(current, bool):
+      fields[key] = value.lower() in ("1", "true", "yes")
+    else:
+      fields[key] = value if current is None else type(current)(value)
+  return fields
+
+
+def kernel_options(pairs):
+  """KernelOptions from --kernel-option KEY=VALUE strings."""
+  import pallas_kernels
+  return pallas_kernels.KernelOptions(**option_fields(pallas_kernels.KernelOptions, pairs,
+                                                      "--kernel-option"))
 
 
 def filled_cache(cfg, method, batch: int, ctx: int, cache_len: int, options):
@@ -136,7 +151,8 @@ def run_jax(args) -> dict:
   cfg = preset(args.model, dtype="bfloat16").replace(key_smoothing=args.key_smoothing)
   method = get(args.method, **parse_method_args(args.method_arg))
   options = RunOptions(mesh=args.mesh or None, kernels=kernel_options(args.kernel_option),
-                       kv_dtype=args.kv_dtype or None)
+                       kv_dtype=args.kv_dtype or None,
+                       **option_fields(RunOptions, args.run_option, "--run-option"))
   mesh = options.mesh
   _stage("random params")
   # as `load(serving=True)`: fused on GPU
@@ -301,7 +317,8 @@ def child(args) -> None:
   rec = {"impl": args.impl, "model": args.model, "context": args.context, "batch": args.batch,
          "new_tokens": args.new_tokens, "method": args.method, "method_args": args.method_arg,
          "label": args.label or args.method, "mesh": args.mesh or None,
-         "kernel_options": args.kernel_option, "key_smoothing": args.key_smoothing}
+         "kernel_options": args.kernel_option, "run_options": args.run_option,
+         "key_smoothing": args.key_smoothing, "xla_flags": os.environ.get("XLA_FLAGS", "")}
   try:
     rec.update(run_jax(args) if args.impl == "jax" else run_hf(args))
   except Exception as e:  # out of memory at large batch x context is a result, not a crash
@@ -322,6 +339,9 @@ def main() -> None:
   p.add_argument("--kernel-option", action="append", default=[], metavar="METHOD.KEY=VALUE",
                  help="a KernelOptions field for one method label's runs, e.g. "
                       "blocks.topk_few_rows=kernel with --methods blocks:reattention")
+  p.add_argument("--run-option", action="append", default=[], metavar="KEY=VALUE",
+                 help="a RunOptions field for every run, e.g. add_norm_backend=auto "
+                      "(core/options.py says what each does)")
   p.add_argument("--skip", default="131072x8", help="context x batch pairs that cannot fit")
   p.add_argument("--meshes", default="none",
                  help="';'-separated device meshes for the jax impl, e.g. 'none;model=2;data=2' "
@@ -383,7 +403,8 @@ def main() -> None:
             *(["--key-smoothing"] if args.key_smoothing else []),
             "--kernel-profile", str(args.kernel_profile),
             *[x for a in margs for x in ("--method-arg", a)],
-            *[x for a in kopts for x in ("--kernel-option", a)]], echo_stderr=True)
+            *[x for a in kopts for x in ("--kernel-option", a)],
+            *[x for a in args.run_option for x in ("--run-option", a)]], echo_stderr=True)
         rec = run.records[-1] if run.records else {
             "impl": impl, "context": ctx, "batch": b, "error": run.stderr[-500:]}
         if gemm and rec.get("prefill_tok_s"):  # (None with --fill-cache)

@@ -32,6 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import pallas_kernels
+
 from jax_longctx.core.mesh import MeshError, make_mesh
 from jax_longctx.core.options import RunOptions
 from jax_longctx.methods import get, names
@@ -313,6 +315,18 @@ def fused():
     jax.tree.map(np.testing.assert_array_equal, consumed, fused_placed)
     one = generate(fuse_projections(params), cfg, docs, get("full"), max_new_tokens=5)
     assert plain.tokens == both.tokens == one.tokens, mesh
+  # every decode switch (benchmarks/decode.py --run-option / --kernel-option) per shard, the GPU
+  # kernels interpreted (a width of 64: the add + norm kernel takes powers of two): the same tokens
+  cfg = tiny_config(**MODELS["gqa"], hidden_size=64, max_position_embeddings=CACHE_LEN)
+  params = random_params(cfg, seed=1)
+  one = generate(fuse_projections(params), cfg, docs, get("full"), max_new_tokens=5)
+  switches = RunOptions(prefill_chunk=8, mesh="data=2,model=4", cache_write_backend="gpu",
+                        add_norm_backend="gpu", kernel_backend="gpu", prefill_kernel=False,
+                        decode_kernel=True, kernels=pallas_kernels.KernelOptions(
+                            decode_merge_kernel=True, decode_q_in_kernel=True))
+  switched = generate(fuse_placed(place(params, cfg, switches.mesh), switches.mesh), cfg, docs,
+                      get("full"), max_new_tokens=5, options=switches)
+  assert switched.tokens == one.tokens, (switched.tokens, one.tokens)
   # Weights fused on one device (what a process of a one-process-per-GPU run serves) go to a mesh
   # that does not split the model as they are; one that splits it needs them placed first.
   one_device = fuse_projections(params)
