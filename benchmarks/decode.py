@@ -75,7 +75,7 @@ def _stage(msg: str) -> None:
 def option_fields(cls, pairs, flag: str) -> dict:
   """Fields of the dataclass `cls` from KEY=VALUE strings (--kernel-option, --run-option), each
   value read as its field's default's type (booleans: true / false; `none`: None; a field whose
-  default is None: the string)."""
+  default is None: an integer, true / false, or else the string)."""
   import dataclasses
   names = {f.name for f in dataclasses.fields(cls)}
   default, fields = cls(), {}
@@ -86,10 +86,12 @@ def option_fields(cls, pairs, flag: str) -> dict:
     current = getattr(default, key)
     if value.lower() == "none":
       fields[key] = None
-    elif isinstance(current, bool):
+    elif isinstance(current, bool) or (current is None and value.lower() in ("true", "false")):
       fields[key] = value.lower() in ("1", "true", "yes")
+    elif current is None:
+      fields[key] = int(value) if value.lstrip("-").isdigit() else value
     else:
-      fields[key] = value if current is None else type(current)(value)
+      fields[key] = type(current)(value)
   return fields
 
 
@@ -150,8 +152,12 @@ def run_jax(args) -> dict:
   # attention layers add are the same whatever the factors)
   cfg = preset(args.model, dtype="bfloat16").replace(key_smoothing=args.key_smoothing)
   method = get(args.method, **parse_method_args(args.method_arg))
+  tiling = None
+  if args.decode_tiling:
+    from pallas_kernels.gpu import Tiling
+    tiling = Tiling(**option_fields(Tiling, args.decode_tiling.split(","), "--decode-tiling"))
   options = RunOptions(mesh=args.mesh or None, kernels=kernel_options(args.kernel_option),
-                       kv_dtype=args.kv_dtype or None,
+                       kv_dtype=args.kv_dtype or None, decode_tiling=tiling,
                        **option_fields(RunOptions, args.run_option, "--run-option"))
   mesh = options.mesh
   _stage("random params")
@@ -318,6 +324,7 @@ def child(args) -> None:
          "new_tokens": args.new_tokens, "method": args.method, "method_args": args.method_arg,
          "label": args.label or args.method, "mesh": args.mesh or None,
          "kernel_options": args.kernel_option, "run_options": args.run_option,
+         "decode_tiling": args.decode_tiling or None,
          "key_smoothing": args.key_smoothing, "xla_flags": os.environ.get("XLA_FLAGS", "")}
   try:
     rec.update(run_jax(args) if args.impl == "jax" else run_hf(args))
@@ -342,6 +349,9 @@ def main() -> None:
   p.add_argument("--run-option", action="append", default=[], metavar="KEY=VALUE",
                  help="a RunOptions field for every run, e.g. add_norm_backend=auto "
                       "(core/options.py says what each does)")
+  p.add_argument("--decode-tiling", default="", metavar="KEY=VALUE,...",
+                 help="RunOptions.decode_tiling for every run (gpu.Tiling fields), e.g. "
+                      "block_keys=64,num_stages=3")
   p.add_argument("--skip", default="131072x8", help="context x batch pairs that cannot fit")
   p.add_argument("--meshes", default="none",
                  help="';'-separated device meshes for the jax impl, e.g. 'none;model=2;data=2' "
@@ -404,7 +414,8 @@ def main() -> None:
             "--kernel-profile", str(args.kernel_profile),
             *[x for a in margs for x in ("--method-arg", a)],
             *[x for a in kopts for x in ("--kernel-option", a)],
-            *[x for a in args.run_option for x in ("--run-option", a)]], echo_stderr=True)
+            *[x for a in args.run_option for x in ("--run-option", a)],
+            "--decode-tiling", args.decode_tiling], echo_stderr=True)
         rec = run.records[-1] if run.records else {
             "impl": impl, "context": ctx, "batch": b, "error": run.stderr[-500:]}
         if gemm and rec.get("prefill_tok_s"):  # (None with --fill-cache)

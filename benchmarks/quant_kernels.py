@@ -184,8 +184,8 @@ def time_decode_tiles(reps, bw):
       q, k, v = _inputs(8, 1, 1, t, dtype)
       pos = jnp.asarray([t - 1])
       read = _nbytes(k, v)
-      for bk, warps, stages, splits in itertools.product((64, 128, 256, 512), (4, 8), (2, 3),
-                                                         (None, 132, 264)):
+      for bk, warps, stages, splits in itertools.product((64, 128, 256), (4, 8), (2, 3),
+                                                         (None, 66, 132, 264)):
         tl = Tiling(block_keys=bk, num_warps=warps, num_stages=stages, key_splits=splits)
         fn = jax.jit(lambda q, k, v, tl=tl: flash_attention(
             q, k, v, causal=True, q_offset=pos, kv_len=pos + 1, kv_layout="BHTD", tiling=tl))
@@ -237,6 +237,8 @@ def main() -> None:
   p.add_argument("--heads", default=f"{H}/{KV}",
                  help="query heads / KV heads a device holds, e.g. 32/4: the 70B on model=2 "
                       "(default: the 8B on one device)")
+  p.add_argument("--tile-keys", default="",
+                 help="comma list of key counts for decode_tiles (default: 131072,1048576)")
   p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU, kernels interpreted")
   args = p.parse_args()
   try:
@@ -251,6 +253,8 @@ def main() -> None:
     SIZES.update(decode=(512,), chunk=64, offsets=(192,), topk_rows=64, topk_keys=(512,),
                  tile_keys=(256,), check=100)
     backend, args.reps = "gpu", 1
+  if args.tile_keys:
+    SIZES["tile_keys"] = tuple(int(t) for t in args.tile_keys.split(","))
   bw = 1.0 if args.smoke else copy_bandwidth()
   cases = {"check_attention": lambda: check_attention(backend),
            "check_topk": lambda: check_topk(backend),
