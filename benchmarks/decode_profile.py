@@ -23,7 +23,8 @@ Profiling runs XLA without command buffers (xla_enable_command_buffers_during_pr
 default), so the timed ms/token and the profile's wall time per step may differ a little.
 
 Candidate fixes (--variants, in the order run; each is a flag set of this script):
-- `base`: the step as served today.
+- `base`: the step as served before 2026-11-26 (the small-kernel switches below are each
+  variant's own: off unless named, though on by default in RunOptions / KernelOptions since).
 - `fused`: params in `model.fuse_projections`' serving layout: q/k/v one [D, H+2KV, hd] weight,
   gate/up one [D, 2F]. Five matrix-vector products per layer become three; k/v (8 MB each at
   the 8B shape) stop paying a launch and a bandwidth ramp of their own. Equality with the

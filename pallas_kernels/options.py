@@ -35,12 +35,13 @@ class KernelOptions:
   # Decode on the GPU kernels (flash_attention, gathered_attention): merge their key splits in
   # one Pallas kernel (split_merge: one launch, real rows only) instead of jnp's merge and the
   # padding rows' slice (three small XLA kernels per call). With the next switch, ReAttention's
-  # decode at 32K on an H200 took 5.992 against 5.993 ms without them: off.
-  decode_merge_kernel: bool = False
+  # decode at 32K on an H200 took 5.992 against 5.993 ms without them; with RunOptions'
+  # cache_write_backend and add_norm_backend, the 8B's tensor-parallel decode 3.9% faster: on.
+  decode_merge_kernel: bool = True
   # Decode on the GPU kernels with fewer query rows per kv group than a row block (Llama-8B: 4
   # of 16): the kernel reads the real rows and repeats them to fill the block, instead of an XLA
-  # pad kernel per call. Off (above; flash decode: decode_profile variant `q_in_kernel`).
-  decode_q_in_kernel: bool = False
+  # pad kernel per call (above; flash decode: decode_profile variant `q_in_kernel`).
+  decode_q_in_kernel: bool = True
   # What topk_scores' GPU / TPU kernels do with each score tile. "exact" keeps the running top-k.
   # "max_only" is a benchmark diagnostic whose results are meaningless: it keeps only each row's
   # running max (in its top slot; the indices are not kept), so it times the kernel without its

@@ -114,16 +114,17 @@ def test_merge_kernel_lowers_to_triton(splits, parts):
 
 
 def test_unpadded_q_reaches_the_kernel(monkeypatch):
-  """With decode_q_in_kernel the kernel gets the group's 4 real rows, not a 16-row padded tile."""
+  """With decode_q_in_kernel (the default) the kernel gets the group's 4 real rows, not a 16-row
+  padded tile."""
   seen = []
   gpu_kernel = fa_module._gpu
   monkeypatch.setattr(fa_module, "_gpu", lambda qr, *a, **kw: seen.append(qr.shape) or
                       gpu_kernel(qr, *a, **kw))
   rng = np.random.default_rng(1)
   q, k = normal(rng, (1, 1, 8, 64), jnp.float32), normal(rng, (1, 2, 100, 64), jnp.float32)
-  flash_attention(q, k, k, kv_layout="BHTD", backend="gpu")
   flash_attention(q, k, k, kv_layout="BHTD", backend="gpu",
-                  options=KernelOptions(decode_q_in_kernel=True))
+                  options=KernelOptions(decode_q_in_kernel=False))
+  flash_attention(q, k, k, kv_layout="BHTD", backend="gpu")
   assert seen == [(1, 2, 16, 64), (1, 2, 4, 64)]
 
 
