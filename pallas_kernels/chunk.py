@@ -125,10 +125,8 @@ def cudnn_route(q, k_cache, backend: str, kv_layout: str = "BTHD",
 def dequantize_first(q, k_cache, variant, options: KernelOptions = DEFAULT) -> bool:
   """Whether a chunk over this 8-bit cache runs on its bf16 copy (module docstring): on a native
   GPU, the copy of K and V at most `options.prefill_dequantize_bytes`."""
-  if not quant.is_quantized(k_cache) or variant.kind != "gpu" or variant.interpret:
-    return False
-  copy = 2 * k_cache.values.size * jnp.dtype(q.dtype).itemsize
-  return copy <= options.prefill_dequantize_bytes
+  return quant.dequantized_copy_fits(k_cache, q.dtype, variant, options.prefill_dequantize_bytes,
+                                     copies=2)
 
 
 def chunk_attention(q, k_cache, v_cache, k_chunk, v_chunk, q_offset, *, kv_layout: str = "BTHD",

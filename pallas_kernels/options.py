@@ -64,7 +64,8 @@ class KernelOptions:
   # (Triton: the Mosaic 8-bit path hung on an H200), which ran 4096-query chunks at 0.4-0.5x the
   # bf16 Mosaic kernel. The chunk's attention is compute-bound, so a pass over the cache is a
   # few percent of it; the cap bounds the transient copy (1 GiB: 256K tokens of 8 KV heads x 128).
-  # 0: never.
+  # The same cap routes topk_scores over 8-bit keys with many query rows (ReAttention's prefill
+  # scoring; the copy is K alone, so 512K tokens) to the bf16 Mosaic kernel. 0: never.
   prefill_dequantize_bytes: int = 1 << 30
 
   def __post_init__(self):

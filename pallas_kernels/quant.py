@@ -99,6 +99,16 @@ def dequantize(x, dtype=jnp.float32):
   return (x.values.astype(jnp.float32) * x.scale[..., None]).astype(dtype)
 
 
+def dequantized_copy_fits(x, dtype, variant, budget: int, copies: int = 1) -> bool:
+  """Whether a kernel call over the 8-bit `x` (and copies - 1 more of its size: V beside K) runs
+  on a bf16 copy made first: on a native GPU, the copy at most `budget` bytes. The bf16 kernels
+  there (Mosaic, cuDNN) read no 8-bit tiles, and a compute-bound call (a prefill chunk's many
+  query rows) spends a few percent on one pass over the 8-bit buffer."""
+  if not is_quantized(x) or variant.kind != "gpu" or variant.interpret:
+    return False
+  return copies * x.values.size * jnp.dtype(dtype).itemsize <= budget
+
+
 def store_like(x, like):
   """x [..., d] in the storage of `like`: quantized as `like` is, or cast to its dtype."""
   if isinstance(like, Quantized):

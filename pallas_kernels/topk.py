@@ -24,8 +24,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import backend as backend_lib
-from pallas_kernels import (gpu, layout, mgpu_topk, online_softmax, reference, topk_blocks,
-                            topk_segments, topk_tile, tpu)
+from pallas_kernels import (gpu, layout, mgpu_topk, online_softmax, quant, reference,
+                            topk_blocks, topk_segments, topk_tile, tpu)
 from pallas_kernels.options import DEFAULT, KernelOptions
 
 SQ = gpu.SQ
@@ -72,8 +72,14 @@ def topk_scores(q, k, top_k: int, *, scale: float | None = None, valid_len=None,
                                    pick="jnp" if options.topk_few_rows == "blocks_jnp"
                                    else "kernel", interpret=variant.interpret_arg())
   bounds = jnp.stack([lo, hi], axis=1)  # [B, 2]
-  # 8-bit keys take the Triton kernel (tiles converted in registers); the Mosaic kernel's WGMMA
-  # reads bf16 tiles from shared memory and has no conversion step.
+  # Many query rows (a prefill chunk) over 8-bit keys: their bf16 copy and the Mosaic kernel
+  # while the copy fits `prefill_dequantize_bytes` (the Triton kernel over 8-bit keys ran
+  # 0.42-0.48x the bf16 kernel at 512 rows, and ReAttention's int8 prefill ~1.9x slower than
+  # bf16's on an H200: BENCHMARKS.md "Re-timed"; this route is not timed yet).
+  if quant.dequantized_copy_fits(k, q.dtype, variant, options.prefill_dequantize_bytes):
+    k, quantized = quant.dequantize(k, q.dtype), False
+  # Otherwise 8-bit keys take the Triton kernel (tiles converted in registers); the Mosaic
+  # kernel's WGMMA reads bf16 tiles from shared memory and has no conversion step.
   mosaic = None if quantized else _mosaic_config(variant, q, k, rows, top_k, tiling, keys=t,
                                                  options=options)
   if mosaic is not None:

@@ -56,3 +56,39 @@ def test_fp8_keys_on_a_tpu_are_refused():
   q, k = _inputs("float8_e4m3fn")
   with pytest.raises(ValueError, match="int8"):
     topk_scores(q, k, 5, kv_layout="BHTD", backend="tpu")
+
+
+@pytest.mark.parametrize("dtype", ["int8", "float8_e4m3fn"])
+def test_many_rows_over_8bit_keys_score_a_dequantized_copy_within_the_cap(monkeypatch, dtype):
+  """On a native GPU, query rows past decode's (a prefill chunk) score a copy of the 8-bit keys
+  in the queries' dtype while it fits `prefill_dequantize_bytes` (the jaxpr makes it), and read
+  the 8-bit keys otherwise. Both select what the reference does, as decode's rows do.
+  The interpreter stands in for the GPU."""
+  import jax
+  from pallas_kernels import topk as topk_module
+  from pallas_kernels.backend import Variant
+  from pallas_kernels.options import KernelOptions
+  _, k = _inputs(dtype, seed=3)
+  rows = 12  # query tokens: 24 rows a KV head, past decode's topk_blocks.MAX_ROWS
+  q = jnp.asarray(np.random.default_rng(4).integers(-3, 4, (B, rows, H, D)), jnp.float32)
+  want = topk_scores(q, k, 5, kv_layout="BHTD", backend="reference", **BOUNDS)
+  copy = k.values.size * 4  # K in fp32, q's dtype
+  native = Variant("gpu", False)
+  assert quant.dequantized_copy_fits(k, q.dtype, native, copy)
+  assert not quant.dequantized_copy_fits(k, q.dtype, native, copy - 1)
+  assert not quant.dequantized_copy_fits(k, q.dtype, Variant("gpu", True), copy)  # interpreter
+  assert not quant.dequantized_copy_fits(k, q.dtype, Variant("tpu", False), copy)
+  real = quant.dequantized_copy_fits
+  monkeypatch.setattr(topk_module.quant, "dequantized_copy_fits",
+                      lambda x, dtype, variant, budget, copies=1: real(x, dtype, native, budget,
+                                                                       copies))
+  copy_shape = f"f32[{B},{KV},{T},{D}]"
+  for cap, copied in ((copy, True), (copy - 1, False)):
+    fn = lambda q, k, lq: topk_scores(  # noqa: E731
+        q[:, :lq], k, 5, kv_layout="BHTD", backend="gpu", **BOUNDS,
+        options=KernelOptions(prefill_dequantize_bytes=cap))
+    text = str(jax.make_jaxpr(lambda q, k: fn(q, k, rows))(q, k))
+    assert (copy_shape in text) == copied, cap
+    for lq in (rows, 1):  # decode's row (topk_blocks) takes no part in the route
+      got = fn(q, k, lq)
+      np.testing.assert_array_equal(got[1], want[1][:, :lq], err_msg=f"{dtype} cap {cap} {lq}")
