@@ -77,8 +77,8 @@ def flash_attention(q, k, v, *, causal: bool = True, q_offset=0, kv_len=None,
   bm = min(max(16, layout.next_pow2(rows)), 128)
   # 8-bit K/V tiles are half a bf16 tile's bytes, so a third stage fits where bf16 keeps two:
   # one-token decode of the 8B shape with an int8 cache 9.44 -> 9.20 ms at 128K, 6.95 -> 6.91 ms
-  # at 32K (H100, BENCHMARKS.md "Long contexts on one GPU")
-  stages = 3 if bm >= 128 or quantized else 2
+  # at 32K (H100, BENCHMARKS.md "Long contexts on one GPU"; prefill rows not measured: unchanged)
+  stages = 3 if bm >= 128 or (quantized and lq == 1) else 2
   bk = 256 if variant.kind != "gpu" else gpu.fitting_block_keys(
       128, block_rows=bm, d=d, itemsize=q.dtype.itemsize, num_stages=stages)
   tl = (tiling or gpu.Tiling()).pick(block_rows=bm, block_keys=bk, num_warps=4 if bm <= 64 else 8,
