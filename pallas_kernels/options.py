@@ -64,9 +64,14 @@ class KernelOptions:
   # (Triton: the Mosaic 8-bit path hung on an H200), which ran 4096-query chunks at 0.4-0.5x the
   # bf16 Mosaic kernel. The chunk's attention is compute-bound, so a pass over the cache is a
   # few percent of it; the cap bounds the transient copy (1 GiB: 256K tokens of 8 KV heads x 128).
-  # The same cap routes topk_scores over 8-bit keys with many query rows (ReAttention's prefill
-  # scoring; the copy is K alone, so 512K tokens) to the bf16 Mosaic kernel. 0: never.
+  # 0: never.
   prefill_dequantize_bytes: int = 1 << 30
+  # topk_scores with many query rows (ReAttention's prefill scoring) over 8-bit keys on a GPU:
+  # scores a copy of the keys in the queries' dtype (the Mosaic kernel on Hopper) when that copy
+  # takes at most this many bytes, as prefill chunks do above; else the Triton kernel reads the
+  # 8-bit keys (0.42-0.48x the bf16 kernel at 512 rows; ReAttention's int8 prefill ran ~1.9x
+  # slower than bf16's on an H200, BENCHMARKS.md "Re-timed"). 0 (never) until timed on a GPU.
+  topk_dequantize_bytes: int = 0
 
   def __post_init__(self):
     for field in ("prefill_impl", "topk_impl"):
@@ -76,9 +81,10 @@ class KernelOptions:
       raise ValueError(f"topk_few_rows={self.topk_few_rows!r} must be one of {TOPK_FEW_ROWS}")
     if self.topk_many_rows not in TOPK_MANY_ROWS:
       raise ValueError(f"topk_many_rows={self.topk_many_rows!r} must be one of {TOPK_MANY_ROWS}")
-    if not isinstance(self.prefill_dequantize_bytes, int) or self.prefill_dequantize_bytes < 0:
-      raise ValueError(f"prefill_dequantize_bytes={self.prefill_dequantize_bytes!r} must be a "
-                       "byte count >= 0 (0: never)")
+    for field in ("prefill_dequantize_bytes", "topk_dequantize_bytes"):
+      value = getattr(self, field)
+      if not isinstance(value, int) or value < 0:
+        raise ValueError(f"{field}={value!r} must be a byte count >= 0 (0: never)")
     if self.topk_selection not in TOPK_SELECTIONS:
       raise ValueError(f"topk_selection={self.topk_selection!r} must be one of {TOPK_SELECTIONS}")
 

@@ -72,11 +72,9 @@ def topk_scores(q, k, top_k: int, *, scale: float | None = None, valid_len=None,
                                    pick="jnp" if options.topk_few_rows == "blocks_jnp"
                                    else "kernel", interpret=variant.interpret_arg())
   bounds = jnp.stack([lo, hi], axis=1)  # [B, 2]
-  # Many query rows (a prefill chunk) over 8-bit keys: their bf16 copy and the Mosaic kernel
-  # while the copy fits `prefill_dequantize_bytes` (the Triton kernel over 8-bit keys ran
-  # 0.42-0.48x the bf16 kernel at 512 rows, and ReAttention's int8 prefill ~1.9x slower than
-  # bf16's on an H200: BENCHMARKS.md "Re-timed"; this route is not timed yet).
-  if quant.dequantized_copy_fits(k, q.dtype, variant, options.prefill_dequantize_bytes):
+  # Many query rows (a prefill chunk) over 8-bit keys: their copy in q's dtype and the bf16
+  # kernels while it fits `topk_dequantize_bytes` (opt-in until timed: options.py says why).
+  if quant.dequantized_copy_fits(k, q.dtype, variant, options.topk_dequantize_bytes):
     k, quantized = quant.dequantize(k, q.dtype), False
   # Otherwise 8-bit keys take the Triton kernel (tiles converted in registers); the Mosaic
   # kernel's WGMMA reads bf16 tiles from shared memory and has no conversion step.

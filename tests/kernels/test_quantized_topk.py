@@ -61,7 +61,7 @@ def test_fp8_keys_on_a_tpu_are_refused():
 @pytest.mark.parametrize("dtype", ["int8", "float8_e4m3fn"])
 def test_many_rows_over_8bit_keys_score_a_dequantized_copy_within_the_cap(monkeypatch, dtype):
   """On a native GPU, query rows past decode's (a prefill chunk) score a copy of the 8-bit keys
-  in the queries' dtype while it fits `prefill_dequantize_bytes` (the jaxpr makes it), and read
+  in the queries' dtype while it fits `topk_dequantize_bytes` (the jaxpr makes it), and read
   the 8-bit keys otherwise. Both select what the reference does, as decode's rows do.
   The interpreter stands in for the GPU."""
   import jax
@@ -83,10 +83,12 @@ def test_many_rows_over_8bit_keys_score_a_dequantized_copy_within_the_cap(monkey
                       lambda x, dtype, variant, budget, copies=1: real(x, dtype, native, budget,
                                                                        copies))
   copy_shape = f"f32[{B},{KV},{T},{D}]"
-  for cap, copied in ((copy, True), (copy - 1, False)):
+  with pytest.raises(ValueError, match="topk_dequantize_bytes=-1 must be a byte count"):
+    KernelOptions(topk_dequantize_bytes=-1)
+  for cap, copied in ((copy, True), (copy - 1, False), (None, False)):  # None: the default
     fn = lambda q, k, lq: topk_scores(  # noqa: E731
         q[:, :lq], k, 5, kv_layout="BHTD", backend="gpu", **BOUNDS,
-        options=KernelOptions(prefill_dequantize_bytes=cap))
+        options=KernelOptions() if cap is None else KernelOptions(topk_dequantize_bytes=cap))
     text = str(jax.make_jaxpr(lambda q, k: fn(q, k, rows))(q, k))
     assert (copy_shape in text) == copied, cap
     for lq in (rows, 1):  # decode's row (topk_blocks) takes no part in the route
