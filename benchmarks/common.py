@@ -279,3 +279,32 @@ def device_kernel_times(run, calls: int, per_call: int = 1) -> list[dict]:
   rows = [{"kernel": name[:120], "launches": len(d) / units, "us": sum(d) / units}
           for name, d in total.items()]
   return sorted(rows, key=lambda r: -r["us"])
+
+
+def option_fields(cls, pairs, flag: str) -> dict:
+  """Fields of the dataclass `cls` from KEY=VALUE strings (--kernel-option, --run-option), each
+  value read as its field's default's type (booleans: true / false; `none`: None; a field whose
+  default is None: an integer, true / false, or else the string)."""
+  names = {f.name for f in dataclasses.fields(cls)}
+  default, fields = cls(), {}
+  for pair in pairs:
+    key, _, value = pair.partition("=")
+    if key not in names:
+      raise SystemExit(f"{flag} {pair}: {cls.__name__} has no field {key!r}")
+    current = getattr(default, key)
+    if value.lower() == "none":
+      fields[key] = None
+    elif isinstance(current, bool) or (current is None and value.lower() in ("true", "false")):
+      fields[key] = value.lower() in ("1", "true", "yes")
+    elif current is None:
+      fields[key] = int(value) if value.lstrip("-").isdigit() else value
+    else:
+      fields[key] = type(current)(value)
+  return fields
+
+
+def kernel_options(pairs):
+  """KernelOptions from --kernel-option KEY=VALUE strings."""
+  import pallas_kernels
+  return pallas_kernels.KernelOptions(**option_fields(pallas_kernels.KernelOptions, pairs,
+                                                      "--kernel-option"))

@@ -37,7 +37,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import common  # noqa: E402
 from benchmarks.common import (bytes_on, child_result, device_facts, jax_peak_bytes,  # noqa: E402
-                               median_time, run_child, write_json)
+                               kernel_options, median_time, option_fields, run_child,
+                               write_json)
 
 
 def _bytes_per_token(cfg, ctx: int, batch: int, kv_dtype: str | None = None) -> tuple[int, int]:
@@ -70,36 +71,6 @@ def _stage(msg: str) -> None:
   used, peak = (stats.get(k, 0) / 1e9 for k in ("bytes_in_use", "peak_bytes_in_use"))
   mem = f" [{used:.2f} GB in use, peak {peak:.2f}]" if stats else ""
   print(f"[{time.strftime('%H:%M:%S')}] {msg}{mem}", file=sys.stderr, flush=True)
-
-
-def option_fields(cls, pairs, flag: str) -> dict:
-  """Fields of the dataclass `cls` from KEY=VALUE strings (--kernel-option, --run-option), each
-  value read as its field's default's type (booleans: true / false; `none`: None; a field whose
-  default is None: an integer, true / false, or else the string)."""
-  import dataclasses
-  names = {f.name for f in dataclasses.fields(cls)}
-  default, fields = cls(), {}
-  for pair in pairs:
-    key, _, value = pair.partition("=")
-    if key not in names:
-      raise SystemExit(f"{flag} {pair}: {cls.__name__} has no field {key!r}")
-    current = getattr(default, key)
-    if value.lower() == "none":
-      fields[key] = None
-    elif isinstance(current, bool) or (current is None and value.lower() in ("true", "false")):
-      fields[key] = value.lower() in ("1", "true", "yes")
-    elif current is None:
-      fields[key] = int(value) if value.lstrip("-").isdigit() else value
-    else:
-      fields[key] = type(current)(value)
-  return fields
-
-
-def kernel_options(pairs):
-  """KernelOptions from --kernel-option KEY=VALUE strings."""
-  import pallas_kernels
-  return pallas_kernels.KernelOptions(**option_fields(pallas_kernels.KernelOptions, pairs,
-                                                      "--kernel-option"))
 
 
 def filled_cache(cfg, method, batch: int, ctx: int, cache_len: int, options):

@@ -1,9 +1,10 @@
-"""benchmarks/decode.py's --kernel-option / --run-option / --decode-tiling parsing: each value
-becomes its field's type, and a field the dataclass lacks is a one-line exit naming it."""
+"""benchmarks/decode.py's --kernel-option / --run-option / --decode-tiling parsing
+(benchmarks/common.py): each value becomes its field's type, and a field the dataclass lacks is a
+one-line exit naming it."""
 
 import pytest
 
-from benchmarks.decode import kernel_options, option_fields
+from benchmarks.common import kernel_options, option_fields
 from jax_longctx.core.options import RunOptions
 from pallas_kernels.gpu import Tiling
 
