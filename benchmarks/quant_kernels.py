@@ -38,7 +38,8 @@ from benchmarks.kernel_cases import timed  # noqa: E402
 DTYPES = ("int8", "float8_e4m3fn")
 H, KV, D = 32, 8, 128
 SIZES = dict(decode=(32768, 131072, 1048576), chunk=4096, offsets=(28672, 126976),
-             topk_rows=512, topk_keys=(32768, 131072), check=1000, tile_keys=(131072, 1048576))
+             topk_rows=512, topk_keys=(32768, 131072), check=1000, tile_keys=(131072, 1048576),
+             route_keys=(131072, 1048576))
 
 
 def _inputs(seed, b, lq, t, dtype):
@@ -227,6 +228,39 @@ def time_prefill(reps):
   return recs
 
 
+def time_topk_routes(reps):
+  """ReAttention's prefill scoring over int8 keys by each route of KernelOptions.
+  topk_dequantize_bytes: the Triton kernel over 8-bit tiles (0), one bf16 copy and the Mosaic
+  kernel (a cap past the copy), the copy a half or a quarter of the keys at a time (segment_keys;
+  0: the cap leaves too short a segment, the Triton route),
+  against the bf16 keys; the share of rows whose top-4 equals the Triton route's."""
+  import jax
+  import numpy as np
+  from pallas_kernels import KernelOptions, topk_scores
+  from pallas_kernels.topk import copy_segment
+  recs = []
+  for t in SIZES["route_keys"]:
+    copy = KV * t * D * 2  # the bf16 copy of one sequence's keys
+    for dtype, cap in (("bfloat16", 0), ("int8", 0), ("int8", copy), ("int8", copy // 2),
+                       ("int8", copy // 4)):
+      q, k, _ = _inputs(7, 1, SIZES["topk_rows"], t, dtype)
+      fn = jax.jit(lambda q, k, cap=cap: topk_scores(
+          q, k, 4, kv_layout="BHTD", scale=1.0, options=KernelOptions(topk_dequantize_bytes=cap)))
+      med, _ = median_time(lambda: jax.block_until_ready(fn(q, k)), warmup=2, reps=reps)
+      rec = {"kernel": "prefill_topk4_route", "keys": t, "dtype": dtype,
+             "topk_dequantize_bytes": cap, "ms": med * 1e3,
+             "segment_keys": copy_segment(cap // (KV * D * 2), t) if dtype == "int8" else None,
+             "tflops": 2 * SIZES["topk_rows"] * H * D * t / med / 1e12}
+      if dtype == "int8":
+        idx = np.asarray(fn(q, k)[1])
+        if cap == 0:
+          triton = idx
+        rec["rows_equal_triton_route"] = float(np.mean(np.all(idx == triton, axis=-1)))
+      recs.append(rec)
+      del q, k
+  return recs
+
+
 def main() -> None:
   global H, KV, D
   p = argparse.ArgumentParser(description=__doc__,
@@ -251,7 +285,7 @@ def main() -> None:
   if args.smoke:
     H, KV, D = H // KV * 2, 2, 16
     SIZES.update(decode=(512,), chunk=64, offsets=(192,), topk_rows=64, topk_keys=(512,),
-                 tile_keys=(256,), check=100)
+                 tile_keys=(256,), check=100, route_keys=(512,))
     backend, args.reps = "gpu", 1
   if args.tile_keys:
     SIZES["tile_keys"] = tuple(int(t) for t in args.tile_keys.split(","))
@@ -259,7 +293,8 @@ def main() -> None:
   cases = {"check_attention": lambda: check_attention(backend),
            "check_topk": lambda: check_topk(backend),
            "decode": lambda: time_decode(args.reps, bw), "prefill": lambda: time_prefill(args.reps),
-           "decode_tiles": lambda: time_decode_tiles(args.reps, bw)}
+           "decode_tiles": lambda: time_decode_tiles(args.reps, bw),
+           "topk_routes": lambda: time_topk_routes(args.reps)}
   failed = run_cases_to_json(cases, args.out, {**device_facts(), "copy_bw": bw,
                                                "heads": f"{H}/{KV}", "head_dim": D}, args.only)
   sys.exit(1 if failed else 0)

@@ -36,7 +36,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import bytes_on, child_result, device_facts, run_child  # noqa: E402
+from benchmarks.common import (bytes_on, child_result, device_facts, kernel_options,  # noqa: E402
+                               run_child)
 
 SMOKE_DEVICES = 8
 # A tiny model of the 3B layout (GQA, llama3 RoPE) and a ReAttention scope to match: selection
@@ -85,7 +86,8 @@ def child(args) -> dict:
   if n_dev % m:
     raise SystemExit(f"--model-splits {m} does not divide {n_dev} devices")
   mesh = make_mesh(f"ctx={n_dev // m},model={m}", devices)
-  options = RunOptions(mesh=mesh, kv_dtype=args.kv_dtype or None)
+  options = RunOptions(mesh=mesh, kv_dtype=args.kv_dtype or None,
+                       kernels=kernel_options(args.kernel_option))
   room = args.decode_tokens * (args.decode_reps + 1)
   unit = math.lcm(128, method.cache_unit(n_dev // m))
   cache_len = -(-(c + room) // unit) * unit
@@ -119,7 +121,8 @@ def child(args) -> dict:
   rec = {"model": args.model, "method": args.method, "smoke": args.smoke, "devices": n_dev,
          "model_split": m,
          "context": c, "cache_len": cache_len, "chunk": chunk, "hparams": method.hparams(),
-         "kv_dtype": options.kv_dtype, "cache_bytes_per_device": cache_bytes,
+         "kv_dtype": options.kv_dtype, "kernel_options": args.kernel_option,
+         "cache_bytes_per_device": cache_bytes,
          "resident_bytes_per_device": cache_bytes + weights_bytes,
          "prefill_s": t_end - marks["t0"], "first_chunk_s": marks["first"] - marks["t0"],
          "prefill_tok_s": ((n_chunks - 1) * chunk / (t_end - marks["first"])
@@ -150,7 +153,8 @@ def _run_child(args, context: int, devices: int, block: int, split: int) -> dict
          "--devices", str(devices), "--shard-blocks", str(block), "--chunk", str(args.chunk),
          "--model-splits", str(split),
          "--decode-tokens", str(args.decode_tokens), "--decode-reps", str(args.decode_reps),
-         "--kv-dtype", args.kv_dtype, "--vote-stride", str(args.vote_stride)]
+         "--kv-dtype", args.kv_dtype, "--vote-stride", str(args.vote_stride),
+         *(f"--kernel-option={o}" for o in args.kernel_option)]
   env = dict(os.environ)
   if args.smoke:
     cmd.append("--smoke")
@@ -184,6 +188,8 @@ def main() -> None:
   p.add_argument("--decode-tokens", type=int, default=32, help="tokens per timed decode run")
   p.add_argument("--kv-dtype", default="", help="the cache in 8 bits: int8 or float8_e4m3fn")
   p.add_argument("--vote-stride", type=int, default=0, help="ReAttention's vote_stride (0: its own)")
+  p.add_argument("--kernel-option", action="append", default=[], metavar="KEY=VALUE",
+                 help="a KernelOptions field, e.g. topk_dequantize_bytes=1073741824")
   p.add_argument("--decode-reps", type=int, default=5, help="timed decode runs after one warm-up")
   p.add_argument("--out", help="JSON file, rewritten after every context (required)")
   p.add_argument("--smoke", action="store_true", help="tiny model on 8 fake CPU devices")

@@ -67,11 +67,13 @@ class KernelOptions:
   # 0: never.
   prefill_dequantize_bytes: int = 1 << 30
   # topk_scores with many query rows (ReAttention's prefill scoring) over 8-bit keys on a GPU:
-  # scores a copy of the keys in the queries' dtype (the Mosaic kernel on Hopper) when that copy
-  # takes at most this many bytes, as prefill chunks do above; else the Triton kernel reads the
-  # 8-bit keys (0.42-0.48x the bf16 kernel at 512 rows; ReAttention's int8 prefill ran ~1.9x
-  # slower than bf16's on an H200, BENCHMARKS.md "Re-timed"). 0 (never) until timed on a GPU.
-  topk_dequantize_bytes: int = 0
+  # scores a copy of the keys in the queries' dtype (the Mosaic kernel on Hopper), the whole
+  # copy when it takes at most this many bytes, else a segment of keys at a time that does (as
+  # prefill chunks do above); 0: never, the Triton kernel reads the 8-bit keys (0.42-0.48x the
+  # bf16 kernel at 512 rows; ReAttention's int8 prefill ran ~1.9x slower than bf16's on an
+  # H200, BENCHMARKS.md "Re-timed"). A prefill chunk's scoring is compute-bound, so the copy's
+  # pass is a few percent of it.
+  topk_dequantize_bytes: int = 1 << 30
 
   def __post_init__(self):
     for field in ("prefill_impl", "topk_impl"):

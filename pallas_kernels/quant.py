@@ -99,6 +99,14 @@ def dequantize(x, dtype=jnp.float32):
   return (x.values.astype(jnp.float32) * x.scale[..., None]).astype(dtype)
 
 
+def dequantized_rows_fitting(x, dtype, variant, budget: int, axis: int) -> int:
+  """How many entries along `axis` of the 8-bit `x` a copy in `dtype` of at most `budget` bytes
+  holds, on a native GPU (dequantized_copy_fits' rule); 0 where there is no copy route."""
+  if not is_quantized(x) or variant.kind != "gpu" or variant.interpret:
+    return 0
+  return budget // (x.values.size // x.shape[axis] * jnp.dtype(dtype).itemsize)
+
+
 def dequantized_copy_fits(x, dtype, variant, budget: int, copies: int = 1) -> bool:
   """Whether a kernel call over the 8-bit `x` (and copies - 1 more of its size: V beside K) runs
   on a bf16 copy made first: on a native GPU, the copy at most `budget` bytes. The bf16 kernels

@@ -73,9 +73,15 @@ def topk_scores(q, k, top_k: int, *, scale: float | None = None, valid_len=None,
                                    else "kernel", interpret=variant.interpret_arg())
   bounds = jnp.stack([lo, hi], axis=1)  # [B, 2]
   # Many query rows (a prefill chunk) over 8-bit keys: their copy in q's dtype and the bf16
-  # kernels while it fits `topk_dequantize_bytes` (opt-in until timed: options.py says why).
-  if quant.dequantized_copy_fits(k, q.dtype, variant, options.topk_dequantize_bytes):
+  # kernels within `topk_dequantize_bytes`, the whole copy or, where it does not fit, a segment
+  # of keys at a time (options.py says why).
+  segment = copy_segment(quant.dequantized_rows_fitting(
+      k, q.dtype, variant, options.topk_dequantize_bytes, 1 if kv_layout == "BTHD" else 2), t)
+  if segment >= t:
     k, quantized = quant.dequantize(k, q.dtype), False
+  elif segment:
+    return _segmented_copy(q, k, top_k, segment, lo, hi, scale=scale, kv_layout=kv_layout,
+                           backend=backend, tiling=tiling, options=options)
   # Otherwise 8-bit keys take the Triton kernel (tiles converted in registers); the Mosaic
   # kernel's WGMMA reads bf16 tiles from shared memory and has no conversion step.
   mosaic = None if quantized else _mosaic_config(variant, q, k, rows, top_k, tiling, keys=t,
@@ -112,6 +118,51 @@ def topk_scores(q, k, top_k: int, *, scale: float | None = None, valid_len=None,
     vals, idx = _tpu(qr, kh, bounds, *tpu.scale_rows(ks), kp=kp, bm=bm, bk=bk, scale=scale,
                      selection=options.topk_selection, interpret=variant.interpret_arg())
   return _finish(vals, idx, top_k, lq, h)
+
+
+# The dequantized copy's segments (keys): a multiple of every kernel's key tile, and none
+# shorter than COPY_SEGMENT_MIN (there the pass and the extra calls cost more than the Triton
+# kernel over 8-bit tiles saves).
+COPY_SEGMENT_ALIGN = 1024
+COPY_SEGMENT_MIN = 1 << 16
+
+
+def copy_segment(fitting: int, keys: int) -> int:
+  """Keys per segment of the dequantized copy when `fitting` keys fit its cap: all `keys`
+  (one copy), else the fewest segments of equal, aligned length that fit, 0 if they are
+  shorter than COPY_SEGMENT_MIN (no copy)."""
+  if fitting >= keys:
+    return keys
+  most = fitting // COPY_SEGMENT_ALIGN * COPY_SEGMENT_ALIGN
+  if most < COPY_SEGMENT_MIN:
+    return 0
+  count = pl.cdiv(keys, most)
+  return layout.round_up(pl.cdiv(keys, count), COPY_SEGMENT_ALIGN)
+
+
+def _segmented_copy(q, k, top_k: int, segment: int, lo, hi, *, kv_layout: str, **kw):
+  """topk_scores over 8-bit keys whose whole copy in q's dtype exceeds the cap: a loop over
+  segments of `segment` keys (lax.scan: one copy alive at a time), each dequantized and scored
+  alone (the bf16 kernels), its candidates merged into the running best. Exact: the segments
+  hold disjoint keys (the last one starts early so it stays inside the cache, and its keys
+  before its nominal start are excluded) and the merge orders by (score desc, index asc)."""
+  axis = 1 if kv_layout == "BTHD" else 2
+  t = k.shape[axis]
+  shape = q.shape[:3] + (top_k,)
+
+  def step(best, s):
+    start = jnp.minimum(s * segment, t - segment)
+    part = quant.per_row(lambda x: lax.dynamic_slice_in_dim(x, start, segment, axis), k)
+    seg_lo = jnp.clip(jnp.maximum(lo, s * segment) - start, 0, segment)
+    seg_hi = jnp.clip(jnp.minimum(hi, (s + 1) * segment) - start, seg_lo, segment)
+    vals, idx = topk_scores(q, quant.dequantize(part, q.dtype), min(top_k, segment),
+                            valid_len=seg_hi, exclude_prefix=seg_lo, kv_layout=kv_layout, **kw)
+    idx = jnp.where(idx >= 0, idx + start, -1)
+    return topk_tile.finish(jnp.concatenate([best[0], vals], -1),
+                            jnp.concatenate([best[1], idx], -1), top_k), None
+
+  empty = (jnp.full(shape, topk_tile.NEG_INF, jnp.float32), jnp.full(shape, -1, jnp.int32))
+  return lax.scan(step, empty, jnp.arange(pl.cdiv(t, segment)))[0]
 
 
 def _finish(vals, idx, top_k: int, lq: int, h: int, ordered: bool = False):

@@ -61,8 +61,8 @@ def test_fp8_keys_on_a_tpu_are_refused():
 @pytest.mark.parametrize("dtype", ["int8", "float8_e4m3fn"])
 def test_many_rows_over_8bit_keys_score_a_dequantized_copy_within_the_cap(monkeypatch, dtype):
   """On a native GPU, query rows past decode's (a prefill chunk) score a copy of the 8-bit keys
-  in the queries' dtype while it fits `topk_dequantize_bytes` (the jaxpr makes it), and read
-  the 8-bit keys otherwise. Both select what the reference does, as decode's rows do.
+  in the queries' dtype while it fits `topk_dequantize_bytes` (the jaxpr makes it), a segment
+  of keys at a time where only a part fits, and read the 8-bit keys otherwise. Both select what the reference does, as decode's rows do.
   The interpreter stands in for the GPU."""
   import jax
   from pallas_kernels import topk as topk_module
@@ -78,14 +78,15 @@ def test_many_rows_over_8bit_keys_score_a_dequantized_copy_within_the_cap(monkey
   assert not quant.dequantized_copy_fits(k, q.dtype, native, copy - 1)
   assert not quant.dequantized_copy_fits(k, q.dtype, Variant("gpu", True), copy)  # interpreter
   assert not quant.dequantized_copy_fits(k, q.dtype, Variant("tpu", False), copy)
-  real = quant.dequantized_copy_fits
-  monkeypatch.setattr(topk_module.quant, "dequantized_copy_fits",
-                      lambda x, dtype, variant, budget, copies=1: real(x, dtype, native, budget,
-                                                                       copies))
+  real = quant.dequantized_rows_fitting
+  assert real(k, q.dtype, native, copy, 2) == T and real(k, q.dtype, native, copy - 1, 2) == T - 1
+  assert real(k, q.dtype, Variant("gpu", True), copy, 2) == 0
+  monkeypatch.setattr(topk_module.quant, "dequantized_rows_fitting",
+                      lambda x, dtype, variant, budget, axis: real(x, dtype, native, budget, axis))
   copy_shape = f"f32[{B},{KV},{T},{D}]"
   with pytest.raises(ValueError, match="topk_dequantize_bytes=-1 must be a byte count"):
     KernelOptions(topk_dequantize_bytes=-1)
-  for cap, copied in ((copy, True), (copy - 1, False), (None, False)):  # None: the default
+  for cap, copied in ((copy, True), (copy - 1, False), (0, False), (None, True)):  # the default
     fn = lambda q, k, lq: topk_scores(  # noqa: E731
         q[:, :lq], k, 5, kv_layout="BHTD", backend="gpu", **BOUNDS,
         options=KernelOptions() if cap is None else KernelOptions(topk_dequantize_bytes=cap))
@@ -94,3 +95,16 @@ def test_many_rows_over_8bit_keys_score_a_dequantized_copy_within_the_cap(monkey
     for lq in (rows, 1):  # decode's row (topk_blocks) takes no part in the route
       got = fn(q, k, lq)
       np.testing.assert_array_equal(got[1], want[1][:, :lq], err_msg=f"{dtype} cap {cap} {lq}")
+  # A cap below the whole copy: segments of keys, each copied and scored alone, merged. Here
+  # 100 keys fit, so 4 segments of 96 (the last starts at 237 and skips the keys before 288).
+  monkeypatch.setattr(topk_module, "COPY_SEGMENT_ALIGN", 16)
+  monkeypatch.setattr(topk_module, "COPY_SEGMENT_MIN", 16)
+  per_key = copy // T
+  assert [topk_module.copy_segment(n, T) for n in (T, 100, 15)] == [T, 96, 0]
+  fn = lambda q, k: topk_scores(q, k, 5, kv_layout="BHTD", backend="gpu", **BOUNDS,  # noqa: E731
+                                options=KernelOptions(topk_dequantize_bytes=100 * per_key))
+  text = str(jax.make_jaxpr(fn)(q, k))
+  assert f"f32[{B},{KV},96,{D}]" in text and "scan" in text
+  got = fn(q, k)
+  np.testing.assert_array_equal(got[1], want[1], err_msg=f"{dtype} segments")
+  np.testing.assert_array_equal(got[0], want[0], err_msg=f"{dtype} segments")
