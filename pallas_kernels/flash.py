@@ -95,10 +95,11 @@ def flash_attention(q, k, v, *, causal: bool = True, q_offset=0, kv_len=None,
                                   tl.key_splits or (1 if causal and lq > 1 else None))
     merge_kernel = options.decode_merge_kernel and lq == 1
     (kk, ks), (vv, vs) = layout.parts(kk), layout.parts(vv)
+    fp16 = (options.eight_bit_fp16_products and quantized and q.dtype == jnp.bfloat16)
     outs, lses = _gpu(qr, kk, vv, meta, ks, vs, group=h // kvh, span=span, splits=splits,
                       parts=split_merge.parts(splits, merge_kernel), causal=causal,
                       scale=scale, kv_layout=kv_layout, tiling=tl,
-                      interpret=variant.interpret_arg())
+                      products=jnp.float16 if fp16 else None, interpret=variant.interpret_arg())
     out, lse = split_merge.merge(outs, lses, splits=splits, rows=rows, dtype=q.dtype,
                                  kernel=merge_kernel, interpret=variant.interpret_arg())
   else:
@@ -146,25 +147,29 @@ def _row_positions(first_row, bm: int, group: int, q_off):
 
 
 @functools.partial(jax.jit, static_argnames=("group", "span", "splits", "parts", "causal",
-                                             "scale", "kv_layout", "tiling", "interpret"))
+                                             "scale", "kv_layout", "tiling", "interpret",
+                                             "products"))
 def _gpu(qr, k, v, meta, k_scale=None, v_scale=None, *, group, span, splits, causal, scale,
-         kv_layout, tiling, interpret, parts=None):
+         kv_layout, tiling, interpret, parts=None, products=None):
   """Per-split (out, lse) [B, KV, parts, R_padded, d | 1] fp32; parts (default splits) may
   exceed splits (split_merge's power of two), entries past splits left unwritten. qr may hold
   fewer rows than a block (KernelOptions.decode_q_in_kernel): they are repeated to fill it, and the output
   rows past them (padding) hold copies of theirs. k_scale, v_scale: with 8-bit k, v, their
-  scales ([B, T, KV] or [B, KV, T] as the keys): each tile is converted in registers."""
+  scales ([B, T, KV] or [B, KV, T] as the keys): each tile is converted in registers, to
+  `products` (KernelOptions.eight_bit_fp16_products) or else q's dtype, as q is."""
   b, kvh, rq, d = qr.shape
   parts = parts or splits
   bm, bk = tiling.block_rows, tiling.block_keys
   rp = layout.round_up(rq, bm)
   t = k.shape[1 if kv_layout == "BTHD" else 2]
   quantized = k_scale is not None
+  products = products or qr.dtype
 
   def load_q(q_ref):
     if rq >= bm:
-      return q_ref[...]
-    return q_ref[lax.broadcasted_iota(jnp.int32, (bm,), 0) % rq, :]  # the real rows, repeated
+      return q_ref[...].astype(products)
+    rows = lax.broadcasted_iota(jnp.int32, (bm,), 0) % rq  # the real rows, repeated
+    return q_ref[rows, :].astype(products)
 
   def kernel(meta_ref, q_ref, k_ref, v_ref, *refs):
     ks_ref, vs_ref, o_ref, lse_ref = refs if quantized else (None, None, *refs)
@@ -188,7 +193,7 @@ def _gpu(qr, k, v, meta, k_scale=None, v_scale=None, *, group, span, splits, cau
       ok = (idx >= nominal) & (idx < kv_len)
       if causal:
         ok = ok & (idx <= q_pos)
-      (kt, ks), (vt, vs) = (osm.converted(x, sc, qr.dtype) for x, sc in (kv[::2], kv[1::2]))
+      (kt, ks), (vt, vs) = (osm.converted(x, sc, products) for x, sc in (kv[::2], kv[1::2]))
       s = jnp.where(ok, osm.scores(q, kt, scale, ks), osm.NEG_INF)
       return osm.update(*carry, s, vt, vs)
 
