@@ -95,7 +95,8 @@ def flash_attention(q, k, v, *, causal: bool = True, q_offset=0, kv_len=None,
                                   tl.key_splits or (1 if causal and lq > 1 else None))
     merge_kernel = options.decode_merge_kernel and lq == 1
     (kk, ks), (vv, vs) = layout.parts(kk), layout.parts(vv)
-    fp16 = (options.eight_bit_fp16_products and quantized and q.dtype == jnp.bfloat16)
+    fp16 = (options.fp8_fp16_products and quantized and q.dtype == jnp.bfloat16
+            and kk.dtype == jnp.float8_e4m3fn)
     outs, lses = _gpu(qr, kk, vv, meta, ks, vs, group=h // kvh, span=span, splits=splits,
                       parts=split_merge.parts(splits, merge_kernel), causal=causal,
                       scale=scale, kv_layout=kv_layout, tiling=tl,
@@ -156,7 +157,7 @@ def _gpu(qr, k, v, meta, k_scale=None, v_scale=None, *, group, span, splits, cau
   fewer rows than a block (KernelOptions.decode_q_in_kernel): they are repeated to fill it, and the output
   rows past them (padding) hold copies of theirs. k_scale, v_scale: with 8-bit k, v, their
   scales ([B, T, KV] or [B, KV, T] as the keys): each tile is converted in registers, to
-  `products` (KernelOptions.eight_bit_fp16_products) or else q's dtype, as q is."""
+  `products` (KernelOptions.fp8_fp16_products) or else q's dtype, as q is."""
   b, kvh, rq, d = qr.shape
   parts = parts or splits
   bm, bk = tiling.block_rows, tiling.block_keys

@@ -16,21 +16,11 @@ NEG_INF = float("-inf")
 
 def converted(x, scale, dtype):
   """An 8-bit K or V tile as the products take it: its values converted to `dtype` (exact: int8
-  and E4M3 values are bf16 / fp16 / fp32 values; int8 to fp16 by `int8_as_float16`) and its
-  scales ([n] or [1, n]) as a row [1, n]; a tile without scales (None) as it is."""
+  and E4M3 values are bf16 / fp16 / fp32 values) and its scales ([n] or [1, n]) as a row [1, n];
+  a tile without scales (None) as it is."""
   if scale is None:
     return x, None
-  values = int8_as_float16(x) if (x.dtype == jnp.int8 and dtype == jnp.float16) else x.astype(dtype)
-  return values, scale if scale.ndim == 2 else scale[None, :]
-
-
-def int8_as_float16(x):
-  """int8 values (|x| <= 127) as float16, exactly, by integer arithmetic: x + 0x6480 read as
-  fp16 bits is 1024 + (x + 128) (fp16 steps by 1 from 1024 to 2048), less 1152 is x. An
-  integer add and an fp16 subtract instead of the conversion unit's int -> float -> half,
-  which on Hopper bounds an int8 decode tile (16 conversions a clock per SM)."""
-  bits = x.astype(jnp.int16) + jnp.int16(0x6480)
-  return lax.bitcast_convert_type(bits, jnp.float16) - jnp.float16(1152)
+  return x.astype(dtype), scale if scale.ndim == 2 else scale[None, :]
 
 
 def dequantized(x, scale_col, dtype):

@@ -42,14 +42,13 @@ class KernelOptions:
   # of 16): the kernel reads the real rows and repeats them to fill the block, instead of an XLA
   # pad kernel per call (above; flash decode: decode_profile variant `q_in_kernel`).
   decode_q_in_kernel: bool = True
-  # The GPU (Triton) attention kernel over 8-bit K/V with bf16 queries: its products in fp16
-  # instead of bf16. int8 tiles then convert by integer arithmetic (online_softmax.
-  # int8_as_float16) rather than the conversion unit, which bounds an int8 decode tile on
-  # Hopper (the kernel reads ~2.6-3.0 TB/s of int8 on both the H100 and the H200, 60% of the
-  # H200's copy bandwidth), and E4M3 tiles convert to fp16 in one step, not through it to bf16.
-  # Exact for the 8-bit values; queries are rounded to fp16 (11 significant bits, more than
-  # bf16's 8; |q| past 65504 would overflow) and probabilities too (more bits than bf16).
-  eight_bit_fp16_products: bool = False
+  # The GPU (Triton) attention kernel over E4M3 K/V with bf16 queries: its products in fp16,
+  # to which E4M3 converts in one step (to bf16 it goes through fp16). The 8B's decode step with
+  # an E4M3 cache on an H200: 8.345 -> 7.185 ms at 128K, 5.482 -> 5.259 at 32K (BENCHMARKS.md
+  # "Long contexts on one GPU"). Exact for the 8-bit values; queries round to fp16 (11
+  # significant bits, more than bf16's 8; |q| past 65504 would overflow), probabilities too.
+  # int8 tiles keep bf16 products: converted to fp16 by integer arithmetic they ran slower.
+  fp8_fp16_products: bool = True
   # What topk_scores' GPU / TPU kernels do with each score tile. "exact" keeps the running top-k.
   # "max_only" is a benchmark diagnostic whose results are meaningless: it keeps only each row's
   # running max (in its top slot; the indices are not kept), so it times the kernel without its

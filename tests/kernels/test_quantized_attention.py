@@ -21,6 +21,8 @@ Tolerances (out, LSE; absolute and relative):
   product, rounded once) and go on as the bf16 kernels.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -81,35 +83,26 @@ def test_flash_attention_reads_quantized_kv(variant, case):
   assert_close(ref, flash_attention(q, *deq, backend="reference", **kw), "fp32")
 
 
-def test_int8_as_float16_is_exact():
-  from pallas_kernels.online_softmax import int8_as_float16
-  x = jnp.arange(-128, 128, dtype=jnp.int32).astype(jnp.int8)
-  got = int8_as_float16(x)
-  assert got.dtype == jnp.float16
-  np.testing.assert_array_equal(np.asarray(got, np.float32), np.arange(-128, 128))
-
-
-@pytest.mark.parametrize("kv_dtype", [jnp.int8, F8])
 @pytest.mark.parametrize("v_scale", [1.0, 1e-4])
-def test_decode_with_fp16_products(kv_dtype, v_scale):
-  """KernelOptions.eight_bit_fp16_products: bf16 queries over 8-bit K/V, the split-K kernel's
-  products in fp16, within the bf16 tolerance of the reference. Values of 1e-4 (scales ~1e-6)
-  would put p * scale among fp16's subnormals: the tile's largest scale is taken out first
-  (the output is compared relative to that size)."""
+def test_fp8_decode_products_in_fp16(v_scale):
+  """KernelOptions.fp8_fp16_products (the default): bf16 queries over E4M3 K/V, the split-K
+  kernel's products in fp16, within the bf16 tolerance of the reference; int8 keeps bf16
+  products. Values of 1e-4 (scales ~1e-6) would put p * scale among fp16's subnormals: the
+  tile's largest scale is taken out first (the output is compared relative to that size)."""
   from pallas_kernels import KernelOptions
   b, lq, h, kvh, t, d, off, kv_len, kv_layout, dtype, _, tiling = FLASH["decode_int8_bhtd"]
-  q, k, v = qkv(7, b, lq, h, kvh, t, d, kv_layout, dtype, kv_dtype)
-  v = quant.Quantized(v.values, v.scale * v_scale)
   kw = dict(causal=True, q_offset=jnp.asarray(off), kv_len=jnp.asarray(kv_len), kv_layout=kv_layout)
-  got = flash_attention(q, k, v, backend="gpu", tiling=tiling,
-                        options=KernelOptions(eight_bit_fp16_products=True), **kw)
-  ref = flash_attention(q, k, v, backend="reference", **kw)
-  assert_close((got[0] / v_scale, got[1]), (ref[0] / v_scale, ref[1]), "bf16")
-  # the products do run in fp16: the traced kernel converts int8 by bits, E4M3 by one cast
-  text = str(jax.make_jaxpr(lambda q, k, v: flash_attention(
-      q, k, v, backend="gpu", tiling=tiling, options=KernelOptions(eight_bit_fp16_products=True),
-      **kw))(q, k, v))
-  assert "f16[" in text
+  for kv_dtype, fp16 in ((F8, True), (jnp.int8, False)):
+    q, k, v = qkv(7, b, lq, h, kvh, t, d, kv_layout, dtype, kv_dtype)
+    v = quant.Quantized(v.values, v.scale * v_scale)
+    run = lambda q, k, v, opts: flash_attention(q, k, v, backend="gpu", tiling=tiling,  # noqa: E731
+                                                options=opts, **kw)
+    got = run(q, k, v, KernelOptions())
+    ref = flash_attention(q, k, v, backend="reference", **kw)
+    assert_close((got[0] / v_scale, got[1]), (ref[0] / v_scale, ref[1]), "bf16")
+    for opts, want in ((KernelOptions(), fp16), (KernelOptions(fp8_fp16_products=False), False)):
+      text = str(jax.make_jaxpr(lambda q, k, v, o=opts: run(q, k, v, o))(q, k, v))
+      assert bool(re.search(r"(?<![\w])f16\[", text)) == want, (kv_dtype, opts.fp8_fp16_products)
 
 
 ROPE = 1.0 / 10000.0 ** (np.arange(0, 128, 2) / 128)
@@ -265,7 +258,7 @@ def test_quantized_triton_kernels_lower_for_cuda(kv_dtype):
 
   assert "triton" in cuda_text(flash, qr, k, k, meta, scale, scale)
 
-  def flash_fp16(qr, k, v, meta, ks, vs):  # KernelOptions.eight_bit_fp16_products
+  def flash_fp16(qr, k, v, meta, ks, vs):  # KernelOptions.fp8_fp16_products
     return fa_module._gpu(qr, k, v, meta, ks, vs, group=4, span=span, splits=splits, causal=True,
                           scale=0.088, kv_layout="BHTD", tiling=tl, interpret=False,
                           products=jnp.float16)
