@@ -7,7 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from jax_longctx.app.gap_stats import gap_closed, paired_contrast, paired_gap, pooled_ppl
+from jax_longctx.app.gap_stats import (gap_closed, paired_contrast, paired_gap, paired_relative,
+                                       pooled_ppl)
 from jax_longctx.app.report import effective_stride, stride_counts, summary_table
 
 
@@ -100,3 +101,23 @@ def test_gap_table_in_the_summary():
   # A named baseline replaces the detected one; without full attention there is no gap table.
   assert "vs rkv5" in summary_table(recs, baselines=["rkv5"])
   assert "vs" not in summary_table([r for r in recs if r["method"] != "full"])
+
+
+def test_kv_dtype_table_pairs_each_8bit_cache_with_the_model_dtype():
+  """Labels "METHOD DTYPE" (eval --kv-dtype a,b): each 8-bit cache's pooled NLL against the same
+  method's bf16 cache over the texts both ran (here int8 ran 3 of 4), +1% where every int8
+  token is 1% worse; a method with only 8-bit cells gets no row."""
+  recs = []
+  for s in range(4):
+    base = [1.0 + 0.1 * s, 2.0]
+    recs.append(dict(_ppl_rec("re bfloat16", s, base), kv_dtype="bfloat16"))
+    if s < 3:
+      recs.append(dict(_ppl_rec("re int8", s, [1.01 * x for x in base]), kv_dtype="int8"))
+    recs.append(dict(_ppl_rec("solo int8", s, base), kv_dtype="int8"))
+  table = summary_table(recs)
+  row = next(line for line in table.splitlines() if line.startswith("| re | "))
+  assert row.startswith("| re | int8 vs bfloat16 | +1.000% | [+1.000, +1.000] | 3 |"), row
+  assert "| solo |" not in table
+  gap = paired_relative({0: np.array([2.0])}, {0: np.array([1.0]), 1: np.array([1.0])})
+  assert gap.value == pytest.approx(1.0) and gap.n_texts == 1
+  assert paired_relative({0: np.array([1.0])}, {1: np.array([1.0])}) is None

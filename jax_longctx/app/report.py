@@ -8,7 +8,9 @@ import os
 
 import numpy as np
 
-from jax_longctx.app.gap_stats import LEVEL, RESAMPLES, nll_by_seed, paired_gap, pooled_ppl
+from jax_longctx.app.gap_stats import (LEVEL, RESAMPLES, nll_by_seed, paired_gap, paired_relative,
+                                       pooled_ppl)
+from pallas_kernels.quant import EIGHT_BIT
 from jax_longctx.app.tasks.ruler import LEFT_OUT_NOTE, PREFIX as RULER
 from jax_longctx.app.tasks.ruler_suite import NAMES as RULER_TASKS
 
@@ -52,7 +54,8 @@ def summary_table(records: list[dict], baselines: list[str] | None = None) -> st
           cells.append(f"{100 * _mean(xs):.0f} (n={len(xs)})")
       out.append(f"| {m} | " + " | ".join(cells) + " |")
     out.append("")
-  return "\n".join(out + _gap_table(records, baselines) + _stride_table(records))
+  return "\n".join(out + _gap_table(records, baselines) + _kv_dtype_table(records)
+                   + _stride_table(records))
 
 
 def suite_scores(records: list[dict]) -> dict[tuple, tuple[float, int, int]]:
@@ -204,6 +207,40 @@ def _gap_table(records: list[dict], baselines: list[str] | None = None) -> list[
                      f"{100 * gap.high:.0f}] (n={gap.n_texts})")
       out.append(f"| {m} | " + " | ".join(cells) + " |")
     out.append("")
+  return out
+
+
+def _kv_dtype_table(records: list[dict]) -> list[str]:
+  """Per ppl length, each 8-bit cache's pooled NLL against the same method's cache in the model's
+  dtype (eval --kv-dtype labels the two "METHOD int8" and "METHOD bfloat16"), over the texts both
+  ran, with the paired-bootstrap interval: issue 54's quality measure. Cells with different text
+  counts are compared on their common texts only."""
+  ppl = [r for r in records if r["task"] == "ppl" and r.get("nll") is not None
+         and r.get("kv_dtype")]
+  out = []
+  for n in sorted({r["length"] for r in ppl}):
+    caches = collections.defaultdict(dict)  # method without its cache dtype -> {dtype: label}
+    for r in ppl:
+      if r["length"] == n:
+        caches[r["method"].removesuffix(" " + r["kv_dtype"])][r["kv_dtype"]] = r["method"]
+    rows = []
+    for method, labels in sorted(caches.items()):
+      plain = [kv for kv in labels if kv not in EIGHT_BIT]
+      if len(plain) != 1:
+        continue
+      base = nll_by_seed(ppl, labels[plain[0]], n)
+      for kv in sorted(set(labels) & set(EIGHT_BIT)):
+        gap = paired_relative(nll_by_seed(ppl, labels[kv], n), base)
+        if gap is not None:
+          rows.append(f"| {method} | {kv} vs {plain[0]} | {100 * gap.value:+.3f}% | "
+                      f"[{100 * gap.low:+.3f}, {100 * gap.high:+.3f}] | {gap.n_texts} |")
+    if rows:
+      if not out:
+        out.append(f"### ppl: the 8-bit cache's pooled token NLL against the model dtype's "
+                   f"({LEVEL:.0%} paired bootstrap over the texts both ran, {RESAMPLES} "
+                   f"resamples)\n")
+      out += [f"{n} tokens:\n", "| method | cache | NLL vs | interval | texts |",
+              "|---|---|---|---|---|", *rows, ""]
   return out
 
 
