@@ -95,8 +95,9 @@ def flash_attention(q, k, v, *, causal: bool = True, q_offset=0, kv_len=None,
                                   tl.key_splits or (1 if causal and lq > 1 else None))
     merge_kernel = options.decode_merge_kernel and lq == 1
     (kk, ks), (vv, vs) = layout.parts(kk), layout.parts(vv)
-    fp16 = (options.fp8_fp16_products and quantized and q.dtype == jnp.bfloat16
-            and kk.dtype == jnp.float8_e4m3fn)
+    fp16 = quantized and q.dtype == jnp.bfloat16 and (
+        (options.fp8_fp16_products and kk.dtype == jnp.float8_e4m3fn)
+        or (options.int8_fp16_products and kk.dtype == jnp.int8))
     outs, lses = _gpu(qr, kk, vv, meta, ks, vs, group=h // kvh, span=span, splits=splits,
                       parts=split_merge.parts(splits, merge_kernel), causal=causal,
                       scale=scale, kv_layout=kv_layout, tiling=tl,
@@ -157,7 +158,8 @@ def _gpu(qr, k, v, meta, k_scale=None, v_scale=None, *, group, span, splits, cau
   fewer rows than a block (KernelOptions.decode_q_in_kernel): they are repeated to fill it, and the output
   rows past them (padding) hold copies of theirs. k_scale, v_scale: with 8-bit k, v, their
   scales ([B, T, KV] or [B, KV, T] as the keys): each tile is converted in registers, to
-  `products` (KernelOptions.fp8_fp16_products) or else q's dtype, as q is."""
+  `products` (KernelOptions.fp8_fp16_products, int8_fp16_products) or else q's dtype, as q
+  is."""
   b, kvh, rq, d = qr.shape
   parts = parts or splits
   bm, bk = tiling.block_rows, tiling.block_keys
@@ -194,7 +196,8 @@ def _gpu(qr, k, v, meta, k_scale=None, v_scale=None, *, group, span, splits, cau
       ok = (idx >= nominal) & (idx < kv_len)
       if causal:
         ok = ok & (idx <= q_pos)
-      (kt, ks), (vt, vs) = (osm.converted(x, sc, products) for x, sc in (kv[::2], kv[1::2]))
+      (kt, ks), (vt, vs) = (osm.converted(x, sc, products, native_gpu=not interpret)
+                            for x, sc in (kv[::2], kv[1::2]))
       s = jnp.where(ok, osm.scores(q, kt, scale, ks), osm.NEG_INF)
       return osm.update(*carry, s, vt, vs)
 

@@ -14,13 +14,44 @@ from jax import lax
 NEG_INF = float("-inf")
 
 
-def converted(x, scale, dtype):
+def converted(x, scale, dtype, native_gpu: bool = False):
   """An 8-bit K or V tile as the products take it: its values converted to `dtype` (exact: int8
   and E4M3 values are bf16 / fp16 / fp32 values) and its scales ([n] or [1, n]) as a row [1, n];
-  a tile without scales (None) as it is."""
+  a tile without scales (None) as it is. native_gpu: a Triton kernel compiled for CUDA, where
+  int8 goes to fp16 by `int8_as_float16_ptx`."""
   if scale is None:
     return x, None
-  return x.astype(dtype), scale if scale.ndim == 2 else scale[None, :]
+  if native_gpu and x.dtype == jnp.int8 and dtype == jnp.float16:
+    values = int8_as_float16_ptx(x)
+  else:
+    values = x.astype(dtype)
+  return values, scale if scale.ndim == 2 else scale[None, :]
+
+
+# Four int8 in a register to four fp16 in two: x ^ 0x80 is x + 128 as a byte; a byte b under an
+# fp16 high byte of 0x64 is 1024 + b (fp16 steps by 1 from 1024 to 2048), so less 1152 (0x6480)
+# it is x, exactly. A xor, two byte permutes and two packed subtracts per four values, where
+# the conversion unit's int -> float -> half takes two conversions a value (16 a clock per SM
+# on Hopper), the bound measured on an int8 decode tile (BENCHMARKS.md "On one H200 again").
+_INT8_TO_F16 = """{
+.reg .b32 biased, magic;
+xor.b32 biased, $2, 0x80808080;
+prmt.b32 $0, biased, 0x64646464, 0x5140;
+prmt.b32 $1, biased, 0x64646464, 0x7362;
+mov.b32 magic, 0x64806480;
+sub.f16x2 $0, $0, magic;
+sub.f16x2 $1, $1, magic;
+}"""
+
+
+def int8_as_float16_ptx(x):
+  """int8 -> float16 in a Triton kernel for CUDA, by PTX on four values a register (exact)."""
+  import jax
+  from jax.experimental.pallas import triton as pltriton
+  [out] = pltriton.elementwise_inline_asm(
+      _INT8_TO_F16, args=[x], constraints="=r,=r,r", pack=4,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float16)])
+  return out
 
 
 def dequantized(x, scale_col, dtype):

@@ -47,8 +47,11 @@ class KernelOptions:
   # an E4M3 cache on an H200: 8.345 -> 7.185 ms at 128K, 5.482 -> 5.259 at 32K (BENCHMARKS.md
   # "Long contexts on one GPU"). Exact for the 8-bit values; queries round to fp16 (11
   # significant bits, more than bf16's 8; |q| past 65504 would overflow), probabilities too.
-  # int8 tiles keep bf16 products: converted to fp16 by integer arithmetic they ran slower.
   fp8_fp16_products: bool = True
+  # The same for int8 K/V, converted by PTX (online_softmax.int8_as_float16_ptx: a xor, byte
+  # permutes and packed fp16 subtracts instead of two conversions a value). Opt-in: not yet
+  # run on a GPU (an earlier form, 16-bit integer arithmetic, ran slower and was removed).
+  int8_fp16_products: bool = False
   # What topk_scores' GPU / TPU kernels do with each score tile. "exact" keeps the running top-k.
   # "max_only" is a benchmark diagnostic whose results are meaningless: it keeps only each row's
   # running max (in its top slot; the indices are not kept), so it times the kernel without its

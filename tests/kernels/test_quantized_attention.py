@@ -87,20 +87,23 @@ def test_flash_attention_reads_quantized_kv(variant, case):
 def test_fp8_decode_products_in_fp16(v_scale):
   """KernelOptions.fp8_fp16_products (the default): bf16 queries over E4M3 K/V, the split-K
   kernel's products in fp16, within the bf16 tolerance of the reference; int8 keeps bf16
-  products. Values of 1e-4 (scales ~1e-6) would put p * scale among fp16's subnormals: the
+  products unless int8_fp16_products asks (its PTX conversion: the lowering test below). Values of 1e-4 (scales ~1e-6) would put p * scale among fp16's subnormals: the
   tile's largest scale is taken out first (the output is compared relative to that size)."""
   from pallas_kernels import KernelOptions
   b, lq, h, kvh, t, d, off, kv_len, kv_layout, dtype, _, tiling = FLASH["decode_int8_bhtd"]
   kw = dict(causal=True, q_offset=jnp.asarray(off), kv_len=jnp.asarray(kv_len), kv_layout=kv_layout)
-  for kv_dtype, fp16 in ((F8, True), (jnp.int8, False)):
+  for kv_dtype, fp16 in ((F8, True), (jnp.int8, False), ("int8_fp16_products", True)):
+    opt_in = kv_dtype == "int8_fp16_products"  # int8 in fp16 (the interpreter converts plainly)
+    kv_dtype = jnp.int8 if opt_in else kv_dtype
     q, k, v = qkv(7, b, lq, h, kvh, t, d, kv_layout, dtype, kv_dtype)
     v = quant.Quantized(v.values, v.scale * v_scale)
     run = lambda q, k, v, opts: flash_attention(q, k, v, backend="gpu", tiling=tiling,  # noqa: E731
                                                 options=opts, **kw)
-    got = run(q, k, v, KernelOptions())
+    asked = KernelOptions(int8_fp16_products=opt_in)
+    got = run(q, k, v, asked)
     ref = flash_attention(q, k, v, backend="reference", **kw)
     assert_close((got[0] / v_scale, got[1]), (ref[0] / v_scale, ref[1]), "bf16")
-    for opts, want in ((KernelOptions(), fp16), (KernelOptions(fp8_fp16_products=False), False)):
+    for opts, want in ((asked, fp16), (KernelOptions(fp8_fp16_products=False), False)):
       text = str(jax.make_jaxpr(lambda q, k, v, o=opts: run(q, k, v, o))(q, k, v))
       assert bool(re.search(r"(?<![\w])f16\[", text)) == want, (kv_dtype, opts.fp8_fp16_products)
 
@@ -263,7 +266,9 @@ def test_quantized_triton_kernels_lower_for_cuda(kv_dtype):
                           scale=0.088, kv_layout="BHTD", tiling=tl, interpret=False,
                           products=jnp.float16)
 
-  assert "triton" in cuda_text(flash_fp16, qr, k, k, meta, scale, scale)
+  text = cuda_text(flash_fp16, qr, k, k, meta, scale, scale)
+  # int8 to fp16 by PTX (KernelOptions.int8_fp16_products); E4M3 by Triton's own conversion
+  assert "triton" in text and ("prmt.b32" in text) == (kv_dtype == jnp.int8)
   n = 512
   idx, ok = jnp.zeros((b, kvh, n), jnp.int32), jnp.ones((b, kvh, n), jnp.int32)
   table = jnp.ones((1, 2, n, d // 2), jnp.bfloat16)
