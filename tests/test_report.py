@@ -114,10 +114,18 @@ def test_kv_dtype_table_pairs_each_8bit_cache_with_the_model_dtype():
     if s < 3:
       recs.append(dict(_ppl_rec("re int8", s, [1.01 * x for x in base]), kv_dtype="int8"))
     recs.append(dict(_ppl_rec("solo int8", s, base), kv_dtype="int8"))
+  # a needle task: 3 samples both ran, one answered differently (and wrongly) in int8
+  for s in range(3):
+    for kv, pred in (("bfloat16", "42"), ("int8", "41" if s == 2 else "42")):
+      recs.append({"task": "passkey", "method": f"re {kv}", "length": 64, "seed": s, "depth": 0.5,
+                   "kv_dtype": kv, "prediction": pred, "score": float(pred == "42")})
+  recs.append({"task": "passkey", "method": "re bfloat16", "length": 64, "seed": 3, "depth": 0.5,
+               "kv_dtype": "bfloat16", "prediction": "42", "score": 1.0})  # bf16 only: left out
   table = summary_table(recs)
-  row = next(line for line in table.splitlines() if line.startswith("| re | "))
-  assert row.startswith("| re | int8 vs bfloat16 | +1.000% | [+1.000, +1.000] | 3 |"), row
+  row = next(line for line in table.splitlines() if line.startswith("| 64 | re | "))
+  assert row.startswith("| 64 | re | int8 vs bfloat16 | +1.000% | [+1.000, +1.000] | 3 |"), row
   assert "| solo |" not in table
+  assert "| passkey | 64 | re | int8 | 3 | 100 | 67 | 2 |" in table, table
   gap = paired_relative({0: np.array([2.0])}, {0: np.array([1.0]), 1: np.array([1.0])})
   assert gap.value == pytest.approx(1.0) and gap.n_texts == 1
   assert paired_relative({0: np.array([1.0])}, {1: np.array([1.0])}) is None

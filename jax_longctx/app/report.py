@@ -210,37 +210,56 @@ def _gap_table(records: list[dict], baselines: list[str] | None = None) -> list[
   return out
 
 
+def _cache_pairs(records: list[dict]):
+  """(task, length, method, model-dtype label, 8-bit dtype, its label) for each method a sweep ran
+  with a cache in the model's dtype and in 8 bits (eval --kv-dtype labels them "METHOD bfloat16",
+  "METHOD int8")."""
+  labels = collections.defaultdict(dict)  # (task, length, method without its dtype) -> {dtype: label}
+  for r in records:
+    if r.get("kv_dtype"):
+      key = (r["task"], r["length"], r["method"].removesuffix(" " + r["kv_dtype"]))
+      labels[key][r["kv_dtype"]] = r["method"]
+  for (task, n, method), by_dtype in sorted(labels.items()):
+    plain = [kv for kv in by_dtype if kv not in EIGHT_BIT]
+    if len(plain) == 1:
+      for kv in sorted(set(by_dtype) & set(EIGHT_BIT)):
+        yield task, n, method, by_dtype[plain[0]], kv, by_dtype[kv]
+
+
 def _kv_dtype_table(records: list[dict]) -> list[str]:
-  """Per ppl length, each 8-bit cache's pooled NLL against the same method's cache in the model's
-  dtype (eval --kv-dtype labels the two "METHOD int8" and "METHOD bfloat16"), over the texts both
-  ran, with the paired-bootstrap interval: issue 54's quality measure. Cells with different text
-  counts are compared on their common texts only."""
-  ppl = [r for r in records if r["task"] == "ppl" and r.get("nll") is not None
-         and r.get("kv_dtype")]
+  """Each 8-bit cache against the same method's cache in the model's dtype, on the samples both
+  ran (cells with different sample counts are compared on their common samples only), issue
+  54's quality measures: for ppl the pooled token NLL with its paired-bootstrap interval; for
+  the other tasks both scores and how many answers are the same string."""
+  ppl_rows, task_rows = [], []
+  for task, n, method, plain, kv, label in _cache_pairs(records):
+    if task == "ppl":
+      base, gap = nll_by_seed(records, plain, n), None
+      if base:
+        gap = paired_relative(nll_by_seed(records, label, n), base)
+      if gap is not None:
+        ppl_rows.append(f"| {_len(n)} | {method} | {kv} vs {plain.removeprefix(method + ' ')} | "
+                        f"{100 * gap.value:+.3f}% | [{100 * gap.low:+.3f}, {100 * gap.high:+.3f}]"
+                        f" | {gap.n_texts} |")
+      continue
+    runs = [{(r["depth"], r["seed"]): r for r in records
+             if r["task"] == task and r["method"] == m and r["length"] == n} for m in (plain, label)]
+    both = sorted(set(runs[0]) & set(runs[1]), key=str)
+    if both:
+      score = [100 * _mean([run[k]["score"] for k in both]) for run in runs]
+      same = sum(runs[0][k]["prediction"] == runs[1][k]["prediction"] for k in both)
+      task_rows.append(f"| {task} | {_len(n)} | {method} | {kv} | {len(both)} | {score[0]:.0f} | "
+                       f"{score[1]:.0f} | {same} |")
   out = []
-  for n in sorted({r["length"] for r in ppl}):
-    caches = collections.defaultdict(dict)  # method without its cache dtype -> {dtype: label}
-    for r in ppl:
-      if r["length"] == n:
-        caches[r["method"].removesuffix(" " + r["kv_dtype"])][r["kv_dtype"]] = r["method"]
-    rows = []
-    for method, labels in sorted(caches.items()):
-      plain = [kv for kv in labels if kv not in EIGHT_BIT]
-      if len(plain) != 1:
-        continue
-      base = nll_by_seed(ppl, labels[plain[0]], n)
-      for kv in sorted(set(labels) & set(EIGHT_BIT)):
-        gap = paired_relative(nll_by_seed(ppl, labels[kv], n), base)
-        if gap is not None:
-          rows.append(f"| {method} | {kv} vs {plain[0]} | {100 * gap.value:+.3f}% | "
-                      f"[{100 * gap.low:+.3f}, {100 * gap.high:+.3f}] | {gap.n_texts} |")
-    if rows:
-      if not out:
-        out.append(f"### ppl: the 8-bit cache's pooled token NLL against the model dtype's "
-                   f"({LEVEL:.0%} paired bootstrap over the texts both ran, {RESAMPLES} "
-                   f"resamples)\n")
-      out += [f"{n} tokens:\n", "| method | cache | NLL vs | interval | texts |",
-              "|---|---|---|---|---|", *rows, ""]
+  if ppl_rows:
+    out += [f"### ppl: the 8-bit cache's pooled token NLL against the model dtype's ({LEVEL:.0%} "
+            f"paired bootstrap over the texts both ran, {RESAMPLES} resamples)\n",
+            "| length | method | cache | NLL vs | interval | texts |", "|---" * 6 + "|",
+            *ppl_rows, ""]
+  if task_rows:
+    out += ["### The 8-bit cache against the model dtype's, on the samples both ran (score %)\n",
+            "| task | length | method | cache | samples | score, model dtype | score, 8-bit | "
+            "same answer |", "|---" * 8 + "|", *task_rows, ""]
   return out
 
 
