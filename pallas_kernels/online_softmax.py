@@ -31,8 +31,8 @@ def converted(x, scale, dtype, native_gpu: bool = False):
 # Four int8 in a register to four fp16 in two: x ^ 0x80 is x + 128 as a byte; a byte b under an
 # fp16 high byte of 0x64 is 1024 + b (fp16 steps by 1 from 1024 to 2048), so less 1152 (0x6480)
 # it is x, exactly. A xor, two byte permutes and two packed subtracts per four values, where
-# the conversion unit's int -> float -> half takes two conversions a value (16 a clock per SM
-# on Hopper), the bound measured on an int8 decode tile (BENCHMARKS.md "On one H200 again").
+# the conversion unit's int -> float -> bf16 takes two conversions a value (16 a clock per SM
+# on Hopper), the likely bound of an int8 decode tile (BENCHMARKS.md "On one H200 again").
 _INT8_TO_F16 = """{
 .reg .b32 biased, magic;
 xor.b32 biased, $2, 0x80808080;

@@ -45,8 +45,9 @@ class KernelOptions:
   # The GPU (Triton) attention kernel over E4M3 K/V with bf16 queries: its products in fp16,
   # to which E4M3 converts in one step (to bf16 it goes through fp16). The 8B's decode step with
   # an E4M3 cache on an H200: 8.345 -> 7.185 ms at 128K, 5.482 -> 5.259 at 32K (BENCHMARKS.md
-  # "Long contexts on one GPU"). Exact for the 8-bit values; queries round to fp16 (11
-  # significant bits, more than bf16's 8; |q| past 65504 would overflow), probabilities too.
+  # "Long contexts on one GPU"). Exact for the 8-bit values and for bf16 queries within fp16's
+  # range (bf16's 8 significant bits fit fp16's 11; |q| past 65504 would overflow); the
+  # probabilities round to fp16, finer than bf16.
   fp8_fp16_products: bool = True
   # The same for int8 K/V, converted by PTX (online_softmax.int8_as_float16_ptx: a xor, byte
   # permutes and packed fp16 subtracts instead of two conversions a value). Opt-in: not yet

@@ -10,9 +10,9 @@ import numpy as np
 
 from jax_longctx.app.gap_stats import (LEVEL, RESAMPLES, nll_by_seed, paired_gap, paired_relative,
                                        pooled_ppl)
-from pallas_kernels.quant import EIGHT_BIT
 from jax_longctx.app.tasks.ruler import LEFT_OUT_NOTE, PREFIX as RULER
 from jax_longctx.app.tasks.ruler_suite import NAMES as RULER_TASKS
+from pallas_kernels.quant import EIGHT_BIT
 
 
 def _mean(xs):
