@@ -168,6 +168,42 @@ def time_decode(reps, bw):
   return recs
 
 
+def time_decode_products(reps, bw):
+  """Decode attention over 8-bit K/V with its products in the queries' dtype (bf16: each
+  value converted to bf16) against fp16 products (KernelOptions.fp8_fp16_products,
+  int8_fp16_products: E4M3 converts to fp16 in one step, int8 by PTX byte permutes): the error
+  of each against the fp32 reference that dequantizes first (2 sequences, 1000 keys, outlier key
+  channels), then the time of each over 32K / 128K / 1M keys."""
+  import jax
+  import jax.numpy as jnp
+  from pallas_kernels import KernelOptions, flash_attention
+  variants = {"int8": {"q_dtype": {}, "fp16": {"int8_fp16_products": True}},
+              "float8_e4m3fn": {"q_dtype": {"fp8_fp16_products": False}, "fp16": {}}}
+  recs = []
+  t = SIZES["check"]
+  for dtype, opts in variants.items():
+    q, k, v = _inputs(5, 2, 1, t, dtype)
+    pos = jnp.asarray([t - 1, t // 3])
+    ref = flash_attention(*_exact(q, k, v), causal=True, q_offset=pos, kv_len=pos + 1,
+                          kv_layout="BHTD", backend="reference")
+    for name, o in opts.items():
+      got = flash_attention(q, k, v, causal=True, q_offset=pos, kv_len=pos + 1, kv_layout="BHTD",
+                            options=KernelOptions(**o))
+      recs.append({"check": "decode", "dtype": dtype, "products": name,
+                   "out_err": _err(got[0], ref[0]), "lse_err": _err(got[1], ref[1])})
+  for t in SIZES["decode"]:
+    for dtype, opts in variants.items():
+      q, k, v = _inputs(4, 1, 1, t, dtype)
+      pos = jnp.asarray([t - 1])
+      for name, o in opts.items():
+        fn = jax.jit(lambda q, k, v, o=KernelOptions(**o): flash_attention(
+            q, k, v, causal=True, q_offset=pos, kv_len=pos + 1, kv_layout="BHTD", options=o))
+        recs.append(_timed_record({"kernel": "decode_attention", "keys": t, "dtype": dtype,
+                                   "products": name}, fn, (q, k, v), _nbytes(k, v), reps, bw))
+      del q, k, v
+  return recs
+
+
 def time_decode_tiles(reps, bw):
   """Decode attention over 8-bit K/V at 128K and 1M keys under tilings of the split-K kernel
   (key tile, warps, stages, key splits): an 8-bit tile holds half a bf16 tile's bytes. Key
@@ -294,6 +330,7 @@ def main() -> None:
            "check_topk": lambda: check_topk(backend),
            "decode": lambda: time_decode(args.reps, bw), "prefill": lambda: time_prefill(args.reps),
            "decode_tiles": lambda: time_decode_tiles(args.reps, bw),
+           "decode_products": lambda: time_decode_products(args.reps, bw),
            "topk_routes": lambda: time_topk_routes(args.reps)}
   failed = run_cases_to_json(cases, args.out, {**device_facts(), "copy_bw": bw,
                                                "heads": f"{H}/{KV}", "head_dim": D}, args.only)
