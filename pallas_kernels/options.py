@@ -50,8 +50,9 @@ class KernelOptions:
   # probabilities round to fp16, finer than bf16.
   fp8_fp16_products: bool = True
   # The same for int8 K/V, converted by PTX (online_softmax.int8_as_float16_ptx: a xor, byte
-  # permutes and packed fp16 subtracts instead of two conversions a value). Opt-in: not yet
-  # run on a GPU (an earlier form, 16-bit integer arithmetic, ran slower and was removed).
+  # permutes and packed fp16 subtracts instead of two conversions a value). Off: on an H200 it
+  # was correct and no faster (the 8B step at 128K 7.408 against 7.383 ms; BENCHMARKS.md "int8
+  # converted to fp16 by PTX"); an earlier form, 16-bit integer arithmetic, ran slower (removed).
   int8_fp16_products: bool = False
   # What topk_scores' GPU / TPU kernels do with each score tile. "exact" keeps the running top-k.
   # "max_only" is a benchmark diagnostic whose results are meaningless: it keeps only each row's
