@@ -20,7 +20,8 @@ and sync set a floor of ~0.14 ms under the 128K figures), each with the bytes it
 the device's copy bandwidth measured in the same run; a 4096-query prefill chunk at offsets 28K
 and 124K (chunk_attention, as full attention's prefill runs it: over an 8-bit cache its
 dequantized copy and the bf16 kernel, KernelOptions.prefill_dequantize_bytes) and a 512-query top-4 over 32K /
-128K keys.
+128K keys. `decode_products`: 8-bit decode attention with its products in bf16 against fp16
+(KernelOptions.fp8_fp16_products, int8_fp16_products), error and time.
 """
 
 from __future__ import annotations
