@@ -41,6 +41,9 @@ from key_smoothing_proxy import prose_ids, token_nll  # noqa: E402
 from pallas_kernels import quant  # noqa: E402
 
 
+HOW = ("plain", "hadamard", "centered", "calibrated")
+
+
 def hadamard(n: int) -> np.ndarray:
   """The orthonormal Sylvester Hadamard matrix of size n (a power of two): symmetric, H @ H = I."""
   h = np.ones((1, 1))
@@ -106,9 +109,12 @@ def main():
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--model", default="qwen2.5-coder-1.5b")
   p.add_argument("--length", type=int, default=1024)
-  p.add_argument("--variants", default="float8_e4m3fn:plain,float8_e4m3fn:hadamard,"
-                                       "int8:plain,int8:hadamard")
+  p.add_argument("--variants", default=",".join(f"{d}:{h}" for d in ("float8_e4m3fn", "int8")
+                                                 for h in HOW))
   args = p.parse_args()
+  for variant in args.variants.split(","):
+    if variant.partition(":")[2] not in HOW:
+      p.error(f"variant {variant!r}: DTYPE:HOW with HOW one of {', '.join(HOW)}")
   lm = jax_longctx.load(args.model, dtype="float32", smooth_keys=False)
   params, cfg = lm.params, lm.config
   ids = prose_ids(lm.tokenizer, args.length, seed=0)
@@ -117,7 +123,7 @@ def main():
   rotation = jnp.asarray(hadamard(cfg.head_dim), jnp.float32)
   means = None
   for variant in args.variants.split(","):
-    dtype, how = variant.split(":")
+    dtype, _, how = variant.partition(":")
     if how == "calibrated" and means is None:
       means = channel_means(params, cfg, prose_ids(lm.tokenizer, args.length, seed=7))
     centering = {"centered": "own", "calibrated": means}.get(how)
