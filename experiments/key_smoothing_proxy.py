@@ -6,9 +6,11 @@ and read in each dtype) against the fp32 cache, with the keys smoothed in severa
       --variants "int8,int8:0.5,int8:1,int8:0.5:random,int8:weights,float8_e4m3fn,float8_e4m3fn:0.5"
   ... --int4-sim --variants "int8,int8:0.5,int8:1"     int4's numerics: the int8 grid clipped to +-7
 
-A variant is DTYPE[:STRENGTH[:CALIBRATION]]: CALIBRATION `text` (default: another prose text,
-seed 7), `random` (random token ids) or, as STRENGTH, `weights` (each pair's magnitude estimated
-from k_proj, the input norm and k_bias alone, as if the normed inputs were isotropic).
+A variant is DTYPE[:STRENGTH[:CALIBRATION[:offsets]]]: CALIBRATION `text` (default: another
+prose text, seed 7), `random` (random token ids) or, as STRENGTH, `weights` (each pair's
+magnitude estimated from k_proj, the input norm and k_bias alone, as if the normed inputs were
+isotropic); `offsets` adds the calibrated key and value offsets (smooth_keys' default), which
+the variants without it leave out.
 Measured 2026-11-25 (Qwen2.5-Coder-1.5B, 1,023 predictions): int8 +0.28%, int8:1 +0.016%,
 int8:0.5 +0.009%, int8:0.5:random +0.017%, int8:1:random +0.10%, int8:weights +0.99%; E4M3 +8.0%,
 E4M3:0.5 +8.0%, E4M3:1 +65%; int4 simulated +277%, :0.5 +44%, :1 +196%.
@@ -79,7 +81,8 @@ def main():
       p_, c_ = with_smoothing(params, cfg, smoothing_from_rms(weight_rms(params, cfg), 1.0))
     else:
       src = calibration[how[1] if len(how) > 1 else "text"]
-      p_, c_ = smooth_keys(params, cfg, src, strength=float(how[0]))
+      p_, c_ = smooth_keys(params, cfg, src, strength=float(how[0]),
+                           offsets=how[2:] == ["offsets"])
     nll = token_nll(p_, c_, ids, dtype)
     print(f"{variant}: mean NLL {nll.mean():.5f}, {100 * (nll.mean() / base.mean() - 1):+.3f}%",
           flush=True)

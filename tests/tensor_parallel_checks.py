@@ -162,9 +162,9 @@ def quantized():
 
 
 def smoothed():
-  """Key smoothing calibrated on a mesh whose KV heads are copied (gqa, 2 KV heads, on model=4):
-  the smoothing one device calibrates (each copy of a head the same), and with it the int8
-  cache's tokens, logits and cache as one device's."""
+  """Key smoothing and KV offsets calibrated on a mesh whose KV heads are copied (gqa, 2 KV
+  heads, on model=4): what one device calibrates (each copy of a head the same), and with it
+  the int8 cache's tokens, logits and cache as one device's."""
   cfg, params = _model("gqa")
   ids = _prompts(cfg, (40,), seed=6)[0]
   one, cfg_one = smooth_keys(params, cfg, ids)
@@ -177,6 +177,11 @@ def smoothed():
     assert got.shape == (2 * want.shape[0], want.shape[1]), got.shape
     np.testing.assert_array_equal(got[::2], want, err_msg=f"layer {i}")
     np.testing.assert_array_equal(got[1::2], want, err_msg=f"layer {i}")
+    for name in ("k_offset", "v_offset"):  # calibrated means: summed in another order there
+      want = np.asarray(layer["attn"][name])
+      got = np.asarray(many["layers"][i]["attn"][name])
+      for copy in (got[::2], got[1::2]):
+        np.testing.assert_allclose(copy, want, rtol=1e-5, atol=1e-6, err_msg=f"{name} {i}")
   docs = _prompts(cfg, (13, 21, 17, 26), seed=3)
   for name in ("full", "refreshkv", "reattention"):
     m = _method(name, BUDGET)

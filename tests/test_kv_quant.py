@@ -83,10 +83,13 @@ def _run(params, cfg, method, kv_dtype):
 
 def _with_smoothing(params, cfg, seed=0, spread=3):
   """params with random powers of two in 2^-spread..2^spread (pair-shared) as every layer's key
-  smoothing (run/key_smoothing.py); spread=0: factors of 1."""
-  e = np.random.default_rng(seed).integers(-spread, spread + 1, (cfg.num_layers, cfg.num_kv_heads,
-                                                                 cfg.head_dim // 2))
-  return with_smoothing(params, cfg, np.exp2(np.concatenate([e, e], -1)))
+  smoothing and random key and value offsets of ~5x the keys' RMS (run/key_smoothing.py);
+  spread=0: factors of 1 and offsets of 0, the unsmoothed model exactly."""
+  rng = np.random.default_rng(seed)
+  shape = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+  e = rng.integers(-spread, spread + 1, shape[:-1] + (cfg.head_dim // 2,))
+  offsets = [rng.normal(size=shape) * (spread > 0) for _ in "kv"]
+  return with_smoothing(params, cfg, np.exp2(np.concatenate([e, e], -1)), offsets=offsets)
 
 
 def _bytes(tree):
@@ -97,12 +100,15 @@ def _bytes(tree):
 def test_every_method_runs_on_an_8_bit_cache_and_key_smoothing_changes_no_score(tiny, name):
   cfg, params = tiny
   method = _method(name, 24) if name in names("layer") else _mesh_method(name)
-  # The reference: smoothing by factors of 1, which is the unsmoothed model exactly (q * 1 and
-  # k / 1 are exact), so that the smoothed run below reuses its compiled programs.
+  # The reference: smoothing by factors of 1 and offsets of 0, which is the unsmoothed model
+  # exactly (q * 1, k / 1 and x - 0 are exact), so that the smoothed run below reuses its
+  # compiled programs.
   want_last, want_nll, plain = _run(*_with_smoothing(params, cfg, spread=0), method, None)
-  # Key smoothing changes no score: the factors reach 2^+-3, so a method that read a query or
-  # key other than through q.k would differ here unless its decision did not turn on it (these
-  # 4 steps decide no RefreshKV refresh by similarity: test_key_smoothing.py checks that one).
+  # Key smoothing and offsets change no score: the factors reach 2^+-3 and the offsets are
+  # larger than the keys, so a method that read a query or key other than through q.k, or that
+  # took a key offset but rotated that key elsewhere (Method.rotates_keys_in_place), would
+  # differ here unless its decision did not turn on it (these 4 steps decide no RefreshKV
+  # refresh by similarity: test_key_smoothing.py checks that one).
   last, nll, _ = _run(*_with_smoothing(params, cfg), method, None)
   np.testing.assert_allclose(last, want_last, atol=1e-5, rtol=0, err_msg=f"{name} smoothed")
   np.testing.assert_allclose(nll, want_nll, atol=0, rtol=1e-5, err_msg=f"{name} smoothed")

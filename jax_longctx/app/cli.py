@@ -190,8 +190,9 @@ def _join(coordinator: str, num_processes: int, process_id: int) -> None:
 _MESH_HELP = ("devices to run on, e.g. data=2,model=4: rows over data, heads and hidden units over "
               "model (tensor parallel), the context over ctx (star, ring, reattention_mesh); "
               "axes left out are 1")
-_SMOOTH_HELP = ("with an 8-bit cache, quantize the keys as the model makes them (default: "
-                "per-channel key smoothing calibrated at load, exact for every score)")
+_SMOOTH_HELP = ("with an 8-bit cache, quantize the keys and values as the model makes them "
+                "(default: per-channel key smoothing and KV offsets calibrated at load, exact "
+                "for every score)")
 _KV_HELP = ("how the KV cache is stored: the model's dtype (default), or int8 / float8_e4m3fn "
             "(8 bits with a scale per token and KV head, about half the bytes)")
 _MODEL_HELP = ("'default' (SmolLM2-135M), 'qwen2.5-coder-0.5b' or 'qwen2.5-coder-1.5b' (bundled, "

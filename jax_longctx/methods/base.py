@@ -197,6 +197,12 @@ class Method(RegisteredMethod):
   # instruction (the query) then appended: Star Attention's phase 1, ring attention
   # (run/context_encoding.py runs it with `context_layout` and `context_encoder`).
   encodes_context: ClassVar[bool] = False
+  # True: the method rotates each new key at its own position (`ctx.q_pos`) and reads keys
+  # nowhere before that, so a constant taken out of every key after RoPE (the 8-bit cache's
+  # calibrated key offset, model/decoder.py `_less_offsets`) lowers each score of a query by the
+  # same amount, which no softmax, top-k or LSE merge sees. False (the default; caches of
+  # pre-RoPE keys rotated again at other positions): the keys keep their offset.
+  rotates_keys_in_place: ClassVar[bool] = False
 
   def __init_subclass__(cls, **kwargs):
     super().__init_subclass__(**kwargs)

@@ -129,6 +129,7 @@ class EvictingMethod(Method):
 
   # True caches keys before RoPE (StreamingLLM rotates them at their rank in the cache).
   keys_before_rope: ClassVar[bool] = False
+  rotates_keys_in_place = True  # StreamingLLM, whose keys are cached before RoPE, is not
 
   budget: Budget = 1024
 

@@ -31,7 +31,7 @@ from jax_longctx.core.config import LlamaConfig
 from jax_longctx.core.mesh import ModelShards, axis_size
 from jax_longctx.core.options import DEFAULT, RunOptions
 from jax_longctx.methods.base import AttnContext, Heads, Method, TokenShards
-from jax_longctx.core.rope import inv_freq, query_scale
+from jax_longctx.core.rope import inv_freq, query_scale, rotate
 from pallas_kernels import add_rmsnorm
 
 _INIT_STD = 0.02
@@ -46,7 +46,7 @@ WEIGHT_AXES = {
     "v_proj": (None, KV_HEADS, None), "qkv_proj": (None, HEADS, None),
     "o_proj": (HEADS, None, None), "o_proj_t": (None, HEADS, None),
     "q_bias": (HEADS, None), "k_bias": (KV_HEADS, None), "v_bias": (KV_HEADS, None),
-    "k_smooth": (KV_HEADS, None),
+    "k_smooth": (KV_HEADS, None), "k_offset": (KV_HEADS, None), "v_offset": (KV_HEADS, None),
     "gate_proj": (None, HIDDEN), "up_proj": (None, HIDDEN), "gate_up_proj": (None, HIDDEN),
     "down_proj": (HIDDEN, None), "scale": (None,),
 }
@@ -105,6 +105,9 @@ class Attention(nnx.Module):
       self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dt)
     if cfg.key_smoothing:  # powers of two, one per (KV head, channel): run.key_smoothing
       self.k_smooth = nnx.Param(jnp.ones((kv, hd), dt))
+    if cfg.kv_offsets:  # what the cache stores less, one per (KV head, channel): run.key_smoothing
+      self.k_offset = nnx.Param(jnp.zeros((kv, hd), dt))
+      self.v_offset = nnx.Param(jnp.zeros((kv, hd), dt))
     self.q_scale = query_scale(cfg)
     self.num_heads, self.num_kv_heads = h, kv
 
@@ -135,9 +138,32 @@ class Attention(nnx.Module):
       # Methods get keys and queries before RoPE; a constant on q scales every score as
       # YaRN's factor on both rotated q and k does, and leaves the cached keys untouched.
       q = q * jnp.asarray(self.q_scale, q.dtype)
+    if hasattr(self, "v_offset"):
+      k, v = self._less_offsets(k, v, ctx, method)
     step = method.decode if decode else method.prefill
     out, state = step(state, q, k, v, ctx)  # [B, S, H, hd]
+    if hasattr(self, "v_offset"):  # each value's offset back: out is a convex sum of values
+      out = out + self._per_query_head(self.v_offset[...]).astype(out.dtype)
     return _all_reduce(self._out(out.astype(x.dtype)), ctx.heads.axis), state
+
+  def _per_query_head(self, x):  # [KV, hd] -> [H, hd]
+    return jnp.repeat(x, self.num_heads // self.num_kv_heads, axis=0)
+
+  def _less_offsets(self, k, v, ctx: AttnContext, method: Method):
+    """k, v [B, S, KV, hd] less this layer's offsets (run.key_smoothing: the calibrated means),
+    so an 8-bit cache rounds what is left of each value, not a large common part of it.
+
+    Exact for every method: the value offset comes back on the output (`__call__`). A key
+    offset c (a post-RoPE constant) is taken out as R(-p) c at the key's own position p, so the
+    key a method rotates there is RoPE_p(k) - c: every score of a query drops by the same q.c,
+    which softmax, top-k and LSE merges do not see. Only a method that rotates keys at their
+    own positions and nowhere else takes it (`Method.rotates_keys_in_place`)."""
+    v = (v.astype(jnp.float32) - self.v_offset[...].astype(jnp.float32)).astype(v.dtype)
+    if not method.rotates_keys_in_place:
+      return k, v
+    c = jnp.broadcast_to(self.k_offset[...].astype(jnp.float32), k.shape)
+    c = rotate(c, -ctx.q_pos[:, :, None], ctx.freqs)
+    return (k.astype(jnp.float32) - c).astype(k.dtype), v
 
   def _out(self, out):  # [B, S, H, hd] -> [B, S, D]
     if hasattr(self, "o_proj_t"):

@@ -32,6 +32,7 @@ from jax_longctx.core.config import LlamaConfig
 from jax_longctx.core.errors import LongctxError
 from jax_longctx.core.mesh import ModelShards, make_mesh
 from jax_longctx.core.options import DEFAULT, RunOptions
+from jax_longctx.core.rope import inv_freq, rotate
 from jax_longctx.methods.base import get
 from jax_longctx.model.placement import place_leaf
 from jax_longctx.run.generation import prefill
@@ -41,25 +42,49 @@ STRENGTH = 0.5  # SmoothQuant's alpha between keys (1: keys evened out) and quer
 _MAX_EXPONENT = 24  # |log2 s|: a channel of zeros (RMS 0) gets 2^-24, not 0
 
 
-def key_pair_rms(params, cfg: LlamaConfig, ids, options: RunOptions = DEFAULT) -> np.ndarray:
-  """[layers, KV heads, head_dim / 2] fp32: each RoPE pair's key RMS over the tokens `ids` (one
-  prompt, full attention, the cache in the model's dtype), in the standard head layout."""
+def cache_stats(params, cfg: LlamaConfig, ids, options: RunOptions = DEFAULT) -> dict:
+  """What one prompt `ids` (full attention, the cache in the model's dtype) stores, per layer and
+  KV head in the standard head layout, fp32: `pair_rms` [L, KV, hd / 2] each RoPE pair's key RMS,
+  `key_mean` [L, KV, hd] the keys' mean before RoPE (the cache's keys turned back), `value_mean`
+  [L, KV, hd] the values' mean."""
   if cfg.key_smoothing:
     raise LongctxError("these weights are smoothed already (cfg.key_smoothing)")
   ids = [int(i) for i in ids]
   options = options.replace(kv_dtype=None)
   _, weights, rows = HostBatch.enter(params, cfg, options, [ids])
   cache, _ = prefill(weights, cfg, rows, get("full"), cache_len=len(ids), options=options)
-  half = cfg.head_dim // 2
+  half, freqs = cfg.head_dim // 2, inv_freq(cfg, len(ids))
 
   @jax.jit
-  def rms(k):  # [B, KV, T, hd] -> [KV, hd / 2] over the first row (the others are its copies)
-    k = k[0].astype(jnp.float32)
-    return jnp.sqrt(jnp.mean(k[..., :half] ** 2 + k[..., half:] ** 2, axis=1) / 2)
+  def stats(k, v):  # [B, KV, T, hd] over the first row (the others are its copies)
+    k, v = k[0].astype(jnp.float32), v[0].astype(jnp.float32)
+    rms = jnp.sqrt(jnp.mean(k[..., :half] ** 2 + k[..., half:] ** 2, axis=1) / 2)
+    before_rope = rotate(k, -jnp.arange(k.shape[1])[None, :], freqs)
+    return rms, jnp.mean(before_rope, axis=1), jnp.mean(v, axis=1)
 
-  out = np.stack([np.asarray(rms(layer.k)) for layer in cache.state])
+  out = [[np.asarray(x) for x in stats(layer.k, layer.v)] for layer in cache.state]
   copies = 1 if options.mesh is None else ModelShards.of(cfg, make_mesh(options.mesh)).kv_copies
-  return out[:, ::copies]  # a placed cache copies each KV head `copies` times, side by side
+  # a placed cache copies each KV head `copies` times, side by side
+  return {name: np.stack([o[i] for o in out])[:, ::copies]
+          for i, name in enumerate(("pair_rms", "key_mean", "value_mean"))}
+
+
+def key_pair_rms(params, cfg: LlamaConfig, ids, options: RunOptions = DEFAULT) -> np.ndarray:
+  """[layers, KV heads, head_dim / 2] fp32: each RoPE pair's key RMS over the tokens `ids`."""
+  return cache_stats(params, cfg, ids, options)["pair_rms"]
+
+
+def key_offset(key_mean: np.ndarray, s: np.ndarray, cfg: LlamaConfig) -> np.ndarray:
+  """[..., hd] the post-RoPE constant a cache's keys (divided by `s`) are stored less: the
+  pre-RoPE mean b rotated by every position of the model's window [0, T) and averaged, per RoPE
+  pair (mean cos and sin of w p). A slow pair keeps its bias (Qwen2.5's k_proj bias sits there);
+  a fast one, whose R(p) b averages out, keeps nearly none."""
+  b = np.asarray(key_mean, np.float64) / s
+  p = np.arange(cfg.max_position_embeddings, dtype=np.float64)[:, None]
+  angles = p * np.asarray(inv_freq(cfg), np.float64)[None]
+  c, sn = np.cos(angles).mean(0), np.sin(angles).mean(0)
+  x1, x2 = np.split(b, 2, axis=-1)
+  return np.concatenate([x1 * c - x2 * sn, x2 * c + x1 * sn], axis=-1).astype(np.float32)
 
 
 def smoothing_from_rms(rms: np.ndarray, strength: float = STRENGTH) -> np.ndarray:
@@ -71,26 +96,37 @@ def smoothing_from_rms(rms: np.ndarray, strength: float = STRENGTH) -> np.ndarra
 
 
 def smooth_keys(params, cfg: LlamaConfig, ids, options: RunOptions = DEFAULT,
-                strength: float = STRENGTH):
+                strength: float = STRENGTH, offsets: bool = True):
   """(params, cfg) with per-layer key smoothing calibrated on the tokens `ids` (1K tokens of
   text, the model's own kind of input, serve; random ids nearly as well): each layer's
-  `attn.k_smooth` [KV, hd] and cfg.key_smoothing. On a mesh (options.mesh) the weights come back
-  placed there. The input tree is left as it is."""
+  `attn.k_smooth` [KV, hd] and cfg.key_smoothing, and with `offsets` the keys' and values'
+  offsets (`attn.k_offset`, `attn.v_offset`, cfg.kv_offsets). On a mesh (options.mesh) the
+  weights come back placed there. The input tree is left as it is."""
   if not 0 <= strength <= 1:
     raise LongctxError(f"key smoothing strength must lie in [0, 1], got {strength}")
   if options.mesh is not None:
     params = placed(params, cfg, options.mesh)  # once: the calibration runs on these
-  s = smoothing_from_rms(key_pair_rms(params, cfg, ids, options), strength)
-  return with_smoothing(params, cfg, s, options.mesh)
+  stats = cache_stats(params, cfg, ids, options)
+  s = smoothing_from_rms(stats["pair_rms"], strength)
+  kv = (key_offset(stats["key_mean"], s, cfg), stats["value_mean"]) if offsets else None
+  return with_smoothing(params, cfg, s, options.mesh, kv)
 
 
-def with_smoothing(params, cfg: LlamaConfig, s, mesh=None):
+def with_smoothing(params, cfg: LlamaConfig, s, mesh=None, offsets=None):
   """(params, cfg) with `s` [layers, KV, hd] (standard head layout) as each layer's
-  `attn.k_smooth`, placed over `mesh` as the weights are (given: already placed there)."""
-  def leaf(x):
+  `attn.k_smooth`, and `offsets` (key, value: each [layers, KV, hd]; None: none) as its
+  `attn.k_offset` and `attn.v_offset`, placed over `mesh` as the weights are (given: already
+  placed there)."""
+  def leaf(name, x):
     x = np.asarray(x).astype(cfg.jnp_dtype)  # powers of two are exact in every float dtype
-    return jnp.asarray(x) if mesh is None else place_leaf("k_smooth", x, cfg, mesh)
+    return jnp.asarray(x) if mesh is None else place_leaf(name, x, cfg, mesh)
 
-  layers = {i: {**layer, "attn": {**layer["attn"], "k_smooth": leaf(s[i])}}
-            for i, layer in params["layers"].items()}
-  return {**params, "layers": layers}, cfg.replace(key_smoothing=True)
+  def attn(i, a):
+    a = {**a, "k_smooth": leaf("k_smooth", s[i])}
+    if offsets is not None:
+      a.update(k_offset=leaf("k_offset", offsets[0][i]), v_offset=leaf("v_offset", offsets[1][i]))
+    return a
+
+  layers = {i: {**layer, "attn": attn(i, layer["attn"])} for i, layer in params["layers"].items()}
+  return ({**params, "layers": layers},
+          cfg.replace(key_smoothing=True, kv_offsets=offsets is not None))

@@ -1,0 +1,48 @@
+"""Split-K decode attention over bf16, int8 and E4M3 K/V, called a few times each: the program that
+Nsight Compute profiles to say what holds the 8-bit decode kernel under the copy bandwidth
+(BENCHMARKS.md, "What holds int8 decode"). One query token, Llama-3.1-8B's attention shape (32
+query heads over 8 KV heads, d 128), batch 1, --keys keys. On the GPU machine:
+
+    ncu --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis \
+        --section Occupancy --section WarpStateStats --section LaunchStats --section SchedulerStats \
+        --csv --page details python benchmarks/decode_ncu.py --keys 1048576 > $OUT/ncu.csv
+
+Each dtype's kernel runs --calls times after its compile (the inputs' generation runs first), so
+the report holds each kernel --calls times; quant_kernels.py times the same calls without the
+profiler.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.quant_kernels import _inputs  # noqa: E402
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--keys", type=int, default=1 << 20)
+  p.add_argument("--calls", type=int, default=2)
+  p.add_argument("--dtypes", default="bfloat16,int8,float8_e4m3fn")
+  args = p.parse_args()
+  import jax
+  import jax.numpy as jnp
+  from pallas_kernels import flash_attention
+  t = args.keys
+  pos = jnp.asarray([t - 1])
+  for dtype in args.dtypes.split(","):
+    q, k, v = jax.block_until_ready(_inputs(4, 1, 1, t, dtype))
+    attn = jax.jit(lambda q, k, v: flash_attention(q, k, v, causal=True, q_offset=pos,
+                                                   kv_len=pos + 1, kv_layout="BHTD"))
+    for _ in range(args.calls):
+      jax.block_until_ready(attn(q, k, v))
+    print(f"{dtype}: {args.calls} calls over {t} keys", file=sys.stderr, flush=True)
+    del q, k, v
+
+
+if __name__ == "__main__":
+  main()
