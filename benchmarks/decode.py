@@ -119,9 +119,11 @@ def run_jax(args) -> dict:
   from jax_longctx.run.chunked_prefill import end_prefill, prefill_step
   from jax_longctx.run.generation import Sampling, decode_loop, row_keys
 
-  # --key-smoothing: the model as an 8-bit `load` makes it (its factors 1 here; the products the
-  # attention layers add are the same whatever the factors)
-  cfg = preset(args.model, dtype="bfloat16").replace(key_smoothing=args.key_smoothing)
+  # --key-smoothing: the model as an 8-bit `load` makes it, key smoothing and KV offsets (factors
+  # 1 and random offsets here; the operations the attention layers add are the same whatever
+  # their values)
+  cfg = preset(args.model, dtype="bfloat16").replace(key_smoothing=args.key_smoothing,
+                                                     kv_offsets=args.key_smoothing)
   method = get(args.method, **parse_method_args(args.method_arg))
   tiling = None
   if args.decode_tiling:
@@ -336,7 +338,8 @@ def main() -> None:
                  help="record the N longest device kernels of a decode step (a traced loop "
                       "after the timed ones; per device on a mesh: the collectives show there)")
   p.add_argument("--key-smoothing", action="store_true",
-                 help="the weights with key smoothing (run/key_smoothing.py), as an 8-bit load")
+                 help="the weights with key smoothing and KV offsets (run/key_smoothing.py), "
+                      "as an 8-bit load makes them")
   p.add_argument("--new-tokens", type=int, default=64)
   p.add_argument("--reps", type=int, default=3)
   p.add_argument("--chunk", type=int, default=4096)
