@@ -129,9 +129,12 @@ class EvictingMethod(Method):
 
   # True caches keys before RoPE (StreamingLLM rotates them at their rank in the cache).
   keys_before_rope: ClassVar[bool] = False
-  rotates_keys_in_place = True  # StreamingLLM, whose keys are cached before RoPE, is not
 
   budget: Budget = 1024
+
+  @property
+  def rotates_keys_in_place(self) -> bool:  # keys cached after RoPE, at their own positions
+    return not self.keys_before_rope
 
   def init_state(self, cfg, batch, max_len, dtype, chunk) -> SlotCache:
     n = resolve_budget(self.budget, max_len)

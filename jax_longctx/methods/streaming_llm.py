@@ -24,7 +24,6 @@ from jax_longctx.core.rope import apply_rope, rotate
 class StreamingLLM(EvictingMethod):
   name = "streaming_llm"
   keys_before_rope = True
-  rotates_keys_in_place = False
 
   budget: Budget = 1024
   n_sink: int = 4

@@ -18,7 +18,9 @@ at strength 1, +0.009% at 0.5; calibrated on random token ids +0.10% / +0.017%. 
 default: a key channel's quantization error reaches the score times the query's s_c, so full
 equalization (1) buys the keys' grid at the queries' cost. E4M3 is not helped (+8.0% / +8.0% /
 +65%): its error is relative to each value, not set by the row's largest, so evening the
-channels out does not reduce it.
+channels out does not reduce it. What helps E4M3 is taking the keys' and values' common offset
+out of what the cache stores (`key_offset`, model/decoder.py `_less_offsets`), calibrated in the
+same pass: Qwen's E4M3 NLL +8.0% -> +0.09% on that text (docs/CLAIMS.md).
 """
 
 from __future__ import annotations
@@ -64,11 +66,6 @@ def cache_stats(params, cfg: LlamaConfig, ids, options: RunOptions = DEFAULT) ->
   # a placed cache copies each KV head `copies` times, side by side
   return {name: np.stack([o[i] for o in out])[:, ::copies]
           for i, name in enumerate(("pair_rms", "key_mean", "value_mean"))}
-
-
-def key_pair_rms(params, cfg: LlamaConfig, ids, options: RunOptions = DEFAULT) -> np.ndarray:
-  """[layers, KV heads, head_dim / 2] fp32: each RoPE pair's key RMS over the tokens `ids`."""
-  return cache_stats(params, cfg, ids, options)["pair_rms"]
 
 
 def key_offset(key_mean: np.ndarray, s: np.ndarray) -> np.ndarray:
