@@ -14,7 +14,9 @@ With `key_rope_freqs` the keys are taken as cached before RoPE and each is rotat
 kernel at its place in the index list (entry j at position j), or at the position given for it
 (`key_positions`: one device's part of a scope split over a mesh, whose entries are not
 contiguous in it): a list of keys attended at their scope positions (ReAttention) without a
-rotated copy of them in HBM. Keys are rotated in their own dtype, as the models rotate them
+rotated copy of them in HBM. `key_offset` is added to each such key before its rotation: a cache
+that stores pre-RoPE keys less a constant (the 8-bit cache's calibrated mean, model/decoder.py)
+gets its keys back, in the same registers. Keys are rotated in their own dtype, as the models rotate them
 (jax_longctx.core.rope.rotate, like transformers), and on the GPU in 64-key tiles: on an H200
 (8K scope entries of a 32K cache, 32 query / 8 kv heads, bf16) that kernel took 12.2 us where
 the rotation in fp32 took 19.1 with 128-key tiles and 17.8 with 64 (BENCHMARKS.md, ReAttention).
@@ -41,7 +43,7 @@ SQ = gpu.SQ
 
 def gathered_attention(q, k, v, indices, valid=None, *, scale: float | None = None,
                        kv_layout: str = "BTHD", key_rope_freqs=None, key_positions=None,
-                       extent=None, backend: str = "auto", tiling: gpu.Tiling | None = None,
+                       key_offset=None, extent=None, backend: str = "auto", tiling: gpu.Tiling | None = None,
                        options: KernelOptions = DEFAULT):
   """q [B, Lq, H, d] over k, v (BTHD or BHTD) at indices [B, KV, n] (int, into the key axis).
 
@@ -49,7 +51,8 @@ def gathered_attention(q, k, v, indices, valid=None, *, scale: float | None = No
   sees the same selected keys (no causal mask: select accordingly). key_rope_freqs: None, or the
   RoPE inverse frequencies [d / 2] with which the key of entry j is rotated at position j (q comes
   rotated already), or at key_positions[b, j] (int [B, n], shared by a sequence's kv heads) when
-  given. extent: None, or [B, KV] int: entries at and past it count as invalid and the GPU
+  given. key_offset: None, or [KV, d] added to each key (dequantized) before it is rotated; needs
+  key_rope_freqs. extent: None, or [B, KV] int: entries at and past it count as invalid and the GPU
   kernel does not read them (0: the group costs no reads). options: the run's kernel choices
   (decode_q_in_kernel, decode_merge_kernel as for flash_attention's decode). Returns (out
   [B, Lq, H, d], lse [B, Lq, H] fp32); a row with no valid key gives (0, -inf).
@@ -75,6 +78,11 @@ def gathered_attention(q, k, v, indices, valid=None, *, scale: float | None = No
     key_positions = key_positions.astype(jnp.int32)
   else:
     key_positions = jnp.arange(n, dtype=jnp.int32)[None, :]
+  if key_offset is not None:
+    if key_rope_freqs is None:
+      raise ValueError("key_offset is added to keys before their rotation: give key_rope_freqs")
+    if key_offset.shape != (kvh, d):
+      raise ValueError(f"key_offset must be [kv_heads={kvh}, d={d}], got {key_offset.shape}")
   scale = float(scale) if scale is not None else 1.0 / math.sqrt(d)
   indices = indices.astype(jnp.int32)
   variant = backend_lib.resolve(backend)
@@ -83,7 +91,7 @@ def gathered_attention(q, k, v, indices, valid=None, *, scale: float | None = No
   if variant.kind == "reference":
     return reference.gathered_attention(q, k, v, indices, valid, scale=scale, kv_layout=kv_layout,
                                         key_rope_freqs=key_rope_freqs,
-                                        key_positions=key_positions)
+                                        key_positions=key_positions, key_offset=key_offset)
 
   rows = lq * (h // kvh)
   bm = min(max(16, layout.next_pow2(rows)), 128)
@@ -104,6 +112,7 @@ def gathered_attention(q, k, v, indices, valid=None, *, scale: float | None = No
     ok = ok & (jnp.arange(n, dtype=jnp.int32) < extent[..., None])
   safe = jnp.clip(indices, 0, t - 1)
   key_dtype = q.dtype if quantized else k.dtype  # the dtype keys are rotated in
+  offset = None if key_offset is None else key_offset.astype(key_dtype)
   if variant.kind == "gpu":
     span, splits = gpu.split_plan(b * kvh * (rows_padded // bm), max(n, bn), bn, tl.key_splits)
     pad = ((0, 0), (0, 0), (0, span * splits - n))
@@ -113,7 +122,7 @@ def gathered_attention(q, k, v, indices, valid=None, *, scale: float | None = No
     merge_kernel = options.decode_merge_kernel and lq == 1
     (kk, ks), (vv, vs) = layout.parts(k), layout.parts(v)
     outs, lses = _gpu(qr, kk, vv, jnp.pad(safe, pad), jnp.pad(ok, pad).astype(jnp.int32),
-                      extent[..., None], table, ks, vs, span=span, splits=splits,
+                      extent[..., None], table, ks, vs, offset, span=span, splits=splits,
                       parts=split_merge.parts(splits, merge_kernel), scale=scale,
                       kv_layout=kv_layout, tiling=tl, interpret=variant.interpret_arg())
     out, lse = split_merge.merge(outs, lses, splits=splits, rows=rows, dtype=q.dtype,
@@ -127,7 +136,8 @@ def gathered_attention(q, k, v, indices, valid=None, *, scale: float | None = No
     # DMAs again as the rows', each too small to be worth one.
     picked = tuple(None if x is None else jnp.take_along_axis(x, safe, axis=2) for x in (ks, vs))
     out, lse = _tpu(qr, kh, vh, safe, jnp.pad(ok, pad).astype(jnp.int32), table,
-                    *tpu.scale_rows(*picked), bm=bm, bn=bn, scale=scale,
+                    *tpu.scale_rows(*picked), None if offset is None else offset[:, None, :],
+                    bm=bm, bn=bn, scale=scale,
                     interpret=variant.interpret_arg())
     lse = lse[..., 0]
   out = layout.from_rows(out, lq, h).astype(q.dtype)
@@ -152,26 +162,29 @@ def _table_row(rope_table, bh, kvh: int):
 
 @functools.partial(jax.jit, static_argnames=("span", "splits", "parts", "scale", "kv_layout",
                                              "tiling", "interpret"))
-def _gpu(qr, k, v, indices, ok, extent, rope_table, k_scale=None, v_scale=None, *, span, splits,
-         parts, scale, kv_layout, tiling, interpret):
+def _gpu(qr, k, v, indices, ok, extent, rope_table, k_scale=None, v_scale=None, offset=None, *,
+         span, splits, parts, scale, kv_layout, tiling, interpret):
   """extent [B, KV, 1]: entries at and past it are not visited. Per-split (out, lse) as
   flash._gpu's: parts >= splits entries, qr of fewer rows than a block repeated to fill it.
-  k_scale, v_scale: with 8-bit k, v, their scales, gathered with the rows."""
+  k_scale, v_scale: with 8-bit k, v, their scales, gathered with the rows. offset: None, or
+  [KV, d] in the dtype keys rotate in, added to them first."""
   b, kvh, rq, d = qr.shape
   bm, bn = tiling.block_rows, tiling.block_keys
   rp = layout.round_up(rq, bm)
   t = k.shape[1 if kv_layout == "BTHD" else 2]
   rope, half = rope_table is not None, d // 2
-  quantized = k_scale is not None
+  quantized, shifted = k_scale is not None, offset is not None
 
   def kernel(idx_ref, ok_ref, ext_ref, q_ref, k_ref, v_ref, *refs):
     ks_ref, vs_ref, *refs = refs if quantized else (None, None, *refs)
-    r_ref, o_ref, lse_ref = refs if rope else (None, *refs)
+    r_ref, *refs = refs if rope else (None, *refs)
+    c_ref, o_ref, lse_ref = refs if shifted else (None, *refs)
     start0 = pl.program_id(2) * span
     n_tiles = jnp.clip(pl.cdiv(ext_ref[0] - start0, bn), 0, span // bn)
     rows = (slice(None) if rq >= bm
             else lax.broadcasted_iota(jnp.int32, (bm,), 0) % rq)  # the real rows, repeated
     q = (q_ref[rows, :half], q_ref[rows, half:]) if rope else q_ref[rows, :]
+    c = (c_ref[:half][None, :], c_ref[half:][None, :]) if shifted else None
 
     def load(j):
       tile = pl.ds(start0 + j * bn, bn)
@@ -187,6 +200,8 @@ def _gpu(qr, k, v, indices, ok, extent, rope_table, k_scale=None, v_scale=None, 
       if rope:
         if quantized:
           kt = tuple(osm.dequantized(x, ks[:, None], qr.dtype) for x in kt)
+        if shifted:
+          kt = tuple(x + o for x, o in zip(kt, c))
         s = osm.rope_scores(*q, *kt, *table, scale)
       else:
         kt, ks = osm.converted(kt[0], ks, qr.dtype)
@@ -210,29 +225,32 @@ def _gpu(qr, k, v, indices, ok, extent, rope_table, k_scale=None, v_scale=None, 
                 gpu.row_spec(kvh, min(bm, rq), d), keys, keys, *scales] + (
           [pl.BlockSpec((SQ, 2, span * splits, half),
                         lambda bh, r, s: (_table_row(rope_table, bh, kvh), 0, 0, 0))]
-          if rope else []),
+          if rope else []) + (
+          [pl.BlockSpec((SQ, d), lambda bh, r, s: (bh % kvh, 0))] if shifted else []),
       out_specs=[pl.BlockSpec((SQ, SQ, SQ, bm, d), index), pl.BlockSpec((SQ, SQ, SQ, bm, 1), index)],
       out_shape=[jax.ShapeDtypeStruct((b, kvh, parts, rp, d), jnp.float32),
                  jax.ShapeDtypeStruct((b, kvh, parts, rp, 1), jnp.float32)],
   )(indices, ok, extent, qr, k, v, *([k_scale, v_scale] if quantized else []),
-    *([rope_table] if rope else []))
+    *([rope_table] if rope else []), *([offset] if shifted else []))
 
 
 @functools.partial(jax.jit, static_argnames=("bm", "bn", "scale", "interpret"))
-def _tpu(qr, k, v, indices, ok, rope_table, k_scale=None, v_scale=None, *, bm, bn, scale,
-         interpret):
-  """k, v [B, KV, T, d]; with 8-bit k, v the scales of the selected rows [B, KV, 1, n]."""
+def _tpu(qr, k, v, indices, ok, rope_table, k_scale=None, v_scale=None, offset=None, *, bm, bn,
+         scale, interpret):
+  """k, v [B, KV, T, d]; with 8-bit k, v the scales of the selected rows [B, KV, 1, n]; offset:
+  None, or [KV, 1, d] added to the keys before their rotation."""
   from jax.experimental.pallas import tpu as pltpu
   b, kvh, rp, d = qr.shape
   n = indices.shape[2]
   nt = n // bn
   rope, half = rope_table is not None, d // 2
-  quantized = k_scale is not None
+  quantized, shifted = k_scale is not None, offset is not None
 
   def kernel(idx_ref, ok_ref, q_ref, k_hbm, v_hbm, *refs):
     ks_ref, vs_ref, *refs = refs if quantized else (None, None, *refs)
-    r_ref = refs[0] if rope else None
-    o_ref, lse_ref, k_buf, v_buf, sem, m_s, l_s, acc_s = refs[1:] if rope else refs
+    r_ref, *refs = refs if rope else (None, *refs)
+    c_ref, *refs = refs if shifted else (None, *refs)
+    o_ref, lse_ref, k_buf, v_buf, sem, m_s, l_s, acc_s = refs
     bh, j = pl.program_id(0), pl.program_id(2)
     base = (bh * nt + j) * bn
 
@@ -263,6 +281,8 @@ def _tpu(qr, k, v, indices, ok, rope_table, k_scale=None, v_scale=None, *, bm, b
       if quantized:
         col = tpu.column(ks)
         k1, k2 = (osm.dequantized(x, col, qr.dtype) for x in (k1, k2))
+      if shifted:
+        k1, k2 = k1 + c_ref[:, :half], k2 + c_ref[:, half:]
       s = osm.rope_scores(q_ref[:, :half], q_ref[:, half:], k1, k2, r_ref[0], r_ref[1], scale)
     else:
       kt, ks = osm.converted(k_buf[...], ks, qr.dtype)
@@ -284,10 +304,13 @@ def _tpu(qr, k, v, indices, ok, rope_table, k_scale=None, v_scale=None, *, bm, b
                 pl.BlockSpec((SQ, SQ, bm, d), row), any_spec, any_spec, *scales] + (
                     [pl.BlockSpec((SQ, 2, bn, half),
                                   lambda bh, r, j, idx: (_table_row(rope_table, bh, kvh), 0, j, 0))]
-                    if rope else []),
+                    if rope else []) + (
+                    [pl.BlockSpec((SQ, 1, d), lambda bh, r, j, idx: (tpu.batch_head(bh, kvh)[1], 0, 0))]
+                    if shifted else []),
       out_specs=[pl.BlockSpec((SQ, SQ, bm, d), row), pl.BlockSpec((SQ, SQ, bm, 1), row)],
       scratch_shapes=[pltpu.VMEM((bn, d), k.dtype), pltpu.VMEM((bn, d), v.dtype),
                       pltpu.SemaphoreType.DMA((2,)), *tpu.softmax_scratch(bm, d)])
   return tpu.attention_call(kernel, grid_spec, qr.shape, interpret)(
       indices.reshape(-1), ok[:, :, None, :], qr, k, v,
-      *([k_scale, v_scale] if quantized else []), *([rope_table] if rope else []))
+      *([k_scale, v_scale] if quantized else []), *([rope_table] if rope else []),
+      *([offset] if shifted else []))

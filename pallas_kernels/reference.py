@@ -94,18 +94,21 @@ def flash_attention(q, k, v, *, causal, q_offset, kv_len, scale, kv_layout="BTHD
 
 
 def gathered_attention(q, k, v, indices, valid, *, scale, kv_layout="BTHD", key_rope_freqs=None,
-                       key_positions=None):
+                       key_positions=None, key_offset=None):
   """Attention of each query head over keys indices[b, kv_head, :] of its group, where valid;
   with key_rope_freqs [d / 2], the key of entry j rotated (rotate-half RoPE) at position j, or
   at key_positions[b, j] ([B or 1, n]) when given, in the keys' dtype as the models rotate
   (jax_longctx.core.rope.rotate, transformers: cos and sin cast to it). Quantized k, v: the
-  selected rows dequantized to q's dtype first, then rotated in it."""
+  selected rows dequantized to q's dtype first, then rotated in it; key_offset [KV, d] added to
+  the keys (in that dtype) before the rotation."""
   kh, vh = heads_first(k, kv_layout), heads_first(v, kv_layout)
   t = kh.shape[2]
   ok = valid & (indices >= 0) & (indices < t)
   safe = jnp.clip(indices, 0, t - 1)
   take = lambda x: jnp.take_along_axis(x, safe[..., None], axis=2, mode="clip")  # noqa: E731
   kg, vg = (_in_model_dtype(quant.per_row(take, x), q.dtype) for x in (kh, vh))  # [B, KV, n, d]
+  if key_offset is not None:
+    kg = kg + key_offset[None, :, None, :].astype(kg.dtype)
   if key_rope_freqs is not None:
     pos = (jnp.arange(kg.shape[2])[None, :] if key_positions is None else key_positions)
     angles = pos.astype(jnp.float32)[:, None, :, None] * key_rope_freqs  # [B or 1, 1, n, d/2]

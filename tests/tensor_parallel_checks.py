@@ -177,7 +177,7 @@ def smoothed():
     assert got.shape == (2 * want.shape[0], want.shape[1]), got.shape
     np.testing.assert_array_equal(got[::2], want, err_msg=f"layer {i}")
     np.testing.assert_array_equal(got[1::2], want, err_msg=f"layer {i}")
-    for name in ("k_offset", "v_offset"):  # calibrated means: summed in another order there
+    for name in ("k_offset", "v_offset", "k_offset_before_rope"):  # means: summed in another order
       want = np.asarray(layer["attn"][name])
       got = np.asarray(many["layers"][i]["attn"][name])
       for copy in (got[::2], got[1::2]):

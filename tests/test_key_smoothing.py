@@ -95,3 +95,23 @@ def test_refreshkv_compares_the_models_own_queries(tiny, after_rope):
   got = m._mean_query(q * s, ctx.replace(query_smoothing=s))
   np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
   assert not np.allclose(m._mean_query(q * s, ctx), want, atol=1e-3)  # what it would compare
+
+
+def test_pre_rope_key_mean_is_the_mean_of_a_cache_of_pre_rope_keys(tiny):
+  """cache_stats' `pre_rope_key_mean` (full attention's cached keys rotated back to position 0)
+  against ReAttention's cache of the same prompt, which stores each key before RoPE at slot =
+  position (its local window holding the whole prompt, so that it attends as full attention in
+  every layer); and `key_mean`, the post-RoPE mean, against full attention's cache itself."""
+  from jax_longctx.run import generation as gen
+  from jax_longctx.run.key_smoothing import cache_stats
+  from tests.test_methods import _prompts
+  cfg, params = tiny
+  ids = _prompts(cfg, (40,), seed=6)[0]
+  stats = cache_stats(params, cfg, ids)
+  whole = get("reattention", n_global=4, n_local=48, span=4, clip=1, top_k=1, chunk=8)
+  for method, key in ((whole, "pre_rope_key_mean"), (get("full"), "key_mean")):
+    cache, _ = gen.prefill(params, cfg, [ids], method, cache_len=64,
+                           options=RunOptions(prefill_chunk=8))
+    want = np.stack([np.asarray(layer.k)[0, :, :40].mean(axis=1) for layer in cache.state])
+    np.testing.assert_allclose(stats[key], want, rtol=1e-4, atol=1e-6, err_msg=key)
+  assert not np.allclose(stats["pre_rope_key_mean"], stats["key_mean"], atol=1e-3)

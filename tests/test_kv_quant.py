@@ -83,13 +83,13 @@ def _run(params, cfg, method, kv_dtype):
 
 def _with_smoothing(params, cfg, seed=0, spread=3):
   """params with random powers of two in 2^-spread..2^spread (pair-shared) as every layer's key
-  smoothing and random key and value offsets of std 1, several times the keys' RMS (~0.14: std
-  0.02 weights over 48 unit-RMS inputs; run/key_smoothing.py);
+  smoothing and random key (after and before RoPE) and value offsets of std 1, several times the
+  keys' RMS (~0.14: std 0.02 weights over 48 unit-RMS inputs; run/key_smoothing.py);
   spread=0: factors of 1 and offsets of 0, the unsmoothed model exactly."""
   rng = np.random.default_rng(seed)
   shape = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
   e = rng.integers(-spread, spread + 1, shape[:-1] + (cfg.head_dim // 2,))
-  offsets = [rng.normal(size=shape) * (spread > 0) for _ in "kv"]
+  offsets = [rng.normal(size=shape) * (spread > 0) for _ in ("k", "v", "k before rope")]
   return with_smoothing(params, cfg, np.exp2(np.concatenate([e, e], -1)), offsets=offsets)
 
 
@@ -107,8 +107,8 @@ def test_every_method_runs_on_an_8_bit_cache_and_key_smoothing_changes_no_score(
   want_last, want_nll, plain = _run(*_with_smoothing(params, cfg, spread=0), method, None)
   # Key smoothing and offsets change no score: the factors reach 2^+-3 and the offsets are
   # larger than the keys, so a method that read a query or key other than through q.k, or that
-  # took a key offset but rotated that key elsewhere (Method.rotates_keys_in_place), would
-  # differ here unless its decision did not turn on it (these 4 steps decide no RefreshKV
+  # took a key offset but rotated that key elsewhere (Method.rotates_keys_in_place), or did not
+  # add a pre-RoPE one back before rotating (Method.adds_key_offset_back), would differ here unless its decision did not turn on it (these 4 steps decide no RefreshKV
   # refresh by similarity: test_key_smoothing.py checks that one).
   last, nll, _ = _run(*_with_smoothing(params, cfg), method, None)
   np.testing.assert_allclose(last, want_last, atol=1e-5, rtol=0, err_msg=f"{name} smoothed")

@@ -146,6 +146,10 @@ class AttnContext:
   # method saw them (model key smoothing; None: nothing). Every q.k is unchanged by it; a method
   # that reads queries or keys otherwise divides it out (RefreshKV's query similarity).
   query_smoothing: jnp.ndarray | None = None
+  # [KV, hd] what this layer's keys were stored less before RoPE (the 8-bit cache's calibrated
+  # mean, model/decoder.py `_less_offsets`), given only to a method that `adds_key_offset_back`;
+  # None: nothing was taken out.
+  key_offset: jnp.ndarray | None = None
 
   def replace(self, **kw) -> "AttnContext":
     return dataclasses.replace(self, **kw)
@@ -203,6 +207,12 @@ class Method(RegisteredMethod):
   # same amount, which no softmax, top-k or LSE merge sees. False (the default; caches of
   # pre-RoPE keys rotated again at other positions): the keys keep their offset.
   rotates_keys_in_place: ClassVar[bool] = False
+  # True (caches of pre-RoPE keys rotated at other positions: ReAttention, StreamingLLM, CItruS):
+  # the method adds `ctx.key_offset` back to every key before rotating it, so keys stored less
+  # their pre-RoPE mean attend as themselves; a product of unrotated keys (ReAttention's top-k)
+  # drops by the same q.c for every key of a query, which no top-k sees. A method neither this
+  # nor `rotates_keys_in_place` is given no key offset: its keys are stored whole.
+  adds_key_offset_back: ClassVar[bool] = False
 
   def __init_subclass__(cls, **kwargs):
     super().__init_subclass__(**kwargs)

@@ -17,9 +17,9 @@ from flax import struct
 
 from jax_longctx.core.axes import HEADS, ROWS, axes
 
-from jax_longctx.methods.base import Heads
+from jax_longctx.methods.base import AttnContext
 from jax_longctx.ops.attention import attention, attention_probs_sum
-from jax_longctx.ops.cache import load, per_row, stored, zeros
+from jax_longctx.ops.cache import load, per_row, stored, with_key_offset, zeros
 from jax_longctx.core.rope import apply_rope, rotate
 
 
@@ -52,20 +52,24 @@ class ChunkCache:
     rank = jnp.arange(self.capacity, dtype=jnp.int32)[None, :]
     return jnp.where(rank < self.n[:, None], rank, -1)
 
-  def attend_and_score(self, q, k_new, v_new, valid, freqs, heads: Heads = Heads()):
+  def attend_and_score(self, q, k_new, v_new, ctx: AttnContext):
     """New tokens (q [B,S,H,d], k/v_new [B,S,KV,d], pre-RoPE) over the cache and each other.
 
     Returns (out [B,S,H,d], scores [B, C]): scores are the attention each old slot receives,
     averaged over heads and the valid queries (Eq. 1 of CItruS), and its sum over queries.
-    heads: the layer's heads (`AttnContext.heads`): the average takes every head of the layer.
+    From ctx: valid, freqs, heads (the average takes every head of the layer, over devices too)
+    and key_offset (added back to old and new keys before their rotation).
     """
+    valid, freqs, heads = ctx.valid, ctx.freqs, ctx.heads
     b, s = valid.shape
     q_pos = self.n[:, None] + jnp.arange(s, dtype=jnp.int32)[None, :]  # [B, S]
     new_pos = jnp.where(valid, q_pos, -1)
     old_pos = self.slot_positions()
     # The cache's keys as stored (8-bit ones dequantized: the scores steering the eviction are
     # the attention the model computes), rotated at their ranks; the new ones as they are.
-    k_stored, v_stored = load(self.k, q.dtype), load(self.v, q.dtype)
+    k_stored = with_key_offset(load(self.k, q.dtype), ctx.key_offset)
+    v_stored = load(self.v, q.dtype)
+    k_new = with_key_offset(k_new, ctx.key_offset, heads_axis=2)
     k_old = rotate(k_stored, old_pos[:, None, :], freqs)
     q_rot = apply_rope(q, q_pos, freqs)
     k_all = jnp.concatenate([k_old, jnp.swapaxes(apply_rope(k_new, q_pos, freqs), 1, 2)], axis=2)

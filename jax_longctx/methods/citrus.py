@@ -42,6 +42,7 @@ class CItruSStandard(Method):
 
   name = "citrus_standard"
   needs_instruction = True  # instructed.py runs its outer loop
+  adds_key_offset_back = True  # chunk_cache.attend_and_score
 
   budget: Budget = 768  # k in the paper (§5.3)
   chunk: int = 256  # l in the paper
@@ -78,7 +79,7 @@ class CItruSStandard(Method):
 
   def prefill(self, state, q, k, v, ctx: AttnContext):
     """A document chunk: attend over the cache, evict its old states, append the chunk."""
-    out, mean, summed = state.attend_and_score(q, k, v, ctx.valid, ctx.freqs, ctx.heads)
+    out, mean, summed = state.attend_and_score(q, k, v, ctx)
     n_queries = jnp.sum(ctx.valid, axis=1)
     priority, state = self.document_priority(state, mean, summed, n_queries)
     return out, self._evict_append(state, priority, k, v, ctx)
@@ -94,7 +95,7 @@ class CItruSStandard(Method):
   def score_instruction(self, state, q, k, v, ctx: AttnContext):
     """The instruction over the answering cache; records its scores, changes nothing else."""
     cache = self.answer_cache(state)
-    out, mean, _ = cache.attend_and_score(q, k, v, ctx.valid, ctx.freqs, ctx.heads)
+    out, mean, _ = cache.attend_and_score(q, k, v, ctx)
     return out, self.with_answer_cache(state, cache.replace(score=mean))
 
   def evict_by_instruction(self, state):
@@ -105,7 +106,7 @@ class CItruSStandard(Method):
   def decode(self, state, q, k, v, ctx: AttnContext):
     """The instruction and the answer: attend over the answering cache and append, no eviction."""
     cache = self.answer_cache(state)
-    out, _, _ = cache.attend_and_score(q, k, v, ctx.valid, ctx.freqs, ctx.heads)
+    out, _, _ = cache.attend_and_score(q, k, v, ctx)
     return out, self.with_answer_cache(state, cache.append(k, v, ctx.valid, ctx.q_pos))
 
 
@@ -171,7 +172,7 @@ class CItruSIndividual(CItruSStandard):
     return state.replace(instruction=cache)
 
   def prefill(self, state: TwinCache, q, k, v, ctx):
-    out, mean, _ = state.document.attend_and_score(q, k, v, ctx.valid, ctx.freqs, ctx.heads)
+    out, mean, _ = state.document.attend_and_score(q, k, v, ctx)
     document = self._evict_append(state.document, mean, k, v, ctx)
     instruction = self._evict_append(state.instruction, state.instruction.score, k, v, ctx)
     return out, TwinCache(document, instruction)

@@ -136,6 +136,10 @@ class EvictingMethod(Method):
   def rotates_keys_in_place(self) -> bool:  # keys cached after RoPE, at their own positions
     return not self.keys_before_rope
 
+  @property
+  def adds_key_offset_back(self) -> bool:  # a subclass caching pre-RoPE keys rotates them itself
+    return self.keys_before_rope
+
   def init_state(self, cfg, batch, max_len, dtype, chunk) -> SlotCache:
     n = resolve_budget(self.budget, max_len)
     return SlotCache.empty(cfg, batch, n, n + chunk, dtype)

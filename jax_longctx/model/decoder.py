@@ -47,6 +47,7 @@ WEIGHT_AXES = {
     "o_proj": (HEADS, None, None), "o_proj_t": (None, HEADS, None),
     "q_bias": (HEADS, None), "k_bias": (KV_HEADS, None), "v_bias": (KV_HEADS, None),
     "k_smooth": (KV_HEADS, None), "k_offset": (KV_HEADS, None), "v_offset": (KV_HEADS, None),
+    "k_offset_before_rope": (KV_HEADS, None),
     "gate_proj": (None, HIDDEN), "up_proj": (None, HIDDEN), "gate_up_proj": (None, HIDDEN),
     "down_proj": (HIDDEN, None), "scale": (None,),
 }
@@ -106,7 +107,8 @@ class Attention(nnx.Module):
     if cfg.key_smoothing:  # powers of two, one per (KV head, channel): run.key_smoothing
       self.k_smooth = nnx.Param(jnp.ones((kv, hd), dt))
     if cfg.kv_offsets:  # what the cache stores less, one per (KV head, channel): run.key_smoothing
-      self.k_offset = nnx.Param(jnp.zeros((kv, hd), dt))
+      self.k_offset = nnx.Param(jnp.zeros((kv, hd), dt))  # after RoPE (methods rotating in place)
+      self.k_offset_before_rope = nnx.Param(jnp.zeros((kv, hd), dt))  # pre-RoPE caches
       self.v_offset = nnx.Param(jnp.zeros((kv, hd), dt))
     self.q_scale = query_scale(cfg)
     self.num_heads, self.num_kv_heads = h, kv
@@ -139,7 +141,7 @@ class Attention(nnx.Module):
       # YaRN's factor on both rotated q and k does, and leaves the cached keys untouched.
       q = q * jnp.asarray(self.q_scale, q.dtype)
     if hasattr(self, "v_offset"):
-      k, v = self._less_offsets(k, v, ctx, method)
+      k, v, ctx = self._less_offsets(k, v, ctx, method)
     step = method.decode if decode else method.prefill
     out, state = step(state, q, k, v, ctx)  # [B, S, H, hd]
     if hasattr(self, "v_offset"):  # each value's offset back: out is a convex sum of values
@@ -150,20 +152,29 @@ class Attention(nnx.Module):
     return jnp.repeat(x, self.num_heads // self.num_kv_heads, axis=0)
 
   def _less_offsets(self, k, v, ctx: AttnContext, method: Method):
-    """k, v [B, S, KV, hd] less this layer's offsets (run.key_smoothing: the calibrated means),
-    so an 8-bit cache rounds what is left of each value, not a large common part of it.
+    """(k, v, ctx): k, v [B, S, KV, hd] less this layer's offsets (run.key_smoothing: the
+    calibrated means), so an 8-bit cache rounds what is left of each value, not a large common
+    part of it.
 
-    Exact for every method: the value offset comes back on the output (`__call__`). A key
-    offset c (a post-RoPE constant) is taken out as R(-p) c at the key's own position p, so the
-    key a method rotates there is RoPE_p(k) - c: every score of a query drops by the same q.c,
-    which softmax, top-k and LSE merges do not see. Only a method that rotates keys at their
-    own positions and nowhere else takes it (`Method.rotates_keys_in_place`)."""
+    Exact for every method: the value offset comes back on the output (`__call__`). Keys:
+    - a method that rotates keys at their own positions and nowhere else
+      (`Method.rotates_keys_in_place`) is given RoPE_p(k) - c for a post-RoPE constant c (taken
+      out here as R(-p) c at the key's position p): every score of a query drops by the same
+      q.c, which softmax, top-k and LSE merges do not see;
+    - a cache of pre-RoPE keys rotated elsewhere (`Method.adds_key_offset_back`) is given k - c0
+      (c0 the pre-RoPE keys' mean) and c0 in `ctx.key_offset`, which it adds back before any
+      rotation (in the gathered kernel's registers too);
+    - any other method's keys stay whole."""
     v = (v.astype(jnp.float32) - self.v_offset[...].astype(jnp.float32)).astype(v.dtype)
-    if not method.rotates_keys_in_place:
-      return k, v
-    c = jnp.broadcast_to(self.k_offset[...].astype(jnp.float32), k.shape)
-    c = rotate(c, -ctx.q_pos[:, :, None], ctx.freqs)
-    return (k.astype(jnp.float32) - c).astype(k.dtype), v
+    if method.rotates_keys_in_place:
+      c = jnp.broadcast_to(self.k_offset[...].astype(jnp.float32), k.shape)
+      c = rotate(c, -ctx.q_pos[:, :, None], ctx.freqs)
+    elif method.adds_key_offset_back:
+      c = self.k_offset_before_rope[...].astype(jnp.float32)
+      ctx = ctx.replace(key_offset=self.k_offset_before_rope[...])
+    else:
+      return k, v, ctx
+    return (k.astype(jnp.float32) - c).astype(k.dtype), v, ctx
 
   def _out(self, out):  # [B, S, H, hd] -> [B, S, D]
     if hasattr(self, "o_proj_t"):

@@ -25,7 +25,7 @@ from pallas_kernels import cache_write
 from pallas_kernels.quant import Quantized, dequantize, per_row, store_like, zeros_like_storage
 
 __all__ = ["Cache", "KVCache", "Quantized", "load", "per_row", "stored", "stored_as",
-           "float_dtype", "weighted_sum", "zeros"]
+           "float_dtype", "weighted_sum", "with_key_offset", "zeros"]
 
 
 def zeros(shape, dtype):
@@ -62,6 +62,17 @@ def load(x, dtype):
   """A stored buffer's values: 8-bit rows times their scales, in `dtype`; a float buffer as it
   is (its own dtype: what the jnp paths always read)."""
   return dequantize(x, dtype) if isinstance(x, Quantized) else x
+
+def with_key_offset(k, offset, heads_axis: int = 1):
+  """Pre-RoPE keys k [..., KV, ..., d] (their KV-head axis `heads_axis`) plus the constant
+  offset [KV, d] they were stored less (`AttnContext.key_offset`, model/decoder.py), in k's
+  dtype, before a method rotates them; offset None: k as it is."""
+  if offset is None:
+    return k
+  shape = [1] * k.ndim
+  shape[heads_axis], shape[-1] = offset.shape
+  return k + offset.reshape(shape).astype(k.dtype)
+
 
 @struct.dataclass
 class Cache:

@@ -20,7 +20,9 @@ equalization (1) buys the keys' grid at the queries' cost. E4M3 is not helped (+
 +65%): its error is relative to each value, not set by the row's largest, so evening the
 channels out does not reduce it. What helps E4M3 is taking the keys' and values' common offset
 out of what the cache stores (`key_offset`, model/decoder.py `_less_offsets`), calibrated in the
-same pass: Qwen's E4M3 NLL +8.0% -> +0.09% on that text (docs/CLAIMS.md).
+same pass: Qwen's E4M3 NLL +8.0% -> +0.09% on that text (docs/CLAIMS.md). Caches of pre-RoPE
+keys (ReAttention, StreamingLLM, CItruS) are stored less the pre-RoPE keys' mean instead, which
+they add back before rotating (`Method.adds_key_offset_back`).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from jax_longctx.core.config import LlamaConfig
 from jax_longctx.core.errors import LongctxError
 from jax_longctx.core.mesh import ModelShards, make_mesh
 from jax_longctx.core.options import DEFAULT, RunOptions
+from jax_longctx.core.rope import inv_freq, rotate
 from jax_longctx.methods.base import get
 from jax_longctx.model.placement import place_leaf
 from jax_longctx.run.generation import prefill
@@ -46,7 +49,8 @@ _MAX_EXPONENT = 24  # |log2 s|: a channel of zeros (RMS 0) gets 2^-24, not 0
 def cache_stats(params, cfg: LlamaConfig, ids, options: RunOptions = DEFAULT) -> dict:
   """What one prompt `ids` (full attention, the cache in the model's dtype) stores, per layer and
   KV head in the standard head layout, fp32: `pair_rms` [L, KV, hd / 2] each RoPE pair's key RMS,
-  `key_mean` and `value_mean` [L, KV, hd] the cached (post-RoPE) keys' and the values' means."""
+  `key_mean` and `value_mean` [L, KV, hd] the cached (post-RoPE) keys' and the values' means,
+  `pre_rope_key_mean` [L, KV, hd] the keys' mean before RoPE (each cached key rotated back)."""
   if cfg.key_smoothing:
     raise LongctxError("these weights are smoothed already (cfg.key_smoothing)")
   ids = [int(i) for i in ids]
@@ -54,18 +58,20 @@ def cache_stats(params, cfg: LlamaConfig, ids, options: RunOptions = DEFAULT) ->
   _, weights, rows = HostBatch.enter(params, cfg, options, [ids])
   cache, _ = prefill(weights, cfg, rows, get("full"), cache_len=len(ids), options=options)
   half = cfg.head_dim // 2
+  freqs = inv_freq(cfg, len(ids))  # what the prefill rotated the cached keys with
 
   @jax.jit
   def stats(k, v):  # [B, KV, T, hd] over the first row (the others are its copies)
     k, v = k[0].astype(jnp.float32), v[0].astype(jnp.float32)
     rms = jnp.sqrt(jnp.mean(k[..., :half] ** 2 + k[..., half:] ** 2, axis=1) / 2)
-    return rms, jnp.mean(k, axis=1), jnp.mean(v, axis=1)
+    before_rope = rotate(k, -jnp.arange(k.shape[1])[None, :], freqs)  # slot t holds position t
+    return rms, jnp.mean(k, axis=1), jnp.mean(v, axis=1), jnp.mean(before_rope, axis=1)
 
   out = [[np.asarray(x) for x in stats(layer.k, layer.v)] for layer in cache.state]
   copies = 1 if options.mesh is None else ModelShards.of(cfg, make_mesh(options.mesh)).kv_copies
   # a placed cache copies each KV head `copies` times, side by side
   return {name: np.stack([o[i] for o in out])[:, ::copies]
-          for i, name in enumerate(("pair_rms", "key_mean", "value_mean"))}
+          for i, name in enumerate(("pair_rms", "key_mean", "value_mean", "pre_rope_key_mean"))}
 
 
 def key_offset(key_mean: np.ndarray, s: np.ndarray) -> np.ndarray:
@@ -93,7 +99,7 @@ def smooth_keys(params, cfg: LlamaConfig, ids, options: RunOptions = DEFAULT,
   """(params, cfg) with per-layer key smoothing calibrated on the tokens `ids` (1K tokens of
   text, the model's own kind of input, serve; random ids nearly as well): each layer's
   `attn.k_smooth` [KV, hd] and cfg.key_smoothing, and with `offsets` the keys' and values'
-  offsets (`attn.k_offset`, `attn.v_offset`, cfg.kv_offsets). On a mesh (options.mesh) the
+  offsets (`attn.k_offset`, `attn.v_offset`, `attn.k_offset_before_rope`, cfg.kv_offsets). On a mesh (options.mesh) the
   weights come back placed there. The input tree is left as it is."""
   if not 0 <= strength <= 1:
     raise LongctxError(f"key smoothing strength must lie in [0, 1], got {strength}")
@@ -101,14 +107,15 @@ def smooth_keys(params, cfg: LlamaConfig, ids, options: RunOptions = DEFAULT,
     params = placed(params, cfg, options.mesh)  # once: the calibration runs on these
   stats = cache_stats(params, cfg, ids, options)
   s = smoothing_from_rms(stats["pair_rms"], strength)
-  kv = (key_offset(stats["key_mean"], s), stats["value_mean"]) if offsets else None
+  kv = ((key_offset(stats["key_mean"], s), stats["value_mean"],
+         key_offset(stats["pre_rope_key_mean"], s)) if offsets else None)
   return with_smoothing(params, cfg, s, options.mesh, kv)
 
 
 def with_smoothing(params, cfg: LlamaConfig, s, mesh=None, offsets=None):
   """(params, cfg) with `s` [layers, KV, hd] (standard head layout) as each layer's
-  `attn.k_smooth`, and `offsets` (key, value: each [layers, KV, hd]; None: none) as its
-  `attn.k_offset` and `attn.v_offset`, placed over `mesh` as the weights are (given: already
+  `attn.k_smooth`, and `offsets` (key after RoPE, value, key before RoPE: each [layers, KV, hd];
+  None: none) as its `attn.k_offset`, `attn.v_offset` and `attn.k_offset_before_rope`, placed over `mesh` as the weights are (given: already
   placed there)."""
   def leaf(name, x):
     x = np.asarray(x).astype(cfg.jnp_dtype)  # powers of two are exact in every float dtype
@@ -117,7 +124,8 @@ def with_smoothing(params, cfg: LlamaConfig, s, mesh=None, offsets=None):
   def attn(i, a):
     a = {**a, "k_smooth": leaf("k_smooth", s[i])}
     if offsets is not None:
-      a.update(k_offset=leaf("k_offset", offsets[0][i]), v_offset=leaf("v_offset", offsets[1][i]))
+      names = ("k_offset", "v_offset", "k_offset_before_rope")
+      a.update({name: leaf(name, x[i]) for name, x in zip(names, offsets, strict=True)})
     return a
 
   layers = {i: {**layer, "attn": attn(i, layer["attn"])} for i, layer in params["layers"].items()}
