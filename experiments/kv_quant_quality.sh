@@ -8,7 +8,8 @@
 # KV_DTYPES (default bfloat16,int8,float8_e4m3fn): the cache dtypes; an 8-bit one loads the model
 # with key smoothing (run/key_smoothing.py) unless SMOOTH=off. METHOD (full) and METHOD_ARGS (e.g.
 # "--method-arg reattention.n_local=16384 --method-arg reattention.clip=511", the paper's split
-# of Qwen's 32K window) pick the method; BATCH (1): samples a batch (eval --batch-size).
+# of Qwen's 32K window) pick the method; BATCH (1): samples a batch (eval --batch-size);
+# FIRST (0): run samples FIRST.. only (eval --first-sample: a part of the sweep, e.g. on one GPU).
 #   ReAttention past the window: METHOD=reattention LENGTHS=128k,256k ... OUT passkey niah_multikey
 set -euo pipefail
 source "$(dirname "$0")/common.sh"
@@ -17,7 +18,7 @@ lengths=${LENGTHS:-16k,32k}
 # shellcheck disable=SC2206
 cli=(python -m jax_longctx eval --model "$model" --dtype bfloat16 --methods "${METHOD:-full}"
      ${METHOD_ARGS:-} --kv-dtype "${KV_DTYPES:-bfloat16,int8,float8_e4m3fn}" --lengths "$lengths"
-     --cache-len "$(cache_len "$lengths")" --batch-size "${BATCH:-1}")
+     --cache-len "$(cache_len "$lengths")" --batch-size "${BATCH:-1}" --first-sample "${FIRST:-0}")
 [[ ${SMOOTH:-on} == off ]] && cli+=(--no-key-smoothing)
 for part in $parts; do
   case $part in

@@ -138,6 +138,19 @@ def test_batches_hold_one_method_and_length_each():
     run_sweep(None, "passkey", [], [300], [0.5], 1, "unused", batch_size=0)
 
 
+def test_a_sweep_split_at_first_sample_plans_what_the_whole_does():
+  """--first-sample K: samples K.. of each method and length, the seeds and depths the whole
+  sweep gives them, so parts run in several processes add up to the sweep."""
+  from jax_longctx.app import tasks as tasks_lib
+  task, depths = tasks_lib.get("passkey"), [0.1, 0.5, 0.9]
+  whole = eval_lib.plan(task, ["a", "b"], [100, 200], depths, 5)
+  parts = [eval_lib.plan(task, ["a", "b"], [100, 200], depths, 5, first=k) for k in (0, 3)]
+  assert parts[0] == whole
+  assert parts[1] == [p for p in whole if p[3] >= 3] and len(parts[1]) == 8
+  with pytest.raises(EvalError, match="--first-sample 5 must lie in"):
+    run_sweep(None, "passkey", [], [300], [0.5], 5, "unused", first_sample=5)
+
+
 _SAME = ("method", "seed", "depth", "n_tokens", "prediction", "expected")
 
 

@@ -100,7 +100,8 @@ def _cmd_eval(args) -> int:
   records = eval_lib.run_sweep(lm, args.task, specs, lengths, depths, args.samples, args.out,
                                chat=args.chat, options=lm.run_options(args.chunk_size),
                                task_options=options,
-                               cache_len=args.cache_len, batch_size=args.batch_size)
+                               cache_len=args.cache_len, batch_size=args.batch_size,
+                               first_sample=args.first_sample)
   print(summary_table(records))
   print(f"results in {args.out}")
   return 0
@@ -246,6 +247,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="a compression sweep at kept-token budgets, e.g. 512,1024,2048")
   ev.add_argument("--depths", default="0.1,0.3,0.5,0.7,0.9", help="needle depths in [0, 1]")
   ev.add_argument("--samples", type=int, default=20, help="samples per method and length")
+  ev.add_argument("--first-sample", type=int, default=0, metavar="K",
+                  help="run samples K..samples-1 only (seeds and depths as in the whole sweep): "
+                       "one sweep split over several processes or GPUs, each its own --out")
   ev.add_argument("--out", required=True, help="directory for results.jsonl, summary.md, plots")
   ev.add_argument("--chat", action="store_true", help="use the model's chat template")
   ev.add_argument("--chunk-size", type=int, default=None,

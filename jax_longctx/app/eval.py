@@ -256,11 +256,12 @@ def _row_report(method, run, i: int) -> dict:
   return {**run.report, **method.report(take_rows(run.cache, i, i + 1, "cache"))}
 
 
-def plan(task, specs, lengths, depths, samples) -> list[tuple]:
-  """(spec, length, depth, seed) for every sample; samples spread round-robin over depths."""
+def plan(task, specs, lengths, depths, samples, first: int = 0) -> list[tuple]:
+  """(spec, length, depth, seed) for samples first..samples-1 (seed i) of each spec and length;
+  samples spread round-robin over depths, so a part of a sweep plans what the whole does."""
   depths = depths if task.needle_task else [None]
   return [(spec, length, depths[i % len(depths)], i)
-          for spec in specs for length in lengths for i in range(samples)]
+          for spec in specs for length in lengths for i in range(first, samples)]
 
 
 def made_ahead(task, tokenizer, batches: list[list[tuple]], chat: bool) -> Iterator[list]:
@@ -293,13 +294,17 @@ def batched(todo: list[tuple], size: int) -> list[list[tuple]]:
 def run_sweep(lm, task_name: str, specs: list[MethodSpec], lengths: list[int],
               depths: list[float], samples: int, out_dir: str, *, chat: bool = False,
               options: RunOptions = DEFAULT, task_options: dict | None = None,
-              cache_len: int | None = None, batch_size: int = 1) -> list[dict]:
+              cache_len: int | None = None, batch_size: int = 1,
+              first_sample: int = 0) -> list[dict]:
   """task_name: one task, or several (`tasks.expand`: "ruler", "ruler:vt,cwe"), run one after
   the other into the same results. specs: `MethodSpec.at_points` for a compression sweep.
   batch_size: samples of one method and length run as one batch (`run_batch`; the last one
-  filled with copies): fewer, fuller device steps; the records are those of single runs."""
+  filled with copies): fewer, fuller device steps; the records are those of single runs.
+  first_sample: samples before it are left to another process (plan)."""
   if batch_size < 1:
     raise EvalError(f"a batch holds at least one sample, got {batch_size}")
+  if not 0 <= first_sample < samples:
+    raise EvalError(f"--first-sample {first_sample} must lie in [0, samples={samples})")
   task_list = [tasks_lib.get(n, **(task_options or {})) for n in tasks_lib.expand(task_name)]
   for task in task_list:  # a length too short for a task fails here, before anything runs
     for length in lengths:
@@ -314,7 +319,8 @@ def run_sweep(lm, task_name: str, specs: list[MethodSpec], lengths: list[int],
   done = load_results(out_dir, repair=writer)
   seen = {_key(r) for r in done}
   runs = [(task, [p for length in lengths
-                  for p in plan(task, [s.at(length) for s in specs], [length], depths, samples)
+                  for p in plan(task, [s.at(length) for s in specs], [length], depths, samples,
+                                first_sample)
                   if (task.name, p[0].label, p[1], p[2], p[3]) not in seen])
           for task in task_list]
 
