@@ -8,7 +8,8 @@ teacher-forced NLL within fp32 rounding, and the same cache after decoding (ever
 method kept, every score it ranked by; KV heads copied on the mesh compared once). What runs
 where, to keep CI short (each mesh compiles every step anew):
 - every registered per-layer method on (data 2, model 4) of a model with 16 query and 2 KV heads
-  (each KV head copied onto 2 shards, so a GQA group spans devices): `all_methods`;
+  (each KV head copied onto 2 shards, so a GQA group spans devices), the teacher-forced steps
+  (the greedy loop runs the same per-token step; the checks below run it): `all_methods`;
 - full, SnapKV, ReAttention and RefreshKV (one of each kind: exact, evicting at the end of
   prefill, selecting over a pre-RoPE cache, deciding from a layer's mean query) on (1, 8) of an
   8-head MHA model (one head a device) and on (4, 2) of the 16/2 model: `meshes_mha`,
@@ -16,10 +17,11 @@ where, to keep CI short (each mesh compiles every step anew):
 - a Qwen2-style model (q/k/v biases, tied embeddings, a vocabulary of 101 padded to 104) on
   (2, 4) and a 9-head / 3-KV model (the default model's layout) on (2, 3), its evicting methods
   with budgets given as fractions of the cache: `qwen`, `nine`;
-- the cache in 8 bits (int8 for every method, fp8 for four) on (2, 2) against one device with
+- the cache in 8 bits (int8 for every method, fp8 for two) on (2, 2) against one device with
   the same cache dtype, and mesh ReAttention's on (ctx 2, model 2): `quantized`; the HLO check
   below with an int8 cache: `hlo_no_cache_gather_int8`;
-- the mesh methods on (ctx 2, model 4) and (ctx 4, model 2) against ctx alone: `mesh_methods`;
+- the mesh methods, Star and ring on (ctx 2, model 4), mesh ReAttention and RESA on it on
+  (ctx 4, model 2), against ctx alone: `mesh_methods`;
 - no all-gather of a cache's size in any method's compiled prefill chunk or decode loop:
   `hlo_no_cache_gather`; bad meshes: `errors`; fused projections per shard: `fused`;
 - every method's steps on (2, 4) exported for TPU as 8-device programs: `tpu_export`.
@@ -121,7 +123,7 @@ FEW = ("full", "snapkv", "reattention", "refreshkv")
 
 
 def all_methods():
-  compare("gqa", "data=2,model=4", names("layer"))
+  compare("gqa", "data=2,model=4", names("layer"), tokens=False)
 
 
 def meshes(model: str, mesh: str):
@@ -145,12 +147,13 @@ RATIO = ("snapkv", "h2o", "tova", "streaming_llm", "refreshkv", "citrus_shared")
 
 def quantized():
   """The cache in 8 bits on (data 2, model 2): every per-layer method (budgets as fractions)
-  with int8, four with fp8, as one device with the same cache (the scales split with their rows
+  with int8, two with fp8 (an exact method and one over pre-RoPE keys), as one device with the same cache (the scales split with their rows
   and heads); mesh ReAttention's on (ctx 2, model 2) as on ctx alone."""
   # The teacher-forced steps only (logits, NLL and cache within 1e-4): the greedy loop runs the
   # same per-token step under another loop, and `all_methods` checks it on a mesh.
   compare("gqa", "data=2,model=2", names("layer"), budget=0.5, kv_dtype="int8", tokens=False)
-  compare("gqa", "data=2,model=2", FEW, budget=0.5, kv_dtype="float8_e4m3fn", tokens=False)
+  compare("gqa", "data=2,model=2", ("full", "reattention"), budget=0.5,
+          kv_dtype="float8_e4m3fn", tokens=False)
   cfg, params = _model("gqa")
   docs = _prompts(cfg, (37, 30), seed=5)
   m = get("reattention_mesh", n_global=2, n_local=8, span=2, clip=3, top_k=2, chunk=4)
@@ -194,23 +197,23 @@ def smoothed():
 def mesh_methods():
   """star, ring, reattention_mesh and resa_mesh with the heads over `model` too: the tokens and
   logits of the context axis alone (which tests/test_distributed.py and test_reattention_mesh.py
-  check against one device)."""
+  check against one device). Each method on one of two layouts (each compiles anew)."""
   cfg, params = _model("gqa")
   rng = np.random.default_rng(5)
   contexts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (37, 30)]
   queries = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (5, 3)]
   settings = dict(n_global=2, n_local=8, span=2, clip=3, top_k=2, chunk=4)
-  entries = [get("star", block_size=8), get("ring"), get("reattention_mesh", **settings),
-             get("resa_mesh", base_args=tuple(settings.items()), lam=0.7)]
-  for ctx, model in ((2, 4), (4, 2)):
-    for m in entries:
-      want = generate(params, cfg, contexts, m, instructions=queries, max_new_tokens=5,
-                      cache_len=64, options=RunOptions(mesh=f"ctx={ctx}"))
-      got = generate(params, cfg, contexts, m, instructions=queries, max_new_tokens=5,
-                     cache_len=64, options=RunOptions(mesh=f"ctx={ctx},model={model}"))
-      assert got.tokens == want.tokens, (m.name, ctx, model, got.tokens, want.tokens)
-      if got.cache is not None:
-        same_state(want.cache.state, got.cache.state, f"{m.name} ctx={ctx} model={model}")
+  entries = [((2, 4), get("star", block_size=8)), ((2, 4), get("ring")),
+             ((4, 2), get("reattention_mesh", **settings)),
+             ((4, 2), get("resa_mesh", base_args=tuple(settings.items()), lam=0.7))]
+  for (ctx, model), m in entries:
+    want = generate(params, cfg, contexts, m, instructions=queries, max_new_tokens=5,
+                    cache_len=64, options=RunOptions(mesh=f"ctx={ctx}"))
+    got = generate(params, cfg, contexts, m, instructions=queries, max_new_tokens=5,
+                   cache_len=64, options=RunOptions(mesh=f"ctx={ctx},model={model}"))
+    assert got.tokens == want.tokens, (m.name, ctx, model, got.tokens, want.tokens)
+    if got.cache is not None:
+      same_state(want.cache.state, got.cache.state, f"{m.name} ctx={ctx} model={model}")
 
 
 _SHAPE = re.compile(r"(\w+)\[([\d,]*)\]")

@@ -16,7 +16,7 @@ import pytest
 from jax_longctx.core.config import PRESETS, preset
 from jax_longctx.model import forward, random_params
 from jax_longctx.ops.cache import Cache
-from tests.conftest import tiny_config
+from tests.conftest import tiny_config, xla_flags
 from train_cpt import TrainConfigError, load_config, read_log, train
 from train_cpt import state as state_lib
 from train_cpt.loop import jit_step, make_train_step
@@ -117,7 +117,7 @@ def test_compiled_step_needs_less_memory_with_remat_and_chunked_loss():
   # into the forward (no saving at all); keeping them, as XLA:GPU does, needs this flag, read
   # when the backend starts: hence a process of its own.
   env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu",
-             XLA_FLAGS="--xla_disable_hlo_passes=cse_barrier_expander")
+             XLA_FLAGS=xla_flags("--xla_disable_hlo_passes=cse_barrier_expander"))
   done = subprocess.run([sys.executable, "-m", "tests.test_cpt_memory"], cwd=ROOT, env=env,
                         capture_output=True, text=True, timeout=600)
   assert done.returncode == 0, done.stderr[-3000:]

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tests.conftest import run_on_eight_devices
+from tests.conftest import run_on_eight_devices, xla_flags
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -35,7 +35,7 @@ def test_mesh_method_across_two_processes_matches_one(tmp_path, method):
   import numpy as np
   port = _free_port()
   env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu",
-             XLA_FLAGS="--xla_force_host_platform_device_count=4")
+             XLA_FLAGS=xla_flags("--xla_force_host_platform_device_count=4"))
   cmd = [sys.executable, "-m", "tests.two_process_check"]
   procs = [subprocess.Popen(cmd + [port, str(i), str(tmp_path / f"p{i}.npz"), method], cwd=ROOT,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -45,7 +45,8 @@ def test_mesh_method_across_two_processes_matches_one(tmp_path, method):
     assert p.returncode == 0 and "OK" in out, err[-3000:]
   single = subprocess.run(cmd + ["single", str(tmp_path / "s.npz"), method], cwd=ROOT,
                           timeout=600,
-                          env=dict(env, XLA_FLAGS="--xla_force_host_platform_device_count=8"),
+                          env=dict(env, XLA_FLAGS=xla_flags(
+                              "--xla_force_host_platform_device_count=8")),
                           capture_output=True, text=True)
   assert single.returncode == 0, single.stderr[-3000:]
   want = np.load(tmp_path / "s.npz")
@@ -62,7 +63,7 @@ def test_eval_as_two_processes(tmp_path):
   import json
   port, out = _free_port(), tmp_path / "eval"
   env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", JAX_LONGCTX_CACHE=str(tmp_path),
-             XLA_FLAGS="--xla_force_host_platform_device_count=2")
+             XLA_FLAGS=xla_flags("--xla_force_host_platform_device_count=2"))
   cmd = [sys.executable, "-m", "jax_longctx", "eval", "--model", "default", "--task",
          "passkey", "--chat", "--methods", "star", "--lengths", "1k", "--samples", "1",
          "--out", str(out), "--coordinator", f"localhost:{port}", "--num-processes", "2"]

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.conftest import run_on_eight_devices
+from tests.conftest import run_on_eight_devices, xla_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -23,7 +23,7 @@ def test_on_eight_devices(name):
 
 def _cli(*args):
   env = dict(os.environ, PYTHONPATH=ROOT, JAX_LONGCTX_QUIET="1", JAX_PLATFORMS="cpu",
-             XLA_FLAGS="--xla_force_host_platform_device_count=8")
+             XLA_FLAGS=xla_flags("--xla_force_host_platform_device_count=8"))
   return subprocess.run([sys.executable, "-m", "jax_longctx", *args], capture_output=True,
                         text=True, env=env, timeout=600)
 

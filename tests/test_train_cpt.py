@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from jax_longctx.methods import PrefillEnd, get
+from tests.conftest import xla_flags
 from tests.test_method_references import CFG, G, KV, _ctx, _inputs, _rot
 from train_cpt import TrainConfigError, load_config, read_log, train
 from train_cpt.data import Batches, DataError, pack, split
@@ -164,7 +165,7 @@ def test_fsdp_over_eight_devices_gives_the_single_device_losses(tiny_job):
   train(load_config(config, {**common, "out_dir": str(root / "one")}))
   cmd, env = _cli(config, root / "eight", "--set", "fsdp=4",
                   *[x for k, v in common.items() for x in ("--set", f"{k}={v}")])
-  env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+  env["XLA_FLAGS"] = xla_flags("--xla_force_host_platform_device_count=8")
   done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
   assert done.returncode == 0, done.stderr[-3000:]
   one, _ = read_log(str(root / "one"))
