@@ -14,10 +14,11 @@ With `key_rope_freqs` the keys are taken as cached before RoPE and each is rotat
 kernel at its place in the index list (entry j at position j), or at the position given for it
 (`key_positions`: one device's part of a scope split over a mesh, whose entries are not
 contiguous in it): a list of keys attended at their scope positions (ReAttention) without a
-rotated copy of them in HBM. `key_offset` is added to each such key before its rotation: a cache
-that stores pre-RoPE keys less a constant (the 8-bit cache's calibrated mean, model/decoder.py)
-gets its keys back, in the same registers. Keys are rotated in their own dtype, as the models rotate them
-(jax_longctx.core.rope.rotate, like transformers), and on the GPU in 64-key tiles: on an H200
+rotated copy of them in HBM. `key_offset` is added to each such key before its rotation: a
+cache that stores pre-RoPE keys less a constant (the 8-bit cache's calibrated mean,
+model/decoder.py) gets its keys back, in the same registers. Keys are rotated in their own
+dtype, as the models rotate them (jax_longctx.core.rope.rotate, like transformers), and on the
+GPU in 64-key tiles: on an H200
 (8K scope entries of a 32K cache, 32 query / 8 kv heads, bf16) that kernel took 12.2 us where
 the rotation in fp32 took 19.1 with 128-key tiles and 17.8 with 64 (BENCHMARKS.md, ReAttention).
 """
@@ -43,8 +44,8 @@ SQ = gpu.SQ
 
 def gathered_attention(q, k, v, indices, valid=None, *, scale: float | None = None,
                        kv_layout: str = "BTHD", key_rope_freqs=None, key_positions=None,
-                       key_offset=None, extent=None, backend: str = "auto", tiling: gpu.Tiling | None = None,
-                       options: KernelOptions = DEFAULT):
+                       key_offset=None, extent=None, backend: str = "auto",
+                       tiling: gpu.Tiling | None = None, options: KernelOptions = DEFAULT):
   """q [B, Lq, H, d] over k, v (BTHD or BHTD) at indices [B, KV, n] (int, into the key axis).
 
   valid: bool [B, KV, n] (default: all); indices outside [0, T) count as invalid. Every query row
@@ -305,7 +306,8 @@ def _tpu(qr, k, v, indices, ok, rope_table, k_scale=None, v_scale=None, offset=N
                     [pl.BlockSpec((SQ, 2, bn, half),
                                   lambda bh, r, j, idx: (_table_row(rope_table, bh, kvh), 0, j, 0))]
                     if rope else []) + (
-                    [pl.BlockSpec((SQ, 1, d), lambda bh, r, j, idx: (tpu.batch_head(bh, kvh)[1], 0, 0))]
+                    [pl.BlockSpec((SQ, 1, d), lambda bh, r, j, idx: (tpu.batch_head(bh, kvh)[1],
+                                                                     0, 0))]
                     if shifted else []),
       out_specs=[pl.BlockSpec((SQ, SQ, bm, d), row), pl.BlockSpec((SQ, SQ, bm, 1), row)],
       scratch_shapes=[pltpu.VMEM((bn, d), k.dtype), pltpu.VMEM((bn, d), v.dtype),

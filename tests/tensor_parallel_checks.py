@@ -147,10 +147,11 @@ RATIO = ("snapkv", "h2o", "tova", "streaming_llm", "refreshkv", "citrus_shared")
 
 def quantized():
   """The cache in 8 bits on (data 2, model 2): every per-layer method (budgets as fractions)
-  with int8, two with fp8 (an exact method and one over pre-RoPE keys), as one device with the same cache (the scales split with their rows
-  and heads); mesh ReAttention's on (ctx 2, model 2) as on ctx alone."""
+  with int8, two with fp8 (an exact method and one over pre-RoPE keys), as one device with the
+  same cache (the scales split with their rows and heads); mesh ReAttention's on (ctx 2, model
+  2) as on ctx alone."""
   # The teacher-forced steps only (logits, NLL and cache within 1e-4): the greedy loop runs the
-  # same per-token step under another loop, and `all_methods` checks it on a mesh.
+  # same per-token step under another loop, which `meshes`, `qwen` and `nine` check on a mesh.
   compare("gqa", "data=2,model=2", names("layer"), budget=0.5, kv_dtype="int8", tokens=False)
   compare("gqa", "data=2,model=2", ("full", "reattention"), budget=0.5,
           kv_dtype="float8_e4m3fn", tokens=False)

@@ -108,8 +108,9 @@ def test_every_method_runs_on_an_8_bit_cache_and_key_smoothing_changes_no_score(
   # Key smoothing and offsets change no score: the factors reach 2^+-3 and the offsets are
   # larger than the keys, so a method that read a query or key other than through q.k, or that
   # took a key offset but rotated that key elsewhere (Method.rotates_keys_in_place), or did not
-  # add a pre-RoPE one back before rotating (Method.adds_key_offset_back), would differ here unless its decision did not turn on it (these 4 steps decide no RefreshKV
-  # refresh by similarity: test_key_smoothing.py checks that one).
+  # add a pre-RoPE one back before rotating (Method.adds_key_offset_back), would differ here
+  # unless its decision did not turn on it (these 4 steps decide no RefreshKV refresh by
+  # similarity: test_key_smoothing.py checks that one).
   last, nll, _ = _run(*_with_smoothing(params, cfg), method, None)
   np.testing.assert_allclose(last, want_last, atol=1e-5, rtol=0, err_msg=f"{name} smoothed")
   np.testing.assert_allclose(nll, want_nll, atol=0, rtol=1e-5, err_msg=f"{name} smoothed")

@@ -99,8 +99,8 @@ def smooth_keys(params, cfg: LlamaConfig, ids, options: RunOptions = DEFAULT,
   """(params, cfg) with per-layer key smoothing calibrated on the tokens `ids` (1K tokens of
   text, the model's own kind of input, serve; random ids nearly as well): each layer's
   `attn.k_smooth` [KV, hd] and cfg.key_smoothing, and with `offsets` the keys' and values'
-  offsets (`attn.k_offset`, `attn.v_offset`, `attn.k_offset_before_rope`, cfg.kv_offsets). On a mesh (options.mesh) the
-  weights come back placed there. The input tree is left as it is."""
+  offsets (`attn.k_offset`, `attn.v_offset`, `attn.k_offset_before_rope`, cfg.kv_offsets). On a
+  mesh (options.mesh) the weights come back placed there. The input tree is left as it is."""
   if not 0 <= strength <= 1:
     raise LongctxError(f"key smoothing strength must lie in [0, 1], got {strength}")
   if options.mesh is not None:
@@ -115,8 +115,8 @@ def smooth_keys(params, cfg: LlamaConfig, ids, options: RunOptions = DEFAULT,
 def with_smoothing(params, cfg: LlamaConfig, s, mesh=None, offsets=None):
   """(params, cfg) with `s` [layers, KV, hd] (standard head layout) as each layer's
   `attn.k_smooth`, and `offsets` (key after RoPE, value, key before RoPE: each [layers, KV, hd];
-  None: none) as its `attn.k_offset`, `attn.v_offset` and `attn.k_offset_before_rope`, placed over `mesh` as the weights are (given: already
-  placed there)."""
+  None: none) as its `attn.k_offset`, `attn.v_offset` and `attn.k_offset_before_rope`, placed
+  over `mesh` as the weights are (given: already placed there)."""
   def leaf(name, x):
     x = np.asarray(x).astype(cfg.jnp_dtype)  # powers of two are exact in every float dtype
     return jnp.asarray(x) if mesh is None else place_leaf(name, x, cfg, mesh)
