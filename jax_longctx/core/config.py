@@ -39,8 +39,9 @@ class LlamaConfig:
   # Per-(KV head, channel) key scales in the weights (`k_smooth`; run/key_smoothing.py): set by
   # calibration for an 8-bit cache, not a checkpoint's own fact.
   key_smoothing: bool = False
-  # Per-(KV head, channel) key and value offsets in the weights (`k_offset`, `v_offset`;
-  # run/key_smoothing.py): taken out of what the cache stores, exactly restored (decoder.py).
+  # Per-(KV head, channel) key and value offsets in the weights (`k_offset`, `v_offset`,
+  # `k_offset_before_rope`; run/key_smoothing.py): taken out of what the cache stores, exactly
+  # restored (decoder.py).
   kv_offsets: bool = False
 
   def __post_init__(self):
