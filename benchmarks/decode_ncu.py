@@ -1,15 +1,18 @@
 """Split-K decode attention over bf16, int8 and E4M3 K/V, called a few times each: the program that
 Nsight Compute profiles to say what holds the 8-bit decode kernel under the copy bandwidth
-(BENCHMARKS.md, "What holds int8 decode"). One query token, Llama-3.1-8B's attention shape (32
-query heads over 8 KV heads, d 128), batch 1, --keys keys. On the GPU machine:
+(BENCHMARKS.md, "Profiled: what holds int8 decode"). One query token, Llama-3.1-8B's attention
+shape (32 query heads over 8 KV heads, d 128), batch 1, --keys keys. On the GPU machine:
 
-    ncu --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis \
-        --section Occupancy --section WarpStateStats --section LaunchStats --section SchedulerStats \
-        --csv --page details python benchmarks/decode_ncu.py --keys 1048576 > $OUT/ncu.csv
+    XLA_FLAGS=--xla_gpu_enable_command_buffer= ncu --clock-control none -k regex:kernel -c 12 \
+        --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
+        --section Occupancy --section LaunchStats --csv --page details \
+        python benchmarks/decode_ncu.py --keys 1048576 > $OUT/ncu.csv
 
-Each dtype's kernel runs --calls times after its compile (the inputs' generation runs first), so
-the report holds each kernel --calls times; quant_kernels.py times the same calls without the
-profiler.
+`-k regex:kernel` keeps the Pallas kernels (the split kernel is named `kernel`, the merge
+`_kernel`) and `-c` stops after them: without both, ncu replayed every launch of the JAX program
+(the inputs' generation too) and reported nothing in 400 s. Each dtype's kernel runs --calls
+times after its compile, so the report holds each kernel --calls times; quant_kernels.py times
+the same calls without the profiler.
 """
 
 from __future__ import annotations
