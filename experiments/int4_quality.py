@@ -69,9 +69,7 @@ def relabel(path: str, levels: str) -> None:
   for r in records:
     if r.get("kv_dtype") == "int8":
       r["kv_dtype"] = name
-      r["method"] = r["method"].replace(" int8", f" {name}")
-      if not r["method"].endswith(name):
-        r["method"] += f" {name}"
+      r["method"] = f"{r['method'].removesuffix(' int8')} {name}"
   with open(path + ".tmp", "w") as f:
     f.writelines(json.dumps(r) + "\n" for r in records)
   os.replace(path + ".tmp", path)
@@ -82,6 +80,8 @@ def compare(out: str, base_dir: str) -> list[str]:
   model's dtype in base_dir/results.jsonl (the texts both ran): printed and written to
   out/int4_vs_base.md."""
   from jax_longctx.app.gap_stats import LEVEL, nll_by_seed, paired_relative
+  from pallas_kernels.quant import EIGHT_BIT, KV_DTYPES
+  model_dtypes = set(KV_DTYPES) - set(EIGHT_BIT)
   load = lambda d: [json.loads(line) for line in open(os.path.join(d, "results.jsonl"))]  # noqa: E731
   mine, base = load(out), load(base_dir)
   lines = []
@@ -89,8 +89,8 @@ def compare(out: str, base_dir: str) -> list[str]:
                   if r["task"] == "ppl" and r["kv_dtype"].startswith("int4")}):
     method, n, kv = r
     plain = method.removesuffix(" " + kv)
-    base_labels = {b["method"] for b in base if b["length"] == n and b.get("kv_dtype") in
-                   ("bfloat16", "float32", "float16") and b["method"].startswith(plain)}
+    base_labels = {b["method"] for b in base if b["length"] == n
+                   and b.get("kv_dtype") in model_dtypes and b["method"].startswith(plain)}
     for label in sorted(base_labels):
       gap = paired_relative(nll_by_seed(mine, method, n), nll_by_seed(base, label, n))
       if gap is not None:
