@@ -129,3 +129,85 @@ def test_kv_dtype_table_pairs_each_8bit_cache_with_the_model_dtype():
   gap = paired_relative({0: np.array([2.0])}, {0: np.array([1.0]), 1: np.array([1.0])})
   assert gap.value == pytest.approx(1.0) and gap.n_texts == 1
   assert paired_relative({0: np.array([1.0])}, {1: np.array([1.0])}) is None
+
+
+def _drawn(fig):
+  from matplotlib.backends.backend_agg import FigureCanvasAgg
+  canvas = FigureCanvasAgg(fig)  # a saved figure is closed: draw it again on a canvas of its own
+  canvas.draw()  # legends and axes get their final places only once drawn
+  return canvas.get_renderer()
+
+
+def _outside(fig):
+  """Every legend of the figure lies clear of its axes (beside or below the data)."""
+  renderer = _drawn(fig)
+  for ax in fig.axes:
+    leg = ax.get_legend()
+    if leg is not None:
+      box, frame = leg.get_window_extent(renderer), ax.get_window_extent(renderer)
+      assert box.x0 >= frame.x1 or box.y1 <= frame.y0, (box, frame)
+
+
+def test_score_plot_is_clamped_to_percent_with_legends_outside(tmp_path):
+  from jax_longctx.app.plots import PERCENT_YLIM, line_plot
+  path = tmp_path / "passkey_by_length.png"
+  fig = line_plot({"full": ([4096, 8192], [100.0, 90.0]), "snap": ([4096, 8192], [40.0, 0.0])},
+                  title="passkey", by="context length", xlabel="tokens", ylabel="score (%)",
+                  percent=True, lengths=True, path=str(path))
+  assert path.exists()
+  (ax,) = fig.axes
+  low, high = ax.get_ylim()
+  assert 0 <= low and 100 < high <= PERCENT_YLIM[1] <= 105
+  _outside(fig)
+
+
+def test_many_series_go_to_panels_of_at_most_eight_lines():
+  from jax_longctx.app.plots import MAX_SERIES, line_plot, series_style
+  labels = ["full"] + [f"m{i}@cr{r}" for i in range(7) for r in (0.25, 0.5, 0.75)]
+  assert len(labels) == 22
+  series = {m: ([4096, 8192], [50.0 + i, 40.0 + i]) for i, m in enumerate(labels)}
+  fig = line_plot(series, title="RULER", by="context length", xlabel="tokens", ylabel="%",
+                  percent=True, lengths=True)
+  assert len(fig.axes) >= 3
+  drawn = [line.get_label() for ax in fig.axes for line in ax.get_lines()]
+  assert set(drawn) == set(labels)  # every series somewhere; full attention on every panel
+  for ax in fig.axes:
+    lines = ax.get_lines()
+    assert 0 < len(lines) <= MAX_SERIES and "full" in [ln.get_label() for ln in lines]
+    looks = [(ln.get_color(), ln.get_marker()) for ln in lines]
+    assert len(set(looks)) == len(looks)  # no two series on one axes alike
+    assert ax.get_ylim()[0] >= 0 and ax.get_ylim()[1] <= 105
+  # a method's settings stay together on one panel
+  for i in range(7):
+    assert len({j for j, ax in enumerate(fig.axes) for ln in ax.get_lines()
+                if ln.get_label().startswith(f"m{i}@")}) == 1
+  assert len({(series_style(i, "x")["color"], series_style(i, "x")["marker"])
+              for i in range(40)}) == 40
+  _outside(fig)
+
+
+def test_one_length_is_drawn_as_labelled_bars(tmp_path):
+  from jax_longctx.app.plots import line_plot
+  labels = ["full"] + [f"m{i}@cr0.5" for i in range(21)]
+  fig = line_plot({m: ([4096], [float(i)]) for i, m in enumerate(labels)}, title="RULER",
+                  by="context length", xlabel="tokens", ylabel="RULER average (%)",
+                  percent=True, lengths=True, path=str(tmp_path / "r.png"))
+  (ax,) = fig.axes
+  assert len(ax.patches) == 22 and ax.get_lines() == []
+  where = {t.get_text(): y for t, y in zip(ax.get_yticklabels(), ax.get_yticks())}
+  assert set(where) == set(labels) and where["full"] == max(where.values())  # first on top
+  assert ax.get_xlim()[0] == 0 and ax.get_xlim()[1] <= 105
+  assert "4K" in ax.get_title()
+
+
+def test_write_report_keeps_file_names(tmp_path):
+  from jax_longctx.app.report import write_report
+  recs = [{"task": "passkey", "method": m, "length": n, "seed": s, "depth": d, "score": sc}
+          for m, sc in (("full", 1.0), ("snap", 0.0)) for n in (4096, 8192) for s in range(2)
+          for d in (0.1, 0.9)]
+  recs += [dict(_ppl_rec(m, s, [x] * 16), length=n) for m, x in (("full", 1.0), ("snap", 1.1))
+           for n in (64, 128) for s in range(2)]
+  write_report(recs, str(tmp_path))
+  assert sorted(p.name for p in tmp_path.iterdir()) == [
+      "passkey_by_length.png", "passkey_depth_heatmap.png", "ppl_by_length.png",
+      "ppl_ratio_by_position.png", "summary.md"]

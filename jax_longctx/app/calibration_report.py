@@ -38,33 +38,36 @@ def calibration_table(calib: dict) -> str:
 
 def write_calibration_report(calib: dict, out_dir: str) -> list[str]:
   """calibration.md and calibration.png in out_dir."""
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  from jax_longctx.app.plots import legend_outside, pyplot, save, series_style
 
   md = os.path.join(out_dir, "calibration.md")
   with open(md, "w") as f:
     f.write(calibration_table(calib))
-  fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+  fig, axes = pyplot().subplots(1, 3, figsize=(14, 4), layout="constrained")
   curves = sorted({(s["reading"], s["qc_stride"]) for s in calib["settings"]})
-  for reading, qc in curves:
+  for i, (reading, qc) in enumerate(curves):
     pts = [s for s in calib["settings"] if (s["reading"], s["qc_stride"]) == (reading, qc)]
-    name = f"{reading} RoPE, QC {qc}"
+    name = f"{reading} RoPE, QC stride {qc}"
     ts = [s["threshold"] for s in pts]
+    # The share of the gap closed is not a score: it can leave 0-100%, so its axis is free.
     gaps = [100 * s["gap_closed"] for s in pts]
     strides = [s["stride"] if math.isfinite(s["stride"]) else float("nan") for s in pts]
-    axes[0].plot(ts, gaps, marker="o", label=name)
-    axes[1].plot(ts, strides, marker="o", label=name)
-    axes[2].plot(strides, gaps, marker="o", label=name)
-  axes[0].set(xlabel="threshold", ylabel="% of SnapKV's gap closed", title="quality")
-  axes[1].set(xlabel="threshold", ylabel="decode steps per full step", title="effective stride",
-              yscale="log")
-  axes[2].set(xlabel="effective stride", ylabel="% of SnapKV's gap closed", title="trade-off",
+    style = series_style(i, name)
+    axes[0].plot(ts, gaps, label=name, **style)
+    axes[1].plot(ts, strides, label=name, **style)
+    axes[2].plot(strides, gaps, label=name, **style)
+  axes[0].set(xlabel="similarity threshold", ylabel="SnapKV's perplexity gap closed (%)",
+              title="quality by threshold")
+  axes[1].set(xlabel="similarity threshold", ylabel="decode steps per full step (log)",
+              title="effective stride by threshold", yscale="log")
+  axes[2].set(xlabel="decode steps per full step (log)",
+              ylabel="SnapKV's perplexity gap closed (%)", title="quality against stride",
               xscale="log")
   for ax in axes:
-    ax.legend(fontsize=8)
-  fig.tight_layout()
-  png = os.path.join(out_dir, "calibration.png")
-  fig.savefig(png, dpi=100)
-  plt.close(fig)
+    ax.grid(alpha=0.3)
+  legend_outside(axes[2])  # one legend: the three panels draw the same curves
+  lengths = calib["lengths"] if isinstance(calib["lengths"], list) else [calib["lengths"]]
+  fig.suptitle(f"RefreshKV threshold calibration: {calib['model']}, "
+               f"{', '.join(map(str, lengths))} tokens")
+  png = save(fig, os.path.join(out_dir, "calibration.png"))
   return [md, png]

@@ -1,4 +1,5 @@
-"""Summary table and plots of an evaluation sweep's results (results.jsonl records)."""
+"""Summary tables of an evaluation sweep's results (results.jsonl records); jax_longctx.app.plots
+draws its figures."""
 
 from __future__ import annotations
 
@@ -263,115 +264,9 @@ def _kv_dtype_table(records: list[dict]) -> list[str]:
   return out
 
 
-def _ppl_ratio_curves(records, bins=8):
-  """Per method and length: ratio of windowed perplexity to full attention's over the same
-  samples (the paper's Figure 3), token NLLs pooled over the samples in each window."""
-  full = {(r["length"], r["seed"]): np.asarray(r["nll"]) for r in records
-          if r["task"] == "ppl" and r["method"] == "full"}
-  curves = collections.defaultdict(list)
-  for r in records:
-    if r["task"] != "ppl" or r["method"] == "full" or (r["length"], r["seed"]) not in full:
-      continue
-    ref, got = full[(r["length"], r["seed"])], np.asarray(r["nll"])
-    edges = np.linspace(0, len(got), bins + 1).astype(int)
-    curves[(r["method"], r["length"])].append(
-        [got[a:b].mean() - ref[a:b].mean() for a, b in zip(edges[:-1], edges[1:])])
-  # Pooled over the texts (a mean of NLL differences, then exp), as the gap table pools them.
-  return {k: np.exp(np.mean(v, axis=0)) for k, v in curves.items()}, bins
-
-
-def write_plots(records: list[dict], out_dir: str) -> list[str]:
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
-  written = _suite_plots(records, out_dir, plt)
-  for task in sorted({r["task"] for r in records if not r["task"].startswith(RULER)}):
-    rs = [r for r in records if r["task"] == task]
-    methods = sorted({r["method"] for r in rs}, key=lambda m: (m != "full", m))
-    lengths = sorted({r["length"] for r in rs})
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for m in methods:
-      ys = [_mean([r["score"] for r in rs if r["method"] == m and r["length"] == n])
-            for n in lengths]
-      ax.plot(lengths, [y if task == "ppl" else 100 * y for y in ys], marker="o", label=m)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("context length (tokens)")
-    ax.set_ylabel("perplexity" if task == "ppl" else "score (%)")
-    ax.set_title(task)
-    ax.legend()
-    written.append(_save(fig, os.path.join(out_dir, f"{task}_by_length.png"), plt))
-    depths = sorted({r["depth"] for r in rs if r["depth"] is not None})
-    if depths:
-      fig, axes = plt.subplots(1, len(methods), figsize=(3.2 * len(methods), 3), squeeze=False)
-      for ax, m in zip(axes[0], methods):
-        grid = np.array([[100 * _mean([r["score"] for r in rs if r["method"] == m and
-                                       r["length"] == n and r["depth"] == d]) for n in lengths]
-                         for d in depths])
-        ax.imshow(grid, vmin=0, vmax=100, cmap="RdYlGn", aspect="auto")
-        for (i, j), val in np.ndenumerate(grid):
-          ax.text(j, i, "-" if np.isnan(val) else f"{val:.0f}", ha="center", va="center")
-        ax.set_xticks(range(len(lengths)), [f"{n // 1024}K" for n in lengths])
-        ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths])
-        ax.set_title(m)
-        ax.set_xlabel("length")
-      axes[0][0].set_ylabel("needle depth")
-      written.append(_save(fig, os.path.join(out_dir, f"{task}_depth_heatmap.png"), plt))
-  curves, bins = _ppl_ratio_curves(records)
-  if curves:
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for (m, n), ys in sorted(curves.items()):
-      ax.plot(np.arange(1, bins + 1) / bins, ys, marker="o", label=f"{m} @ {n}")
-    ax.axhline(1.0, color="gray", lw=0.8)
-    ax.set_xlabel("fraction of the scored tokens")
-    ax.set_ylabel("perplexity / full attention's")
-    ax.legend()
-    written.append(_save(fig, os.path.join(out_dir, "ppl_ratio_by_position.png"), plt))
-  return written
-
-
-def _save(fig, path: str, plt) -> str:
-  fig.tight_layout()
-  fig.savefig(path, dpi=100)
-  plt.close(fig)
-  return path
-
-
-def _suite_plots(records: list[dict], out_dir: str, plt) -> list[str]:
-  """ruler_by_length.png (RULER's average per method by length) and, for a compression sweep,
-  compression_<suite>_<length>.png: the score against the compression ratio, a line per method,
-  full attention a horizontal line (kvpress's plot)."""
-  scores = suite_scores(records)
-  written = []
-  labels = _methods({m for (suite, m, _) in scores if suite == "ruler"})
-  if labels:
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for m in labels:
-      xs = sorted(n for (suite, mm, n) in scores if suite == "ruler" and mm == m)
-      ax.plot(xs, [scores[("ruler", m, n)][0] for n in xs], marker="o", label=m)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("context length (tokens)")
-    ax.set_ylabel("RULER average (%)")
-    ax.legend(fontsize="small")
-    written.append(_save(fig, os.path.join(out_dir, "ruler_by_length.png"), plt))
-  for (suite, n), bases in sorted(_compression_points(records).items()):
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for b in sorted(bases):
-      crs = sorted(cr for cr in bases[b] if (suite, bases[b][cr], n) in scores)
-      ax.plot(crs, [scores[(suite, bases[b][cr], n)][0] for cr in crs], marker="o", label=b)
-    if (suite, "full", n) in scores:
-      ax.axhline(scores[(suite, "full", n)][0], color="black", ls="--", lw=1, label="full")
-    if suite != "ppl":
-      ax.set_ylim(-2, 102)
-    ax.set_xlabel("compression ratio (1 - kept / length)")
-    ax.set_ylabel({"ruler": "RULER average (%)", "ppl": "perplexity"}.get(suite, f"{suite} (%)"))
-    ax.set_title(f"{suite} at {_len(n)}")
-    ax.legend(fontsize="small")
-    written.append(_save(fig, os.path.join(out_dir, f"compression_{suite}_{_len(n)}.png"), plt))
-  return written
-
-
 def write_report(records: list[dict], out_dir: str, baselines: list[str] | None = None) -> None:
+  from jax_longctx.app.plots import write_plots  # plots reads this module's tables
+
   with open(os.path.join(out_dir, "summary.md"), "w") as f:
     f.write(summary_table(records, baselines))
   write_plots(records, out_dir)
