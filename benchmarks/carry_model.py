@@ -19,6 +19,22 @@ and checks size, sha256, that the GGUF parses and its tensor count (a failure is
 again: the machine went back). After that `--model <name>` works there as here, converting once
 into the same cache. Make the calls back to back; put the experiment in the last call or in the
 next ones while the machine is warm.
+
+The last call, in full (a `--target` folder because the machine's `pip` is not always its
+`python`'s: a plain `pip install` left gguf unimportable there):
+
+    python -m pip install -q --no-deps --target /tmp/site .devcarry/*.whl && \\
+    PYTHONPATH=.:/tmp/site JAX_LONGCTX_CACHE=/tmp/carry/cache \\
+        python benchmarks/carry_model.py join NAME --pieces /tmp/carry && <experiment>
+
+e.g. `<experiment>` = `experiments/qwen_passkey.sh qwen2.5-coder-0.5b 8k,16k,32k $OUT/passkey_0.5b`
+with the same PYTHONPATH and JAX_LONGCTX_CACHE in front. Done so on 2026-11-22: 9 calls for the
+0.5B, 21 for the 1.5B, each ~5 s of machine time, joining and checking the 1.5B a few seconds;
+on 2026-11-26 (4 H200s): 25 calls for the 1.5B in ~110 s, then 45-56 s to convert it. A machine
+goes back after 30 minutes held, so a long sweep needs the carry again on the next one. Results
+come back only as plain files at a shallow depth under $OUT: tar result trees
+(`tar czf $OUT/res.tgz -C /tmp res`). (This recipe was docs/MODELS.md's "Carrying a bundled model
+to the GPU machine"; with a GPU of your own, install the bundled model's packages instead.)
 """
 
 from __future__ import annotations
