@@ -22,7 +22,7 @@ def test_generators_are_deterministic_and_hit_the_length(tok, name, chat):
     b = task.make(tok, length, 0.5, seed=3, chat=chat)
     assert a == b
     n = a.n_tokens if name == "ppl" else len(tok.encode(a.prompt))
-    assert n == a.n_tokens and abs(n - length) <= 0.01 * length
+    assert n == a.n_tokens and 0.99 * length <= n <= length
     if name != "ppl":
       assert a.prompt != task.make(tok, length, 0.5, seed=4, chat=chat).prompt
 
@@ -75,9 +75,32 @@ def test_chain_of_key_keys_have_one_successor(tok):
   assert len(firsts) == len(set(firsts)) and len(s.expected) > 50
 
 
+@pytest.mark.parametrize("name", tasks.names() + tasks.expand("ruler"))
+def test_no_prompt_runs_past_the_length_asked(tok, name):
+  """Every task's prompt, chat template included, is at most the length asked: a "32K" prompt
+  fits a 32,768-token window."""
+  task = tasks.get(name)
+  for length, chat in ((1800, True), (2900, False)):
+    s = task.make(tok, length, 0.5, seed=1, chat=chat)
+    n = len(s.expected) if name == "ppl" else len(tok.encode(s.prompt))
+    assert n == s.n_tokens <= length, (name, length, chat)
+
+
+def test_a_length_too_short_for_the_prompt_is_one_clear_line(tok):
+  with pytest.raises(TaskError, match=r"^niah_multikey needs a length of at least \d+ tokens "
+                     r"\(its prompt without filler\), got 20$"):
+    tasks.get("niah_multikey").make(tok, 20, 0.5, seed=0)
+
+
 def test_bad_task_input():
   with pytest.raises(TaskError, match="unknown task 'nope'"):
     tasks.get("nope")
+  with pytest.raises(TaskError, match="^task 'passkey' has no option foo; its options: "
+                     "max_new_tokens$"):
+    tasks.get("passkey", foo=1)
+  with pytest.raises(TaskError, match="^task 'niah_single' has no option variant; its options: "
+                     "haystack, value_type, n_distractors, n_values, n_queries, max_new_tokens$"):
+    tasks.get("niah_single", variant="multikey")
   with pytest.raises(TaskError, match="bad length"):
     parse_length("4q")
   assert parse_length("4k") == 4096 and parse_length("1500") == 1500

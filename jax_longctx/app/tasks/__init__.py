@@ -3,6 +3,8 @@ task names it runs (RULER's suite: "ruler", "ruler:vt,cwe")."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from jax_longctx.app.tasks.base import Sample, TaskError, parse_length
 from jax_longctx.app.tasks.chain_of_key import ChainOfKey
 from jax_longctx.app.tasks.niah import Niah
@@ -11,15 +13,16 @@ from jax_longctx.app.tasks.ppl import Perplexity
 from jax_longctx.app.tasks import ruler_suite
 from jax_longctx.app.tasks.ruler import PREFIX as RULER
 
+# name -> (class, the settings the name fixes); a user sets the class's other fields (--task-arg).
 _TASKS = {
-    "passkey": Passkey,
-    "niah_single": lambda **kw: Niah(variant="single", **kw),
-    "niah_single_text": lambda **kw: Niah(variant="single", haystack="text", **kw),
-    "niah_multikey": lambda **kw: Niah(variant="multikey", **kw),
-    "niah_multivalue": lambda **kw: Niah(variant="multivalue", **kw),
-    "niah_multiquery": lambda **kw: Niah(variant="multiquery", **kw),
-    "chain_of_key": ChainOfKey,
-    "ppl": Perplexity,
+    "passkey": (Passkey, {}),
+    "niah_single": (Niah, {"variant": "single"}),
+    "niah_single_text": (Niah, {"variant": "single", "haystack": "text"}),
+    "niah_multikey": (Niah, {"variant": "multikey"}),
+    "niah_multivalue": (Niah, {"variant": "multivalue"}),
+    "niah_multiquery": (Niah, {"variant": "multiquery"}),
+    "chain_of_key": (ChainOfKey, {}),
+    "ppl": (Perplexity, {}),
 }
 
 
@@ -47,10 +50,19 @@ def get(name: str, **options):
     return ruler_suite.get(name[len(RULER):], **options)
   if name not in _TASKS:
     raise _unknown(name)
-  try:
-    return _TASKS[name](**options)
-  except TypeError as e:
-    raise TaskError(f"task {name!r}: {e}") from e
+  cls, fixed = _TASKS[name]
+  accepted = options_of(name)
+  extra = sorted(set(options) - set(accepted))
+  if extra:
+    raise TaskError(f"task {name!r} has no option {', '.join(extra)}; its options: "
+                    f"{', '.join(accepted) or 'none'}")
+  return cls(**fixed, **options)
+
+
+def options_of(name: str) -> list[str]:
+  """The options (--task-arg NAME=VALUE) task `name` of the library's own takes."""
+  cls, fixed = _TASKS[name]
+  return [f.name for f in dataclasses.fields(cls) if f.name not in fixed]
 
 
 __all__ = ["Sample", "TaskError", "expand", "get", "names", "parse_length"]

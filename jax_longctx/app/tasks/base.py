@@ -1,7 +1,8 @@
 """Tasks: seeded generators of long prompts with known answers, and their scorers.
 
-A generator fills a prompt to a requested length in tokens of the model's own tokenizer (within
-1%), optionally wrapped in the model's chat template; a scorer turns a prediction into [0, 1].
+A generator fills a prompt to a requested length in tokens of the model's own tokenizer (never
+past it, within 0.5% below), optionally wrapped in the model's chat template; a scorer turns a
+prediction into [0, 1].
 """
 
 from __future__ import annotations
@@ -50,32 +51,65 @@ def render(tok: Tokenizer, body: str, answer_prefix: str, chat: bool) -> str:
 
 
 def fit_length(tok: Tokenizer, length: int, build: Callable[[int], str], n0: int,
-               tolerance: float = 0.005) -> tuple[str, int]:
-  """Finds the filler count n for which build(n) is `length` tokens long (within tolerance).
+               tolerance: float = 0.005, name: str = "this task") -> tuple[str, int]:
+  """The prompt of the largest filler count n whose build(n) is at most `length` tokens, chat
+  template included (as RULER sizes its haystacks): a prompt never runs past the length asked,
+  so a "32K" prompt fits a 32,768-token window. The search stops early at a prompt within
+  `tolerance` below the length. `build` must grow with n; build(0) is the prompt without filler.
+  Returns (prompt, its token count)."""
+  texts: dict[int, tuple[str, int]] = {}
 
-  `build` must grow monotonically with n. Returns (prompt, its token count).
-  """
-  lo, hi = 0, max(1, n0)
-  while len(tok.encode(build(hi))) < length:
-    lo, hi = hi, hi * 2
-    if hi > 1 << 24:
-      raise TaskError(f"cannot reach {length} tokens")
-  best = None
-  while lo <= hi:
+  def count(n: int) -> int:
+    if n not in texts:
+      text = build(n)
+      texts[n] = (text, len(tok.encode(text)))
+    return texts[n][1]
+
+  if count(0) > length:
+    raise TaskError(f"{name} needs a length of at least {count(0)} tokens (its prompt without "
+                    f"filler), got {length}")
+  full = (1 - tolerance) * length
+  n = largest_fitting(lambda n: count(n) <= length, 0, max(1, n0),
+                      done=lambda n: count(n) >= full)
+  return texts[n]
+
+
+def largest_fitting(fits: Callable[[int], bool], lo: int, guess: int,
+                    done: Callable[[int], bool] = lambda n: False) -> int:
+  """The largest n >= lo for which fits(n) holds, searched outward from `guess` (fits(lo) holds,
+  and fits is monotone: a longer haystack never makes a shorter prompt). `done(n)`, asked of a
+  fitting n, ends the search there (close enough below the limit)."""
+  g = max(lo, guess)
+  step = 1
+  if fits(g):
+    lo = g
+    if done(lo):
+      return lo
+    while fits(lo + step):
+      lo += step
+      if done(lo):
+        return lo
+      step *= 2
+      if step > 1 << 26:
+        raise TaskError("haystack sizing did not converge")
+    hi = lo + step
+  else:
+    hi = g
+    while hi - step > lo and not fits(hi - step):
+      hi -= step
+      step *= 2
+    lo = max(lo, hi - step)
+    if done(lo):
+      return lo
+  while hi - lo > 1:
     mid = (lo + hi) // 2
-    text = build(mid)
-    n = len(tok.encode(text))
-    if best is None or abs(n - length) < abs(best[1] - length):
-      best = (text, n)
-    if abs(n - length) <= tolerance * length:
-      return text, n
-    if n < length:
-      lo = mid + 1
+    if fits(mid):
+      lo = mid
+      if done(lo):
+        return lo
     else:
-      hi = mid - 1
-  if best is None or best[1] < 1:
-    raise TaskError(f"cannot build a prompt of {length} tokens")
-  return best
+      hi = mid
+  return lo
 
 
 def token_counter(tok: Tokenizer) -> Callable[[str], int]:

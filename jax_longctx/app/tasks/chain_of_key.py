@@ -48,7 +48,7 @@ class ChainOfKey:
       body = "Here is a list of keys: " + ", ".join(keys_for(n)) + "." + tail
       return render(tok, body, answer, chat)
 
-    prompt, n_tok = fit_length(tok, length, build, length // 6)
+    prompt, n_tok = fit_length(tok, length, build, length // 6, name=self.name)
     keys = tuple(re.findall(r"\w+-\w+", prompt.split("Here is a list of keys:")[1].split(".")[0]))
     return Sample(self.name, prompt, keys, length, None, seed, n_tok,
                   from_question(prompt, tail.lstrip()))

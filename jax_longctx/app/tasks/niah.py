@@ -82,7 +82,7 @@ class Niah:
       body = head + insert_at_depths(pieces, list(zip(spots, needles)), measure) + question
       return render(tok, body, answer, chat)
 
-    prompt, n_tok = fit_length(tok, length, build, length // 2)
+    prompt, n_tok = fit_length(tok, length, build, length // 2, name=self.name)
     expected = tuple(v for k in asked for v in values[k])
     return Sample(self.name, prompt, expected, length, depth, seed, n_tok,
                   from_question(prompt, question))

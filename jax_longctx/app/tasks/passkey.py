@@ -42,7 +42,7 @@ class Passkey:
         return render(tok, HEADER + context(n) + CHAT_QUESTION, "", chat=True)
       return render(tok, HEADER + context(n) + QUESTION, "", chat=False)
 
-    prompt, n_tok = fit_length(tok, length, build, length // 2)
+    prompt, n_tok = fit_length(tok, length, build, length // 2, name=self.name)
     question = CHAT_QUESTION if chat else QUESTION
     return Sample(self.name, prompt, (key,), length, depth, seed, n_tok,
                   from_question(prompt, question))

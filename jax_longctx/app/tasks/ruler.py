@@ -16,7 +16,7 @@ import dataclasses
 import functools
 from typing import Callable, ClassVar
 
-from jax_longctx.app.tasks.base import Sample, TaskError
+from jax_longctx.app.tasks.base import Sample, TaskError, largest_fitting
 
 PREFIX = "ruler:"
 
@@ -68,31 +68,6 @@ def string_match_all(preds: list[str], refs: list[list[str]]) -> float:
   """RULER's metric (scripts/eval/synthetic/constants.py): `match_share` per prediction, the mean
   over predictions in %, to 2 decimals."""
   return round(sum(match_share(p, ref) for p, ref in zip(preds, refs)) / len(preds) * 100, 2)
-
-
-def largest_fitting(fits: Callable[[int], bool], lo: int, guess: int) -> int:
-  """The largest n >= lo for which fits(n) holds, searched outward from `guess` (fits(lo) holds,
-  and fits is monotone: a longer haystack never makes a shorter prompt)."""
-  g = max(lo, guess)
-  step = 1
-  if fits(g):
-    lo = g
-    while fits(lo + step):
-      lo += step
-      step *= 2
-      if step > 1 << 26:
-        raise TaskError("haystack sizing did not converge")
-    hi = lo + step
-  else:
-    hi = g
-    while hi - step > lo and not fits(hi - step):
-      hi -= step
-      step *= 2
-    lo = max(lo, hi - step)
-  while hi - lo > 1:
-    mid = (lo + hi) // 2
-    lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-  return lo
 
 
 @dataclasses.dataclass(frozen=True)

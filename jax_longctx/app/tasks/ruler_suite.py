@@ -22,8 +22,9 @@ OPTIONS = ("max_new_tokens",)  # all a user sets: the rest is RULER's definition
 
 def _unknown(name: str) -> TaskError:
   if name in LEFT_OUT:
-    return TaskError(f"RULER's {name} ({LEFT_OUT[name]}) is not offered: RULER downloads its data "
-                     "and nothing here downloads at run time; the 11 synthetic tasks are")
+    return TaskError(f"RULER's {name} ({LEFT_OUT[name]}) is not offered, as RULER downloads its "
+                     f"data and nothing here downloads at run time; RULER's tasks here are "
+                     f"{', '.join(NAMES)}.")
   return TaskError(f"unknown RULER task {name!r}; RULER's tasks here: {', '.join(NAMES)}")
 
 
@@ -33,8 +34,8 @@ def get(ruler_name: str, **options) -> RulerTask:
     raise _unknown(ruler_name)
   extra = sorted(set(options) - set(OPTIONS))
   if extra:
-    raise TaskError(f"RULER tasks take only {', '.join(OPTIONS)} (the rest is RULER's "
-                    f"definition), got {', '.join(extra)}")
+    raise TaskError(f"task {PREFIX + ruler_name!r} has no option {', '.join(extra)}; RULER's "
+                    f"tasks take only {', '.join(OPTIONS)} (the rest is RULER's definition)")
   cls, args = SUITE[ruler_name]
   return cls(ruler_name=ruler_name, **args, **options)
 

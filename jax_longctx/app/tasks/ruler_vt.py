@@ -15,8 +15,8 @@ import functools
 import random
 import string
 
-from jax_longctx.app.tasks.base import render
-from jax_longctx.app.tasks.ruler import RulerTask, largest_fitting
+from jax_longctx.app.tasks.base import largest_fitting, render
+from jax_longctx.app.tasks.ruler import RulerTask
 from jax_longctx.app.tasks.ruler_niah import NOISE
 
 ICL_TOKENS = 500  # RULER's few-shot example: a haystack that fits in 500 tokens
