@@ -87,6 +87,23 @@ def save(fig, path: str) -> str:
   return path
 
 
+def draw_lines(ax, series: dict[str, tuple[list, list]], *, order: dict[str, int] | None = None,
+               percent: bool = False, ylabel: str | None = None, **kw) -> None:
+  """A line per label (x values, y values) on one axes of a figure laid out by the caller, in
+  this module's styles; `order` (label -> style index) keeps a label's look across the panels of
+  a figure (default: the labels' order here). `percent`: a 0-100 axis. The caller adds the legend
+  (`legend_outside`); `kw` goes to every `ax.plot` (e.g. markersize)."""
+  for i, (m, (xs, ys)) in enumerate(series.items()):
+    style = series_style(i if order is None else order[m], m)
+    # clip_on off: a marker at 0% or 100% shows whole instead of cut by the frame
+    ax.plot(xs, ys, label=m, clip_on=False, **{**style, **kw})
+  if percent:
+    ax.set_ylim(*PERCENT_YLIM)
+  if ylabel is not None:
+    ax.set_ylabel(ylabel)
+  ax.grid(alpha=0.3)
+
+
 def line_plot(series: dict[str, tuple[list, list]], *, title: str, by: str, xlabel: str,
               ylabel: str, percent: bool, lengths: bool = False,
               hline: tuple[str, float] | None = None, path: str | None = None):
@@ -106,18 +123,11 @@ def line_plot(series: dict[str, tuple[list, list]], *, title: str, by: str, xlab
   fig, axes = plt.subplots(len(groups), 1, figsize=(7, 3.6 * len(groups)), sharex=True,
                            sharey=True, squeeze=False)
   for ax, group in zip(axes[:, 0], groups):
-    for m in group:
-      xs, ys = series[m]
-      # clip_on off: a marker at 0% or 100% shows whole instead of cut by the frame
-      ax.plot(xs, ys, label=m, clip_on=False, **series_style(order[m], m))
+    draw_lines(ax, {m: series[m] for m in group}, order=order, percent=percent, ylabel=ylabel)
     if hline is not None:
       ax.axhline(hline[1], color="black", linestyle=":", linewidth=1, label=hline[0])
-    if percent:
-      ax.set_ylim(*PERCENT_YLIM)
     if lengths:
       _length_axis(ax, sorted(xs_all))
-    ax.set_ylabel(ylabel)
-    ax.grid(alpha=0.3)
     legend_outside(ax)
   axes[-1, 0].set_xlabel(xlabel)
   axes[0, 0].set_title(f"{title} by {by}" + (
