@@ -11,7 +11,7 @@ and 10% of the context, alone and with RESA (prior per query head, per kv group,
 0.25), and their
 relative error ||o - o_full|| / ||o_full|| per head. The model itself always continues with full
 attention, so every variant sees identical inputs. Writes errors.json, summary.md and
-per_layer.png to --out.
+per_layer.png to --out; `--replot DIR...` redraws DIR/per_layer.png from DIR/errors.json.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from flax import struct
 
 from jax_longctx import load
 
-from jax_longctx.app import tasks
+from jax_longctx.app import plots, tasks
 from jax_longctx.run.generation import prefill
 from jax_longctx.methods import Method, get
 from jax_longctx.methods.full import Full
@@ -161,25 +161,64 @@ def write(errors: np.ndarray, out_dir: str, meta: dict) -> None:
             f"and {meta['steps']} decode steps x {meta['prompts']} prompts "
             f"({meta['tasks']}, {meta['length']} tokens, model {meta['model']}; first/last "
             f"tokens fixed in every budget: {meta['fixed']}).\n\n" + table)
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-  fig, axes = plt.subplots(1, len(FRACTIONS), figsize=(5 * len(FRACTIONS), 3.6), sharey=True)
-  for i, (ax, frac) in enumerate(zip(axes, FRACTIONS)):
-    for j, label in enumerate(labels):
-      ax.plot(errors[:, i, j], label=label, linestyle="--" if "resa" not in label else "-")
-    ax.set_title(f"budget {frac:.1%}")
-    ax.set_xlabel("layer")
-  axes[0].set_ylabel("relative error vs full attention")
-  axes[-1].legend(fontsize=7)
-  fig.tight_layout()
-  fig.savefig(os.path.join(out_dir, "per_layer.png"), dpi=120)
-  plt.close(fig)
+  plot(errors, meta, os.path.join(out_dir, "per_layer.png"))
   print(table)
+
+
+# A variant's suffix -> its legend entry: the same look for Quest's and top-k's.
+SUFFIXES = {"": "without RESA", "+resa": "+ RESA (prior per query head)",
+            "+resa(group)": "+ RESA (prior per kv group)", "+resa(lam=.5)": "+ RESA, λ = 0.5",
+            "+resa(lam=.25)": "+ RESA, λ = 0.25"}
+BASES = {"quest": "Quest", "topk": "ideal top-k"}
+
+
+def plot(errors: np.ndarray, meta: dict, path: str) -> str:
+  """per_layer.png: the relative error by layer, a row of panels per budget, Quest left and
+  ideal top-k right, each base's five variants (alone, RESA's priors and lam) in one legend."""
+  errors = np.asarray(errors)  # [layers, fractions, variants]
+  labels = [v[0] for v in VARIANTS]
+  fractions = meta.get("fractions", FRACTIONS)
+  bases = list(dict.fromkeys(v[1] for v in VARIANTS))
+  order = {name: i for i, name in enumerate(SUFFIXES.values())}
+  layers = list(range(errors.shape[0]))
+  plt = plots.pyplot()
+  fig, axes = plt.subplots(len(fractions), len(bases), figsize=(6 * len(bases),
+                           2.9 * len(fractions)), sharex=True, sharey=True, squeeze=False)
+  for i, frac in enumerate(fractions):
+    for ax, base in zip(axes[i], bases):
+      series = {SUFFIXES[label[len(base):]]: (layers, errors[:, i, j])
+                for j, label in enumerate(labels) if labels[j].startswith(base)}
+      plots.draw_lines(ax, series, order=order, markersize=3.5, linewidth=1.2)
+      ax.set_title(f"{BASES[base]}, budget {frac:.1%} of the context", fontsize="medium")
+      ax.set_ylim(bottom=0)
+  for ax in axes[:, 0]:
+    ax.set_ylabel("relative error\n||o - o_full|| / ||o_full||")
+  for ax in axes[-1]:
+    ax.set_xlabel("layer")
+  plots.legend_outside(axes[0, -1], title="variant")
+  fixed = meta.get("fixed")
+  fig.suptitle(f"Attention output's error vs full attention by layer: model {meta['model']}, "
+               f"{meta['length']} tokens, {meta['prompts']} prompts x {meta['steps']} decode "
+               "steps" + (f", first/last tokens fixed {tuple(fixed)}" if fixed else ""),
+               fontsize="medium")
+  fig.tight_layout()
+  return plots.save(fig, path)
+
+
+def replot(out_dir: str) -> str:
+  """per_layer.png again from OUT/errors.json (no model)."""
+  with open(os.path.join(out_dir, "errors.json")) as f:
+    saved = json.load(f)
+  if saved["variants"] != [v[0] for v in VARIANTS]:
+    raise SystemExit(f"{out_dir}/errors.json: variants {saved['variants']} are not this "
+                     "script's")
+  return plot(np.asarray(saved["per_layer"]), saved, os.path.join(out_dir, "per_layer.png"))
 
 
 def main() -> None:
   p = argparse.ArgumentParser(description=__doc__)
+  p.add_argument("--replot", nargs="+", metavar="DIR",
+                 help="only redraw DIR/per_layer.png from DIR/errors.json, for each DIR")
   p.add_argument("--model", default="default")
   p.add_argument("--tasks", default="niah_multikey,niah_multivalue,passkey")
   p.add_argument("--length", default="6k")
@@ -189,6 +228,10 @@ def main() -> None:
                  help="n_sink,n_recent tokens in every budget (the RESA paper: 4,64)")
   p.add_argument("--out", default="docs/results/resa")
   args = p.parse_args()
+  if args.replot:
+    for out_dir in args.replot:
+      print(replot(out_dir))
+    return
   fixed = tuple(int(x) for x in args.fixed.split(","))
   lm = load(args.model)
   length = tasks.parse_length(args.length)
