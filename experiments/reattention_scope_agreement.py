@@ -16,7 +16,7 @@ bf16 run does; reported overall, per layer, as the share of (text, step) whose e
 agrees, and as the mean Jaccard overlap of the slots picked by score (the spans: every scope
 holds the global tokens and the local window), beside the pooled NLL of the scored tokens. The model loads with key smoothing (as an 8-bit `load` does; exact for
 the bf16 run too) unless --no-key-smoothing. Writes OUT/results.json, OUT/summary.md and
-OUT/scope_agreement_by_layer.png.
+OUT/scope_agreement_by_layer.png; `--replot OUT...` redraws the figure from OUT/results.json.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from experiments import scope_trace  # noqa: E402
 from jax_longctx import load  # noqa: E402
-from jax_longctx.app import tasks  # noqa: E402
+from jax_longctx.app import plots, tasks  # noqa: E402
 from jax_longctx.methods import get, parse_method_args  # noqa: E402
 from jax_longctx.run.driver import continuation_nll  # noqa: E402
 
@@ -79,22 +79,23 @@ def run(lm, method, prefixes, targets, kv_dtype, chunk):
   return nll, scopes
 
 
-def plot(results: dict, path: str) -> None:
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+def plot(results: dict, path: str) -> str:
+  """scope_agreement_by_layer.png: per 8-bit cache dtype, the share of decode steps whose scope
+  is the base cache's, by layer (0-100 %)."""
+  series = {f"{kv} cache": (list(range(len(r["equal_share_by_layer"]))),
+                            [100 * x for x in r["equal_share_by_layer"]])
+            for kv, r in results["dtypes"].items()}
+  plots.line_plot(series, title=f"ReAttention, model {results['model']} at {results['length']} "
+                  "tokens: scope agreement", by="layer", xlabel="layer",
+                  ylabel=f"decode steps with the {results['base']} scope (%)", percent=True,
+                  path=path)
+  return path
 
-  fig, ax = plt.subplots(figsize=(7, 3.5))
-  for kv, r in results["dtypes"].items():
-    ax.plot(100 * np.asarray(r["equal_share_by_layer"]), marker=".", label=kv)
-  ax.set_xlabel("layer")
-  ax.set_ylabel(f"decode steps with the {results['base']} scope (%)")
-  ax.set_ylim(0, 102)
-  ax.set_title(f"ReAttention scope agreement, {results['model']} at {results['length']} tokens")
-  ax.legend()
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+
+def replot(out_dir: str) -> str:
+  """OUT/scope_agreement_by_layer.png again from OUT/results.json (no model)."""
+  with open(os.path.join(out_dir, "results.json")) as f:
+    return plot(json.load(f), os.path.join(out_dir, "scope_agreement_by_layer.png"))
 
 
 def summary(results: dict) -> str:
@@ -130,8 +131,16 @@ def main() -> int:
                  help="a ReAttention hyper-parameter, e.g. n_local=2048")
   p.add_argument("--chunk-size", type=int, default=None)
   p.add_argument("--no-key-smoothing", action="store_true")
-  p.add_argument("--out", required=True)
+  p.add_argument("--out")
+  p.add_argument("--replot", nargs="+", metavar="DIR",
+                 help="only redraw DIR/scope_agreement_by_layer.png from DIR/results.json")
   args = p.parse_args()
+  if args.replot:
+    for out_dir in args.replot:
+      print(replot(out_dir))
+    return 0
+  if not args.out:
+    p.error("--out is required (or --replot DIR...)")
   length = tasks.parse_length(args.length)
   kv_dtypes = [x.strip() for x in args.kv_dtypes.split(",") if x.strip()]
   method = get("reattention_traced", **parse_method_args(args.method_arg))
