@@ -12,6 +12,7 @@ from jax_longctx.run import generation as gen
 from jax_longctx.run.driver import generate
 from jax_longctx.methods import MethodError, get, names
 from jax_longctx.methods import full as full_lib
+from jax_longctx.methods import hparams
 from jax_longctx.model import forward
 from jax_longctx.core.options import RunOptions
 from pallas_kernels import chunk
@@ -138,10 +139,53 @@ def test_selection_methods_differ_from_full_when_budget_is_small(tiny):
     assert np.max(np.abs(got[:, 1:] - ref[:, 1:])) > 1e-4, name
 
 
+def _default_budget(name):
+  """The method's default budget in tokens when one is set (RESA: its base's), else None."""
+  method = get(name)
+  budget = getattr(getattr(method, "inner", method), "budget", None)
+  return budget if isinstance(budget, int) else None
+
+
+# Every method whose default budget is a token count: 1024 and the like, above any tiny prompt.
+DEFAULT_TOKEN_BUDGETS = [n for n in PER_LAYER if _default_budget(n)]
+
+
+@pytest.mark.parametrize("name", DEFAULT_TOKEN_BUDGETS)
+def test_default_budget_above_the_cache_is_full_attention(tiny, name):
+  """A default budget on a shorter prompt keeps every token: full attention's logits, prefill
+  and decode, and its greedy tokens. Settings that only shrink what the budget keeps are left as
+  the defaults (SnapKV's window 32, Quest's 16-token pages); Quest selects from the first layer."""
+  cfg, params = tiny
+  assert _default_budget(name) > CACHE_LEN
+  kw = {"quest": dict(dense_layers=0), "resa": dict(base_args=(("dense_layers", 0),))}
+  method = get(name, **kw.get(name, {}))
+  prompts = _prompts(cfg, (13, 29), seed=5)
+  ref, _ = _step_logits(params, cfg, prompts, get("full"), 3)
+  got, _ = _step_logits(params, cfg, prompts, method, 3)
+  np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0)
+  assert _generate(params, cfg, prompts, method, 4) == _generate(params, cfg, prompts,
+                                                                 get("full"), 4)
+
+
+@pytest.mark.parametrize("name", [n for n in PER_LAYER if "budget" in _fields(n)])
+def test_budget_above_the_cache_keeps_it_whole_and_says_so_once(name, capsys, monkeypatch):
+  monkeypatch.setattr(hparams, "_WHOLE_CACHE_NOTED", set())  # as in a fresh process
+  monkeypatch.delenv("JAX_LONGCTX_QUIET", raising=False)
+  method = get(name, budget=100)
+  for _ in range(2):
+    method.init_state(_cfg(), 1, CACHE_LEN, jnp.float32, 8)
+  note = [line for line in capsys.readouterr().err.splitlines() if "budget=100" in line]
+  owner = getattr(method, "inner", method).name  # RESA's budget is its base's
+  assert note == [f"jax-longctx: note: {owner} budget=100 is larger than the cache (48 slots): "
+                  "it keeps every token (full attention, no compression)"]
+  monkeypatch.setenv("JAX_LONGCTX_QUIET", "1")
+  monkeypatch.setattr(hparams, "_WHOLE_CACHE_NOTED", set())
+  method.init_state(_cfg(), 1, CACHE_LEN, jnp.float32, 8)
+  assert "budget=100" not in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("name", [n for n in PER_LAYER if "budget" in _fields(n)])
 def test_budget_errors_name_the_parameter(name):
-  with pytest.raises(MethodError, match=r"budget=100 is larger than the cache \(48 slots\)"):
-    get(name, budget=100).init_state(_cfg(), 1, CACHE_LEN, jnp.float32, 8)
   with pytest.raises(MethodError, match=f"method '{name}': budget=0 is not valid"):
     get(name, budget=0)
   with pytest.raises(MethodError, match=f"method '{name}' has no hyper-parameter 'budgte'"):

@@ -179,7 +179,6 @@ def test_the_decode_gate_changes_no_result(tiny):
     (dict(selection="heap"), "selection='heap' is not valid; selection takes one of 'radix', "
                              "'sort'"),  # checked at construction, like every field's type
     (dict(refresh=False, full_attention=False), "leaves nothing to do"),
-    (dict(budget=100), r"budget=100 is larger than the cache \(64 slots\)"),
 ])
 def test_bad_settings_are_named(kw, match):
   with pytest.raises(MethodError, match=match):

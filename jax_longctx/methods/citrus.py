@@ -55,7 +55,7 @@ class CItruSStandard(Method):
 
   def init_state(self, cfg, batch, max_len, dtype, chunk):
     """`chunk`: the longest step fed, a document chunk or the instruction plus the answer."""
-    k = resolve_budget(self.budget, max_len)
+    k = resolve_budget(self.budget, max_len, method=self.name)
     if self.chunk < 1:
       raise MethodError(f"chunk={self.chunk} must be >= 1")
     return ChunkCache.empty(cfg, batch, k, k + max(chunk, self.chunk), dtype)

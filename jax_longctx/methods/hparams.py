@@ -12,6 +12,8 @@ import ast
 import dataclasses
 import functools
 import numbers
+import os
+import sys
 import types
 import typing
 from typing import Annotated, Any, Literal
@@ -44,16 +46,36 @@ def budget_error(value) -> str | None:
   return None if value > 0 else f"takes {BUDGET_RULE}"
 
 
-def resolve_budget(budget, max_len: int, name: str = "budget") -> int:
-  """Slots a budget keeps in a cache of `max_len`: int tokens, or a float fraction (ceil)."""
+# (method, budget) pairs already told that their budget keeps the whole cache: once a process.
+_WHOLE_CACHE_NOTED: set[tuple[str, Any]] = set()
+
+
+def resolve_budget(budget, max_len: int, name: str = "budget", method: str = "") -> int:
+  """Slots a budget keeps in a cache of `max_len`: int tokens, or a float fraction (ceil).
+
+  A token budget at least the cache keeps all of it (every token, as full attention): a
+  default budget (1024) on a shorter prompt runs instead of failing. A budget above the cache
+  says so once per process per (method, budget), on stderr (silenced by JAX_LONGCTX_QUIET=1).
+  `max_len` is a static int (a shape), so this runs at trace time, never on traced values.
+  """
   why = budget_error(budget)
   if why:
     raise MethodError(f"{name}={budget!r} {why}")
   if isinstance(budget, numbers.Integral):
     if budget > max_len:
-      raise MethodError(f"{name}={int(budget)} is larger than the cache ({max_len} slots)")
-    return int(budget)
+      _note_whole_cache(method, name, int(budget), max_len)
+    return min(int(budget), max_len)
   return max(1, min(max_len, int(-(-budget * max_len // 1))))
+
+
+def _note_whole_cache(method: str, name: str, budget: int, max_len: int) -> None:
+  if (method, name, budget) in _WHOLE_CACHE_NOTED:
+    return
+  _WHOLE_CACHE_NOTED.add((method, name, budget))
+  if not os.environ.get("JAX_LONGCTX_QUIET"):
+    print(f"jax-longctx: note: {method + ' ' if method else ''}{name}={budget} is larger than the "
+          f"cache ({max_len} slots): it keeps every token (full attention, no compression)",
+          file=sys.stderr)
 
 
 @functools.lru_cache(maxsize=None)

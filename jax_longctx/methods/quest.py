@@ -44,12 +44,14 @@ class Quest(SelectingMethod):
   def init_state(self, cfg, batch, max_len, dtype, chunk) -> QuestState:
     if self.page_size < 1:
       raise MethodError(f"page_size={self.page_size} must be >= 1")
-    n = self.select_budget(max_len)
+    pages = -(-max_len // self.page_size)
+    # The budget counts against the cache as stored, in whole pages: the same length `select`
+    # sees, so a budget covering it (a default 1024 on a short prompt) selects every page.
+    n = self.select_budget(pages * self.page_size)
     if n % self.page_size:
       fixed = f" less {self.n_sink + self.n_recent} fixed" if self.n_sink or self.n_recent else ""
       raise MethodError(
           f"page_size={self.page_size} does not divide the budget ({n} tokens{fixed})")
-    pages = -(-max_len // self.page_size)
     shape = (batch, cfg.num_kv_heads, pages, cfg.head_dim)
     return QuestState(KVCache.zeros(cfg, batch, pages * self.page_size, dtype),
                       jnp.full(shape, jnp.inf, cfg.jnp_dtype),

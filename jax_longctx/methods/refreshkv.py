@@ -52,7 +52,7 @@ from jax_longctx.core.axes import HEADS, ROWS, axes
 import pallas_kernels
 from jax_longctx.ops.cache import KVCache
 from jax_longctx.methods.base import (AttnContext, Budget, Method, MethodError, PrefillEnd,
-                                      register)
+                                      register, resolve_budget)
 from jax_longctx.methods.full import Full
 from jax_longctx.methods.snapkv import SnapKV, SnapPrefill, max_pool
 from jax_longctx.ops.attention import attention_with_probs
@@ -176,7 +176,10 @@ class RefreshKV(Method):
     if not (self.refresh or self.full_attention):
       raise MethodError("refresh=False with full_attention=False leaves nothing to do at a full "
                         "step: that is SnapKV (method 'snapkv' with keep_size=True, window=1)")
-    snap = self._snap().init_state(cfg, batch, max_len, dtype, chunk)
+    # The budget resolved here, so a budget above the cache is reported as refreshkv's.
+    budget = resolve_budget(self.budget, max_len, method=self.name)
+    snap = dataclasses.replace(self._snap(), budget=budget).init_state(cfg, batch, max_len,
+                                                                      dtype, chunk)
     return RefreshPrefill(snap, jnp.zeros((batch, cfg.head_dim), jnp.float32))
 
   def _mean_query(self, q, ctx: AttnContext):

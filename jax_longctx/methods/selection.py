@@ -60,8 +60,13 @@ class SelectingMethod(Full):
   n_recent: int = 0
 
   def select_budget(self, max_len: int) -> int:
-    """Tokens `select` chooses: the budget less the fixed sink and recent tokens."""
-    n = resolve_budget(self.budget, max_len) - self.n_sink - self.n_recent
+    """Tokens `select` chooses: the budget less the fixed sink and recent tokens, or the whole
+    cache (`max_len`) when the budget covers it: every slot is then chosen, the fixed ones
+    among them (`selected_slots` reads each slot once), so decode is exact attention."""
+    total = resolve_budget(self.budget, max_len, method=self.name)
+    if total >= max_len and self.n_sink >= 0 and self.n_recent >= 0:
+      return max_len
+    n = total - self.n_sink - self.n_recent
     if self.n_sink < 0 or self.n_recent < 0 or n < 1:
       raise MethodError(f"budget={self.budget} leaves no tokens to select after n_sink="
                         f"{self.n_sink} and n_recent={self.n_recent} (both >= 0)")

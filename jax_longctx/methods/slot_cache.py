@@ -141,7 +141,7 @@ class EvictingMethod(Method):
     return self.keys_before_rope
 
   def init_state(self, cfg, batch, max_len, dtype, chunk) -> SlotCache:
-    n = resolve_budget(self.budget, max_len)
+    n = resolve_budget(self.budget, max_len, method=self.name)
     return SlotCache.empty(cfg, batch, n, n + chunk, dtype)
 
   def attend_slots(self, state: SlotCache, q, ctx: AttnContext):

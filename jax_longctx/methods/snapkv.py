@@ -74,8 +74,9 @@ class SnapKV(Method):
   keep_size: bool = False
 
   def init_state(self, cfg, batch, max_len, dtype, chunk) -> SnapPrefill:
-    n = resolve_budget(self.budget, max_len)
-    if not 0 < self.window <= n:
+    n = resolve_budget(self.budget, max_len, method=self.name)
+    # A budget covering the cache keeps every token, so a window longer than it changes nothing.
+    if self.window < 1 or (self.window > n and n < max_len):
       raise MethodError(f"window={self.window} must be in 1..budget ({n})")
     if self.pool_kernel < 1 or self.pool_kernel % 2 == 0:
       raise MethodError(f"pool_kernel={self.pool_kernel} must be a positive odd number")
