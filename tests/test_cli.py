@@ -1,12 +1,17 @@
 """The command line, as a user runs it."""
 
+import argparse
+import errno
+import io
+import json
 import os
+import shlex
 import subprocess
 import sys
 
 import pytest
 
-from jax_longctx.app import cli
+from jax_longctx.app import cli, cli_commands
 from jax_longctx.methods import names
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -149,3 +154,173 @@ def test_bad_models_and_settings_stay_one_line_errors(capsys, tmp_path):
 
 def test_an_empty_prompt_is_a_one_line_error(default_lm, capsys):
   assert "empty prompt" in _one_line_error(["generate", "--prompt", ""], capsys)
+
+
+# Fast tests below: the command line in this process, no model loaded.
+
+def _only_line(capsys) -> str:
+  err = capsys.readouterr().err
+  assert "Traceback" not in err and err.count("\n") == 1, err
+  return err.strip()
+
+
+def test_out_naming_a_file_is_one_line(capsys, tmp_path):
+  out = tmp_path / "results"
+  out.write_text("not a directory")
+  assert cli.main(["eval", "--task", "passkey", "--lengths", "256", "--samples", "1",
+                   "--out", str(out)]) != 0
+  err = _only_line(capsys)
+  assert err.startswith(f"jax-longctx: error: --out {out}"), err
+
+
+@pytest.mark.parametrize("error, line", [
+    (OSError(errno.EROFS, "Read-only file system", "{out}/results.jsonl"),
+     "--out {out}: {out}/results.jsonl: Read-only file system"),
+    (FileExistsError(errno.EEXIST, "File exists", "{out}"), "--out {out}: File exists"),
+    (OSError(errno.ENOSPC, "No space left on device"), "eval: No space left on device"),
+    (PermissionError(errno.EACCES, "Permission denied", "/elsewhere"),
+     "eval: /elsewhere: Permission denied"),
+])
+def test_an_os_error_anywhere_is_one_line(error, line, capsys, monkeypatch, tmp_path):
+  """Whatever fails to read or write once the sweep runs (a read-only --out after a sample, a
+  full disk) ends in one line naming the path and the reason."""
+  out = str(tmp_path / "r")
+  if error.filename:
+    error.filename = error.filename.format(out=out)
+
+  def fails(args):
+    raise error
+  monkeypatch.setattr(cli_commands, "cmd_eval", fails)
+  assert cli.main(["eval", "--task", "passkey", "--out", out]) == 2
+  assert _only_line(capsys) == "jax-longctx: error: " + line.format(out=out)
+
+
+def test_ctrl_c_is_one_line_with_the_command_that_resumes(capsys, monkeypatch, tmp_path):
+  def interrupted(args):
+    raise KeyboardInterrupt
+  monkeypatch.setattr(cli_commands, "cmd_eval", interrupted)
+  monkeypatch.setattr(cli_commands, "cmd_generate", interrupted)
+  out = str(tmp_path / "my results")
+  argv = ["eval", "--task", "passkey", "--methods", "full,snapkv", "--out", out]
+  assert cli.main(argv) == 130
+  again = "jax-longctx eval --task passkey --methods full,snapkv --out " + shlex.quote(out)
+  assert _only_line(capsys) == (
+      f"jax-longctx: interrupted; finished samples are kept in {out}/results.jsonl; run the same "
+      f"command to resume: {again}")
+  assert cli.main(["generate", "--prompt", "hi"]) == 130
+  assert _only_line(capsys) == "jax-longctx: interrupted"
+
+
+def test_a_closed_stdout_ends_quietly(capsys, monkeypatch):
+  def closed(args):
+    raise BrokenPipeError(errno.EPIPE, "Broken pipe")
+  monkeypatch.setattr(cli_commands, "cmd_methods", closed)
+  assert cli.main(["methods"]) == 1
+  assert capsys.readouterr().err == ""
+
+
+class _EchoLM:
+  """Stands in for the model: `generate` answers with the prompt it was given."""
+
+  def generate(self, prompts, method, **kw):
+    return [f"prompt: {prompts[0]}"]
+
+
+@pytest.fixture
+def echo_lm(monkeypatch):
+  from jax_longctx.app import api
+  monkeypatch.setattr(api, "load", lambda *a, **kw: _EchoLM())
+
+
+@pytest.mark.parametrize("stdin", [
+    lambda text: io.TextIOWrapper(io.BytesIO(text.encode()), encoding="latin-1"),
+    io.StringIO,  # a stream of text only (no bytes beneath)
+])
+def test_prompt_file_dash_reads_stdin(stdin, echo_lm, capsys, monkeypatch):
+  monkeypatch.setattr(sys, "stdin", stdin("Où est Paris ?\n"))
+  assert cli.main(["generate", "--prompt-file", "-"]) == 0
+  assert capsys.readouterr().out == "prompt: Où est Paris ?\n\n"
+
+
+def test_a_binary_prompt_is_a_one_line_error(echo_lm, capsys, monkeypatch, tmp_path):
+  f = tmp_path / "weights.bin"
+  f.write_bytes(b"\x89PNG\r\n\x1a\n\xff\xfe\x00\x01")
+  assert cli.main(["generate", "--prompt-file", str(f)]) == 2
+  assert _only_line(capsys) == f"jax-longctx: error: --prompt-file {f} is not UTF-8 text"
+  monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(f.read_bytes())))
+  assert cli.main(["generate", "--prompt-file", "-"]) == 2
+  assert _only_line(capsys) == ("jax-longctx: error: --prompt-file - (standard input) is not "
+                                "UTF-8 text")
+
+
+def test_version(capsys):
+  from importlib.metadata import version
+  with pytest.raises(SystemExit) as exit_:
+    cli.main(["--version"])
+  assert exit_.value.code == 0
+  assert capsys.readouterr().out == f"jax-longctx {version('jax-longctx')}\n"
+
+
+def test_methods_lists_every_method_with_its_defaults_and_paper(capsys):
+  from jax_longctx import methods
+  from jax_longctx.methods.hparams import field_types
+  assert cli.main(["methods"]) == 0
+  out = capsys.readouterr().out
+  lines = out.splitlines()
+  for name in names():
+    block = lines[lines.index(next(x for x in lines if x.startswith(f"{name}: "))):]
+    block = block[:block.index("")] if "" in block else block
+    entry = methods.get(name)
+    for field in field_types(type(entry)):
+      assert any(x.strip().startswith(f"{field}={getattr(entry, field)!r} ") for x in block), (
+          name, field, block)
+    assert any(x.startswith("  paper: ") for x in block), block
+  assert 'paper: "SnapKV: LLM Knows What You are Looking for Before Generation", arXiv:2404.14469' in out
+  assert "share of the cache KEPT" in out
+  assert cli.main(["methods", "tova"]) == 0
+  assert capsys.readouterr().out.count("\ntova: ") == 1
+
+
+def test_tasks_lists_every_task_with_its_options(capsys):
+  from jax_longctx.app import tasks
+  assert cli.main(["tasks"]) == 0
+  out = capsys.readouterr().out
+  for name in tasks.names():
+    assert f"\n{name}: " in out
+  for name in tasks.expand("ruler"):
+    assert f"\n  {name}: options: max_new_tokens=" in out
+  assert "options: max_new_tokens=12" in out  # passkey's
+  assert "options: n_scored=256, heldout=False" in out  # ppl's
+
+
+def test_report_rebuilds_the_summary(capsys, tmp_path):
+  records = [{"task": "passkey", "method": m, "length": 256, "depth": 0.5, "seed": s,
+              "score": float(m == "full" or s)} for m in ("full", "snapkv") for s in (0, 1)]
+  (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+  assert cli.main(["report", str(tmp_path)]) == 0
+  assert f"wrote {tmp_path}/summary.md (4 records)" in capsys.readouterr().out
+  summary = (tmp_path / "summary.md").read_text()
+  assert "| full | 100 (n=2) |" in summary and "| snapkv | 50 (n=2) |" in summary
+  assert cli.main(["report", str(tmp_path / "none")]) == 2
+  assert _only_line(capsys) == (f"jax-longctx: error: report: {tmp_path}/none/results.jsonl: No "
+                                "such file or directory")
+
+
+def test_help_is_for_users_and_shows_every_default(capsys):
+  parser = cli.build_parser()
+  with pytest.raises(SystemExit):
+    parser.parse_args(["--help"])
+  top = capsys.readouterr().out
+  assert "entry point" not in top and "jax-longctx methods" in top
+  sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+  for command, p in sub.choices.items():
+    if command == "train-cpt":  # another package's command
+      continue
+    for action in p._actions:
+      if action.option_strings and action.nargs != 0 and not action.required:
+        text = p._get_formatter()._get_help_string(action)
+        assert "default" in text, (command, action.option_strings, text)
+  helps = {c: p.format_help() for c, p in sub.choices.items()}
+  assert "(default: 64)" in helps["generate"] and "(default: 20)" in helps["eval"]
+  assert "jax-longctx tasks" in helps["eval"] and "snapkv" in helps["generate"]
+  assert "share of the cache KEPT" in helps["eval"] and "compression_ratio" in helps["eval"]
