@@ -158,6 +158,17 @@ def _fuse_units(parts, shards: int):
 # The weights fusing replaces, by block.
 _FUSED_PARTS = {"attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj")}
 
+# Each fused weight: (its block, its parts, how it is made of them over `shards` model shards),
+# in the order `fuse_placed` makes them (its doc says why this order).
+_FUSED = {
+    "o_proj_t": ("attn", ("o_proj",),  # [H, hd, D] -> [D, H, hd]
+                 lambda p, shards: jnp.transpose(p["o_proj"], (2, 0, 1))),
+    "qkv_proj": ("attn", ("q_proj", "k_proj", "v_proj"),
+                 lambda p, shards: _fuse_heads([p["q_proj"], p["k_proj"], p["v_proj"]], shards)),
+    "gate_up_proj": ("mlp", ("gate_proj", "up_proj"),
+                     lambda p, shards: _fuse_units([p["gate_proj"], p["up_proj"]], shards)),
+}
+
 
 def fuse_projections(params, shards: int = 1):
   """The serving layout: per layer q/k/v concatenated over heads into `qkv_proj` [D, H+2KV, hd],
@@ -183,13 +194,11 @@ def fuse_projections(params, shards: int = 1):
     return params
   layers = {}
   for i, layer in params["layers"].items():
-    a, m = layer["attn"], layer["mlp"]
-    attn = {k: v for k, v in a.items() if k not in _FUSED_PARTS["attn"]}
-    attn["qkv_proj"] = _fuse_heads([a["q_proj"], a["k_proj"], a["v_proj"]], shards)
-    attn["o_proj_t"] = jnp.transpose(a["o_proj"], (2, 0, 1))  # [H, hd, D] -> [D, H, hd]
-    mlp = {k: v for k, v in m.items() if k not in _FUSED_PARTS["mlp"]}
-    mlp["gate_up_proj"] = _fuse_units([m["gate_proj"], m["up_proj"]], shards)
-    layers[i] = {**layer, "attn": attn, "mlp": mlp}
+    new = {block: {k: v for k, v in layer[block].items() if k not in names}
+           for block, names in _FUSED_PARTS.items()}
+    for name, (block, names, make) in _FUSED.items():
+      new[block][name] = make({k: layer[block][k] for k in names}, shards)
+    layers[i] = {**layer, **new}
   return {**params, "layers": layers}
 
 
@@ -210,25 +219,40 @@ def fuse_placed(params, mesh=None, *, consume: bool = False):
   by layer, each fused weight split as its parts were. Only the fused weights are new buffers:
   every other weight is the input's own (a jitted copy of whole layers once held two models:
   30.0 GB against 25.2 at the 8B shape on one H200 with `mesh="model=1"`). consume: the parts
-  are deleted from the input tree as each layer is fused."""
+  are deleted from the input tree as each fused weight is made.
+
+  One fused weight at a time, its parts freed before the next is made, in the order of `_FUSED`
+  (o_proj_t, then q/k/v, then gate/up): then each new weight fits exactly in what its like freed
+  in the layer before (o_proj_t in part of the block the previous k, o, q, v left, the fused
+  q/k/v in the rest, gate/up in its predecessors' block). Why: XLA's GPU allocator (BFC) hands
+  out a free block whole when it is under twice the request and the excess under 128 MiB, and
+  counts it whole as in use. All three made in one call a layer, the 70B on `model=2` had 75.86
+  GB in use a GPU for 70.56 GB of live weights (about 67 MB a layer: what a fused q/k/v of 84 MB
+  leaves of the 151 MB block a layer's k, o, q, v free; inferred, not traced) and ran out of
+  memory on 2 H100s at 32K; made this way, 70.56 GB in use, peak 71.02
+  (benchmarks/results/tp70b_fuse_memory_2xh100.jsonl)."""
   if is_fused(params):
     return params
   mesh = mesh if mesh is None else make_mesh(mesh)
   shards = 1 if mesh is None else axis_size(mesh, "model")
-
-  def fuse(parts):
-    return fuse_projections({"layers": {0: parts}}, shards)["layers"][0]
-
   layers = {}
   for i, layer in params["layers"].items():
-    parts = {block: {k: layer[block][k] for k in names} for block, names in _FUSED_PARTS.items()}
-    out = None if mesh is None else jax.tree.map(
-        lambda s: NamedSharding(mesh, s), param_specs(jax.eval_shape(fuse, parts), mesh))
-    fused = jax.jit(fuse, out_shardings=out)(parts)
-    if consume:  # (donating them warns: no output can reuse a part's buffer)
-      for x in jax.tree.leaves(parts):
-        x.delete()
-    layers[i] = {**layer, **{block: {**{k: v for k, v in layer[block].items()
-                                        if k not in names}, **fused[block]}
-                             for block, names in _FUSED_PARTS.items()}}
+    new = {block: {k: v for k, v in layer[block].items() if k not in names}
+           for block, names in _FUSED_PARTS.items()}
+    for name, (block, names, _) in _FUSED.items():
+      parts = {k: layer[block][k] for k in names}
+      where = None if mesh is None else NamedSharding(mesh, _spec(name, mesh))
+      fused = _fuser(name, shards, where)(parts)
+      if consume:  # (donating them warns: no output can reuse a part's buffer)
+        jax.block_until_ready(fused)  # freed before the next weight is allocated
+        for x in parts.values():
+          x.delete()
+      new[block][name] = fused
+    layers[i] = {**layer, **new}
   return {**params, "layers": layers}
+
+
+@functools.lru_cache(maxsize=None)
+def _fuser(name: str, shards: int, sharding):
+  make = functools.partial(_FUSED[name][2], shards=shards)
+  return jax.jit(make) if sharding is None else jax.jit(make, out_shardings=sharding)
