@@ -65,11 +65,15 @@ def _prefill_flops_per_token(model: str, ctx: int) -> float:
 
 
 def _stage(msg: str) -> None:
-  """A progress line on stderr, with the device memory in use and its peak so far."""
+  """A progress line on stderr, with each device's memory in use and its peak so far."""
   import jax
-  stats = jax.devices()[0].memory_stats() or {}
-  used, peak = (stats.get(k, 0) / 1e9 for k in ("bytes_in_use", "peak_bytes_in_use"))
-  mem = f" [{used:.2f} GB in use, peak {peak:.2f}]" if stats else ""
+  mem = []
+  for d in jax.local_devices():
+    stats = d.memory_stats() or {}
+    if stats:
+      used, peak = (stats.get(k, 0) / 1e9 for k in ("bytes_in_use", "peak_bytes_in_use"))
+      mem.append(f"{used:.2f} GB in use, peak {peak:.2f}")
+  mem = f" [{' | '.join(mem)}]" if mem else ""
   print(f"[{time.strftime('%H:%M:%S')}] {msg}{mem}", file=sys.stderr, flush=True)
 
 
@@ -138,6 +142,12 @@ def run_jax(args) -> dict:
   params = serving_params(random_params(cfg) if mesh is None else random_on_mesh(cfg, mesh), mesh)
   jax.block_until_ready(params)
   peak_params = jax_peak_bytes()  # what placing (and fusing) the weights took, before any step
+  devices = jax.devices()[:1] if mesh is None else list(mesh.devices.flat)
+  # in use once the weights are ready, against their bytes: the allocator's blocks handed out
+  # whole show as the difference (model.fuse_placed)
+  params_ready = {"in_use_after_params_per_device": [
+                      (d.memory_stats() or {}).get("bytes_in_use") for d in devices],
+                  "params_bytes_per_device": [bytes_on(params, d) for d in devices]}
   _stage("params ready")
   b, ctx = args.batch, args.context
   chunk = method.prefill_chunk or args.chunk  # as generation.prefill: the method's own, if any
@@ -227,7 +237,7 @@ def run_jax(args) -> dict:
   weights_total = sum(x.nbytes for x in jax.tree.leaves(params))
   return {**report, "hparams": method.hparams(), "kv_dtype": options.kv_dtype,
           "fill_cache": args.fill_cache, "cache_bytes": cache_bytes,
-          "peak_bytes_after_params": peak_params,
+          "peak_bytes_after_params": peak_params, **params_ready,
           "weights_bytes_total": weights_total, "resident_bytes": cache_bytes + weights_total,
           "prefill_tok_s": b * timed_tokens / prefill_s if prefill_s else None,
           "prefill_warmup": args.warmup_prefill,
