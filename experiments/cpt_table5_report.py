@@ -1,5 +1,6 @@
 """Table 5 from the records of experiments/refreshkv_cpt_table5.py: DIR/before.jsonl and
-DIR/after.jsonl -> DIR/table5.md, DIR/table5.json and DIR/table5.png.
+DIR/after.jsonl -> DIR/table5.md, DIR/table5.json and DIR/table5.png (`python
+experiments/cpt_table5_report.py DIR` redraws only the figure, from DIR/table5.json).
 
 Perplexity is pooled over the windows both runs scored (exp of the mean token NLL: gap_stats),
 as the paper's "Test PPL". The change CPT made is the pooled NLL after minus before in
@@ -13,15 +14,12 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-from jax_longctx.app.eval import read_records  # noqa: E402
-from jax_longctx.app.gap_stats import LEVEL, nll_by_seed, paired_contrast, pooled_ppl  # noqa: E402
-from jax_longctx.core.errors import LongctxError  # noqa: E402
+from jax_longctx.app import plots
+from jax_longctx.app.eval import read_records
+from jax_longctx.app.gap_stats import LEVEL, nll_by_seed, paired_contrast, pooled_ppl
+from jax_longctx.core.errors import LongctxError
 
 TASK = "cpt_table5"
 NAMES = {"full": "Vanilla", "streaming_llm": "Streaming", "h2o": "H2O", "snapkv": "SnapKV",
@@ -172,24 +170,37 @@ def markdown(t: dict) -> str:
   return "\n".join(lines + [""] + t["verdict"]) + "\n"
 
 
-def plot(t: dict, path: str) -> None:
-  """One panel per length: each method's perplexity before (open) and after (filled) CPT."""
-  fig, axes = plt.subplots(1, len(t["lengths"]), figsize=(5.5 * len(t["lengths"]), 4),
+def plot(t: dict, path: str) -> str:
+  """table5.png: a panel per length, each method's perplexity before and after CPT joined by a
+  grey line. `t` as `tabulate` returns it or as table5.json holds it (lengths as strings)."""
+  plt = plots.pyplot()
+  lengths = t["lengths"]
+  fig, axes = plt.subplots(1, len(lengths), figsize=(5.5 * len(lengths), 4.2), sharey=True,
                            squeeze=False)
-  for ax, n in zip(axes[0], t["lengths"]):
-    rows = [r for r in t["rows"] if n in r["cells"]]
-    for x, r in enumerate(rows):
-      c = r["cells"][n]
-      ax.plot([x, x], [c["ppl_before"], c["ppl_after"]], color="0.6", zorder=1)
-      ax.scatter([x], [c["ppl_before"]], facecolors="none", edgecolors="C0", zorder=2,
-                 label="before CPT" if x == 0 else None)
-      ax.scatter([x], [c["ppl_after"]], color="C1", zorder=2, label="after CPT" if x == 0 else None)
-    ax.set_xticks(range(len(rows)), [_label(r) for r in rows], rotation=30, ha="right")
-    ax.set(title=f"L = {n}, K = {n // 8}", ylabel="perplexity of the last 50 tokens")
-    ax.legend()
+  for ax, n in zip(axes[0], lengths):
+    rows = [(r, {int(k): c for k, c in r["cells"].items()}) for r in t["rows"]]
+    rows = [(r, cells[n]) for r, cells in rows if n in cells]
+    xs = list(range(len(rows)))
+    before, after = [c["ppl_before"] for _, c in rows], [c["ppl_after"] for _, c in rows]
+    ax.vlines(xs, after, before, color="0.75", linewidth=2, zorder=1)
+    plots.draw_lines(ax, {"before CPT": (xs, before), "after CPT": (xs, after)},
+                     linestyle="none", zorder=2)
+    ax.set_xticks(xs, [NAMES.get(r["name"], r["name"]) + (f", stride {r['stride']}" if
+                                                          r["stride"] else "") for r, _ in rows],
+                  rotation=30, ha="right")
+    ax.set_title(f"L = {n} tokens, budget K = {n // 8} tokens", fontsize="medium")
+  axes[0, 0].set_ylabel("perplexity of the last 50 tokens\n(lower is better)")
+  plots.legend_outside(axes[0, -1])
+  fig.suptitle("RefreshKV Table 5: perplexity before and after continued pretraining (CPT)")
   fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  return plots.save(fig, path)
+
+
+def replot(out_dir: str) -> str:
+  """table5.png again from OUT/table5.json alone (the report itself: refreshkv_cpt_table5.py
+  report OUT)."""
+  with open(os.path.join(out_dir, "table5.json")) as f:
+    return plot(json.load(f), os.path.join(out_dir, "table5.png"))
 
 
 def write_report(out_dir: str) -> str:
@@ -203,3 +214,11 @@ def write_report(out_dir: str) -> str:
     json.dump(t, f, indent=1)
   plot(t, os.path.join(out_dir, "table5.png"))
   return md
+
+
+if __name__ == "__main__":
+  if len(sys.argv) < 2:
+    sys.exit("usage: python experiments/cpt_table5_report.py DIR... (redraws DIR/table5.png "
+             "from DIR/table5.json)")
+  for out_dir in sys.argv[1:]:
+    print(replot(out_dir))
