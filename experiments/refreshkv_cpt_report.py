@@ -1,22 +1,39 @@
 """summary.md and curves.png of a train-cpt run's log.jsonl (docs/results/refreshkv/cpt).
 
     PYTHONPATH=. python experiments/refreshkv_cpt_report.py RUN_DIR [OUT_DIR]
+    PYTHONPATH=. python experiments/refreshkv_cpt_report.py DIR/PREFIXlog.jsonl [OUT_DIR]
+
+RUN_DIR: the run's folder (its log.jsonl); or a log saved under another name, whose prefix the
+outputs take (cpt_log.jsonl -> cpt_summary.md, cpt_curves.png). OUT_DIR: RUN_DIR, or the log's
+folder.
 """
 
+import json
 import os
 import statistics
 import sys
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from jax_longctx.app import plots  # noqa: E402
 from train_cpt import read_log  # noqa: E402
 
 
-def main(run_dir: str, out_dir: str) -> None:
-  steps, evals = read_log(run_dir)
+def _read(log: str) -> tuple[dict[int, dict], list[dict]]:
+  """read_log's (steps, evaluations) of a run folder or of a log file by another name."""
+  if os.path.isdir(log):
+    return read_log(log)
+  steps, evals = {}, []
+  with open(log) as f:
+    for line in f:
+      rec = json.loads(line)
+      if "eval" in rec:
+        evals.append(rec["eval"])
+      else:
+        steps[rec["step"]] = rec
+  return steps, evals
+
+
+def summary(steps: dict[int, dict], evals: list[dict]) -> str:
   timed = [steps[s] for s in sorted(steps)][1:]  # the first step includes compilation
   lines = ["| step | held-out ppl, full attention | held-out ppl, RefreshKV | ratio |",
            "|---|---|---|---|"]
@@ -27,19 +44,46 @@ def main(run_dir: str, out_dir: str) -> None:
   mfu = [r["mfu"] for r in timed if "mfu" in r]
   lines += ["", f"Training step (median of steps 2..{len(steps)}): {tok_s:.0f} tokens/s"
             + (f", model FLOPs utilization {100 * statistics.median(mfu):.1f}%" if mfu else "")]
-  with open(os.path.join(out_dir, "summary.md"), "w") as f:
-    f.write("\n".join(lines) + "\n")
-  fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.5))
-  a.plot(sorted(steps), [steps[s]["loss"] for s in sorted(steps)])
-  a.set(xlabel="step", ylabel="training loss (all L + S tokens)")
-  for key, label in (("full_ppl", "full attention"), ("refreshkv_ppl", "RefreshKV")):
-    b.plot([e["step"] for e in evals], [e[key] for e in evals], marker="o", label=label)
-  b.set(xlabel="step", ylabel="held-out perplexity of the S tokens")
-  b.legend()
+  return "\n".join(lines)
+
+
+def plot(steps: dict[int, dict], evals: list[dict], path: str) -> str:
+  """The training loss by step and, where the run evaluated, the held-out perplexity of full
+  attention and RefreshKV by step (a panel left out when the log holds no evaluation)."""
+  plt = plots.pyplot()
+  fig, axes = plt.subplots(1, 2 if evals else 1, figsize=(11 if evals else 6, 3.8),
+                           squeeze=False)
+  loss = axes[0, 0]
+  xs = sorted(steps)
+  plots.draw_lines(loss, {"training loss": (xs, [steps[s]["loss"] for s in xs])},
+                   ylabel="training loss (nats/token,\nmean over all L + S tokens)",
+                   marker="" if len(xs) > 30 else "o", linewidth=1)
+  loss.set_xlabel("training step")
+  loss.set_title("training loss" + ("" if evals else " (the log holds no held-out evaluation)"),
+                 fontsize="medium")
+  if evals:
+    ax = axes[0, 1]
+    plots.draw_lines(ax, {label: ([e["step"] for e in evals], [e[key] for e in evals])
+                          for key, label in (("full_ppl", "full attention"),
+                                             ("refreshkv_ppl", "RefreshKV"))},
+                     ylabel="perplexity of the S tokens\n(lower is better)")
+    ax.set_xlabel("training step")
+    ax.set_title("held-out perplexity", fontsize="medium")
+    plots.legend_outside(ax)
   fig.tight_layout()
-  fig.savefig(os.path.join(out_dir, "curves.png"), dpi=120)
-  print("\n".join(lines))
+  return plots.save(fig, path)
+
+
+def main(log: str, out_dir: str | None = None) -> None:
+  prefix = "" if os.path.isdir(log) else os.path.basename(log).removesuffix("log.jsonl")
+  out_dir = out_dir or (log if os.path.isdir(log) else os.path.dirname(log) or ".")
+  steps, evals = _read(log)
+  text = summary(steps, evals)
+  with open(os.path.join(out_dir, f"{prefix}summary.md"), "w") as f:
+    f.write(text + "\n")
+  plot(steps, evals, os.path.join(out_dir, f"{prefix}curves.png"))
+  print(text)
 
 
 if __name__ == "__main__":
-  main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else sys.argv[1])
+  main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else None)
