@@ -14,34 +14,37 @@ make them, each carrying the batch's timings and size). DIR/results.jsonl gets o
 finished sample (appended and synced as it goes, so an interrupted sweep resumes where it
 stopped; a record that the interruption cut short is run again); DIR/summary.md and DIR/*.png
 are rewritten at the end.
+
+Before any sample runs, a sweep refuses in one line: an --out that is a file or cannot be
+written; a length whose cache and weights cannot fit the device (`memory_estimate`); and an
+--out whose records were made under other settings: another model, method hyper-parameter,
+chat, cache dtype, task option, prefill chunk or cache size (`run_settings`: each record
+carries what it ran under, and resuming is only ever from records this command would have
+written). Rerun such a sweep with another --out, or remove the old results.jsonl.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator
 
 import jax
 
 from jax_longctx import methods as methods_lib
+from jax_longctx.app import memory_estimate, run_settings
 from jax_longctx.app import tasks as tasks_lib
 from jax_longctx.run.driver import continuation_nll, generate
 from jax_longctx.core.axes import take_rows
 from jax_longctx.core.options import DEFAULT, RunOptions
-from jax_longctx.core.errors import LongctxError
 from jax_longctx.core.progress import progress
+# Scripts read and write records through this module's names (load_results, read_records).
+from jax_longctx.app.records import (RESULTS, EvalError, append_record, load_results,  # noqa: F401
+                                     read_records, record_key, stored_expected,
+                                     writable_results)
 from jax_longctx.app.report import write_report
-
-RESULTS = "results.jsonl"
-
-
-class EvalError(LongctxError, ValueError):
-  pass
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,76 +136,22 @@ class MethodSpec:
             for label, name in run.items()]
 
 
-def _key(rec: dict) -> tuple:
-  return (rec["task"], rec["method"], rec["length"], rec["depth"], rec["seed"])
-
-
-def load_results(out_dir: str, repair: bool = True) -> list[dict]:
-  """Finished samples of the sweep in `out_dir` (`read_records`)."""
-  return read_records(os.path.join(out_dir, RESULTS), repair, _key)
-
-
-def read_records(path: str, repair: bool = True, key=lambda rec: rec) -> list[dict]:
-  """The records of a JSONL file that `append_record` writes. A last line without its newline
-  is a record whose write was interrupted (a killed run): it is dropped, with one line saying
-  so, and its sample runs again; with `repair` the file is cut back to the end of the line
-  before, so the next record starts a line of its own. Any other line that is not valid JSON
-  (or that `key` cannot read) is an error, never silently dropped."""
-  if not os.path.exists(path):
-    return []
-  with open(path, "rb") as f:
-    data = f.read()
-  lines = data.split(b"\n")
-  cut = lines.pop()  # after the last newline: b"" unless a write was cut short
-  if cut.strip():
-    print(f"{path}: dropped its last line, a record cut short by an interrupted write "
-          f"({len(cut)} bytes); its sample runs again", file=sys.stderr)
-    if repair:
-      with open(path, "r+b") as f:
-        f.truncate(len(data) - len(cut))
-  out = []
-  for i, line in enumerate(lines, 1):
-    if not line.strip():
-      continue
-    try:
-      rec = json.loads(line)
-      key(rec)
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
-      raise EvalError(f"{path} line {i} is corrupt ({e}); fix or move the file, then rerun") from e
-    out.append(rec)
-  return out
-
-
-def append_record(path: str, rec: dict) -> None:
-  """One record as one line, in one write, on disk before the next sample starts: a kill leaves
-  at most the last line cut short, which read_records recognises."""
-  line = (json.dumps(rec) + "\n").encode()
-  with open(path, "ab", buffering=0) as f:
-    while line:  # a regular file takes it in one write; a short write only if interrupted
-      line = line[f.write(line):]
-    os.fsync(f.fileno())
-
-
 def _cache_len(length: int, new_tokens: int) -> int:
-  # One size per requested length, so every sample of a length shares the compiled steps.
+  # One size per requested length, so every sample of a length shares the compiled steps. A
+  # prompt is at most `length` tokens (the tasks size it so); the 2% above it is room for a
+  # method reading its instruction apart (`LM.apart`), whose two parts may tokenize longer
+  # than the whole, and keeps the cache of a float (fractional) budget what it was.
   return -(-(int(length * 1.02) + new_tokens + 1) // 256) * 256
+
+
+def cache_len_for(task, length: int, cache_len: int | None) -> int:
+  """The cache a task's samples of `length` run in: `cache_len` when the sweep fixes one."""
+  return cache_len or _cache_len(length, task.max_new_tokens)
 
 
 def _peak_bytes():
   stats = jax.local_devices()[0].memory_stats() or {}
   return stats.get("peak_bytes_in_use")
-
-
-# The answers kept in a record: chain-of-key's are the haystack's whole key list (~60 KB a
-# sample); the sample is regenerated from (task, length, depth, seed) when more is needed.
-STORED_ANSWERS = 32
-
-
-def stored_expected(expected) -> dict:
-  expected = list(expected)
-  if len(expected) <= STORED_ANSWERS:
-    return {"expected": expected}
-  return {"expected": expected[:STORED_ANSWERS], "n_expected": len(expected)}
 
 
 def run_batch(lm, task, spec: MethodSpec, samples: list, options: RunOptions = DEFAULT,
@@ -224,7 +173,7 @@ def run_batch(lm, task, spec: MethodSpec, samples: list, options: RunOptions = D
     prefixes, targets = zip(*(task.split(s) for s in samples))
     nll, run = continuation_nll(lm.params, lm.config, method, prefixes, targets,
                                 [lm.instruction_ids(s.instruction) for s in samples],
-                                cache_len=cache_len or _cache_len(samples[0].length, 0),
+                                cache_len=cache_len_for(task, samples[0].length, cache_len),
                                 options=options)
     timing.update(prefill_s=run.prefill_s, decode_s=run.decode_s)
     return [{"prediction": None, "expected": None, "score": float(math.exp(nll[i].mean())),
@@ -237,7 +186,7 @@ def run_batch(lm, task, spec: MethodSpec, samples: list, options: RunOptions = D
   run = generate(lm.params, lm.config, ids, method, instructions=instructions,
                  max_new_tokens=task.max_new_tokens, stop_tokens=lm.stop_tokens(),
                  options=options,
-                 cache_len=cache_len or _cache_len(samples[0].length, task.max_new_tokens))
+                 cache_len=cache_len_for(task, samples[0].length, cache_len))
   timing.update(prefill_s=run.prefill_s, decode_s=run.decode_s)
   out = []
   for i, sample in enumerate(samples[:n]):
@@ -301,27 +250,46 @@ def run_sweep(lm, task_name: str, specs: list[MethodSpec], lengths: list[int],
   batch_size: samples of one method and length run as one batch (`run_batch`; the last one
   filled with copies): fewer, fuller device steps; the records are those of single runs.
   first_sample: samples before it are left to another process (plan)."""
+  if samples < 1:
+    raise EvalError(f"--samples must be at least 1, got {samples}")
   if batch_size < 1:
     raise EvalError(f"a batch holds at least one sample, got {batch_size}")
   if not 0 <= first_sample < samples:
     raise EvalError(f"--first-sample {first_sample} must lie in [0, samples={samples})")
   task_list = [tasks_lib.get(n, **(task_options or {})) for n in tasks_lib.expand(task_name)]
+  # Several processes (a multi-host mesh) run the same sweep; the first one writes the records.
+  writer = jax.process_index() == 0
+  results_path = writable_results(out_dir) if writer else os.path.join(out_dir, RESULTS)
+  # Settings a method leaves to the model (RefreshKV's calibrated threshold) filled in, so each
+  # record's hparams show what ran.
+  specs = [dataclasses.replace(s, method=lm.resolve_method(s.method)) for s in specs]
+  check_memory(lm, task_list, specs, lengths, options, cache_len, batch_size)
   for task in task_list:  # a length too short for a task fails here, before anything runs
     for length in lengths:
       if hasattr(task, "check_length"):
         task.check_length(lm.tokenizer, length, chat)
-  # Settings a method leaves to the model (RefreshKV's calibrated threshold) filled in, so each
-  # record's hparams show what ran.
-  specs = [dataclasses.replace(s, method=lm.resolve_method(s.method)) for s in specs]
-  os.makedirs(out_dir, exist_ok=True)
-  # Several processes (a multi-host mesh) run the same sweep; the first one writes the records.
-  writer = jax.process_index() == 0
+  sweep = run_settings.sweep_settings(lm, chat, options)
+  planned = {(task.name, s.label, length): run_settings.entry_settings(
+                 task, s.at(length).method, _kv_dtype(lm, s, options), length,
+                 cache_len_for(task, length, cache_len))
+             for task in task_list for s in specs for length in lengths}
   done = load_results(out_dir, repair=writer)
-  seen = {_key(r) for r in done}
+  try:
+    run_settings.check_resumable(done, sweep, planned)
+  except run_settings.Mismatch as e:
+    raise EvalError(f"{out_dir} holds {e}; rerun with another --out, or remove "
+                    f"{results_path}") from None
+
+  def run_of(task, label, length) -> dict:
+    return {"sweep": sweep, "entry": planned[(task.name, label, length)]}
+
+  # Records of other settings were refused above; the settings' digest in the key keeps it so.
+  seen = {(*record_key(r), run_settings.digest(r["run"])) for r in done}
   runs = [(task, [p for length in lengths
                   for p in plan(task, [s.at(length) for s in specs], [length], depths, samples,
                                 first_sample)
-                  if (task.name, p[0].label, p[1], p[2], p[3]) not in seen])
+                  if (task.name, p[0].label, p[1], p[2], p[3],
+                      run_settings.digest(run_of(task, p[0].label, p[1]))) not in seen])
           for task in task_list]
 
   runs = [(task, batched(todo, batch_size)) for task, todo in runs]
@@ -339,13 +307,37 @@ def run_sweep(lm, task_name: str, specs: list[MethodSpec], lengths: list[int],
     for ((_, _, depth, seed), sample), result in zip(made, results):
       rec = {"task": task.name, "method": spec.label, "hparams": spec.method.hparams(),
              "length": length, "depth": depth, "seed": seed, "n_tokens": sample.n_tokens,
-             "chat": chat, "kv_dtype": spec.kv_dtype or options.kv_dtype or lm.config.dtype}
+             "chat": chat, "kv_dtype": _kv_dtype(lm, spec, options),
+             "run": run_of(task, spec.label, length)}
       if spec.point is not None:
         rec.update(base_method=spec.base, **spec.point.fields(length, sample.n_tokens))
       rec.update(result, peak_bytes=_peak_bytes())
       if writer:
-        append_record(os.path.join(out_dir, RESULTS), rec)
+        append_record(results_path, rec)
       done.append(rec)
   if writer:
     write_report(done, out_dir)
   return done
+
+
+def _kv_dtype(lm, spec: MethodSpec, options: RunOptions) -> str:
+  """How a spec's cache is stored: its own dtype, the run's, else the model's."""
+  return spec.kv_dtype or options.kv_dtype or lm.config.dtype
+
+
+def check_memory(lm, task_list, specs: list[MethodSpec], lengths: list[int],
+                 options: RunOptions, cache_len: int | None, batch: int) -> None:
+  """Refuses, in one line, a method and length whose weights, cache and activations cannot fit
+  the device (`memory_estimate`), from shapes alone: in well under a second."""
+  weights = memory_estimate.weight_bytes(lm.params)
+  capacity, platform = memory_estimate.available(resident=weights)
+  for task in task_list:
+    for spec in specs:
+      opts = options.replace(kv_dtype=spec.kv_dtype) if spec.kv_dtype else options
+
+      def need_at(length, task=task, spec=spec, opts=opts):
+        return memory_estimate.need(lm.config, weights, spec.at(length).method, length=length,
+                                    cache_len=cache_len_for(task, length, cache_len),
+                                    batch=batch, options=opts)
+      memory_estimate.check([(spec.label, length, need_at) for length in lengths], capacity,
+                            platform)
