@@ -154,6 +154,15 @@ def test_the_cache_estimate_is_what_the_method_allocates(tiny_text_lm):  # noqa:
             for n in (4000, 400_000)]
   assert budget[0] == budget[1] < per_slot * 4096
   assert memory_estimate.longest_fitting(lambda n: n * 3 <= 100, 1000) == 33
+  runs = [("m", 4096, lambda n: memory_estimate.Need(0, 10 * n, 0))]
+  with pytest.raises(memory_estimate.DoesNotFit, match=r"^--lengths 4K: m needs ~0.041 MB \("
+                     r"0.041 MB of cache, .* on this cpu device \(0.03 MB available\); the "
+                     r"longest that fits is ~2.9K tokens$"):
+    memory_estimate.check(runs, 30_000, "cpu")
+  with pytest.raises(memory_estimate.DoesNotFit, match=r"^--cache-len 8192: m needs .*; lower "
+                     r"--cache-len$"):
+    memory_estimate.check(runs, 30_000, "cpu", cache_len=8192)
+  memory_estimate.check(runs, 40_960, "cpu")
   assert memory_estimate.tokens(10 << 20) == "10M" and memory_estimate.tokens(491520) == "480K"
 
 

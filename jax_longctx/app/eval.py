@@ -338,6 +338,6 @@ def check_memory(lm, task_list, specs: list[MethodSpec], lengths: list[int],
       def need_at(length, task=task, spec=spec, opts=opts):
         return memory_estimate.need(lm.config, weights, spec.at(length).method, length=length,
                                     cache_len=cache_len_for(task, length, cache_len),
-                                    batch=batch, options=opts)
+                                    batch=batch, options=opts, spread=platform != "cpu")
       memory_estimate.check([(spec.label, length, need_at) for length in lengths], capacity,
-                            platform)
+                            platform, cache_len)

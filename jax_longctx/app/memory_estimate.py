@@ -70,12 +70,13 @@ def activation_bytes(cfg, batch: int, chunk: int) -> int:
 
 
 def need(cfg, weights: int, method, *, length: int, cache_len: int, batch: int,
-         options: RunOptions) -> Need:
+         options: RunOptions, spread: bool = True) -> Need:
   """What one method needs at one length (its cache stored as options.kv_dtype), on one device
-  of options.mesh: a lower bound spreading weights and cache evenly over the mesh's devices."""
+  of options.mesh: a lower bound spreading weights and cache evenly over the mesh's devices.
+  spread=False: the whole, for devices that share one memory (a CPU host's)."""
   chunk = chunk_for(method, options, length)
   kv_dtype = options.cache_dtype(cfg.jnp_dtype)
-  devices = 1 if options.mesh is None else options.mesh.size
+  devices = 1 if options.mesh is None or not spread else options.mesh.size
   return Need(weights // devices,
               cache_bytes(cfg, method, batch, cache_len, kv_dtype, chunk) // devices,
               activation_bytes(cfg, -(-batch // devices), chunk))
@@ -120,26 +121,31 @@ def gigabytes(n: int) -> str:
 
 
 def tokens(n: int) -> str:
-  """4096 -> '4K', 491520 -> '480K', 10485760 -> '10M' (as --lengths names them)."""
+  """4096 -> '4K', 491520 -> '480K', 10485760 -> '10M' (as --lengths names them); a tenth
+  below 100 units ('2.5M'), whole units above."""
   for unit, size in (("M", 1 << 20), ("K", 1 << 10)):
     if n >= size:
-      return f"{round(n / size, 1):g}{unit}"
+      return f"{round(n / size, 1 if n < 100 * size else None):g}{unit}"
   return str(n)
 
 
-def check(runs: list[tuple[str, int, Callable[[int], Need]]], capacity: int,
-          platform: str) -> None:
+def check(runs: list[tuple[str, int, Callable[[int], Need]]], capacity: int, platform: str,
+          cache_len: int | None = None) -> None:
   """Refuses the first of `runs`, (label, length, need_at), whose need_at(length) is past
-  `capacity`: one line with the estimate and the longest length that fits."""
+  `capacity`: one line with the estimate and the longest length that fits. cache_len: a cache
+  size the run fixes whatever the length (then it, not the length, is what to lower)."""
   for label, length, need_at in runs:
     got = need_at(length)
     if got.total <= capacity:
       continue
-    fits = longest_fitting(lambda n: need_at(n).total <= capacity, length)
-    room = (f"the longest that fits is ~{tokens(fits)} tokens" if fits >= 256 else
-            "no length fits")
+    if cache_len is not None:
+      asked, room = f"--cache-len {cache_len}", "lower --cache-len"
+    else:
+      fits = longest_fitting(lambda n: need_at(n).total <= capacity, length)
+      asked = f"--lengths {tokens(length)}"
+      room = (f"the longest that fits is ~{tokens(fits)} tokens" if fits >= 256 else
+              "no length fits")
     raise DoesNotFit(
-        f"--lengths {tokens(length)}: {label} needs ~{gigabytes(got.total)} ("
-        f"{gigabytes(got.cache)} of cache, {gigabytes(got.weights)} of weights, "
-        f"{gigabytes(got.activations)} of activations) on this {platform} device "
-        f"({gigabytes(capacity)} available); {room}")
+        f"{asked}: {label} needs ~{gigabytes(got.total)} ({gigabytes(got.cache)} of cache, "
+        f"{gigabytes(got.weights)} of weights, {gigabytes(got.activations)} of activations) on "
+        f"this {platform} device ({gigabytes(capacity)} available); {room}")
