@@ -16,6 +16,7 @@ import sys
 from importlib.metadata import PackageNotFoundError, entry_points, version
 
 from jax_longctx import methods as methods_lib
+from jax_longctx.app import bench
 from jax_longctx.app import cli_commands as commands
 from jax_longctx.app.cli_errors import USER_ERRORS, command_line, run_parsed
 from jax_longctx.methods.refreshkv import CALIBRATION_THRESHOLDS
@@ -233,6 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
   _add_calibrate(sub)
   _add_files(sub)
   _add_listings(sub)
+  bench.add_arguments(_command(sub, "bench", bench.SUMMARY, bench.cmd_bench))
   for command in entry_points(group=COMMANDS):
     command.load()(sub)
   return parser

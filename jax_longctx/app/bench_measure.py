@@ -1,0 +1,208 @@
+"""What every benchmark measures with: median times after warm-up, the facts of the device and
+the software that ran them, the anchors a result is read against (the device-to-device copy
+bandwidth for memory-bound steps, a dense GEMM's rate for compute-bound ones), and the run
+options a benchmark's command line sets."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import statistics
+import time
+
+
+def median_time(fn, *, warmup: int = 1, reps: int = 5) -> tuple[float, list[float]]:
+  """Median wall time of fn() over `reps` calls after `warmup` (fn must block until its device
+  work is done)."""
+  for _ in range(warmup):
+    fn()
+  times = []
+  for _ in range(reps):
+    t = time.perf_counter()
+    fn()
+    times.append(time.perf_counter() - t)
+  return statistics.median(times), times
+
+
+def timed(fn, *args, reps: int, inner: int, sync=None) -> float:
+  """Median seconds per call of jitted fn over `reps` groups of back-to-back calls.
+
+  A group is at least `inner` calls and at least ~20 ms, so that short kernels are timed with
+  the device busy and clocked up rather than dominated by launch gaps. sync(out) waits for the
+  device (default: jax.block_until_ready; torch calls bring their own).
+  """
+  import jax
+  sync = sync or jax.block_until_ready
+  sync(fn(*args))
+  t = time.perf_counter()
+  sync(fn(*args))
+  inner = max(inner, int(0.02 / max(time.perf_counter() - t, 1e-6)))
+  times = []
+  for _ in range(reps):
+    t = time.perf_counter()
+    for _ in range(inner):
+      out = fn(*args)
+    sync(out)
+    times.append((time.perf_counter() - t) / inner)
+  return statistics.median(times)
+
+
+def device_facts() -> dict:
+  """The device and software a record was measured on."""
+  import jax
+  dev = jax.devices()[0]
+  return {"device": getattr(dev, "device_kind", str(dev)), "platform": dev.platform,
+          "jax": jax.__version__, "python": platform.python_version()}
+
+
+def jax_peak_bytes() -> int | None:
+  import jax
+  stats = jax.devices()[0].memory_stats() or {}
+  return stats.get("peak_bytes_in_use")
+
+
+def bytes_on(tree, device) -> int:
+  """Bytes of `tree`'s arrays that `device` holds (its shards; a whole array where unsharded)."""
+  import jax
+  return sum(s.data.nbytes for x in jax.tree.leaves(tree) for s in x.addressable_shards
+             if s.device == device)
+
+
+def write_json(path: str, record: dict) -> None:
+  """Appends `record` as one line of the JSONL file `path`."""
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with open(path, "a") as f:
+    f.write(json.dumps(record) + "\n")
+
+
+def printable(rec: dict, leave_out=()) -> str:
+  return json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in rec.items()
+                     if k not in leave_out})
+
+
+def has_cuda() -> bool:
+  """Whether torch sees a CUDA device: the anchors below are measured through it (cuBLAS and
+  cudaMemcpy are the rates a user's other tools reach, not XLA's)."""
+  try:
+    import torch
+    return torch.cuda.is_available()
+  except ImportError:
+    return False
+
+
+def gemm_tflops(n: int = 8192) -> float:
+  """Dense bf16 matmul rate of an n x n x n GEMM (torch, cuBLAS): the compute anchor."""
+  import torch
+  a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+  start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+  ms = []
+  for _ in range(20):
+    start.record()
+    a @ b
+    end.record()
+    torch.cuda.synchronize()
+    ms.append(start.elapsed_time(end))
+  ms = sorted(ms[5:])
+  del a, b
+  torch.cuda.empty_cache()
+  return 2 * n ** 3 / (ms[len(ms) // 2] / 1e3) / 1e12
+
+
+def copy_bandwidth() -> float:
+  """Bytes read + written per second by a large device-to-device copy (torch copy_): the memory
+  anchor."""
+  import torch
+  n = 1 << 31  # 4 GiB of bf16
+  x = torch.randn(n // 2, dtype=torch.float32, device="cuda").view(torch.bfloat16)
+  y = torch.empty_like(x)
+  start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+  ms = []
+  for _ in range(12):
+    start.record()
+    y.copy_(x)
+    end.record()
+    torch.cuda.synchronize()
+    ms.append(start.elapsed_time(end))
+  ms = sorted(ms[2:])
+  bw = 2 * x.numel() * x.element_size() / (ms[len(ms) // 2] / 1e3)
+  del x, y
+  torch.cuda.empty_cache()  # the runs measured after it need the memory
+  return bw
+
+
+def option_fields(cls, pairs, flag: str, default=None) -> dict:
+  """Fields of the dataclass `cls` from KEY=VALUE strings (--kernel-option, --run-option), each
+  value read as its field's type in `default` (cls() unless given; booleans: true / false;
+  `none`: None; a field whose default is None: an integer, true / false, or else the string)."""
+  names = {f.name for f in dataclasses.fields(cls)}
+  default, fields = default if default is not None else cls(), {}
+  for pair in pairs:
+    key, _, value = pair.partition("=")
+    if key not in names:
+      raise SystemExit(f"{flag} {pair}: {cls.__name__} has no field {key!r}")
+    current = getattr(default, key)
+    if value.lower() == "none":
+      fields[key] = None
+    elif isinstance(current, bool) or (current is None and value.lower() in ("true", "false")):
+      fields[key] = value.lower() in ("1", "true", "yes")
+    elif current is None:
+      fields[key] = int(value) if value.lstrip("-").isdigit() else value
+    else:
+      fields[key] = type(current)(value)
+  return fields
+
+
+def kernel_options(pairs):
+  """KernelOptions from --kernel-option KEY=VALUE strings."""
+  import pallas_kernels
+  return pallas_kernels.KernelOptions(**option_fields(pallas_kernels.KernelOptions, pairs,
+                                                      "--kernel-option"))
+
+
+def run_options(*, mesh=None, kv_dtype=None, chunk=None, kernel_option=(), run_option=(),
+                decode_tiling: str = ""):
+  """The RunOptions of a benchmark's run. Every kernel choice a command line can make
+  (--kernel-option, --decode-tiling, --run-option) is turned into options here and nowhere
+  else, so a change of how runs choose kernels changes this one function."""
+  from jax_longctx.core.options import RunOptions
+
+  tiling = None
+  if decode_tiling:
+    from pallas_kernels.gpu import Tiling
+    tiling = Tiling(**option_fields(Tiling, decode_tiling.split(","), "--decode-tiling"))
+  fields = {"prefill_chunk": chunk, **option_fields(RunOptions, run_option, "--run-option")}
+  return RunOptions(mesh=mesh or None, kernels=kernel_options(kernel_option),
+                    kv_dtype=kv_dtype or None, decode_tiling=tiling, **fields)
+
+
+def device_kernel_times(run, calls: int, per_call: int = 1) -> list[dict]:
+  """Device kernels that `run()` launches, from a profiler trace of `calls` runs: name, launches
+  and microseconds per unit (a run does `per_call` units, e.g. layers) and per device (a run
+  over several devices: their mean), longest first."""
+  import glob
+  import gzip
+  import tempfile
+
+  import jax
+  run()  # compiled and warm before tracing
+  with tempfile.TemporaryDirectory() as d:
+    with jax.profiler.trace(d, create_perfetto_trace=True):
+      for _ in range(calls):
+        run()
+    path = glob.glob(f"{d}/**/perfetto_trace.json.gz", recursive=True)[0]
+    events = json.load(gzip.open(path))
+  events = events["traceEvents"] if isinstance(events, dict) else events
+  device = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+            and str(e["args"].get("name", "")).startswith("/device:")}
+  total: dict[str, list[float]] = {}
+  busy = set()  # devices that ran a kernel: a one-device run on a host of several lists them all
+  for e in events:
+    if e.get("ph") == "X" and e.get("pid") in device and "dur" in e:
+      total.setdefault(e["name"], []).append(float(e["dur"]))
+      busy.add(e["pid"])
+  units = calls * per_call * max(len(busy), 1)
+  rows = [{"kernel": name[:120], "launches": len(d) / units, "us": sum(d) / units}
+          for name, d in total.items()]
+  return sorted(rows, key=lambda r: -r["us"])

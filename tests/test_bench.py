@@ -1,0 +1,77 @@
+"""`jax-longctx bench`: a tiny random shape on CPU through the command line (the table, the JSONL
+record's fields), and the table's rows and the anchors' shares from records like a GPU's."""
+
+import argparse
+import json
+
+from jax_longctx.app import bench
+from jax_longctx.app.cli import main
+
+HEADER = "| setting | prefill tok/s | of GEMM | decode ms/step | of bound | peak per GPU |"
+# What a record of benchmarks/decode.py held, and what a reader of BENCHMARKS.md compares.
+FIELDS = {"impl", "model", "context", "batch", "new_tokens", "method", "method_args", "label",
+          "mesh", "kernel_options", "run_options", "decode_tiling", "key_smoothing", "xla_flags",
+          "hparams", "kv_dtype", "fill_cache", "cache_bytes", "peak_bytes_after_params",
+          "in_use_after_params_per_device", "params_bytes_per_device", "weights_bytes_total",
+          "resident_bytes", "prefill_tok_s", "prefill_warmup", "prefill_chunk", "prefill_s",
+          "prefill_host_enqueue_s", "prefill_first_chunk_s", "decode_ms", "decode_times_s",
+          "decode_compile_s", "weight_bytes", "kv_bytes", "peak_bytes", "device_count",
+          "peak_bytes_per_device", "variant", "device", "platform", "jax", "python"}
+
+
+def test_a_tiny_shape_on_cpu(tmp_path, capsys, monkeypatch):
+  monkeypatch.setenv("JAX_PLATFORMS", "cpu")  # the child runs on the CPU whatever this machine has
+  out = tmp_path / "bench.jsonl"
+  status = main(["bench", "--model", "smollm2-135m", "--shape", "num_layers=2",
+                 "--shape", "vocab_size=1024", "--contexts", "256", "--batches", "1",
+                 "--reps", "2", "--new-tokens", "4", "--chunk", "128", "--out", str(out)])
+  assert status == 0, capsys.readouterr().err[-3000:]
+  lines = capsys.readouterr().out.splitlines()
+  assert lines[:2] == [HEADER, "|---|---|---|---|---|---|"]
+  cells = [c.strip() for c in lines[2].strip("|").split("|")]
+  assert cells[0] == "full, 256, batch 1, one device"
+  assert float(cells[1].replace(",", "")) > 0 and float(cells[3]) > 0
+  assert cells[2] == cells[4] == "-"  # no GPU: no anchors
+  (rec,) = [json.loads(line) for line in out.read_text().splitlines()]
+  assert FIELDS <= set(rec), FIELDS - set(rec)
+  assert "error" not in rec and rec["shape"] == ["num_layers=2", "vocab_size=1024"]
+  assert len(rec["decode_times_s"]) == 2 and rec["prefill_chunk"] == 128
+  assert rec["platform"] == "cpu" and rec["jax"]
+
+
+def _args(*argv):
+  p = argparse.ArgumentParser()
+  bench.add_arguments(p)
+  return p.parse_args(list(argv))
+
+
+def test_settings_cover_the_grid_and_route_options_by_label():
+  runs = bench.settings(_args("--contexts", "32768,131072", "--batches", "1,8",
+                              "--methods", "full,snap:snapkv", "--method-arg", "snap.budget=4096",
+                              "--kernel-option", "snap.decode_merge_kernel=false",
+                              "--meshes", "none;model=2", "--kv-dtypes", "none;int8",
+                              "--impls", "jax,hf"))
+  jax_runs = [s for s in runs if s.impl == "jax"]
+  assert len(jax_runs) == 2 * 2 * 2 * 3  # methods x meshes x kv dtypes x (4 pairs less 131072x8)
+  assert {(s.context, s.batch) for s in runs} == {(32768, 1), (32768, 8), (131072, 1)}
+  snap = [s for s in jax_runs if s.label == "snap"]
+  assert all(s.method == "snapkv" and s.method_args == ["budget=4096"]
+             and s.kernel_options == ["decode_merge_kernel=false"] for s in snap)
+  assert all(not s.method_args and not s.kernel_options for s in jax_runs if s.label == "full")
+  assert {s.mesh for s in jax_runs} == {"", "model=2"}
+  assert len([s for s in runs if s.impl == "hf"]) == 3
+
+
+def test_a_row_reads_as_the_benchmarks_table():
+  rec = {"impl": "jax", "label": "full", "context": 32768, "batch": 1, "mesh": "model=2",
+         "kv_dtype": None, "prefill_tok_s": 45223.0, "prefill_flops_per_token": 1.5e10,
+         "device_count": 2, "decode_ms": 5.576, "weight_bytes": 8e9, "kv_bytes": 2e9,
+         "peak_bytes_per_device": [11.9e9, 10.5e9]}
+  rec = bench.with_anchors(rec, bw=3.0e12, gemm=500.0)
+  assert rec["bound_ms"] == 10e9 / 3.0e12 * 1e3 and rec["of_bound"] == rec["bound_ms"] / 5.576
+  assert rec["prefill_of_gemm"] == 45223.0 * 1.5e10 / 1e12 / 1000.0
+  assert bench.table_row(rec) == (f"| full, 32K, batch 1, `model=2` | 45,223 | "
+                                  f"{rec['prefill_of_gemm']:.1%} | 5.576 | "
+                                  f"{rec['of_bound']:.1%} | 11.9 / 10.5 GB |")
+  failed = {"impl": "hf", "label": "full", "context": 131072, "batch": 8, "error": "OOM"}
+  assert bench.table_row(failed).startswith("| full, 128K, batch 8, transformers | OOM |")
