@@ -35,9 +35,11 @@ def byte_tokens(n: int) -> list[str]:
 
 
 def write_gguf(path, cfg, params, arch: str, *, quantize=(), extra=None, rope_freqs=None,
-               tokens=None, merges=(), pre="qwen2", token_types=None):
+               tokens=None, merges=(), pre="qwen2", token_types=None, chat_template=None,
+               kv=None):
   """Writes cfg/params as llama.cpp would for `arch`; `quantize` lists GGUF tensor-name suffixes
-  stored as Q8_0; `extra` maps more GGUF names to arrays."""
+  stored as Q8_0; `extra` maps more GGUF names to arrays; `kv` more metadata keys to
+  (value, gguf.GGUFValueType)."""
   import gguf
 
   w = gguf.GGUFWriter(str(path), arch)
@@ -58,6 +60,10 @@ def write_gguf(path, cfg, params, arch: str, *, quantize=(), extra=None, rope_fr
   w.add_token_types(token_types or [1] * len(tokens))
   w.add_token_merges(list(merges))
   w.add_eos_token_id(len(tokens) - 1)
+  if chat_template is not None:
+    w.add_chat_template(chat_template)
+  for key, (value, vtype) in (kv or {}).items():
+    w.add_key_value(key, value, vtype)
   for name, rule, i in layout.hf_names(cfg):
     arr = np.ascontiguousarray(rule.to_hf(np.asarray(layout.get_path(params, rule.full_path(i))), cfg),
                                dtype=np.float32)

@@ -15,6 +15,9 @@ import os
 
 from jax_longctx.core.config import ConfigError
 
+# tokenizer_config.json key naming the GGUF the tokenizer files were built from, so that errors
+# of its chat template name that file (app/tokenizer.py), not the directory they were written to.
+SOURCE_KEY = "jax_longctx_source"
 _CONTROL = 3  # llama.cpp token type of special tokens (<|im_start|>, <|endoftext|>, ...)
 _USER_DEFINED = 4  # added tokens matched whole but not special (<tool_call>, <think>)
 
@@ -47,16 +50,16 @@ def _byte_alphabet() -> dict[int, str]:
   return dict(zip(bs, map(chr, cs)))
 
 
-def _pre_tokenizer(pre: str):
+def _pre_tokenizer(pre, where: str = "GGUF"):
   from tokenizers import Regex, pre_tokenizers
 
-  if pre in SPLIT_REGEXES:
+  if isinstance(pre, str) and pre in SPLIT_REGEXES:
     return pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(SPLIT_REGEXES[pre]), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-  if pre not in _GPT2_PRE:
+  if not isinstance(pre, str) or pre not in _GPT2_PRE:
     raise ConfigError(
-        f"GGUF pre-tokenizer {pre!r} is not supported (known: "
+        f"{where}: GGUF pre-tokenizer {pre!r} is not supported (known: "
         f"{', '.join(sorted(set(SPLIT_REGEXES) | set(_GPT2_PRE)))}); convert the Hugging Face "
         "checkpoint instead")
   byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -65,25 +68,51 @@ def _pre_tokenizer(pre: str):
   return byte_level
 
 
-def build_tokenizer(meta: dict):
+def _strings(meta: dict, key: str, where: str, required: bool = True) -> list[str]:
+  value = meta.get(key)
+  if value is None and not required:
+    return []
+  if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+    raise ConfigError(f"{where}: GGUF {key} is not a list of strings")
+  return value
+
+
+def _token_index(meta: dict, key: str, n: int, where: str) -> int | None:
+  idx = meta.get(key)
+  if idx is None:
+    return None
+  # A negative id would silently index from the end of the vocabulary.
+  if isinstance(idx, bool) or not isinstance(idx, int) or not 0 <= idx < n:
+    raise ConfigError(f"{where}: GGUF {key}={idx!r} is not a token id of its {n} tokens")
+  return idx
+
+
+def build_tokenizer(meta: dict, where: str = "GGUF"):
+  """where: the GGUF file, named in errors."""
   from tokenizers import AddedToken, Tokenizer, decoders, models
 
   if meta.get("tokenizer.ggml.model") != "gpt2":
     raise ConfigError(
-        f"GGUF tokenizer model {meta.get('tokenizer.ggml.model')!r} is not supported (only "
-        "byte-level BPE, 'gpt2'); convert the Hugging Face checkpoint instead")
+        f"{where}: GGUF tokenizer model {meta.get('tokenizer.ggml.model')!r} is not supported "
+        "(only byte-level BPE, 'gpt2'); convert the Hugging Face checkpoint instead")
+  raw = _strings(meta, "tokenizer.ggml.tokens", where)
+  merges = _strings(meta, "tokenizer.ggml.merges", where, required=False)
+  bad = next((m for m in merges if " " not in m), None)
+  if bad is not None:
+    raise ConfigError(f"{where}: GGUF merge {bad[:40]!r} is not two tokens split by a space")
+  types = list(meta.get("tokenizer.ggml.token_type") or [])
+  if types and (len(types) != len(raw) or not all(isinstance(t, int) for t in types)):
+    raise ConfigError(f"{where}: GGUF tokenizer.ggml.token_type is not one integer per token "
+                      f"({len(types)} for {len(raw)} tokens)")
   alphabet = _byte_alphabet()
   spelled = set(alphabet.values())
   # A token written outside the byte alphabet (some converters store raw text) is respelled.
   tokens = [t if set(t) <= spelled else "".join(alphabet[b] for b in t.encode("utf-8"))
-            for t in meta["tokenizer.ggml.tokens"]]
-  merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
-  tk = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
-                            fuse_unk=False))
-  tk.pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre", "default"))
+            for t in raw]
+  tk = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)},
+                            merges=[tuple(m.split(" ", 1)) for m in merges], fuse_unk=False))
+  tk.pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre", "default"), where)
   tk.decoder = decoders.ByteLevel()
-  raw = list(meta["tokenizer.ggml.tokens"])
-  types = list(meta.get("tokenizer.ggml.token_type", []))
   # A control token outside the byte alphabet is a llama.cpp mislabel (transformers skips it too).
   tk.add_special_tokens([AddedToken(raw[i], special=True, normalized=False)
                          for i, t in enumerate(types) if t == _CONTROL and set(raw[i]) <= spelled])
@@ -92,22 +121,30 @@ def build_tokenizer(meta: dict):
   return tk
 
 
-def write_tokenizer_files(meta: dict, dst: str) -> None:
-  tk = build_tokenizer(meta)
+def write_tokenizer_files(meta: dict, dst: str, source: str | None = None) -> None:
+  """tokenizer.json and tokenizer_config.json of a GGUF's metadata, into `dst`; source: the GGUF
+  file, named in errors (also those of its chat template, later)."""
+  where = source or "GGUF"
+  tk = build_tokenizer(meta, where)
   tk.save(os.path.join(dst, "tokenizer.json"))
   tokens = meta["tokenizer.ggml.tokens"]
 
   def tok(key):
-    idx = meta.get(key)
-    return None if idx is None else tokens[int(idx)]
+    idx = _token_index(meta, key, len(tokens), where)
+    return None if idx is None else tokens[idx]
 
+  template = meta.get("tokenizer.chat_template")
+  if template is not None and not isinstance(template, str):
+    raise ConfigError(f"{where}: GGUF tokenizer.chat_template is not a string")
   config = {
       "bos_token": tok("tokenizer.ggml.bos_token_id"),
       "eos_token": tok("tokenizer.ggml.eos_token_id"),
       "pad_token": tok("tokenizer.ggml.padding_token_id"),
       "unk_token": tok("tokenizer.ggml.unknown_token_id"),
       "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
-      "chat_template": meta.get("tokenizer.chat_template"),
+      "chat_template": template,
   }
+  if source:
+    config[SOURCE_KEY] = os.path.abspath(source)
   with open(os.path.join(dst, "tokenizer_config.json"), "w") as f:
     json.dump(config, f, indent=1)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
 from typing import Callable, Iterator
@@ -40,11 +41,46 @@ def _first_dtype(source: Source):
 
 
 def target_config(source: Source) -> tuple[LlamaConfig, np.dtype]:
-  """The converted model's config and weight dtype (the first tensor's)."""
+  """The converted model's config and weight dtype (the first tensor's), checked against the
+  file's tensor table."""
   dtype = np.dtype(_first_dtype(source))
   if dtype.kind != "f" and dtype.name != "bfloat16":
     raise CheckpointError(f"unsupported weight dtype {dtype}")
-  return source.cfg.replace(dtype=_dtype_name(dtype)), dtype
+  cfg = source.cfg.replace(dtype=_dtype_name(dtype))
+  _check_tensors(source, cfg)
+  return cfg, dtype
+
+
+def _lacks(source: Source, cfg: LlamaConfig, missing: set) -> CheckpointError:
+  names = sorted(n for n, r, i in layout.hf_names(cfg) if r.full_path(i) in missing)
+  return CheckpointError(f"{source.path}: checkpoint lacks {len(names)} tensors, e.g. {names[:3]}")
+
+
+def _check_tensors(source: Source, cfg: LlamaConfig) -> None:
+  """Refuses a config that the file's own tensor table (read from its headers, before any
+  weight) does not bear out, before anything is allocated: the sizes come from the model file,
+  and a declared vocabulary or layer count far beyond its tensors must not reserve memory or
+  disk."""
+  unknown = [n for n in source.names if layout.match(n, cfg) is None and not layout.ignored(n, cfg)]
+  if unknown:
+    # Loading without them would run another model (e.g. Qwen2 without its q/k/v biases).
+    raise CheckpointError(
+        f"{source.path}: checkpoint has {len(unknown)} tensors this {cfg.architecture} config "
+        f"does not use: {', '.join(unknown[:5])}{' ...' if len(unknown) > 5 else ''}")
+  # Names first: a declared layer count far beyond the file's is refused before the model's
+  # shapes are traced (thousands of layers take minutes).
+  expected = {name: (rule, i) for name, rule, i in layout.hf_names(cfg)}
+  missing = {rule.full_path(i) for name, (rule, i) in expected.items() if name not in source.shapes}
+  if missing:
+    raise _lacks(source, cfg, missing)
+  _, shapes = abstract_model(cfg)
+  for name, (rule, i) in expected.items():
+    shape, want = source.shapes[name], layout.get_path(shapes, rule.full_path(i)).shape
+    # The HF layout is the parameter's transpose/reshape: the same number of elements.
+    if math.prod(shape) != math.prod(want):
+      raise CheckpointError(
+          f"{source.path}: tensor {name} has shape {tuple(shape)}, which does not fit the config "
+          f"({want})")
 
 
 def assemble(source: Source, allocate: Callable[[tuple, tuple, np.dtype], np.ndarray],
@@ -58,17 +94,11 @@ def assemble(source: Source, allocate: Callable[[tuple, tuple, np.dtype], np.nda
   expected = {rule.full_path(i) for _, rule, i in layout.hf_names(cfg)}
   for path in expected:
     layout.set_path(params, path, allocate(path, layout.get_path(shapes, path).shape, dtype))
-  unknown = [n for n in source.names if layout.match(n, cfg) is None and not layout.ignored(n, cfg)]
-  if unknown:
-    # Loading without them would run another model (e.g. Qwen2 without its q/k/v biases).
-    raise CheckpointError(
-        f"checkpoint has {len(unknown)} tensors this {cfg.architecture} config does not use: "
-        f"{', '.join(unknown[:5])}{' ...' if len(unknown) > 5 else ''}")
   seen = set()
   for name, w in progress(source.tensors(), total=source.num_tensors, desc=desc):
     found = layout.match(name, cfg)
     if found is None:
-      continue  # layout.ignored (checked above): a tied lm_head copy, rotary buffers
+      continue  # layout.ignored (_check_tensors): a tied lm_head copy, rotary buffers
     rule, i = found
     target = layout.get_path(params, rule.full_path(i))
     value = rule.to_flax(np.asarray(w), cfg)
@@ -76,10 +106,8 @@ def assemble(source: Source, allocate: Callable[[tuple, tuple, np.dtype], np.nda
       raise CheckpointError(f"{name}: shape {w.shape} does not fit the config ({target.shape})")
     target[...] = value.astype(dtype)
     seen.add(rule.full_path(i))
-  missing = expected - seen
-  if missing:
-    names = sorted(n for n, r, i in layout.hf_names(cfg) if r.full_path(i) in missing)
-    raise CheckpointError(f"checkpoint lacks {len(names)} tensors, e.g. {names[:3]}")
+  if expected - seen:  # the tensor table promised them (_check_tensors)
+    raise _lacks(source, cfg, expected - seen)
   return cfg, params
 
 

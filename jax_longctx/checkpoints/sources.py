@@ -24,13 +24,20 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 @dataclasses.dataclass
 class Source:
   cfg: LlamaConfig
-  names: list[str]  # HF names of every tensor `tensors()` yields, known before reading any
+  # HF name -> HF-layout shape of every tensor `tensors()` yields, known before reading any (from
+  # the files' headers), so a config that does not fit them is refused before anything allocates.
+  shapes: dict[str, tuple[int, ...]]
   tensors: Callable[[], Iterator[tuple[str, np.ndarray]]]
   write_tokenizer: Callable[[str], None]  # writes tokenizer files into a directory
+  path: str = ""  # the directory or file, named in errors
+
+  @property
+  def names(self) -> list[str]:
+    return list(self.shapes)
 
   @property
   def num_tensors(self) -> int:
-    return len(self.names)
+    return len(self.shapes)
 
 
 def open_source(src: str) -> Source:
@@ -46,19 +53,30 @@ def open_source(src: str) -> Source:
 
 
 # ---- Hugging Face directories -------------------------------------------------------------------
+def _shard_name(index: str, name) -> str:
+  """A file name from the shard index, refused unless it names a file in the index's own
+  directory: the index is data from the model's publisher, not a path to follow anywhere."""
+  if (not isinstance(name, str) or not name or os.path.isabs(name) or "\0" in name
+      or ".." in name.replace("\\", "/").split("/")):
+    raise CheckpointError(f"{index}: shard {name!r} is not a file name inside the checkpoint "
+                          "directory")
+  return os.path.normpath(name)
+
+
 def _safetensors_files(src: str) -> list[str]:
   index = os.path.join(src, "model.safetensors.index.json")
   if os.path.exists(index):
     try:
       with open(index) as f:
-        files = sorted(set(json.load(f)["weight_map"].values()))
-    except (OSError, json.JSONDecodeError, KeyError) as e:
+        weight_map = json.load(f)["weight_map"]
+      files = sorted({_shard_name(index, v) for v in weight_map.values()})
+    except (OSError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
       raise CheckpointError(f"{index}: unreadable shard index ({e})") from e
   else:
     files = sorted(f for f in os.listdir(src) if f.endswith(".safetensors"))
   if not files:
     raise CheckpointError(f"{src}: no .safetensors weights (only safetensors checkpoints load)")
-  missing = [f for f in files if not os.path.exists(os.path.join(src, f))]
+  missing = [f for f in files if not os.path.isfile(os.path.join(src, f))]
   if missing:
     raise CheckpointError(f"{src}: missing weight shards {missing}")
   return [os.path.join(src, f) for f in files]
@@ -67,7 +85,8 @@ def _safetensors_files(src: str) -> list[str]:
 def _hf_source(src: str) -> Source:
   cfg = LlamaConfig.from_hf_json(os.path.join(src, "config.json"))
   files = _safetensors_files(src)
-  names = [n for f in files for n in safetensors_io.read_header(f)[0]]
+  shapes = {n: tuple(info["shape"]) for f in files
+            for n, info in safetensors_io.read_header(f)[0].items()}
 
   def tensors():
     for f in files:
@@ -76,10 +95,11 @@ def _hf_source(src: str) -> Source:
   def write_tokenizer(dst: str):
     import shutil
     for name in TOKENIZER_FILES:
-      if os.path.exists(os.path.join(src, name)):
+      # isfile: a regular file (or a link to one), never a device or pipe that copies forever.
+      if os.path.isfile(os.path.join(src, name)):
         shutil.copyfile(os.path.join(src, name), os.path.join(dst, name))
 
-  return Source(cfg, names, tensors, write_tokenizer)
+  return Source(cfg, shapes, tensors, write_tokenizer, src)
 
 
 # ---- GGUF ---------------------------------------------------------------------------------------
@@ -160,6 +180,11 @@ def _gguf_source(path: str) -> Source:
     cfg = LlamaConfig.from_gguf_fields(meta)
   except KeyError as e:
     raise ConfigError(f"{path}: GGUF metadata lacks {e}") from e
+  except ConfigError as e:
+    raise ConfigError(f"{path}: {e}") from e
+  except (TypeError, ValueError, ZeroDivisionError, OverflowError) as e:
+    # A metadata value of the wrong type (a string or list where a count belongs).
+    raise ConfigError(f"{path}: GGUF metadata does not describe a model ({e})") from e
   # llama.cpp permutes q/k rows only when converting to its "llama" architecture (Llama, Mistral).
   permuted = meta.get("general.architecture") == "llama"
   weights = [t for t in reader.tensors if t.name not in _GGUF_CONFIG_TENSORS]
@@ -176,6 +201,7 @@ def _gguf_source(path: str) -> Source:
 
   def write_tokenizer(dst: str):
     from jax_longctx.checkpoints.gguf_tokenizer import write_tokenizer_files
-    write_tokenizer_files(meta, dst)
+    write_tokenizer_files(meta, dst, source=path)
 
-  return Source(cfg, [_gguf_to_hf_name(t.name) for t in weights], tensors, write_tokenizer)
+  shapes = {_gguf_to_hf_name(t.name): tuple(int(x) for x in reversed(t.shape)) for t in weights}
+  return Source(cfg, shapes, tensors, write_tokenizer, path)

@@ -8,12 +8,20 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import numbers
 import os
 from typing import Any, Mapping
 
 from jax_longctx.core import families
 from jax_longctx.core.config_types import (  # noqa: F401  (re-exported: their public home)
-    _DTYPES, ARCHITECTURES, ROPE_TYPES, ConfigError, RopeScaling)
+    _DTYPES, ARCHITECTURES, ROPE_TYPES, ConfigError, RopeScaling, check_count, check_real)
+
+# Upper bounds of a config's sizes: far above any released model (vocabularies reach 262K,
+# hidden sizes 16K, 126 layers, 128 heads, contexts 10M), far below what would exhaust memory on
+# its own, so that a model file's absurd value is refused, not allocated.
+LIMITS = {"vocab_size": 1 << 24, "hidden_size": 1 << 17, "num_layers": 1 << 12,
+          "num_heads": 1 << 12, "num_kv_heads": 1 << 12, "head_dim": 1 << 12,
+          "intermediate_size": 1 << 20, "max_position_embeddings": 1 << 30}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +53,16 @@ class LlamaConfig:
   kv_offsets: bool = False
 
   def __post_init__(self):
+    for name, limit in LIMITS.items():
+      check_count(name, getattr(self, name), limit)
+    check_real("rms_norm_eps", self.rms_norm_eps, at_least=True)
+    check_real("rope_theta", self.rope_theta, above=1.0)  # RoPE's base (its log divides)
+    if not isinstance(self.rope_scaling, RopeScaling):
+      raise ConfigError(f"rope_scaling={self.rope_scaling!r} is not a RopeScaling")
+    ids = ([] if self.bos_token_id is None else [self.bos_token_id]) + list(self.eos_token_ids)
+    if not all(isinstance(i, numbers.Integral) and not isinstance(i, bool) and i >= 0 for i in ids):
+      raise ConfigError(f"token ids bos={self.bos_token_id!r} eos={self.eos_token_ids!r} are not "
+                        "non-negative integers")
     if self.architecture not in ARCHITECTURES:
       raise ConfigError(f"architecture {self.architecture!r} not in {ARCHITECTURES}")
     if self.num_heads % self.num_kv_heads:
@@ -87,6 +105,8 @@ class LlamaConfig:
   @classmethod
   def from_hf(cls, hf: Mapping[str, Any]) -> "LlamaConfig":
     """From a Hugging Face config.json dict (transformers v4 or v5 spelling), any supported family."""
+    # Read before the config exists: the head size may be hidden_size divided by it.
+    check_count("num_attention_heads", hf.get("num_attention_heads"), LIMITS["num_heads"])
     return cls(**families.from_hf(hf))
 
   @classmethod
@@ -94,9 +114,9 @@ class LlamaConfig:
     try:
       with open(path) as f:
         hf = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, ValueError, RecursionError) as e:  # ValueError: not JSON, not UTF-8
       raise ConfigError(f"cannot read {path}: {e}") from e
-    return cls.from_hf(hf)
+    return _from_file(path, lambda: cls.from_hf(hf))
 
   def to_hf(self) -> dict[str, Any]:
     return families.to_hf(self)
@@ -135,13 +155,26 @@ def preset(name: str, **overrides) -> LlamaConfig:
   return PRESETS[key].replace(**overrides)
 
 
+def _from_file(path: str, build) -> LlamaConfig:
+  """build()'s config; a value of the file that it cannot take (missing, of the wrong type,
+  refused by the checks) is one ConfigError naming the file."""
+  try:
+    return build()
+  except ConfigError as e:
+    raise ConfigError(f"{path}: {e}") from e
+  except KeyError as e:
+    raise ConfigError(f"{path}: lacks {e}") from e
+  except (TypeError, ValueError, AttributeError, ZeroDivisionError, OverflowError) as e:
+    raise ConfigError(f"{path}: not a model configuration this library reads ({e})") from e
+
+
 def load_config_file(path: str) -> LlamaConfig:
   """Our own config.json (written by conversion) or an HF one."""
   with open(path) as f:
     d = json.load(f)
-  if "num_layers" in d:
-    return LlamaConfig.from_dict(d)
-  return LlamaConfig.from_hf(d)
+  if isinstance(d, dict) and "num_layers" in d:
+    return _from_file(path, lambda: LlamaConfig.from_dict(d))
+  return _from_file(path, lambda: LlamaConfig.from_hf(d))
 
 
 def save_config_file(cfg: LlamaConfig, directory: str) -> None:
