@@ -75,3 +75,13 @@ def test_a_row_reads_as_the_benchmarks_table():
                                   f"{rec['of_bound']:.1%} | 11.9 / 10.5 GB |")
   failed = {"impl": "hf", "label": "full", "context": 131072, "batch": 8, "error": "OOM"}
   assert bench.table_row(failed).startswith("| full, 128K, batch 8, transformers | OOM |")
+
+
+def test_a_kernel_row_sets_each_case_beside_its_anchor():
+  topk = {"name": "topk_decode", "q_len": 1, "kv_len": 131072, "top_k": 4, "ms": 0.05,
+          "anchor_ms": 0.2, "k_read_ms": 0.03}
+  assert bench.kernel_row(topk) == ("| topk_decode | q_len 1, kv_len 131072, top_k 4 | 0.0500 | "
+                                    "einsum + top_k | 0.2000 | 4.00x |")
+  flash = {"name": "flash_prefill", "kv_len": 16384, "ours_ms": 2.0, "cudnn_ms": 1.5}
+  assert bench.kernel_row(flash).endswith("| 2.0000 | cuDNN | 1.5000 | 0.75x |")
+  assert bench.kernel_row({"name": "check_topk"}) == "| check_topk |  | checked | | | |"

@@ -26,10 +26,16 @@ import sys
 
 from jax_longctx.app.bench_decode import DecodeSetting
 from jax_longctx.app.bench_measure import copy_bandwidth, gemm_tflops, has_cuda, write_json
-from jax_longctx.app.bench_process import run_child
+from jax_longctx.app.bench_process import run_cases, run_child
 
 SUMMARY = "measure prefill and decode speed (or the kernels') against the device's bounds"
 COLUMNS = ("setting", "prefill tok/s", "of GEMM", "decode ms/step", "of bound", "peak per GPU")
+KERNEL_COLUMNS = ("case", "shape", "ms", "anchor", "anchor ms", "anchor / ours")
+# Each kernel case's own time, then its anchor's, by the fields its record names them.
+_OURS = ("ms", "ours_ms")
+_ANCHORS = (("anchor_ms", "einsum + top_k"), ("cudnn_ms", "cuDNN"), ("dense_ms", "dense"),
+            ("cudnn_one_call_ms", "cuDNN, one call"), ("k_read_ms", "copy of K"))
+_SHAPE = ("q_len", "kv_len", "length", "chunk", "top_k", "selected", "route")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -60,7 +66,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                       "blocks.topk_few_rows=kernel with --methods blocks:reattention")
   p.add_argument("--run-option", action="append", default=[], metavar="KEY=VALUE",
                  help="a RunOptions field for every run, e.g. add_norm_backend=auto")
-  p.add_argument("--decode-tiling", default="", metavar="KEY=VALUE,...",
+  p.add_argument("--decode-tiling", default=None, metavar="KEY=VALUE,...",
                  help="RunOptions.decode_tiling for every run, e.g. block_keys=64,num_stages=3")
   p.add_argument("--fill-cache", action="store_true",
                  help="decode only, over a cache filled with random K/V (no prefill)")
@@ -75,7 +81,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
   p.add_argument("--warmup-prefill", action=argparse.BooleanOptionalAction, default=True,
                  help="time a whole second prefill (--no-warmup-prefill: all chunks but the "
                       "first, which compiles; for prompts too long to prefill twice)")
-  p.add_argument("--only", default="", help="kernels: comma list of case names to run")
+  p.add_argument("--only", default=None, help="kernels: the cases to run, comma list (default: all)")
   p.add_argument("--quick", action="store_true", help="kernels: smaller shapes")
   p.add_argument("--inner", type=int, default=5, help="kernels: calls per timed group at least")
   p.add_argument("--out", default="bench.jsonl", help="JSONL file the records are appended to")
@@ -90,7 +96,7 @@ def settings(args) -> list[DecodeSetting]:
                 chunk=args.chunk, warmup_prefill=args.warmup_prefill,
                 fill_cache=args.fill_cache, key_smoothing=args.key_smoothing,
                 kernel_profile=args.kernel_profile, run_options=args.run_option,
-                decode_tiling=args.decode_tiling)
+                decode_tiling=args.decode_tiling or "")
   runs = [("hf", "full", "", "") if impl == "hf" else ("jax", m, mesh, kv)
           for impl in args.impls.split(",")
           for m in (args.methods.split(",") if impl == "jax" else ["full"])
@@ -173,8 +179,42 @@ def run_model(args) -> int:
   return 1 if failed else 0
 
 
+def kernel_row(rec: dict) -> str:
+  """A kernel case's row: its time beside its anchor's (a check case: its error or `checked`)."""
+  shape = ", ".join(f"{k} {rec[k]}" for k in _SHAPE if k in rec)
+  if "error" in rec:
+    return f"| {rec['name']} | {shape} | {rec['error'][:80]} | | | |"
+  ours = next((rec[k] for k in _OURS if k in rec), None)
+  if ours is None:
+    return f"| {rec['name']} | {shape} | checked | | | |"
+  name, ms = next(((n, rec[k]) for k, n in _ANCHORS if k in rec), ("-", None))
+  ratio = "-" if ms is None else f"{ms / ours:.2f}x"
+  return (f"| {rec['name']} | {shape} | {ours:.4f} | {name} | "
+          f"{'-' if ms is None else f'{ms:.4f}'} | {ratio} |")
+
+
+def run_kernels(args) -> int:
+  """The kernels' cases on this device (on one without a GPU: the top-k cases at tiny shapes,
+  interpreted, which checks the command), each a row of the table and a record of --out."""
+  import jax
+
+  from jax_longctx.app.bench_kernels import kernel_cases
+  from jax_longctx.app.bench_measure import device_facts, printable
+
+  smoke = jax.default_backend() != "gpu"
+  args.bw = None if smoke or not has_cuda() else copy_bandwidth()
+  facts = {**device_facts(), "copy_bw": args.bw}
+  print(printable(facts), file=sys.stderr, flush=True)
+  print("| " + " | ".join(KERNEL_COLUMNS) + " |\n|" + "---|" * len(KERNEL_COLUMNS), flush=True)
+
+  def record(rec):
+    rec.update(facts)
+    write_json(args.out, rec)
+    print(kernel_row(rec), flush=True)
+
+  failed = run_cases(kernel_cases(jax.random.PRNGKey(0), args, smoke), args.only or "", record)
+  return 1 if failed else 0
+
+
 def cmd_bench(args) -> int:
-  if args.what == "kernels":
-    from jax_longctx.app.bench_kernels import run_kernels
-    return run_kernels(args)
-  return run_model(args)
+  return run_kernels(args) if args.what == "kernels" else run_model(args)
