@@ -70,7 +70,7 @@ def _import(path: str):
 
 
 def sync(_out) -> None:
-  """Waits for torch's queued GPU work (the `sync` of kernels.timed for torch calls)."""
+  """Waits for torch's queued GPU work (the `sync` of bench_measure.timed for torch calls)."""
   import torch
   torch.cuda.synchronize()
 
@@ -119,3 +119,20 @@ def rows_exact(q, k, indices, top_k: int) -> float:
   finally:
     torch.set_float32_matmul_precision(precision)
   return exact / (h * lq)
+
+
+def versus(module):
+  """Their kernel as the `versus` hook of jax_longctx.app.bench_kernels.bench_topk: timed beside
+  ours on the same inputs in each top-1 / top-4 case (measure's fields, or authors_error: their
+  kernel failing keeps our numbers)."""
+  from jax_longctx.app.bench_measure import timed
+
+  def measure_beside(q, k, top_k, ours_indices, args) -> dict:
+    if top_k not in TOP_KS:
+      return {}
+    timer = lambda call: timed(call, reps=args.reps, inner=args.inner, sync=sync)  # noqa: E731
+    try:
+      return measure(module, q, k, top_k, timer, ours_indices)
+    except Exception as e:  # noqa: BLE001 - an external kernel: recorded, the case goes on
+      return {"authors_error": f"{type(e).__name__}: {str(e)[:1000]}"}
+  return measure_beside

@@ -1,7 +1,7 @@
 """Where a decode step's time goes, and which candidate fixes shorten it (issue 21, point 3).
 
-    python benchmarks/decode_profile.py --model llama-3.1-8b --context 32768 --out $OUT/profile
-    python benchmarks/decode_profile.py --smoke --out /tmp/profile      # tiny model, on CPU
+    python -m benchmarks.decode_profile --model llama-3.1-8b --context 32768 --out $OUT/profile
+    python -m benchmarks.decode_profile --smoke --out /tmp/profile      # tiny model, on CPU
 
 The decode step is `benchmarks/decode.py`'s (run_jax): random bf16 weights of the named shape,
 the `full` method, the same cache length, `generation.decode_loop` over --new-tokens tokens. The
@@ -83,14 +83,14 @@ times ~1-2 us is what per-kernel ramp and drain can cost even without idle gaps.
 One device call (H200, < 9 min: ~30-60 s a variant; no variant starts after --budget-s, and each
 finished one is already in $OUT):
 
-    python benchmarks/decode_profile.py --model llama-3.1-8b --context 32768 --new-tokens 32 \
+    python -m benchmarks.decode_profile --model llama-3.1-8b --context 32768 --new-tokens 32 \
       --reps 3 --budget-s 420 \
       --variants base,fused,flash_decode,pdl,cublas,fused_flash,all,nopdl \
       --out $OUT/decode_profile 2>&1 | tail -30
 
 The small-kernel and split-plan candidates (issue 21, point 3), most telling first:
 
-    python benchmarks/decode_profile.py --model llama-3.1-8b --context 32768 --new-tokens 32 \
+    python -m benchmarks.decode_profile --model llama-3.1-8b --context 32768 --new-tokens 32 \
       --reps 3 --budget-s 480 --variants all,small_kernels,merge_q,cache_kernel,\
 add_norm,split64,bk64_split64,bk128_s3,split16,split128,bk64,bk32_s4_split128,bk128_w8 \
       --out $OUT/decode_small 2>&1 | tail -30
@@ -106,10 +106,8 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks import xplane_summary  # noqa: E402
-from benchmarks.decode_variants import VARIANTS, Variant  # noqa: E402
+from benchmarks import xplane_summary
+from benchmarks.decode_variants import VARIANTS, Variant
 
 
 def _stage(msg: str) -> None:
@@ -147,7 +145,7 @@ def run_child(args, rec: dict) -> None:
   import jax.numpy as jnp
 
   from benchmarks.common import jax_peak_bytes, median_time
-  from benchmarks.decode import _bytes_per_token
+  from jax_longctx.app.bench_decode import bytes_per_token as _bytes_per_token
   from jax_longctx import preset
   from jax_longctx.run.chunked_prefill import end_prefill
   from jax_longctx.run.generation import Sampling, decode_loop, row_keys
@@ -297,7 +295,7 @@ def main() -> None:
   unknown = [v for v in names if v not in VARIANTS]
   if unknown:
     raise SystemExit(f"unknown variants {unknown}; known: {', '.join(VARIANTS)}")
-  from benchmarks.decode import _has_cuda
+  from jax_longctx.app.bench_measure import has_cuda as _has_cuda
   from benchmarks import common
   bw = common.copy_bandwidth() if _has_cuda() else None
   cache_dir = tempfile.mkdtemp(prefix="decode_profile_jax_cache_")  # not under --out: large

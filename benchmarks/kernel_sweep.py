@@ -8,7 +8,7 @@ selection, i.e. the matrix-product ceiling of this loop (its results are meaning
 
 from __future__ import annotations
 
-from benchmarks import kernel_cases as kb
+from jax_longctx.app import bench_kernels as kb
 from pallas_kernels.gpu import Tiling
 from pallas_kernels.options import KernelOptions
 

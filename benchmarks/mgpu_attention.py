@@ -1,6 +1,6 @@
 """The Mosaic GPU flash-attention kernel on one Hopper GPU: checked, then timed beside cuDNN.
 
-    python benchmarks/mgpu_attention.py --out $OUT/mgpu.json [--sweep] [--only NAMES]
+    python -m benchmarks.mgpu_attention --out $OUT/mgpu.json [--sweep] [--only NAMES]
 
 One layer's shapes (32 query / 8 KV heads, d=128, bf16, batch 1) unless a case says otherwise.
 1. check_*: the kernel (through `flash_attention(..., tiling=Tiling(impl="mosaic"))`) against the
@@ -23,18 +23,14 @@ of cuDNN): checks this script end to end before it spends device time; its times
 
 from __future__ import annotations
 
-import os
-import sys
+import jax
+import jax.numpy as jnp
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-
-from benchmarks import common  # noqa: E402
-from benchmarks.kernels import normal, timed  # noqa: E402
-from pallas_kernels import chunk_attention, flash_attention, mgpu_flash  # noqa: E402
-from pallas_kernels.gpu import Tiling  # noqa: E402
+from benchmarks import common
+from jax_longctx.app.bench_kernels import normal
+from jax_longctx.app.bench_measure import timed
+from pallas_kernels import chunk_attention, flash_attention, mgpu_flash
+from pallas_kernels.gpu import Tiling
 
 H, KV, D = 32, 8, 128
 BF = jnp.bfloat16

@@ -1,6 +1,6 @@
 """The Mosaic GPU top-k kernel (pallas_kernels/mgpu_topk.py) on one Hopper GPU: checked, then timed.
 
-    python benchmarks/mgpu_topk.py --out $OUT/mgpu_topk.json [--sweep] [--only NAMES] [--smoke]
+    python -m benchmarks.mgpu_topk --out $OUT/mgpu_topk.json [--sweep] [--only NAMES] [--smoke]
 
 Shapes of one layer: 32 query / 8 KV heads, d=128, bf16, batch 1, unless a case says otherwise.
 1. check_*: `topk_scores(..., tiling=Tiling(impl="mosaic"))` against the jnp reference on the
@@ -23,20 +23,16 @@ checks this script end to end before it spends device time; its times mean nothi
 
 from __future__ import annotations
 
-import os
-import sys
+import jax
+import jax.numpy as jnp
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-
-from benchmarks import common  # noqa: E402
-from benchmarks.kernels import normal, small_ints, timed  # noqa: E402
-from pallas_kernels import mgpu_topk, resolve, topk_scores  # noqa: E402
-from pallas_kernels import topk as ts_module  # noqa: E402
-from pallas_kernels.gpu import Tiling  # noqa: E402
-from pallas_kernels.options import DEFAULT, KernelOptions  # noqa: E402
+from benchmarks import common
+from jax_longctx.app.bench_kernels import normal, small_ints
+from jax_longctx.app.bench_measure import timed
+from pallas_kernels import mgpu_topk, resolve, topk_scores
+from pallas_kernels import topk as ts_module
+from pallas_kernels.gpu import Tiling
+from pallas_kernels.options import DEFAULT, KernelOptions
 
 H, KV, D = 32, 8, 128
 BF = jnp.bfloat16

@@ -1,8 +1,8 @@
 """The cache-reading kernels over 8-bit K/V (pallas_kernels.quant): checked against the reference
 on the device, then timed against the same kernels over bf16 K/V.
 
-    python benchmarks/quant_kernels.py --out $OUT/quant_kernels.json           # one GPU
-    python benchmarks/quant_kernels.py --smoke --out /tmp/q.json               # CPU, tiny
+    python -m benchmarks.quant_kernels --out $OUT/quant_kernels.json           # one GPU
+    python -m benchmarks.quant_kernels --smoke --out /tmp/q.json               # CPU, tiny
 
 Checks (each kernel, int8 and float8_e4m3fn, random inputs with outlier key channels): flash
 attention prefill (causal at a query offset, use_cudnn=False: the Triton kernel, which 8-bit K/V
@@ -27,14 +27,11 @@ dequantized copy and the bf16 kernel, KernelOptions.prefill_dequantize_bytes) an
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks.common import (copy_bandwidth, device_facts, median_time,  # noqa: E402
+from benchmarks.common import (copy_bandwidth, device_facts, median_time,
                                run_cases_to_json)
-from benchmarks.kernel_cases import timed  # noqa: E402
+from jax_longctx.app.bench_measure import timed
 
 DTYPES = ("int8", "float8_e4m3fn")
 H, KV, D = 32, 8, 128
@@ -136,7 +133,7 @@ def _nbytes(*xs):
 
 
 def _timed_record(rec, fn, args, read, reps, bw):
-  """rec with fn(*args)'s time: `ms` per call of back-to-back calls (kernel_cases.timed: the
+  """rec with fn(*args)'s time: `ms` per call of back-to-back calls (bench_measure.timed: the
   host's dispatch of one call overlaps the device's work on the last; what a decode step's
   kernel costs), and `ms_one_call`, one call waited for (a dispatch and a sync in it: at 128K
   keys and below this was most of the earlier records' figure). `bytes` read each call, and

@@ -10,17 +10,18 @@ import jax
 import numpy as np
 import torch
 
-from benchmarks import authors_topk, kernels
+from benchmarks import authors_topk
+from jax_longctx.app import bench_kernels
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_top1_cases_beside_top4():
-  shapes = kernels.topk_shapes()
+  shapes = bench_kernels.topk_shapes()
   for t in (131072, 524288):
     assert {(512, t, 1), (512, t, 4)} <= set(shapes["topk_prefill"])
   assert {tk for _, _, tk in shapes["topk_decode"]} == {1, 4, 128}
-  assert all(lq == 128 for lq, _, _ in kernels.topk_shapes(smoke=True)["topk_prefill"])
+  assert all(lq == 128 for lq, _, _ in bench_kernels.topk_shapes(smoke=True)["topk_prefill"])
 
 
 def test_smoke_without_the_authors_file_says_so_once(tmp_path):
@@ -69,13 +70,13 @@ class Emulated:
 
 def _inputs(lq, t):
   kq, kk = jax.random.split(jax.random.PRNGKey(3))
-  return kernels.normal(kq, (1, lq, kernels.H, kernels.D)), kernels.normal(kk, (1, t, kernels.KV,
-                                                                               kernels.D))
+  kb = bench_kernels
+  return kb.normal(kq, (1, lq, kb.H, kb.D)), kb.normal(kk, (1, t, kb.KV, kb.D))
 
 
 def test_measure_maps_layouts_and_counts_exact_rows():
   q, k = _inputs(1, 1024)  # one decode query: padded to their 128-row tile
-  ours = kernels.topk_scores(q, k, 4, backend="reference")[1]
+  ours = bench_kernels.topk_scores(q, k, 4, backend="reference")[1]
   rec = authors_topk.measure(Emulated(False), q, k, 4, timer=lambda call: 2e-3, ours_indices=ours)
   assert rec == {"authors_ms": 2.0, "authors_q_len": 128, "authors_rows_exact": 1.0,
                  "ours_rows_exact": 1.0}
@@ -85,7 +86,7 @@ def test_rows_exact_sees_the_tile_approximation():
   q, k = _inputs(128, 1024)
   rec = authors_topk.measure(Emulated(True), q, k, 4, timer=lambda call: 1e-3)
   # A row is exact when its four best keys lie in four different 128-key tiles.
-  best = np.asarray(kernels.topk_scores(q, k, 4, backend="reference")[1]) // 128
+  best = np.asarray(bench_kernels.topk_scores(q, k, 4, backend="reference")[1]) // 128
   expected = np.mean([len(set(row)) == 4 for row in best.reshape(-1, 4)])
   assert 0 < expected < 1 and rec["authors_rows_exact"] == expected
   top1 = authors_topk.measure(Emulated(True), q, k, 1, timer=lambda call: 1e-3)
