@@ -144,7 +144,7 @@ def test_bad_ruler_input(tok):
                      "niah_single_1, niah_single_2, .*, vt, cwe, fwe$"):
     tasks.expand("ruler:vt,niah_single_9")
   for name, data in (("qa_1", "SQuAD"), ("qa_2", "HotpotQA")):
-    with pytest.raises(TaskError, match=rf"^RULER's {name} \({data}\) is not offered, as RULER "
+    with pytest.raises(TaskError, match=rf"^RULER's {name} \({data}\) is not offered: RULER "
                        r"downloads its data .*; RULER's tasks here are niah_single_1, .*, fwe\.$"):
       tasks.expand(f"ruler:{name}")
   assert tasks.expand("ruler") == [f"ruler:{n}" for n in ruler_suite.NAMES]

@@ -257,9 +257,6 @@ def run_sweep(lm, task_name: str, specs: list[MethodSpec], lengths: list[int],
   if not 0 <= first_sample < samples:
     raise EvalError(f"--first-sample {first_sample} must lie in [0, samples={samples})")
   task_list = [tasks_lib.get(n, **(task_options or {})) for n in tasks_lib.expand(task_name)]
-  # Several processes (a multi-host mesh) run the same sweep; the first one writes the records.
-  writer = jax.process_index() == 0
-  results_path = writable_results(out_dir) if writer else os.path.join(out_dir, RESULTS)
   # Settings a method leaves to the model (RefreshKV's calibrated threshold) filled in, so each
   # record's hparams show what ran.
   specs = [dataclasses.replace(s, method=lm.resolve_method(s.method)) for s in specs]
@@ -268,6 +265,9 @@ def run_sweep(lm, task_name: str, specs: list[MethodSpec], lengths: list[int],
     for length in lengths:
       if hasattr(task, "check_length"):
         task.check_length(lm.tokenizer, length, chat)
+  # Several processes (a multi-host mesh) run the same sweep; the first one writes the records.
+  writer = jax.process_index() == 0
+  results_path = writable_results(out_dir) if writer else os.path.join(out_dir, RESULTS)
   sweep = run_settings.sweep_settings(lm, chat, options)
   planned = {(task.name, s.label, length): run_settings.entry_settings(
                  task, s.at(length).method, _kv_dtype(lm, s, options), length,

@@ -22,7 +22,7 @@ OPTIONS = ("max_new_tokens",)  # all a user sets: the rest is RULER's definition
 
 def _unknown(name: str) -> TaskError:
   if name in LEFT_OUT:
-    return TaskError(f"RULER's {name} ({LEFT_OUT[name]}) is not offered, as RULER downloads its "
+    return TaskError(f"RULER's {name} ({LEFT_OUT[name]}) is not offered: RULER downloads its "
                      f"data and nothing here downloads at run time; RULER's tasks here are "
                      f"{', '.join(NAMES)}.")
   return TaskError(f"unknown RULER task {name!r}; RULER's tasks here: {', '.join(NAMES)}")
