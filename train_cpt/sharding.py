@@ -1,47 +1,39 @@
-"""The device mesh of a training job: ("data", "fsdp"), batch over both, parameters over fsdp.
+"""How a training job lies on its mesh (core/mesh.py's, `state.make_mesh`: data and fsdp):
+batch over both, parameters over fsdp.
 
 Every device gets distinct rows (data parallel over the whole mesh); each parameter and its
-optimizer moments are split along their largest dimension that the fsdp axis divides (FSDP-style:
-XLA gathers a layer's weights where they are used and reduce-scatters its gradients), the rest
-replicated. fsdp = 1 is plain data parallelism.
+optimizer moments are split as core/mesh.py RULES split the weight's declared logical axes
+(model/placement.py `weight_spec`): on this mesh (model = ctx = 1) that is its model dimension
+over fsdp (FSDP: XLA gathers a layer's weights where they are used and reduce-scatters its
+gradients), whole where fsdp does not divide it. fsdp = 1 is plain data parallelism.
 """
 
 from __future__ import annotations
 
 import jax
-import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-BATCH_AXES = ("data", "fsdp")
-
-
-def make_mesh(fsdp: int) -> Mesh:
-  """fsdp devices along "fsdp" (0: every device), the rest along "data"."""
-  devices = jax.devices()
-  fsdp = fsdp or len(devices)
-  if len(devices) % fsdp:
-    raise ValueError(f"fsdp={fsdp} does not divide the {len(devices)} devices")
-  return Mesh(np.asarray(devices).reshape(len(devices) // fsdp, fsdp), BATCH_AXES)
-
-
-def param_sharding(mesh: Mesh, shape) -> NamedSharding:
-  n = mesh.shape["fsdp"]
-  dims = [i for i in np.argsort(shape)[::-1] if shape[i] % n == 0 and shape[i] >= n] \
-      if n > 1 else []
-  spec = [None] * len(shape)
-  if dims:
-    spec[int(dims[0])] = "fsdp"
-  return NamedSharding(mesh, P(*spec))
+from jax_longctx.core.axes import ROWS
+from jax_longctx.core.mesh import spec_of
+from jax_longctx.model import weight_spec
 
 
 def shard_like_params(mesh: Mesh, tree):
-  """Shardings for a tree of arrays (params, optimizer state) by each leaf's shape."""
-  return jax.tree.map(lambda x: param_sharding(mesh, tuple(x.shape)), tree)
+  """Shardings for a tree of arrays (params, optimizer state): a leaf under a weight's name (a
+  parameter, AdamW's moments of it) as its declared axes split on `mesh`; a scalar (the step
+  count) replicated."""
+  def one(path, x):
+    if not x.shape:
+      return replicated(mesh)
+    key = path[-1]
+    return NamedSharding(mesh, weight_spec(str(getattr(key, "key", key)), mesh, x.shape))
+
+  return jax.tree_util.tree_map_with_path(one, tree)
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
   """[accumulation, micro_batch, tokens]: micro-batch rows spread over every device."""
-  return NamedSharding(mesh, P(None, BATCH_AXES, None))
+  return NamedSharding(mesh, spec_of((None, ROWS, None), mesh))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_longctx.app.api import load
+from jax_longctx.core import mesh as core_mesh
 from jax_longctx.core.config import LlamaConfig, preset
 from jax_longctx.model import abstract_model, random_params
 from train_cpt import data as data_lib
@@ -55,8 +56,14 @@ class Source:
     return jax.device_put(self._lm.params, shardings)
 
 
-def make_mesh(cfg: TrainConfig):
-  mesh = sharding.make_mesh(cfg.fsdp)
+def make_mesh(cfg: TrainConfig, devices=None):
+  """core/mesh.py's mesh for the job: `cfg.fsdp` devices along fsdp (0: every device), the rest
+  along data."""
+  devices = list(jax.devices() if devices is None else devices)
+  fsdp = cfg.fsdp or len(devices)
+  if len(devices) % fsdp:
+    raise TrainConfigError(f"fsdp={fsdp} does not divide the {len(devices)} devices")
+  mesh = core_mesh.make_mesh(f"data={len(devices) // fsdp},fsdp={fsdp}", devices)
   if cfg.micro_batch % mesh.size:
     raise TrainConfigError(f"micro_batch={cfg.micro_batch} must be a multiple of the {mesh.size} "
                            "devices (each device takes whole rows)")

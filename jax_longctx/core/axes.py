@@ -11,6 +11,8 @@ the tree's own structure. `core/mesh.py` maps the names to the device mesh (`spe
 - ROWS: batch rows (sequences);
 - HEADS: attention heads, query or KV (a cache's KV heads, a state's per-head vectors);
 - TOKENS: a cache's token slots, split over `ctx` only by methods that `splits_tokens`;
+- EMBED: a weight's model dimension (hidden_size), whole for inference, split over `fsdp` in
+  training;
 - None: not split (head dim, kept-slot counts, window positions, ...).
 
 A field whose value is a struct of its own (a KVCache inside SnapKV's state) is not declared: the
@@ -31,9 +33,9 @@ from pallas_kernels.quant import Quantized
 
 ROWS, HEADS, TOKENS = "rows", "heads", "tokens"
 # Weights (model/decoder.py): query heads, KV heads (copied up to the shards when fewer), the
-# vocabulary (padded to a multiple of the shards) and the MLP's hidden units.
-KV_HEADS, VOCAB, HIDDEN = "kv_heads", "vocab", "hidden"
-NAMES = (ROWS, HEADS, TOKENS, KV_HEADS, VOCAB, HIDDEN)
+# vocabulary (padded to a multiple of the shards), the MLP's hidden units and the model dimension.
+KV_HEADS, VOCAB, HIDDEN, EMBED = "kv_heads", "vocab", "hidden", "embed"
+NAMES = (ROWS, HEADS, TOKENS, KV_HEADS, VOCAB, HIDDEN, EMBED)
 
 _KEY = "logical_axes"
 

@@ -6,8 +6,9 @@ from jax_longctx.model.decoder import (Llama, abstract_model, device_view, forwa
                                        hidden_states, is_fused,
                                        new_cache, random_params, unembed)
 from jax_longctx.model.placement import (fuse_placed, fuse_projections, param_specs, place,
-                                         random_on_mesh, restore_shardings, serving_params)
+                                         random_on_mesh, restore_shardings, serving_params,
+                                         weight_spec)
 
 __all__ = ["Llama", "abstract_model", "device_view", "forward", "fuse_placed", "fuse_projections",
            "hidden_states", "is_fused", "new_cache", "param_specs", "place", "random_on_mesh",
-           "random_params", "restore_shardings", "serving_params", "unembed"]
+           "random_params", "restore_shardings", "serving_params", "unembed", "weight_spec"]

@@ -21,41 +21,61 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jax_longctx.core.axes import KV_HEADS, VOCAB
+from jax_longctx.core.axes import EMBED, KV_HEADS, VOCAB
 from jax_longctx.core.config import LlamaConfig
-from jax_longctx.core.mesh import RULES, MeshError, ModelShards, axis_size, make_mesh, spec_of
+from jax_longctx.core.mesh import MeshError, ModelShards, axis_size, make_mesh, spec_of
 from jax_longctx.model.decoder import WEIGHT_AXES, abstract_model, is_fused, random_params
+
+# The model dimension (hidden_size) of the weights FSDP splits along it (core/mesh.py RULES:
+# EMBED over fsdp): the attention projections and the norms. decoder.py WEIGHT_AXES leaves it
+# None, as inference leaves it whole; this names it there (checked below: only a None is named).
+# The MLP and the embeddings split along their hidden units and vocabulary instead (RULES says
+# why), so their model dimension stays unnamed: one array cannot split two dimensions over fsdp.
+# A norm's `scale` is its one dimension: the model dimension, or a q/k norm's head dimension.
+_EMBED_DIM = {"q_proj": 0, "k_proj": 0, "v_proj": 0, "qkv_proj": 0, "o_proj": 2, "o_proj_t": 0,
+              "scale": 0}
+
+
+def _named(name: str, names: tuple) -> tuple:
+  if name not in _EMBED_DIM:
+    return names
+  d = _EMBED_DIM[name]
+  assert names[d] is None, (name, names)
+  return names[:d] + (EMBED,) + names[d + 1:]
+
+
+_WEIGHT_AXES = {name: _named(name, names) for name, names in WEIGHT_AXES.items()}
+
 
 def _name(path) -> str:
   key = path[-1]
   return str(getattr(key, "key", key))
 
 
-def _axes(name: str) -> tuple:
-  if name not in WEIGHT_AXES:
+def weight_axes(name: str) -> tuple:
+  """A weight's logical axes (core/axes.py), by its name in the parameter tree."""
+  if name not in _WEIGHT_AXES:
     raise MeshError(f"weight {name!r} declares no logical axes (model/decoder.py WEIGHT_AXES)")
-  return WEIGHT_AXES[name]
+  return _WEIGHT_AXES[name]
 
 
-def _spec(name: str, mesh=None) -> P:
-  """A weight's PartitionSpec: its declared axes over the mesh (with no mesh, every axis that
-  splits, as a placed tree is spelled on any mesh with a `model` axis)."""
-  names = _axes(name)
-  if mesh is None:
-    return P(*[RULES.get(n) if n is not None else None for n in names])
-  return spec_of(names, mesh)
+def weight_spec(name: str, mesh=None, shape=None) -> P:
+  """A weight's PartitionSpec: its declared axes over the mesh (`spec_of`; with `shape`, a
+  dimension the mesh does not divide stays whole; with no mesh, every axis that splits, as a
+  placed tree is spelled on any run's mesh)."""
+  return spec_of(weight_axes(name), mesh, shape)
 
 
 def param_specs(params, mesh=None):
   """The PartitionSpec of every weight, from its declared logical axes."""
-  return jax.tree_util.tree_map_with_path(lambda p, x: _spec(_name(p), mesh), params)
+  return jax.tree_util.tree_map_with_path(lambda p, x: weight_spec(_name(p), mesh), params)
 
 
 def _placed_leaf(name: str, x, shards: ModelShards):
   """A weight as `ModelShards.placed` lays it out (x: numpy or jax array): its KV-head axis
   copied up to the shards, its vocabulary axis padded with zero rows."""
   xp = np if isinstance(x, np.ndarray) else jnp
-  names = _axes(name)
+  names = weight_axes(name)
   if KV_HEADS in names and shards.kv_copies > 1:
     return xp.repeat(x, shards.kv_copies, axis=names.index(KV_HEADS))
   if VOCAB in names and x.shape[names.index(VOCAB)] < shards.vocab:
@@ -89,7 +109,7 @@ def place(params, cfg: LlamaConfig, mesh):
     if tuple(x.shape) != tuple(want.shape):  # placed already, or another model's
       raise MeshError(f"weight {jax.tree_util.keystr(path)} is {tuple(x.shape)}, not the "
                       f"{tuple(want.shape)} this config has: place takes the weights as loaded")
-    sharding = NamedSharding(mesh, _spec(name, mesh))
+    sharding = NamedSharding(mesh, weight_spec(name, mesh))
     if jax.process_count() > 1 and isinstance(x, jax.Array) and x.is_fully_addressable:
       x = np.asarray(x)  # this process's copy: every process holds the same weights
     if isinstance(x, np.ndarray):
@@ -111,24 +131,18 @@ def place_leaf(name: str, x, cfg: LlamaConfig, mesh):
   """One weight (standard layout, a host array) placed over `mesh` as `place` places it."""
   mesh = make_mesh(mesh)
   return _from_host(name, np.asarray(x), ModelShards.of(cfg, mesh),
-                    NamedSharding(mesh, _spec(name, mesh)))
+                    NamedSharding(mesh, weight_spec(name, mesh)))
 
 
 def restore_shardings(cfg: LlamaConfig, mesh):
   """Shardings to read a checkpoint (standard layout) with straight onto the mesh: each weight
   split as `place` splits it where its dimension divides (the padding and KV copies `place`
-  adds come after), else replicated."""
+  adds come after), else whole along it."""
   mesh = make_mesh(mesh)
-  m = ModelShards.of(cfg, mesh).shards
+  ModelShards.of(cfg, mesh)  # the mesh checked against the model
   _, shapes = abstract_model(cfg)
-
-  def one(path, s):
-    names = _axes(_name(path))
-    split = [d for d, n in enumerate(names) if n is not None and RULES[n] == "model"]
-    whole = all(s.shape[d] % m == 0 for d in split)
-    return NamedSharding(mesh, _spec(_name(path), mesh) if whole else P())
-
-  return jax.tree_util.tree_map_with_path(one, shapes)
+  return jax.tree_util.tree_map_with_path(
+      lambda path, s: NamedSharding(mesh, weight_spec(_name(path), mesh, s.shape)), shapes)
 
 
 def random_on_mesh(cfg: LlamaConfig, mesh, seed: int = 0):
@@ -241,7 +255,7 @@ def fuse_placed(params, mesh=None, *, consume: bool = False):
            for block, names in _FUSED_PARTS.items()}
     for name, (block, names, _) in _FUSED.items():
       parts = {k: layer[block][k] for k in names}
-      where = None if mesh is None else NamedSharding(mesh, _spec(name, mesh))
+      where = None if mesh is None else NamedSharding(mesh, weight_spec(name, mesh))
       fused = _fuser(name, shards, where)(parts)
       if consume:  # (donating them warns: no output can reuse a part's buffer)
         jax.block_until_ready(fused)  # freed before the next weight is allocated
