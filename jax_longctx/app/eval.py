@@ -26,6 +26,7 @@ written). Rerun such a sweep with another --out, or remove the old results.jsonl
 from __future__ import annotations
 
 import dataclasses
+import json  # noqa: F401 (the fault-injection tests write records as this module does)
 import math
 import os
 from concurrent.futures import ThreadPoolExecutor
