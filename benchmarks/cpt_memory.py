@@ -1,7 +1,7 @@
 """Memory of a continued-pretraining step at a model's scale, computed on CPU: no GPU, nothing
 allocated.
 
-    python benchmarks/cpt_memory.py --config train_cpt/configs/llama3.1-8b_refreshkv_paper.toml \
+    python -m benchmarks.cpt_memory --config train_cpt/configs/llama3.1-8b_refreshkv_paper.toml \
         --devices 1,2 --out benchmarks/results/cpt_memory_cpu.json
 
 For each device count, in its own process on that many fake CPU devices, the train step of the
@@ -28,9 +28,8 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
-from benchmarks.common import child_result, run_child  # noqa: E402
+from benchmarks.common import child_result, run_child
 
 GIB = 2 ** 30
 # Variants compiled at every device count: the config as written, and without rematerialization

@@ -6,7 +6,7 @@ shape (32 query heads over 8 KV heads, d 128), batch 1, --keys keys. On the GPU 
     XLA_FLAGS=--xla_gpu_enable_command_buffer= ncu --clock-control none -k regex:kernel -c 12 \
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
         --section Occupancy --section LaunchStats --csv --page details \
-        python benchmarks/decode_ncu.py --keys 1048576 > $OUT/ncu.csv
+        python -m benchmarks.decode_ncu --keys 1048576 > $OUT/ncu.csv
 
 `-k regex:kernel` keeps the Pallas kernels (the split kernel is named `kernel`, the merge
 `_kernel`) and `-c` stops after them: without both, ncu replayed every launch of the JAX program
@@ -18,12 +18,9 @@ the same calls without the profiler.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks.quant_kernels import _inputs  # noqa: E402
+from benchmarks.quant_kernels import _inputs
 
 
 def main():

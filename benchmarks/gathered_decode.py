@@ -1,6 +1,6 @@
 """ReAttention's decode attention alone: one query over its 8K scope of a 32K pre-RoPE cache.
 
-    python benchmarks/gathered_decode.py --out $OUT/gathered_decode.jsonl [--context 32768]
+    python -m benchmarks.gathered_decode --out $OUT/gathered_decode.jsonl [--context 32768]
 
 `gathered_attention(..., key_rope_freqs=...)` (pallas_kernels/gathered.py) over the paper's
 scope layout: the 32 global keys, 127 spans of 32 at random places, the 4,096 local keys (8,192
@@ -16,12 +16,8 @@ kernels, microseconds per call (`kernels`, from a profiler trace).
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks.common import (copy_bandwidth, device_facts, device_kernel_times,  # noqa: E402
+from benchmarks.common import (copy_bandwidth, device_facts, device_kernel_times,
                                median_time, write_json)
 
 CALLS = 32

@@ -1,7 +1,7 @@
 """One device's output projection at decode under tensor parallelism, in the forms XLA could get.
 
-    python benchmarks/matvec_forms.py --out $OUT/matvec_forms.json        # one GPU, seconds
-    python benchmarks/matvec_forms.py --smoke --out /tmp/matvec.json       # CPU: the script runs
+    python -m benchmarks.matvec_forms --out $OUT/matvec_forms.json        # one GPU, seconds
+    python -m benchmarks.matvec_forms --smoke --out /tmp/matvec.json       # CPU: the script runs
 
 Why: on 2 H100s the 8B's decode step at `model=2` spent 16 us a layer in its output projection,
 [1 x 2048] x [2048 x 4096] a device, where one GPU's [1 x 4096] x [4096 x 4096] took 13.8 us
@@ -23,12 +23,9 @@ the optimized HLO).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks.common import (copy_bandwidth, device_facts, median_time,  # noqa: E402
+from benchmarks.common import (copy_bandwidth, device_facts, median_time,
                                run_cases_to_json)
 
 # (name, query heads a device, head dim, hidden size)

@@ -1,11 +1,11 @@
 """Mesh ReAttention at multi-million-token contexts: prefill tok/s, decode ms/token, peak memory
 per device, with the pre-RoPE cache split along the tokens over N devices (issue 26).
 
-    python benchmarks/reattention_mesh.py --out $OUT/reattention_mesh.json          # 2^21, all GPUs
-    python benchmarks/reattention_mesh.py --contexts 1048576 --devices 4,1 --out ...  # 4 GPUs, then 1
-    python benchmarks/reattention_mesh.py --contexts 1048576 --shard-blocks 0,2048 --out ...  # layouts
-    python benchmarks/reattention_mesh.py --contexts 262144 --devices 2 --model-splits 1,2 --out ...
-    python benchmarks/reattention_mesh.py --smoke --out /tmp/smoke.json             # CPU, tiny
+    python -m benchmarks.reattention_mesh --out $OUT/reattention_mesh.json          # 2^21, all GPUs
+    python -m benchmarks.reattention_mesh --contexts 1048576 --devices 4,1 --out ...  # 4 GPUs, then 1
+    python -m benchmarks.reattention_mesh --contexts 1048576 --shard-blocks 0,2048 --out ...  # layouts
+    python -m benchmarks.reattention_mesh --contexts 262144 --devices 2 --model-splits 1,2 --out ...
+    python -m benchmarks.reattention_mesh --smoke --out /tmp/smoke.json             # CPU, tiny
 
 Random bf16 weights at the Llama-3.2-3B shape (speed does not depend on the values), replicated
 on the first N local devices; ReAttention at the paper's settings (scope 32 + 127 x 32 + 4096 =
@@ -34,9 +34,7 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks.common import (bytes_on, child_result, device_facts, kernel_options,  # noqa: E402
+from benchmarks.common import (bytes_on, child_result, device_facts, kernel_options,
                                run_child)
 
 SMOKE_DEVICES = 8

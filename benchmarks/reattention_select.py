@@ -1,6 +1,6 @@
 """What ReAttention's selection costs per layer, beside the attention it feeds.
 
-    python benchmarks/reattention_select.py --model llama-3.1-8b --contexts 32768,131072 \
+    python -m benchmarks.reattention_select --model llama-3.1-8b --contexts 32768,131072 \
         --out $OUT/reattention_select.jsonl
 
 For one layer at the named shape (bf16, batch 1, random pre-RoPE cache filled to the context):
@@ -22,12 +22,8 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks.common import (device_facts, device_kernel_times, launched_ops,  # noqa: E402
+from benchmarks.common import (device_facts, device_kernel_times, launched_ops,
                                median_time, write_json)
 
 

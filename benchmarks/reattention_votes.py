@@ -1,6 +1,6 @@
 """What ReAttention's vote count costs for a prefill chunk: sorting the votes, or a histogram.
 
-    python benchmarks/reattention_votes.py --tokens 8192,32768,131072,1048576 \
+    python -m benchmarks.reattention_votes --tokens 8192,32768,131072,1048576 \
         --out $OUT/reattention_votes.jsonl
 
 A 512-query chunk of a 32-head model with top-4 casts 65,536 votes (token indices) a layer;
@@ -18,12 +18,8 @@ tokens.
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks.common import device_facts, median_time, write_json  # noqa: E402
+from benchmarks.common import device_facts, median_time, write_json
 
 LAYERS = 32
 

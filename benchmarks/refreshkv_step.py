@@ -1,6 +1,6 @@
 """What one layer of a RefreshKV decode step costs, part by part.
 
-    python benchmarks/refreshkv_step.py --model llama-3.1-8b --contexts 32768,131072 \
+    python -m benchmarks.refreshkv_step --model llama-3.1-8b --contexts 32768,131072 \
         --out $OUT/refreshkv_step.jsonl
 
 For one layer at the named shape (bf16, batch 1, a random full cache C_f filled to the
@@ -18,12 +18,8 @@ multiplies back to a whole decode step.
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks.common import device_facts, median_time, write_json  # noqa: E402
+from benchmarks.common import device_facts, median_time, write_json
 
 # (bits, counting, one_cumsum) plans of `top_n` timed beside the default.
 RADIX_PLANS = [(4, "compare", False), (4, "compare", True), (4, "rows", True), (8, "rows", True),

@@ -1,9 +1,9 @@
 """Seconds per sample (context encoding + query + generated tokens) for Star Attention and ring
 attention over N devices, and for full attention on one device, at the named model shape.
 
-    python benchmarks/star_sample.py --model llama-3.1-8b --devices 4 --methods star,ring \
+    python -m benchmarks.star_sample --model llama-3.1-8b --devices 4 --methods star,ring \
         --contexts 32768,65536,131072,262144 --out $OUT/star_sample.jsonl
-    python benchmarks/star_sample.py --devices 1 --methods full ...
+    python -m benchmarks.star_sample --devices 1 --methods full ...
 
 Random bf16 weights, replicated on every device of the mesh (the first N visible devices). One
 sample = a random context, a `--query`-token query, then `--new-tokens` greedy tokens (no stop
@@ -20,13 +20,9 @@ is reported, split into phase 1 (the prefill road: the context, then the query) 
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks.common import (child_result, device_facts, jax_peak_bytes,  # noqa: E402
+from benchmarks.common import (child_result, device_facts, jax_peak_bytes,
                                run_child, write_json)
 
 

@@ -1,7 +1,7 @@
 """A decode step's exact top-k (one query, 32 query / 8 kv heads, d 128, bf16, BHTD keys as
 ReAttention caches them) by each GPU route of `topk_scores` (KernelOptions.topk_few_rows).
 
-    python benchmarks/topk_decode.py --out $OUT/topk_decode.jsonl [--contexts 32768,131072,1048576]
+    python -m benchmarks.topk_decode --out $OUT/topk_decode.jsonl [--contexts 32768,131072,1048576]
         [--top-k 4]   # a comma list: each k against every context
 
 "blocks": XLA's product and block maxima, then the pick in one Pallas kernel (topk_blocks.py);
@@ -15,12 +15,8 @@ whether a route's indices equal the default's.
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks.common import (device_facts, device_kernel_times, median_time,  # noqa: E402
+from benchmarks.common import (device_facts, device_kernel_times, median_time,
                                write_json)
 
 CALLS = 32

@@ -1,6 +1,6 @@
 """The prefill top-k's stage 2 alone (topk_segments.best_keys) over its launch settings.
 
-    python benchmarks/topk_rescore.py --contexts 8192,32768 --out $OUT/topk_rescore.jsonl
+    python -m benchmarks.topk_rescore --contexts 8192,32768 --out $OUT/topk_rescore.jsonl
 
 A 512-query chunk of the 8B shape (32 query / 8 kv heads, d 128, bf16; 2,048 rows a kv head)
 with top-4: each row scores its 4 segments' 64 keys again, gathered from a BHTD cache of
@@ -12,12 +12,8 @@ returns the keys the first setting returns.
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks.common import device_facts, median_time, write_json  # noqa: E402
+from benchmarks.common import device_facts, median_time, write_json
 
 CALLS = 20
 SETTINGS = [(8, 4), (1, 1), (1, 2), (2, 2), (2, 4), (4, 4), (4, 2), (8, 8), (16, 8)]

@@ -23,7 +23,6 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 JOB = dict(model="random:smollm2-135m", prefix_len=2048, suffix_len=50, top_k=512, steps=12,
            warmup_steps=2, global_batch=4, micro_batch=2, lr=1e-3, save_every=4, eval_rows=0,

@@ -28,8 +28,6 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 LEVELS = 7.0  # symmetric 4-bit levels, as int8 uses +-127
 GROUP = 32
 

@@ -31,19 +31,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import itertools
-import os
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import jax_longctx  # noqa: E402
-from jax_longctx.core import rope  # noqa: E402
-from key_rotation_proxy import channel_means, patched_store, rounding_store  # noqa: E402
-from key_smoothing_proxy import prose_ids, token_nll  # noqa: E402
+import jax_longctx
+from jax_longctx.core import rope
+from experiments.key_rotation_proxy import channel_means, patched_store, rounding_store
+from experiments.key_smoothing_proxy import prose_ids, token_nll
 
 
 @contextlib.contextmanager

@@ -26,19 +26,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import itertools
-import os
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import jax_longctx  # noqa: E402
-from jax_longctx.ops import cache as cache_ops  # noqa: E402
-from key_smoothing_proxy import prose_ids, token_nll  # noqa: E402
-from pallas_kernels import quant  # noqa: E402
+import jax_longctx
+from jax_longctx.ops import cache as cache_ops
+from experiments.key_smoothing_proxy import prose_ids, token_nll
+from pallas_kernels import quant
 
 
 HOW = ("plain", "hadamard", "centered", "calibrated")

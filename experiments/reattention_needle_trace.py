@@ -12,7 +12,6 @@ table (100 = every needle token attended) and the answer.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import jax
@@ -25,8 +24,7 @@ from jax_longctx.app import tasks
 from jax_longctx.run.generation import Sampling, decode_loop, prefill
 from jax_longctx.methods import get
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from experiments import scope_trace  # noqa: E402
+from experiments import scope_trace
 
 
 def answer_positions(tokenizer, ids, answers) -> list[int]:

@@ -25,18 +25,16 @@ import argparse
 import json
 import os
 import platform
-import sys
 import time
 
 import jax
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from experiments import scope_trace  # noqa: E402
-from jax_longctx import load  # noqa: E402
-from jax_longctx.app import plots, tasks  # noqa: E402
-from jax_longctx.methods import get, parse_method_args  # noqa: E402
-from jax_longctx.run.driver import continuation_nll  # noqa: E402
+from experiments import scope_trace
+from jax_longctx import load
+from jax_longctx.app import plots, tasks
+from jax_longctx.methods import get, parse_method_args
+from jax_longctx.run.driver import continuation_nll
 
 
 def selected(slots: np.ndarray, last: int, method) -> np.ndarray:

@@ -13,9 +13,8 @@ import os
 import statistics
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from jax_longctx.app import plots  # noqa: E402
-from train_cpt import read_log  # noqa: E402
+from jax_longctx.app import plots
+from train_cpt import read_log
 
 
 def _read(log: str) -> tuple[dict[int, dict], list[dict]]:

@@ -42,17 +42,15 @@ import sys
 import jax
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from experiments.cpt_table5_report import TASK, Table5Error, write_report  # noqa: E402
-from jax_longctx.app.api import load  # noqa: E402
-from jax_longctx.app.eval import append_record, read_records  # noqa: E402
-from jax_longctx.core.errors import LongctxError  # noqa: E402
-from jax_longctx.core.progress import progress  # noqa: E402
-from jax_longctx.methods import get, parse_method_args  # noqa: E402
-from train_cpt import data as data_lib  # noqa: E402
-from train_cpt.config import load_config  # noqa: E402
-from train_cpt.evaluate import suffix_nll  # noqa: E402
+from experiments.cpt_table5_report import TASK, Table5Error, write_report
+from jax_longctx.app.api import load
+from jax_longctx.app.eval import append_record, read_records
+from jax_longctx.core.errors import LongctxError
+from jax_longctx.core.progress import progress
+from jax_longctx.methods import get, parse_method_args
+from train_cpt import data as data_lib
+from train_cpt.config import load_config
+from train_cpt.evaluate import suffix_nll
 
 SUFFIX = 50  # scored tokens per window (the paper's S; Table 5 reports the last 50 tokens)
 STRIDES = (10, 25, 50)  # RefreshKV's fixed strides in Table 5

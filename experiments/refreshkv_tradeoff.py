@@ -13,12 +13,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from jax_longctx.app.gap_stats import nll_by_seed, paired_gap, pooled_ppl  # noqa: E402
-from jax_longctx.app.report import effective_stride, stride_counts  # noqa: E402
+from jax_longctx.app.gap_stats import nll_by_seed, paired_gap, pooled_ppl
+from jax_longctx.app.report import effective_stride, stride_counts
 
 BASELINE = "snapkv_paper"
 

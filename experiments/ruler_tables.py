@@ -73,11 +73,10 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
-from jax_longctx.app.eval import RESULTS, load_results  # noqa: E402
-from jax_longctx.app.report import write_report  # noqa: E402
-from jax_longctx.app.tasks.ruler_suite import NAMES  # noqa: E402
+from jax_longctx.app.eval import RESULTS, load_results
+from jax_longctx.app.report import write_report
+from jax_longctx.app.tasks.ruler_suite import NAMES
 
 K = 1024
 STATE = "/tmp/ruler_state"

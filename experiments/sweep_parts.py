@@ -17,12 +17,9 @@ import collections
 import json
 import os
 import shutil
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from jax_longctx.app.eval import RESULTS, load_results  # noqa: E402
-from jax_longctx.app.report import write_report  # noqa: E402
+from jax_longctx.app.eval import RESULTS, load_results
+from jax_longctx.app.report import write_report
 
 
 def _key(rec: dict) -> tuple:  # what identifies a sample in a sweep (as eval's resume)
