@@ -207,9 +207,10 @@ ALTERNATING = r"""{{- bos_token }}
 {%- else %}{{- ' ' + message['content'] + eos_token }}{%- endif %}
 {%- endfor %}"""
 
+ARGUMENTS = {"city": "Zürich", "unit": "<C>", "n": [1, 2]}  # not ASCII, not HTML-safe, unsorted
 TOOL_CALL = [{"role": "user", "content": "Weather in Zürich?"},
-             {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
-                 "name": "weather", "arguments": {"city": "Zürich", "unit": "<C>", "n": [1, 2]}}}]},
+             {"role": "assistant", "content": "", "tool_calls": [
+                 {"type": "function", "function": {"name": "weather", "arguments": ARGUMENTS}}]},
              {"role": "user", "content": "Thanks"}]
 
 
@@ -233,7 +234,7 @@ def test_qwen_style_templates_render_as_transformers_does(tmp_path, template):
     if messages is not TOOL_CALL and template != QWEN3:
       assert ours == _plain_render(template, messages, tok)
   if template == QWEN25:
-    assert '"arguments": {"city": "Zürich", "unit": "<C>", "n": [1, 2]}' in tok.apply_chat_template(
+    assert f'"arguments": {json.dumps(ARGUMENTS, ensure_ascii=False)}' in tok.apply_chat_template(
         TOOL_CALL)
   if template == ALTERNATING:
     with pytest.raises(TokenizerError, match="refuses this conversation: Conversation roles must"):
@@ -353,7 +354,8 @@ def test_declared_layers_beyond_the_files_tensors_allocate_nothing(tmp_path, mon
 
 def test_gguf_token_ids_outside_the_vocabulary_are_refused(tmp_path):
   import gguf
-  path = _gguf(tmp_path, kv={"tokenizer.ggml.bos_token_id": (-1 % 2 ** 32, gguf.GGUFValueType.UINT32)})
+  bos = (2 ** 32 - 1, gguf.GGUFValueType.UINT32)  # -1 as llama.cpp's unsigned id
+  path = _gguf(tmp_path, kv={"tokenizer.ggml.bos_token_id": bos})
   with pytest.raises(ConfigError) as err:
     open_source(str(path)).write_tokenizer(str(tmp_path))
   assert "is not a token id of its 97 tokens" in _one_line_naming(err, path)
@@ -389,3 +391,37 @@ def test_a_safetensors_header_size_beyond_the_file_is_refused_before_reading(tmp
   with pytest.raises(CheckpointError) as err:
     safetensors_io.read_header(str(path))
   assert "does not fit the file" in _one_line_naming(err, path)
+
+
+def test_a_converted_config_edited_to_other_sizes_is_refused(tmp_path):
+  """Orbax restores the shapes it stored whatever the config says: a config.json that no longer
+  fits its params is an error, not a model whose config lies about its weights."""
+  from checkpoints_convert import restore
+  convert(str(_gguf(tmp_path)), str(tmp_path / "ckpt"))
+  path = tmp_path / "ckpt" / "config.json"
+  good = json.loads(path.read_text())
+  for key, value in [("vocab_size", 1 << 14), ("intermediate_size", 48)]:
+    path.write_text(json.dumps({**good, key: value}))
+    with pytest.raises(CheckpointError) as err:
+      restore(str(tmp_path / "ckpt"))
+    assert "does not fit the params stored beside it" in _one_line_naming(err, path)
+  path.write_text(json.dumps(good))
+  assert restore(str(tmp_path / "ckpt"))[0].vocab_size == 97
+
+
+def test_a_tensor_stored_in_another_layout_is_refused_before_anything_allocates(tmp_path,
+                                                                                 monkeypatch):
+  """The same number of elements, another shape: refused from the header alone."""
+  src = _hf_dir(tmp_path / "src", monkeypatch, shard_bytes=1 << 30)
+  path = src / "model.safetensors"
+  raw = path.read_bytes()
+  n = struct.unpack("<Q", raw[:8])[0]
+  header = json.loads(raw[8:8 + n])
+  name = "model.layers.1.mlp.up_proj.weight"
+  header[name]["shape"] = header[name]["shape"][::-1]  # [64, 48] -> [48, 64]: same length
+  blob = json.dumps(header, separators=(",", ":")).encode().ljust(n)
+  path.write_bytes(raw[:8] + blob + raw[8 + n:])
+  with pytest.raises(CheckpointError) as err:
+    pipeline.assemble(open_source(str(src)), _refuse)
+  assert f"tensor {name} has shape (48, 64); the config makes it (64, 48)" in _one_line_naming(
+      err, src)

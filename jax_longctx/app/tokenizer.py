@@ -102,7 +102,8 @@ class _Sandbox(ImmutableSandboxedEnvironment):
     # A sandboxed template may still ask for an absurd string or number in one expression.
     if operator == "*":
       for seq, n in ((left, right), (right, left)):
-        if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > _MAX_REPEAT:
+        if (isinstance(seq, (str, list, tuple)) and isinstance(n, int)
+            and len(seq) * n > _MAX_REPEAT):
           raise SecurityError(f"a repetition of {len(seq) * n} items is too large")
       if _ints(left, right) and abs(left).bit_length() + abs(right).bit_length() > _MAX_BITS:
         raise SecurityError(f"an integer product of more than {_MAX_BITS} bits is too large")

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import shutil
 from typing import Callable, Iterator
@@ -51,6 +50,13 @@ def target_config(source: Source) -> tuple[LlamaConfig, np.dtype]:
   return cfg, dtype
 
 
+def hf_shape(rule: layout.Rule, cfg: LlamaConfig, shape: tuple, dtype=np.float32) -> tuple:
+  """The HF-layout shape of a parameter of `shape` (traced: nothing is allocated)."""
+  import jax
+  one = jax.ShapeDtypeStruct(tuple(shape), dtype)
+  return tuple(jax.eval_shape(lambda w: rule.to_hf(w, cfg), one).shape)
+
+
 def _lacks(source: Source, cfg: LlamaConfig, missing: set) -> CheckpointError:
   names = sorted(n for n, r, i in layout.hf_names(cfg) if r.full_path(i) in missing)
   return CheckpointError(f"{source.path}: checkpoint lacks {len(names)} tensors, e.g. {names[:3]}")
@@ -74,13 +80,15 @@ def _check_tensors(source: Source, cfg: LlamaConfig) -> None:
   if missing:
     raise _lacks(source, cfg, missing)
   _, shapes = abstract_model(cfg)
+  known = {}  # (rule, parameter shape) -> HF shape: the layers share a few
   for name, (rule, i) in expected.items():
-    shape, want = source.shapes[name], layout.get_path(shapes, rule.full_path(i)).shape
-    # The HF layout is the parameter's transpose/reshape: the same number of elements.
-    if math.prod(shape) != math.prod(want):
+    key = (rule, layout.get_path(shapes, rule.full_path(i)).shape)
+    if key not in known:
+      known[key] = hf_shape(rule, cfg, key[1])
+    if tuple(source.shapes[name]) != known[key]:
       raise CheckpointError(
-          f"{source.path}: tensor {name} has shape {tuple(shape)}, which does not fit the config "
-          f"({want})")
+          f"{source.path}: tensor {name} has shape {tuple(source.shapes[name])}; the config "
+          f"makes it {known[key]}")
 
 
 def assemble(source: Source, allocate: Callable[[tuple, tuple, np.dtype], np.ndarray],
@@ -237,6 +245,14 @@ def restore(directory: str, dtype=None, sharding=None) -> tuple[LlamaConfig, dic
     params = ocp.StandardCheckpointer().restore(params_dir, target)
   except Exception as e:  # orbax/tensorstore raise many types for damaged checkpoints
     raise CheckpointError(f"{params_dir}: cannot restore params ({type(e).__name__}: {e})") from e
+  # Orbax restores the shapes stored, whatever the target says: a config.json edited after
+  # conversion would otherwise describe other weights than those loaded.
+  stored = jax.tree_util.tree_leaves_with_path(params)
+  for (key, leaf), want in zip(stored, jax.tree.leaves(shapes)):
+    if tuple(leaf.shape) != tuple(want.shape):
+      raise CheckpointError(f"{cfg_path}: does not fit the params stored beside it (params"
+                            f"{jax.tree_util.keystr(key)} is {tuple(leaf.shape)}, the config "
+                            f"makes it {tuple(want.shape)})")
   return cfg, jax.tree.map(jax.numpy.asarray, params)
 
 
@@ -252,8 +268,7 @@ def export_hf(params: dict, cfg: LlamaConfig, dst: str, tokenizer_dir: str | Non
   specs, shards, size = {}, [[]], 0
   for name, rule, i in entries:
     leaf = layout.get_path(params, rule.full_path(i))
-    one = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
-    shape = tuple(jax.eval_shape(lambda w, rule=rule: rule.to_hf(w, cfg), one).shape)
+    shape = hf_shape(rule, cfg, leaf.shape, leaf.dtype)
     nbytes = int(np.prod(shape)) * np.dtype(leaf.dtype).itemsize
     if size and size + nbytes > _SHARD_BYTES:
       shards.append([])
