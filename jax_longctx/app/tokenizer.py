@@ -137,7 +137,7 @@ def _one_line(e: Exception) -> str:
 
 def _template_error(origin: str, e: Exception) -> TokenizerError:
   if isinstance(e, SecurityError):
-    what = "refused (it reaches outside the template sandbox)"
+    what = "refused by the template sandbox"
   elif isinstance(e, jinja2.TemplateSyntaxError):
     what = f"has a syntax error at line {e.lineno}"
   elif type(e) is jinja2.exceptions.TemplateError:  # the template's own raise_exception

@@ -296,6 +296,8 @@ def export_hf(params: dict, cfg: LlamaConfig, dst: str, tokenizer_dir: str | Non
       json.dump(cfg.to_hf(), f, indent=1)
     if tokenizer_dir:
       for name in os.listdir(tokenizer_dir):
-        if name.startswith("tokenizer") or name in ("special_tokens_map.json",
-                                                    "generation_config.json"):
+        wanted = name.startswith("tokenizer") or name in ("special_tokens_map.json",
+                                                          "generation_config.json")
+        # isfile: a regular file (or a link to one), never a device or pipe that copies forever.
+        if wanted and os.path.isfile(os.path.join(tokenizer_dir, name)):
           shutil.copyfile(os.path.join(tokenizer_dir, name), os.path.join(tmp, name))
