@@ -5,7 +5,8 @@ compile and fail minutes later with an allocator's message; `check` refuses it i
 gives the estimate and the longest length that fits. The estimate is a lower bound: the weights'
 bytes, the KV cache as the method allocates it (its own buffers read off `new_cache` without
 allocating them: full attention caches every token, a budgeted method mostly its budget, SnapKV
-the whole prompt while it prefills) and one prefill chunk's activations. It refuses only what
+the whole prompt while it prefills; a method encoding its context in blocks, Star, every token
+as full attention) and one prefill chunk's activations. It refuses only what
 cannot fit; passing it says nothing of compiler scratch or fragmentation. Nothing is refused for
 running past the model's trained window: some methods (ReAttention) read past it.
 
@@ -24,6 +25,7 @@ from typing import Callable
 
 import jax
 
+from jax_longctx import methods as methods_lib
 from jax_longctx.core.errors import LongctxError
 from jax_longctx.core.options import RunOptions
 from jax_longctx.model import new_cache
@@ -55,6 +57,10 @@ def weight_bytes(params) -> int:
 def cache_bytes(cfg, method, batch: int, cache_len: int, kv_dtype, chunk: int) -> int:
   """Bytes of the cache `method` allocates for `batch` rows of `cache_len` slots: every layer's
   state as `new_cache` builds it, traced for its shapes only (milliseconds at 10M slots)."""
+  if getattr(method, "encodes_context", False):
+    # Star's blocks hold every context token's keys and values once, as full attention's cache
+    # does (their anchor copies on top are left out of this lower bound).
+    method = methods_lib.get("full")
   shapes = jax.eval_shape(lambda: new_cache(cfg, method, batch, cache_len, kv_dtype, chunk=chunk))
   return sum(math.prod(s.shape) * s.dtype.itemsize for s in jax.tree.leaves(shapes))
 

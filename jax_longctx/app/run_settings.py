@@ -50,8 +50,17 @@ def fingerprint(params) -> str:
     else:
       continue
     h.update("/".join(names).encode())
-    h.update(np.asarray(jax.device_get(part), np.float32).tobytes())
+    h.update(_on_host(part).astype(np.float32).tobytes())
   return h.hexdigest()[:16]
+
+
+def _on_host(x) -> np.ndarray:
+  """x as numpy, the same in every process: weights placed over several processes' devices
+  are gathered (each process hashes the whole, so all plan the same samples)."""
+  if getattr(x, "is_fully_addressable", True):
+    return np.asarray(jax.device_get(x))
+  from jax.experimental import multihost_utils
+  return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
 def model_identity(lm) -> dict:
