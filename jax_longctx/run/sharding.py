@@ -36,9 +36,10 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jax_longctx.core.axes import ROWS, take_rows
+from jax_longctx.core.axes import take_rows
 from jax_longctx.core.config import LlamaConfig
-from jax_longctx.core.mesh import MeshError, ModelShards, axis_size, make_mesh, spec_of, specs
+from jax_longctx.core.mesh import (MeshError, ModelShards, axis_size, make_mesh, one_device,
+                                   spec_of, specs)
 from jax_longctx.core.options import RunOptions
 from jax_longctx.methods.base import Method
 from jax_longctx.model import abstract_model, is_fused, new_cache, param_specs, place
@@ -49,28 +50,30 @@ _STATIC = ("cfg", "method", "options")
 
 def on_one_device(options: RunOptions) -> bool:
   """Whether steps run as they are: no mesh, or a mesh of one device (nothing to split)."""
-  return options.mesh is None or options.mesh.size == 1
+  return one_device(options.mesh)
 
 
-def mesh_step(*, inputs: Sequence, outputs, donate: Sequence[str] = (),
-              static: Sequence[str] = _STATIC):
+def mesh_step(*, inputs, outputs, donate: Sequence[str] = (), static: Sequence[str] = _STATIC):
   """A decorator: `body(*arrays, **static)` jitted (static keywords `static`, donated
   arguments `donate`), run per device under shard_map when `options` (a static keyword, its
-  default the body's) has a mesh that splits anything. inputs: one kind per positional
-  argument; outputs: one kind, or a tuple of kinds for a tuple of outputs (the module's doc).
-  Every input but the weights is put on the mesh as its kind says (`_placed_arg`), so a step fed
-  its own outputs compiles once."""
+  default the body's) has a mesh that splits anything. inputs: the kind of each array argument
+  by its name, e.g. `{"params": "params", "tokens": (ROWS,), "cache": "cache"}` (a tuple, one
+  kind per argument in order, is the older spelling); outputs: one kind, or a tuple of kinds
+  for a tuple of outputs (the module's doc). Both are checked against the body's signature when
+  it is decorated. Every input but the weights is put on the mesh as its kind says
+  (`_placed_arg`), so a step fed its own outputs compiles once."""
 
   def wrap(body: Callable):
     signature = inspect.signature(body)
     default = signature.parameters["options"].default
+    kinds = _kinds_by_argument(body, signature, inputs, static)
 
     @functools.wraps(body)
     def step(*args, **kw):
       options = kw.get("options", default)
       if on_one_device(options):
         return body(*args, **kw)
-      return _per_device(functools.partial(body, **kw), args, inputs, outputs, options.mesh)
+      return _per_device(functools.partial(body, **kw), args, kinds, outputs, options.mesh)
 
     names = list(signature.parameters)
     jitted = jax.jit(step, static_argnames=tuple(static),
@@ -79,14 +82,25 @@ def mesh_step(*, inputs: Sequence, outputs, donate: Sequence[str] = (),
     @functools.wraps(body)
     def call(*args, **kw):
       mesh = kw.get("options", default).mesh
-      if isinstance(mesh, Mesh) and mesh.size > 1:
-        args = tuple(_placed_arg(a, kind, mesh) for a, kind in zip(args, inputs, strict=True))
+      if isinstance(mesh, Mesh) and not one_device(mesh):  # (an AbstractMesh: nothing to put)
+        args = tuple(_placed_arg(a, kind, mesh) for a, kind in zip(args, kinds, strict=True))
       return jitted(*args, **kw)
 
     call.lower, call.trace, call._cache_size = jitted.lower, jitted.trace, jitted._cache_size
     return call
 
   return wrap
+
+
+def _kinds_by_argument(body, signature, inputs, static) -> tuple:
+  """The kinds of `body`'s array arguments in order, every one named once in `inputs`."""
+  arrays = [n for n in signature.parameters if n not in static]
+  if not isinstance(inputs, dict):
+    inputs = dict(zip(arrays, inputs)) if len(inputs) == len(arrays) else {"?": None}
+  if list(inputs) != arrays:
+    raise TypeError(f"mesh_step of {body.__name__}: inputs name {list(inputs)}, its array "
+                    f"arguments are {arrays}")
+  return tuple(inputs.values())
 
 
 def _placed_arg(arg, kind, mesh):
@@ -132,6 +146,9 @@ def _per_device(fn, args, inputs, outputs, mesh):
     return tuple(jax.tree.map(lambda x: jax.lax.all_gather(x, "data", axis=0, tiled=True), o)
                  if kind == "gathered" and gather else o for kind, o in zip(kinds, out))
 
+  # check_vma stays off: the bodies' collectives are not typed for it (decoder.py gathers the
+  # logits over `model` with all_gather, not all_gather_invariant, so with the check on the
+  # prefill step's per-row logits, P('data'), are refused as "possibly varying over model").
   shapes = None
   if "cache" in kinds:  # a state of a new structure: laid out as its classes declare
     shapes = jax.eval_shape(jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=P(),
@@ -161,11 +178,6 @@ def _out_spec(kind, shape, cache_spec, mesh):
   return spec_of(kind, mesh) if kind else P()
 
 
-def local_config(cfg: LlamaConfig, options: RunOptions) -> LlamaConfig:
-  """The model as one device holds it inside a step on `options.mesh`."""
-  return cfg if options.mesh is None else ModelShards.of(cfg, options.mesh).local(cfg)
-
-
 def empty_cache(cfg: LlamaConfig, method: Method, batch: int, max_len: int, chunk: int,
                 options: RunOptions) -> Cache:
   """`model.new_cache`, made on the mesh as its classes declare it: each device allocates only
@@ -191,12 +203,6 @@ def _empty_cache(cfg, method, batch, max_len, dtype, chunk, mesh):
   laid = jax.tree.map(lambda s: NamedSharding(mesh, s), specs(jax.eval_shape(build), mesh),
                       is_leaf=lambda x: isinstance(x, P))
   return jax.jit(build, out_shardings=laid)
-
-
-def on_mesh(x, mesh, names=(ROWS,)):
-  """x placed on `mesh` with logical axes `names` (a no-op for what already lies so), spelled
-  as a step's outputs come, so it compiles the step once."""
-  return jax.device_put(x, NamedSharding(mesh, spec_of(names, mesh)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,5 +261,5 @@ def check_layer_mesh(method: Method, options: RunOptions) -> None:
                     "the methods that split the context (names('mesh'))")
 
 
-__all__ = ["HostBatch", "check_layer_mesh", "empty_cache", "local_config", "mesh_step",
-           "on_mesh", "on_one_device", "placed"]
+__all__ = ["HostBatch", "check_layer_mesh", "empty_cache", "mesh_step", "on_one_device",
+           "placed"]
