@@ -47,7 +47,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                       "llama-3.1-8b, llama-3.1-70b, smollm2-135m, qwen2.5-coder-1.5b), a bundled "
                       "model or a checkpoint")
   p.add_argument("--shape", action="append", default=[], metavar="KEY=VALUE",
-                 help="change a field of the shape's config, e.g. num_layers=2 (a quick run)")
+                 help="change a field of the shape's config, e.g. num_layers=2 for a quick run; "
+                      "repeat for several (default: the shape as named)")
   p.add_argument("--contexts", default="8192,32768,131072", help="prompt lengths, comma list")
   p.add_argument("--batches", default="1,8", help="rows, comma list")
   p.add_argument("--skip", default="131072x8", help="CONTEXTxBATCH pairs that cannot fit")
@@ -56,18 +57,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
   p.add_argument("--methods", default="full",
                  help="methods to time, comma list; LABEL:NAME for a variant")
   p.add_argument("--method-arg", action="append", default=[], metavar="LABEL.KEY=VALUE",
-                 help="a hyper-parameter of one method label's runs")
+                 help="a hyper-parameter of one method label's runs (default: the method's own)")
   p.add_argument("--meshes", default="none",
                  help="';'-separated device meshes, e.g. 'none;model=2;data=2' (none: one device)")
   p.add_argument("--kv-dtypes", default="none",
                  help="';'-separated cache dtypes: none (the model's), int8, float8_e4m3fn")
   p.add_argument("--kernel-option", action="append", default=[], metavar="LABEL.KEY=VALUE",
                  help="a KernelOptions field for one method label's runs, e.g. "
-                      "blocks.topk_few_rows=kernel with --methods blocks:reattention")
+                      "blocks.topk_few_rows=kernel with --methods blocks:reattention (default: the "
+                      "run's own choice)")
   p.add_argument("--run-option", action="append", default=[], metavar="KEY=VALUE",
-                 help="a RunOptions field for every run, e.g. add_norm_backend=auto")
+                 help="a RunOptions field for every run, e.g. add_norm_backend=auto "
+                      "(default: none set)")
   p.add_argument("--decode-tiling", default=None, metavar="KEY=VALUE,...",
-                 help="RunOptions.decode_tiling for every run, e.g. block_keys=64,num_stages=3")
+                 help="RunOptions.decode_tiling for every run, e.g. block_keys=64,num_stages=3 "
+                      "(default: the kernel's own split plan)")
   p.add_argument("--fill-cache", action="store_true",
                  help="decode only, over a cache filled with random K/V (no prefill)")
   p.add_argument("--key-smoothing", action="store_true",
@@ -81,7 +85,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
   p.add_argument("--warmup-prefill", action=argparse.BooleanOptionalAction, default=True,
                  help="time a whole second prefill (--no-warmup-prefill: all chunks but the "
                       "first, which compiles; for prompts too long to prefill twice)")
-  p.add_argument("--only", default=None, help="kernels: the cases to run, comma list (default: all)")
+  p.add_argument("--only", default=None,
+                 help="kernels: the cases to run, comma list (default: all)")
   p.add_argument("--quick", action="store_true", help="kernels: smaller shapes")
   p.add_argument("--inner", type=int, default=5, help="kernels: calls per timed group at least")
   p.add_argument("--out", default="bench.jsonl", help="JSONL file the records are appended to")
