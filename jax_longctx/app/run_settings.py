@@ -14,7 +14,8 @@ this command's, and a record of a (task, method label, length) this command plan
 lengths the command does not plan, made under the same `sweep`, stay: several commands may fill
 one --out (RULER's tasks one at a time, a sweep grown by a length), and the summary reads them
 all. Records written before `run` existed cannot be told apart and are refused too. The batch
-size is left out: a batch's records are those of single runs (tests/test_eval.py).
+size is left out: a batch's records are those of single runs, so a sweep may resume with
+another --batch-size.
 """
 
 from __future__ import annotations
