@@ -51,16 +51,16 @@ Candidate fixes (--variants, in the order run; each is a flag set of this script
   `bk64_split64`, `bk64_s3_split64` (64-key tiles: 2-3 programs per SM, more loads in flight),
   `bk128_s3` (3 pipeline stages), `bk32_s4_split128`, `bk128_w8` (8 warps).
 - `merge_kernel`: `all` with KernelOptions.decode_merge_kernel: the key splits merged by one
-  Pallas kernel (pallas_kernels/split_merge.py) writing only the real rows in bf16, instead of
+  Pallas kernel (pallas_kernels/decode/split_merge.py) writing only the real rows in bf16, instead of
   jnp's merge (2 XLA kernels) and the padding-row slice (layout.from_rows): 3 -> 1 kernel per
   layer. Tests: tests/kernels/test_split_merge.py.
 - `cache_kernel`: `all` with RunOptions.cache_write_backend="auto": a decode step's
-  K/V write as one in-place Pallas kernel per layer (pallas_kernels/cache_write.py: one program
+  K/V write as one in-place Pallas kernel per layer (pallas_kernels/decode/cache_write.py: one program
   per sequence x kv head, out-of-range positions dropped) instead of the scatter's ~4 XLA
   kernels (select / concatenate + dynamic-update-slice, for K and for V). Tests:
   tests/kernels/test_cache_write.py, tests/test_decode_knobs.py.
 - `add_norm`: `all` with RunOptions.add_norm_backend="auto": each residual add and the
-  RMSNorm after it as one Pallas kernel (pallas_kernels/add_rmsnorm.py; writes x + h and the
+  RMSNorm after it as one Pallas kernel (pallas_kernels/decode/add_rmsnorm.py; writes x + h and the
   normed row), instead of add + reduce + multiply: 64 fewer kernels per step. Tests: tests/kernels/test_add_rmsnorm.py,
   tests/test_decode_knobs.py.
 - `q_in_kernel`: `all` with KernelOptions.decode_q_in_kernel: the decode kernel reads the 4

@@ -2,7 +2,7 @@
 
     python -m benchmarks.gathered_decode --out $OUT/gathered_decode.jsonl [--context 32768]
 
-`gathered_attention(..., key_rope_freqs=...)` (pallas_kernels/gathered.py) over the paper's
+`gathered_attention(..., key_rope_freqs=...)` (pallas_kernels/attention/gathered.py) over the paper's
 scope layout: the 32 global keys, 127 spans of 32 at random places, the 4,096 local keys (8,192
 entries), Llama-3.1-8B's heads (32 query / 8 kv, d 128, bf16, BHTD), for each launch setting
 below; beside it, dense flash decode over 8K keys (pallas_kernels.flash_attention) and the

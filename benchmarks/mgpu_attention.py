@@ -29,7 +29,8 @@ import jax.numpy as jnp
 from benchmarks import common
 from jax_longctx.app.bench_kernels import normal
 from jax_longctx.app.bench_measure import timed
-from pallas_kernels import chunk_attention, flash_attention, mgpu_flash
+from pallas_kernels import chunk_attention, flash_attention
+from pallas_kernels.attention import mgpu_flash
 from pallas_kernels.gpu import Tiling
 
 H, KV, D = 32, 8, 128

@@ -1,4 +1,4 @@
-"""The Mosaic GPU top-k kernel (pallas_kernels/mgpu_topk.py) on one Hopper GPU: checked, then timed.
+"""The Mosaic GPU top-k kernel (pallas_kernels/topk/mgpu_topk.py) on one Hopper GPU: checked, then timed.
 
     python -m benchmarks.mgpu_topk --out $OUT/mgpu_topk.json [--sweep] [--only NAMES] [--smoke]
 
@@ -29,8 +29,9 @@ import jax.numpy as jnp
 from benchmarks import common
 from jax_longctx.app.bench_kernels import normal, small_ints
 from jax_longctx.app.bench_measure import timed
-from pallas_kernels import mgpu_topk, resolve, topk_scores
-from pallas_kernels import topk as ts_module
+from pallas_kernels import resolve, topk_scores
+from pallas_kernels.topk import mgpu_topk
+from pallas_kernels.topk import topk as ts_module
 from pallas_kernels.gpu import Tiling
 from pallas_kernels.options import DEFAULT, KernelOptions
 

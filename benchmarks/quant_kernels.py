@@ -271,7 +271,7 @@ def time_topk_routes(reps):
   import jax
   import numpy as np
   from pallas_kernels import KernelOptions, topk_scores
-  from pallas_kernels.topk import copy_segment
+  from pallas_kernels.topk.topk import copy_segment
   recs = []
   for t in SIZES["route_keys"]:
     copy = KV * t * D * 2  # the bf16 copy of one sequence's keys

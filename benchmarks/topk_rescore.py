@@ -24,7 +24,7 @@ def measure(context: int, top_k: int = 4) -> list[dict]:
   import jax.numpy as jnp
   import numpy as np
 
-  from pallas_kernels import topk_segments
+  from pallas_kernels.topk import topk_segments
 
   kvh, rows, d, seg = 8, 2048, 128, topk_segments.SEGMENT
   keys = jax.random.split(jax.random.key(context), 2)

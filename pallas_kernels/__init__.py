@@ -24,13 +24,11 @@ docs/KERNELS.md says which lowering each variant uses, how it is tested and what
 """
 
 from pallas_kernels.backend import BACKENDS, lowering_for, platform, resolve
-from pallas_kernels.chunk import chunk_attention
-from pallas_kernels.flash import flash_attention
-from pallas_kernels.gathered import gathered_attention
+from pallas_kernels.attention import chunk_attention, flash_attention, gathered_attention
+from pallas_kernels.decode import add_rms_norm, write_one_token
 from pallas_kernels.gpu import Tiling
 from pallas_kernels.options import KernelOptions
-from pallas_kernels.topk import topk_scores
-from pallas_kernels.topk_blocks import top_k_by_blocks
+from pallas_kernels.topk import top_k_by_blocks, topk_scores
 
 __all__ = ["BACKENDS", "lowering_for", "platform", "resolve", "chunk_attention", "flash_attention",
            "gathered_attention", "topk_scores", "top_k_by_blocks", "KernelOptions", "Tiling"]

@@ -134,3 +134,51 @@ def test_top_level_packages_import_one_way():
       for target, _ in _imports(ast.parse(path.read_text())):
         top = target.split(".")[0]
         assert order[top] <= order[pkg], f"{path.relative_to(ROOT)} imports {target}"
+
+
+# pallas_kernels: one folder per op, over shared modules at the top (backend, route, options,
+# quant, layout, the GPU / Mosaic GPU / TPU helpers, the per-tile softmax, the jnp references).
+# A shared module imports no op folder; an op folder imports the shared modules, its own files
+# and only the op folders named here: attention's decode calls merge their key splits with
+# decode/split_merge. The package's __init__ re-exports the entry points, so it is exempt.
+KERNEL_OPS = {"attention": ("decode",), "topk": (), "decode": ()}
+
+
+def kernel_violations(root: pathlib.Path = ROOT) -> list[str]:
+  out = []
+  base = root / "pallas_kernels"
+  for path in sorted(base.rglob("*.py")):
+    rel = path.relative_to(base)
+    if rel.as_posix() == "__init__.py":
+      continue
+    own = rel.parts[0] if len(rel.parts) > 1 else None
+    if own is not None and own not in KERNEL_OPS:
+      out.append(f"pallas_kernels/{rel}: {own}/ is no op folder of {sorted(KERNEL_OPS)}")
+      continue
+    allowed = () if own is None else (own, *KERNEL_OPS[own])
+    for target, _ in _imports(ast.parse(path.read_text()), root):
+      parts = target.split(".")
+      if parts[0] != "pallas_kernels" or len(parts) < 2 or parts[1] not in KERNEL_OPS:
+        continue
+      if parts[1] not in allowed:
+        out.append(f"pallas_kernels/{rel} ({own or 'shared'}) imports {target}")
+  return out
+
+
+def test_kernel_ops_import_one_way():
+  assert kernel_violations() == []
+
+
+def test_the_kernel_scan_catches_a_cross_op_import(tmp_path):
+  base = tmp_path / "pallas_kernels"
+  for folder in ("", "attention", "topk", "decode"):
+    (base / folder).mkdir(exist_ok=True)
+    (base / folder / "__init__.py").write_text("")
+  (base / "decode" / "merge.py").write_text("X = 1\n")
+  (base / "attention" / "flash.py").write_text("from pallas_kernels.decode import merge\n")
+  assert kernel_violations(tmp_path) == []
+  (base / "topk" / "scores.py").write_text("from pallas_kernels.attention import flash\n")
+  (base / "layout.py").write_text("from pallas_kernels.decode.merge import X\n")
+  assert kernel_violations(tmp_path) == [
+      "pallas_kernels/layout.py (shared) imports pallas_kernels.decode.merge",
+      "pallas_kernels/topk/scores.py (topk) imports pallas_kernels.attention.flash"]

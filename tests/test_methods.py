@@ -15,7 +15,7 @@ from jax_longctx.methods import full as full_lib
 from jax_longctx.methods import hparams
 from jax_longctx.model import forward
 from jax_longctx.core.options import RunOptions
-from pallas_kernels import chunk
+from pallas_kernels.attention import chunk
 
 EVICTING = ("h2o", "streaming_llm", "tova", "snapkv")
 # The methods that split the context over a mesh: tests/test_distributed.py and others.

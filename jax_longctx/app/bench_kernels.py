@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_longctx.app.bench_measure import timed
-from pallas_kernels import (chunk_attention, flash_attention, gathered_attention, topk_blocks,
-                            topk_scores)
+from pallas_kernels import chunk_attention, flash_attention, gathered_attention, topk_scores
+from pallas_kernels.topk import topk_blocks
 from pallas_kernels.options import DEFAULT, KernelOptions
 
 H, KV, D = 32, 8, 128

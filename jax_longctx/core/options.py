@@ -34,14 +34,14 @@ class RunOptions:
   # Tiling of one-token decode attention on GPU (None: the kernel's own split plan,
   # gpu.split_plan: about 2 programs per core, ~32 splits of 1024 keys at 32K, batch 1, 8 kv heads).
   decode_tiling: pallas_kernels.Tiling | None = None
-  # One-token cache writes through pallas_kernels.cache_write's in-place kernel on this kernel
+  # One-token cache writes through pallas_kernels.decode.cache_write's in-place kernel on this kernel
   # backend ("auto": the kernel on GPU, the scatter elsewhere; "gpu": also interpreted on CPU),
   # or None: XLA's scatter for every write. This switch, the next and KernelOptions'
   # decode_merge_kernel / decode_q_in_kernel together: the 8B's decode on `model=2` 5.37 -> 5.16
   # ms (2 H100s; one GPU ~0.5% each, within spread), so on by default (BENCHMARKS.md).
   cache_write_backend: str | None = "auto"
   # One-token steps run each residual add and the norm after it as one kernel
-  # (pallas_kernels.add_rmsnorm) on this backend, or None: jnp's add and norm (above).
+  # (pallas_kernels.decode.add_rmsnorm) on this backend, or None: jnp's add and norm (above).
   add_norm_backend: str | None = "auto"
   # Prefill chunk (tokens a step); None: the method's own, else `default_chunk()`.
   prefill_chunk: int | None = None

@@ -32,7 +32,7 @@ from jax_longctx.core.mesh import ModelShards, axis_size
 from jax_longctx.core.options import DEFAULT, RunOptions
 from jax_longctx.methods.base import AttnContext, Heads, Method, TokenShards
 from jax_longctx.core.rope import inv_freq, query_scale, rotate
-from pallas_kernels import add_rmsnorm
+from pallas_kernels.decode import add_rmsnorm
 
 _INIT_STD = 0.02
 

@@ -21,7 +21,7 @@ from flax import struct
 from jax_longctx.core.axes import HEADS, ROWS, TOKENS, axes
 
 from jax_longctx.core.config import LlamaConfig
-from pallas_kernels import cache_write
+from pallas_kernels.decode import cache_write
 from pallas_kernels.quant import Quantized, dequantize, per_row, store_like, zeros_like_storage
 
 __all__ = ["Cache", "KVCache", "Quantized", "load", "per_row", "stored", "stored_as",
@@ -106,7 +106,7 @@ class KVCache:
             one_token_backend: str | None = None) -> "KVCache":
     """Stores k/v_new [B, S, KV, d] at slots `positions` [B, S] (out of range: dropped).
 
-    one_token_backend: one-token writes through pallas_kernels.cache_write's in-place kernel on
+    one_token_backend: one-token writes through pallas_kernels.decode.cache_write's in-place kernel on
     that backend (`RunOptions.cache_write_backend`); None: the scatter below."""
     if positions.shape[1] == 1 and one_token_backend is not None:
       return KVCache(*cache_write.write_one_token(self.k, self.v, positions[:, 0], k_new[:, 0],

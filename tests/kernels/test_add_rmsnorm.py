@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import add_rmsnorm
+from pallas_kernels.decode import add_rmsnorm
 from tests.kernels.cuda_lowering import cuda_text
 from tests.kernels.inputs import normal
 

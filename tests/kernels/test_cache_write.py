@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import cache_write, quant
+from pallas_kernels import quant
+from pallas_kernels.decode import cache_write
 from tests.kernels.cuda_lowering import cuda_text
 from tests.kernels.inputs import normal
 

@@ -12,7 +12,7 @@ import pytest
 
 import jax
 import jax.numpy as jnp
-from pallas_kernels import chunk as ca
+from pallas_kernels.attention import chunk as ca
 from pallas_kernels import reference
 from tests.kernels.inputs import keys_shape, normal
 from tests.kernels.test_attention_kernels import assert_close

@@ -11,7 +11,7 @@ import pytest
 
 from benchmarks.decode_profile import VARIANTS
 from pallas_kernels import Tiling, flash_attention
-from pallas_kernels import flash as fa_module
+from pallas_kernels.attention import flash as fa_module
 from tests.kernels.cuda_lowering import cuda_text
 from tests.kernels.inputs import normal
 from tests.kernels.test_attention_kernels import assert_close

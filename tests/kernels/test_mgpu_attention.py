@@ -1,4 +1,4 @@
-"""The Mosaic GPU flash-attention kernel (pallas_kernels/mgpu_flash.py) on CPU.
+"""The Mosaic GPU flash-attention kernel (pallas_kernels/attention/mgpu_flash.py) on CPU.
 
 What runs where: jax's Mosaic GPU interpreter (private: jax._src.pallas.mosaic_gpu.interpret)
 runs the kernel's warpgroups as threads with simulated SMEM, TMA copies and barriers, so the
@@ -20,12 +20,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import flash_attention, mgpu_common, mgpu_flash, reference
-from pallas_kernels import flash as fa_module
+from pallas_kernels import flash_attention, mgpu_common, reference
+from pallas_kernels.attention import mgpu_flash
+from pallas_kernels.attention import flash as fa_module
 from pallas_kernels.backend import Variant
 from pallas_kernels.gpu import Tiling
 from pallas_kernels.options import KernelOptions
-from pallas_kernels.mgpu_flash import Config, mgpu_flash_attention
+from pallas_kernels.attention.mgpu_flash import Config, mgpu_flash_attention
 from tests.kernels.inputs import keys_shape, normal
 
 GPU_INTERPRETED = Variant("gpu", True)

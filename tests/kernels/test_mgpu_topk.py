@@ -1,4 +1,4 @@
-"""The Mosaic GPU top-k kernel (pallas_kernels/mgpu_topk.py) on CPU.
+"""The Mosaic GPU top-k kernel (pallas_kernels/topk/mgpu_topk.py) on CPU.
 
 jax's Mosaic GPU interpreter runs the kernel's warpgroups as threads (TMA ring, barriers, turns,
 the selection rounds, masks, splits) with WGMMA and layout casts replaced by plain dot products
@@ -12,8 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import layout, mgpu_common, mgpu_topk, topk_scores, topk_segments
-from pallas_kernels import topk as ts_module
+from pallas_kernels import layout, mgpu_common, topk_scores
+from pallas_kernels.topk import mgpu_topk, topk_segments
+from pallas_kernels.topk import topk as ts_module
 from pallas_kernels.backend import Variant
 from pallas_kernels.gpu import Tiling
 from pallas_kernels.options import TOPK_MANY_ROWS, KernelOptions

@@ -29,12 +29,12 @@ import numpy as np
 import pytest
 
 from pallas_kernels import chunk_attention, flash_attention, gathered_attention, quant, reference
-from pallas_kernels import chunk as chunk_module
-from pallas_kernels import flash as fa_module
-from pallas_kernels import gathered as ga_module
+from pallas_kernels.attention import chunk as chunk_module
+from pallas_kernels.attention import flash as fa_module
+from pallas_kernels.attention import gathered as ga_module
 from pallas_kernels.backend import Variant
 from pallas_kernels.gpu import Tiling
-from pallas_kernels.mgpu_flash import Config, interpreter_available, mgpu_flash_attention
+from pallas_kernels.attention.mgpu_flash import Config, interpreter_available, mgpu_flash_attention
 from tests.kernels.cuda_lowering import cuda_text
 from tests.kernels.inputs import keys_shape, normal, with_outliers
 from tests.kernels.test_attention_kernels import assert_close as attention_assert_close

@@ -65,7 +65,7 @@ def test_many_rows_over_8bit_keys_score_a_dequantized_copy_within_the_cap(monkey
   of keys at a time where only a part fits, and read the 8-bit keys otherwise. Both select what the reference does, as decode's rows do.
   The interpreter stands in for the GPU."""
   import jax
-  from pallas_kernels import topk as topk_module
+  from pallas_kernels.topk import topk as topk_module
   from pallas_kernels.backend import Variant
   from pallas_kernels.options import KernelOptions
   _, k = _inputs(dtype, seed=3)

@@ -10,9 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import (KernelOptions, Tiling, flash_attention, gathered_attention, reference,
-                            split_merge)
-from pallas_kernels import flash as fa_module
+from pallas_kernels import KernelOptions, Tiling, flash_attention, gathered_attention, reference
+from pallas_kernels.decode import split_merge
+from pallas_kernels.attention import flash as fa_module
 from tests.kernels.cuda_lowering import cuda_text
 from tests.kernels.inputs import normal
 from tests.kernels.test_attention_kernels import assert_close

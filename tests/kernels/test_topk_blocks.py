@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import KernelOptions, reference, topk_blocks, topk_scores
+from pallas_kernels import KernelOptions, reference, topk_scores
+from pallas_kernels.topk import topk_blocks
 from tests.kernels.cuda_lowering import cuda_text
 from tests.kernels.inputs import keys_shape, normal, small_ints
 

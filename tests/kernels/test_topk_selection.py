@@ -11,8 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import mgpu_common, mgpu_topk, topk_scores
-from pallas_kernels import topk as ts_module
+from pallas_kernels import mgpu_common, topk_scores
+from pallas_kernels.topk import mgpu_topk
+from pallas_kernels.topk import topk as ts_module
 from pallas_kernels.backend import Variant
 from pallas_kernels.gpu import Tiling
 from pallas_kernels.options import KernelOptions

@@ -27,9 +27,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import backend as backend_lib
-from pallas_kernels import gpu, layout, mgpu_flash, tpu
+from pallas_kernels import gpu, layout, tpu
+from pallas_kernels.attention import mgpu_flash
 from pallas_kernels import online_softmax as osm
-from pallas_kernels import reference, split_merge
+from pallas_kernels import reference
+from pallas_kernels.decode import split_merge
 from pallas_kernels.options import DEFAULT, KernelOptions
 
 SQ = gpu.SQ

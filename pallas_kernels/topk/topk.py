@@ -24,8 +24,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import backend as backend_lib
-from pallas_kernels import (gpu, layout, mgpu_topk, online_softmax, quant, reference,
-                            topk_blocks, topk_segments, topk_tile, tpu)
+from pallas_kernels import gpu, layout, online_softmax, quant, reference, tpu
+from pallas_kernels.topk import mgpu_topk, topk_blocks, topk_segments, topk_tile
 from pallas_kernels.options import DEFAULT, KernelOptions
 
 SQ = gpu.SQ

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import backend as backend_lib
 from pallas_kernels import layout, quant, reference
-from pallas_kernels.flash import flash_attention, mosaic_serves
+from pallas_kernels.attention.flash import flash_attention, mosaic_serves
 from pallas_kernels.options import DEFAULT, KernelOptions
 
 NEG_INF = float("-inf")

@@ -27,7 +27,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels import gpu, layout, topk_tile
+from pallas_kernels import gpu, layout
+from pallas_kernels.topk import topk_tile
 
 SQ = gpu.SQ
 NEG_INF = float("-inf")
