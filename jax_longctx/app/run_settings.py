@@ -28,6 +28,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from jax_longctx.core.errors import LongctxError
+
 VERSION = 1
 
 
@@ -101,7 +103,7 @@ def differences(old: Any, new: Any, at: str = "") -> list[str]:
   return [] if old == new else [f"{at} {old} -> {new}"]
 
 
-class Mismatch(Exception):
+class Mismatch(LongctxError):
   """Records of an --out that this command cannot resume from; str(): what differs."""
 
 
