@@ -6,7 +6,7 @@ temporary working directory: the README writes its results under a relative `res
 `jax-longctx report results/...` reads what the `eval` before it wrote. The two Quick start
 blocks are left out (CI runs them itself, `.ci/run`); so are lines such as `pip install`. Each
 ```python block runs as a script in a process of its own. Blocks marked ```text are prose, not
-run. The examples run on CPU with the default model; together about 3 minutes on 2 cores.
+run. The examples run on CPU with the default model; together 2 min 36 s on 2 cores (2026-11-27).
 
 Also: the user-facing docs say nothing of how the project is worked on, and cite papers by
 title or arXiv id rather than by a path of the project's own.
