@@ -64,6 +64,65 @@ def _processes_share_compiled_programs(tmp_path_factory):
                     int(os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"]))
 
 
+# ---- markers: what `-m` selects (registered in pyproject.toml) ---------------------------------
+# The inner loop, `-m "not mesh and not model and not tools"`, leaves out the three kinds of test
+# that take most of the suite's time. Keys: a test file (its path under tests/), or one test of it
+# ("file::function": every parametrization, and a class's method by its own name). A test that
+# uses a fixture in REAL_MODEL_FIXTURES is `model` without an entry. tests/test_markers.py fails
+# when a test that starts a multi-device process is not `mesh` here, or an entry names nothing.
+MARKED = {
+    # Starts processes on several (fake CPU) devices: the mesh checks, multi-process runs.
+    "mesh": (
+        "test_calibration.py::test_a_sweep_on_a_tensor_parallel_mesh_is_one_devices",
+        "test_distributed.py::test_on_eight_devices",
+        "test_distributed.py::test_mesh_method_across_two_processes_matches_one",
+        "test_distributed.py::test_eval_as_two_processes",
+        "test_fsdp_placement.py::test_fsdp_placement_from_rules_matches_the_shape_probing_it_replaced",
+        "test_kv_quant_mesh.py",
+        "test_reattention_mesh.py::test_on_eight_devices",
+        "test_readme.py::test_readme_command",  # one of them is the README's 8-device example
+        "test_tensor_parallel.py",
+        "test_train_cpt.py::test_fsdp_over_eight_devices_gives_the_single_device_losses",
+    ),
+    # Loads a real bundled model without the fixtures (the CLI's `--model default` in a fresh
+    # cache, the README's examples, the real Qwen parts where installed).
+    "model": (
+        "test_bundled.py::test_real_05b_config_and_tokenizer_match_transformers",
+        "test_distributed.py::test_eval_as_two_processes",
+        "test_readme.py::test_readme_command",
+        "test_readme.py::test_readme_python",
+    ),
+    # Tests of benchmarks/ and experiments/ scripts and of `jax-longctx bench`.
+    "tools": (
+        "test_bench.py",
+        "test_bundled.py::test_device_carry_join",
+        "test_bundled.py::test_real_05b_config_and_tokenizer_match_transformers",
+        "test_cpt_table5.py",
+        "test_decode_bench_options.py",
+        "test_decode_profile.py",
+        "test_h2o_kvpress.py",
+        "test_int4_quality.py",
+        "test_kernels_bench.py",
+        "test_matvec_forms.py",
+        "test_ruler_tables.py",
+        "test_star_ablation.py",
+    ),
+}
+REAL_MODEL_FIXTURES = ("default_lm", "default_hf_dir")
+
+
+def pytest_collection_modifyitems(config, items):
+  tests_dir = os.path.dirname(os.path.abspath(__file__))
+  for item in items:
+    file = os.path.relpath(str(item.path), tests_dir).replace(os.sep, "/")
+    keys = (file, f"{file}::{getattr(item, 'originalname', item.name)}")
+    for marker, entries in MARKED.items():
+      if any(key in entries for key in keys):
+        item.add_marker(marker)
+    if any(name in getattr(item, "fixturenames", ()) for name in REAL_MODEL_FIXTURES):
+      item.add_marker("model")
+
+
 def tiny_config(**kw) -> LlamaConfig:
   base = dict(vocab_size=97, hidden_size=48, num_layers=3, num_heads=6, num_kv_heads=2,
               head_dim=8, intermediate_size=64, rms_norm_eps=1e-5, tie_word_embeddings=False,
