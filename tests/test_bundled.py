@@ -21,7 +21,7 @@ from checkpoints_convert import CheckpointError
 from jax_longctx.app import bundled
 from jax_longctx.model import random_params
 from tests.conftest import tiny_config
-from tests.gguf_fixtures import write_gguf
+from tests.helpers.gguf_fixtures import write_gguf
 
 NAME = "tiny-qwen"
 PACKAGE = "fake-tiny-qwen-part"

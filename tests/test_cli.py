@@ -133,7 +133,7 @@ def test_bad_models_and_settings_stay_one_line_errors(capsys, tmp_path):
 
   from jax_longctx.model import random_params
   from tests.conftest import tiny_config
-  from tests.gguf_fixtures import write_gguf
+  from tests.helpers.gguf_fixtures import write_gguf
   cfg = tiny_config(vocab_size=97, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
                     intermediate_size=96, architecture="qwen2", attention_bias=True)
   gguf = tmp_path / "m.gguf"

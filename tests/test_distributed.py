@@ -36,7 +36,7 @@ def test_mesh_method_across_two_processes_matches_one(tmp_path, method):
   port = _free_port()
   env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu",
              XLA_FLAGS=xla_flags("--xla_force_host_platform_device_count=4"))
-  cmd = [sys.executable, "-m", "tests.two_process_check"]
+  cmd = [sys.executable, "-m", "tests.helpers.two_process_check"]
   procs = [subprocess.Popen(cmd + [port, str(i), str(tmp_path / f"p{i}.npz"), method], cwd=ROOT,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
            for i in range(2)]

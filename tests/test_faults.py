@@ -1,7 +1,7 @@
 """Faults survived (issue 43): a conversion or an eval sweep killed (SIGKILL) at moments spread
 over its run leaves no destination and no scratch that the next run does not remove, and the next
-run finishes the work. The moments are the steps of tests/fault_child.py, reached deterministically
-(the child stops there and the kill lands while it waits)."""
+run finishes the work. The moments are the steps of tests/helpers/fault_child.py, reached
+deterministically (the child stops there and the kill lands while it waits)."""
 
 import json
 import os
@@ -16,9 +16,9 @@ import pytest
 
 from checkpoints_convert import convert, export_hf, restore
 from jax_longctx.model import random_params
-from tests import fault_child
+from tests.helpers import fault_child
 from tests.conftest import TINY_LLAMA3, tiny_config
-from tests.gguf_fixtures import write_gguf
+from tests.helpers.gguf_fixtures import write_gguf
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, PYTHONPATH=ROOT, JAX_LONGCTX_QUIET="1", JAX_PLATFORMS="cpu")
@@ -26,8 +26,8 @@ ENV = dict(os.environ, PYTHONPATH=ROOT, JAX_LONGCTX_QUIET="1", JAX_PLATFORMS="cp
 
 def _kill_at(moment: str, *args: str, env=ENV) -> str:
   """Runs the fault child until it reports `moment`, kills it there; returns its stderr."""
-  proc = subprocess.Popen([sys.executable, "-m", "tests.fault_child", args[0], moment, *args[1:]],
-                          cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+  proc = subprocess.Popen([sys.executable, "-m", "tests.helpers.fault_child", args[0], moment,
+                           *args[1:]], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                           text=True)
   line = proc.stdout.readline()  # blocks until the moment (or the child's end)
   proc.send_signal(signal.SIGKILL)

@@ -41,4 +41,4 @@ def test_a_run_refuses_the_training_axis():
 
 
 def test_fsdp_placement_from_rules_matches_the_shape_probing_it_replaced():
-  run_on_eight_devices("tests.fsdp_placement_checks", "placement")
+  run_on_eight_devices("tests.helpers.fsdp_placement_checks", "placement")

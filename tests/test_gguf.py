@@ -13,7 +13,7 @@ from jax_longctx.core.config import ConfigError, RopeScaling
 from jax_longctx.model import random_params
 from jax_longctx.core.rope import _base_inv_freq, _llama3_inv_freq
 from tests.conftest import tiny_config
-from tests.gguf_fixtures import write_gguf
+from tests.helpers.gguf_fixtures import write_gguf
 
 # hidden 64 and intermediate 96 are multiples of Q8_0's block (32), so the MLP can be quantized.
 SHAPE = dict(vocab_size=97, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
@@ -83,7 +83,7 @@ def test_gguf_unknown_tensor_is_an_error(tmp_path):
 
 def test_gguf_unknown_pre_tokenizer_is_an_error():
   from jax_longctx.checkpoints.gguf_tokenizer import build_tokenizer
-  from tests.gguf_fixtures import byte_tokens
+  from tests.helpers.gguf_fixtures import byte_tokens
   meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": byte_tokens(256),
           "tokenizer.ggml.merges": [], "tokenizer.ggml.pre": "made-up"}
   with pytest.raises(ConfigError, match="pre-tokenizer 'made-up'"):
@@ -103,7 +103,7 @@ def test_pre_tokenizer_matches_transformers_gguf_tokenizer(pre):
   from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
 
   from jax_longctx.checkpoints.gguf_tokenizer import build_tokenizer
-  from tests.gguf_fixtures import byte_tokens
+  from tests.helpers.gguf_fixtures import byte_tokens
   base = byte_tokens(256)
   merges = ["Ġ t", "e r", "Ġt h", "1 2", "2 3", "a b", "Ġ Ġ", "ĊĊ Ċ", "Ċ Ċ", "r e", "' s"]
   tokens = base + [m.replace(" ", "") for m in merges] + ["<|im_end|>", "<tool_call>",
@@ -128,7 +128,7 @@ def test_chat_template_with_bos_gets_one_bos(tmp_path):
   transformers' apply_chat_template gives."""
   from jax_longctx.checkpoints.gguf_tokenizer import write_tokenizer_files
   from jax_longctx.app.tokenizer import Tokenizer
-  from tests.gguf_fixtures import byte_tokens
+  from tests.helpers.gguf_fixtures import byte_tokens
   tokens = byte_tokens(256) + ["<|begin_of_text|>", "<|eot_id|>"]
   meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": tokens,
           "tokenizer.ggml.merges": [], "tokenizer.ggml.pre": "llama-bpe",

@@ -29,7 +29,7 @@ from jax_longctx.checkpoints.sources import open_source
 from jax_longctx.core.config import ConfigError, LlamaConfig, load_config_file
 from jax_longctx.model import random_params
 from tests.conftest import tiny_config
-from tests.gguf_fixtures import byte_tokens, write_gguf
+from tests.helpers.gguf_fixtures import byte_tokens, write_gguf
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HI = [{"role": "user", "content": "hi"}]

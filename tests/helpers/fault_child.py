@@ -1,7 +1,8 @@
 """A conversion or an eval sweep that stops at a named moment of its run, for tests/test_faults.py.
 
-    python -m tests.fault_child convert MOMENT SRC DST
-    python -m tests.fault_child eval MOMENT EVAL-ARGS...   (the arguments of `jax-longctx eval`)
+    python -m tests.helpers.fault_child convert MOMENT SRC DST
+    python -m tests.helpers.fault_child eval MOMENT EVAL-ARGS...
+        (EVAL-ARGS: the arguments of `jax-longctx eval`)
 
 At MOMENT the process prints `at MOMENT` and sleeps, so that the test's SIGKILL lands exactly
 there; the other moments pass. Moments are wrapped around the library's own steps, nothing else

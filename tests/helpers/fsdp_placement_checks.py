@@ -1,6 +1,6 @@
 """Training placement from core/mesh.py RULES against the shape probing train_cpt/sharding.py did
 before (tests/test_fsdp_placement.py), on 8 fake CPU devices:
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m tests.fsdp_placement_checks NAME
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m tests.helpers.fsdp_placement_checks NAME
 """
 
 import sys

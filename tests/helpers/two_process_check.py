@@ -2,8 +2,8 @@
 parallel: METHOD tensor_parallel, rows over data=4 (two groups a process), heads over model=2)
 across 2 processes x 4 CPU devices on localhost (jax.distributed, gloo collectives), against the
 same run in one process with 8 devices (tests/test_distributed.py):
-    python -m tests.two_process_check PORT PROCESS_ID OUT_FILE [METHOD]   (one per process)
-    python -m tests.two_process_check single OUT_FILE [METHOD]           (8 devices, one process)
+    python -m tests.helpers.two_process_check PORT PROCESS_ID OUT_FILE [METHOD]  (one a process)
+    python -m tests.helpers.two_process_check single OUT_FILE [METHOD]  (8 devices, one process)
 """
 
 import sys
