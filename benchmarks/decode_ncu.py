@@ -31,13 +31,13 @@ def main():
   args = p.parse_args()
   import jax
   import jax.numpy as jnp
-  from pallas_kernels import flash_attention
+  from pallas_kernels import Route, flash_attention
   t = args.keys
   pos = jnp.asarray([t - 1])
   for dtype in args.dtypes.split(","):
     q, k, v = jax.block_until_ready(_inputs(4, 1, 1, t, dtype))
     attn = jax.jit(lambda q, k, v: flash_attention(q, k, v, causal=True, q_offset=pos,
-                                                   kv_len=pos + 1, kv_layout="BHTD"))
+                                                   kv_len=pos + 1, kv_layout="BHTD", route=Route()))
     for _ in range(args.calls):
       jax.block_until_ready(attn(q, k, v))
     print(f"{dtype}: {args.calls} calls over {t} keys", file=sys.stderr, flush=True)

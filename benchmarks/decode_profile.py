@@ -44,7 +44,7 @@ Candidate fixes (--variants, in the order run; each is a flag set of this script
 - `all_op_by_op`: `all` without command buffers (CUDA graphs): what they save per step.
 - `all_exhaustive`: `all` with --xla_gpu_exhaustive_tiling_search=true (the GEMM autotuner tries
   every Triton tiling, so the M=1 projections may find a faster one).
-- Decode attention's split plan, each `all` with RunOptions.decode_tiling set (gpu.Tiling;
+- Decode attention's split plan, each `all` with Route.decode_tiling set (gpu.Tiling;
   today gpu.split_plan gives ~32 splits of 1024 keys at 32K, batch 1, 8 kv heads: 256 programs
   of bk=128, 2 stages, 4 warps, ~135 KiB of shared memory each, so one per SM; the kernel reads
   its 4.3 GB at ~82% of copy rate): `split16` / `split64` / `split128` (key_splits), `bk64`,
@@ -54,12 +54,12 @@ Candidate fixes (--variants, in the order run; each is a flag set of this script
   Pallas kernel (pallas_kernels/decode/split_merge.py) writing only the real rows in bf16, instead of
   jnp's merge (2 XLA kernels) and the padding-row slice (layout.from_rows): 3 -> 1 kernel per
   layer. Tests: tests/kernels/test_split_merge.py.
-- `cache_kernel`: `all` with RunOptions.cache_write_backend="auto": a decode step's
+- `cache_kernel`: `all` with Route.cache_write_backend="auto": a decode step's
   K/V write as one in-place Pallas kernel per layer (pallas_kernels/decode/cache_write.py: one program
   per sequence x kv head, out-of-range positions dropped) instead of the scatter's ~4 XLA
   kernels (select / concatenate + dynamic-update-slice, for K and for V). Tests:
   tests/kernels/test_cache_write.py, tests/test_decode_knobs.py.
-- `add_norm`: `all` with RunOptions.add_norm_backend="auto": each residual add and the
+- `add_norm`: `all` with Route.add_norm_backend="auto": each residual add and the
   RMSNorm after it as one Pallas kernel (pallas_kernels/decode/add_rmsnorm.py; writes x + h and the
   normed row), instead of add + reduce + multiply: 64 fewer kernels per step. Tests: tests/kernels/test_add_rmsnorm.py,
   tests/test_decode_knobs.py.
@@ -125,7 +125,7 @@ def run_options(variant: Variant, smoke: bool):
   import pallas_kernels
   from jax_longctx.core.options import RunOptions
   kernel_backend = "gpu" if smoke else "auto"  # smoke: the GPU kernels interpreted on CPU
-  return RunOptions(
+  return RunOptions(route=pallas_kernels.Route(
       kernels=pallas_kernels.KernelOptions(decode_merge_kernel=variant.merge_kernel,
                                            decode_q_in_kernel=variant.q_in_kernel),
       decode_tiling=(pallas_kernels.Tiling(**variant.decode_tiling)
@@ -134,8 +134,8 @@ def run_options(variant: Variant, smoke: bool):
       add_norm_backend=kernel_backend if variant.add_norm else None,
       # `flash`: one-token attention through the flash kernel (what `full` does by itself on
       # GPU); --smoke runs the GPU kernels interpreted on CPU, prefill left on the jnp path.
-      kernel_backend=kernel_backend, prefill_kernel=False if smoke else None,
-      decode_kernel=True if variant.flash else (False if smoke else None))
+      backend=kernel_backend, prefill_kernel=False if smoke else None,
+      decode_kernel=True if variant.flash else (False if smoke else None)))
 
 
 def run_child(args, rec: dict) -> None:

@@ -11,10 +11,10 @@ class Variant(NamedTuple):
   flags: list  # XLA flags
   fused: bool  # params in fuse_projections' serving layout
   flash: bool  # decode attention through pallas_kernels.flash_attention
-  decode_tiling: dict | None = None  # RunOptions.decode_tiling, as gpu.Tiling's fields
+  decode_tiling: dict | None = None  # Route.decode_tiling, as gpu.Tiling's fields
   merge_kernel: bool = False  # KernelOptions.decode_merge_kernel
-  cache_kernel: bool = False  # RunOptions.cache_write_backend set
-  add_norm: bool = False  # RunOptions.add_norm_backend set
+  cache_kernel: bool = False  # RunOptions.route.cache_write_backend set
+  add_norm: bool = False  # RunOptions.route.add_norm_backend set
   q_in_kernel: bool = False  # KernelOptions.decode_q_in_kernel
 
 
@@ -23,7 +23,7 @@ PDL = ["--xla_gpu_enable_pdl=true"]
 
 def _on_all(merge_kernel: bool = False, cache_kernel: bool = False, add_norm: bool = False,
             q_in_kernel: bool = False, **tiling) -> Variant:
-  """`all` with decode attention's split plan / tiles set (RunOptions.decode_tiling), and/or
+  """`all` with decode attention's split plan / tiles set (Route.decode_tiling), and/or
   the split merge kernel, the one-token cache write kernel, the residual add + norm kernel, the
   unpadded query rows."""
   return Variant(PDL, True, True, tiling or None, merge_kernel, cache_kernel, add_norm,

@@ -2,7 +2,8 @@
 
     python -m benchmarks.gathered_decode --out $OUT/gathered_decode.jsonl [--context 32768]
 
-`gathered_attention(..., key_rope_freqs=...)` (pallas_kernels/attention/gathered.py) over the paper's
+`gathered_attention(...,
+                    key_rope_freqs=...)` (pallas_kernels/attention/gathered.py) over the paper's
 scope layout: the 32 global keys, 127 spans of 32 at random places, the 4,096 local keys (8,192
 entries), Llama-3.1-8B's heads (32 query / 8 kv, d 128, bf16, BHTD), for each launch setting
 below; beside it, dense flash decode over 8K keys (pallas_kernels.flash_attention) and the
@@ -48,7 +49,7 @@ def measure(context: int, bw: float | None, settings=SETTINGS, profile: bool = F
   import jax
   import jax.numpy as jnp
 
-  from pallas_kernels import flash_attention, gathered_attention
+  from pallas_kernels import Route, flash_attention, gathered_attention
   from pallas_kernels.gpu import Tiling
 
   ks = jax.random.split(jax.random.key(0), 4)
@@ -75,7 +76,7 @@ def measure(context: int, bw: float | None, settings=SETTINGS, profile: bool = F
 
   recs = []
   dense = lambda q, k, v: flash_attention(q, k[:, :, :n], v[:, :, :n], causal=False,  # noqa: E731
-                                          backend="gpu", kv_layout="BHTD")[0]
+                                          route=Route(backend="gpu"), kv_layout="BHTD")[0]
   dense_us = timed(looped(dense))
   base = None
   for bk, splits, warps, stages, prefetch in settings:
@@ -85,7 +86,7 @@ def measure(context: int, bw: float | None, settings=SETTINGS, profile: bool = F
     tiling = Tiling(**kw) if kw else None
     call = lambda q, k, v, tiling=tiling: gathered_attention(  # noqa: E731
         q, k, v, idx, kv_layout="BHTD", key_rope_freqs=None if no_rope else freqs,
-        backend="gpu", tiling=tiling)[0]
+        route=Route(backend="gpu"), tiling=tiling)[0]
     rec = {"context": context, "entries": n, "tiling": kw, "dense_8k_us": dense_us,
            "rope_in_kernel": not no_rope}
     try:

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from benchmarks import common
 from jax_longctx.app.bench_kernels import normal
 from jax_longctx.app.bench_measure import timed
-from pallas_kernels import chunk_attention, flash_attention
+from pallas_kernels import Route, chunk_attention, flash_attention
 from pallas_kernels.attention import mgpu_flash
 from pallas_kernels.gpu import Tiling
 
@@ -95,10 +95,11 @@ def check_reference(key, *, causal, kv_layout, d, dtype=BF):
   q, k, v = qkv(key, 2, n(2048), n(4096), d=d, kv_layout=kv_layout, dtype=dtype)
   kw = dict(causal=causal, q_offset=jnp.array([n(2048), n(1000)]),
             kv_len=jnp.array([n(4096), n(3000)]), kv_layout=kv_layout)
-  got = jax.jit(lambda q, k, v: flash_attention(q, k, v, backend="gpu", use_cudnn=False,
+  got = jax.jit(lambda q, k, v: flash_attention(q, k, v, route=Route(backend="gpu"),
+                                                use_cudnn=False,
                                                 tiling=mosaic_tiling(), **kw))(q, k, v)
   f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
-  want = flash_attention(f32(q), f32(k), f32(v), backend="reference", **kw)
+  want = flash_attention(f32(q), f32(k), f32(v), route=Route(backend="reference"), **kw)
   what = f"vs reference causal={causal} {kv_layout} d={d} {jnp.dtype(dtype).name}"
   return {"case": "check_reference", "causal": causal, "kv_layout": kv_layout, "d": d,
           "dtype": jnp.dtype(dtype).name, **require(errors(got, want), what)}
@@ -106,9 +107,9 @@ def check_reference(key, *, causal, kv_layout, d, dtype=BF):
 
 def check_cudnn(key):
   q, k, v = qkv(key, 1, n(2048), n(2048))
-  got = flash_attention(q, k, v, causal=True, backend="gpu", use_cudnn=False,
+  got = flash_attention(q, k, v, causal=True, route=Route(backend="gpu"), use_cudnn=False,
                         tiling=mosaic_tiling())
-  want = flash_attention(q, k, v, causal=True, backend="reference" if SMOKE else "gpu",
+  want = flash_attention(q, k, v, causal=True, route=Route(backend="reference" if SMOKE else "gpu"),
                          use_cudnn=True)
   # cuDNN's public LSE comes back in bf16 (~0.03 apart at these values): out only is required.
   return {"case": "check_cudnn", **require(errors(got, want), "vs cuDNN causal 2K", lse=False)}
@@ -126,12 +127,14 @@ def bench_square(key, t, args, *, causal=True, config=None, anchors=True):
   flops = 4 * D * H * (causal_pairs(t, 0, t) if causal else t * t)
   if config is not None:
     rec["config"] = vars(config)
-  routes = {"mosaic": lambda q, k, v: flash_attention(q, k, v, causal=causal, backend="gpu",
+  routes = {"mosaic": lambda q, k, v: flash_attention(q, k, v, causal=causal,
+                                                      route=Route(backend="gpu"),
                                                       use_cudnn=False,
                                                       tiling=mosaic_tiling(config))[0]}
   if anchors:
     routes["cudnn"] = lambda q, k, v: cudnn_attention(q, k, v, causal=causal)
-    routes["triton"] = lambda q, k, v: flash_attention(q, k, v, causal=causal, backend="gpu",
+    routes["triton"] = lambda q, k, v: flash_attention(q, k, v, causal=causal,
+                                                       route=Route(backend="gpu"),
                                                        use_cudnn=False,
                                                        tiling=Tiling(impl="triton"))[0]
   outs = {}
@@ -158,10 +161,10 @@ def bench_chunk(key, args, *, kv_layout, t=32768, chunk=4096):
   flops = 4 * D * H * causal_pairs(chunk, off, t)
   rec = {"case": "chunk_28k", "kv_layout": kv_layout, "chunk": chunk, "q_offset": off}
   mosaic = jax.jit(lambda q, k, v, o: flash_attention(
-      q, k, v, causal=True, q_offset=o, kv_len=o + chunk, backend="gpu", use_cudnn=False,
-      kv_layout=kv_layout, tiling=mosaic_tiling()))
+      q, k, v, causal=True, q_offset=o, kv_len=o + chunk, route=Route(backend="gpu"),
+      use_cudnn=False, kv_layout=kv_layout, tiling=mosaic_tiling()))
   two_cudnn = jax.jit(lambda q, k, v, kc, vc, o: chunk_attention(q, k, v, kc, vc, o,
-                                                                 kv_layout=kv_layout))
+                                                                 kv_layout=kv_layout, route=Route()))
   got, want = mosaic(q, k, v, offs), two_cudnn(q, k, v, kc, vc, offs)
   err = errors(got, want)
   rec["mosaic_ms"] = timed(mosaic, q, k, v, offs, reps=args.reps, inner=args.inner) * 1e3
@@ -177,7 +180,8 @@ def bench_kv_len_skip(key, args, *, t=32768, visible=8192, lq=4096):
   """Non-causal: kv_len = 8K of a 32K cache should cost what a cache of 8K costs."""
   t, visible, lq = n(t), n(visible), n(lq)
   q, k, v = qkv(key, 1, lq, t)
-  fn = jax.jit(lambda q, k, v, n: flash_attention(q, k, v, causal=False, kv_len=n, backend="gpu",
+  fn = jax.jit(lambda q, k, v, n: flash_attention(q, k, v, causal=False, kv_len=n,
+                                                  route=Route(backend="gpu"),
                                                   use_cudnn=False, tiling=mosaic_tiling()))
   cut = jnp.array([visible], jnp.int32)
   rec = {"case": "kv_len_skip", "cache": t, "visible": visible, "q_len": lq}
@@ -207,7 +211,7 @@ def bench_sweep_point(key, args, config, t=16384):
   rec = bench_square(key, t, args, config=config, anchors=False)
   q, k, v = qkv(key, 1, n(t), n(t))
   want = cudnn_attention(q, k, v, causal=True)
-  got = flash_attention(q, k, v, causal=True, backend="gpu", use_cudnn=False,
+  got = flash_attention(q, k, v, causal=True, route=Route(backend="gpu"), use_cudnn=False,
                         tiling=mosaic_tiling(config))[0]
   rec["max_abs_vs_cudnn"] = float(jnp.max(jnp.abs(got.astype(jnp.float32)
                                                   - want.astype(jnp.float32))))

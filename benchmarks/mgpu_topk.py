@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from benchmarks import common
 from jax_longctx.app.bench_kernels import normal, small_ints
 from jax_longctx.app.bench_measure import timed
-from pallas_kernels import resolve, topk_scores
+from pallas_kernels import Route, resolve, topk_scores
 from pallas_kernels.topk import mgpu_topk
 from pallas_kernels.topk import topk as ts_module
 from pallas_kernels.gpu import Tiling
@@ -88,8 +88,8 @@ def check(key, *, top_k, kv_layout="BTHD", d=D, kv=None, lq=64, ties=False, dtyp
   if dtype is not None:
     q, k, kw["scale"] = q.astype(dtype), k.astype(dtype), 0.125
   require_mosaic(q, k, top_k, mosaic(), kv_layout)
-  got = topk_scores(q, k, top_k, backend="gpu", tiling=mosaic(), **kw)
-  want = topk_scores(q, k, top_k, backend="reference", **kw)
+  got = topk_scores(q, k, top_k, route=Route(backend="gpu"), tiling=mosaic(), **kw)
+  want = topk_scores(q, k, top_k, route=Route(backend="reference"), **kw)
   rec = {"case": "check", "top_k": top_k, "kv_layout": kv_layout, "d": d, "group": H // kv,
          "ties": ties, "dtype": jnp.dtype(q.dtype).name,
          "index_equal": float(jnp.mean(got[1] == want[1])),
@@ -113,10 +113,11 @@ def bench(key, t, args, *, top_k=4, lq=512, config=None, key_splits=None, anchor
   if config is not None or key_splits is not None:
     rec.update(config=vars(config or mgpu_topk.DEFAULT_CONFIG), key_splits=key_splits)
   require_mosaic(q, k, top_k, mosaic(config, key_splits))
-  routes = {"mosaic": lambda q, k: topk_scores(q, k, top_k, backend="gpu",
-                                               tiling=mosaic(config, key_splits), options=options)}
+  routes = {"mosaic": lambda q, k: topk_scores(q, k, top_k, route=Route(backend="gpu",
+                                                                        kernels=options),
+                                               tiling=mosaic(config, key_splits))}
   if anchors:
-    routes["triton"] = lambda q, k: topk_scores(q, k, top_k, backend="gpu",
+    routes["triton"] = lambda q, k: topk_scores(q, k, top_k, route=Route(backend="gpu"),
                                                 tiling=Tiling(impl="triton"))
 
     def einsum_topk(q, k):

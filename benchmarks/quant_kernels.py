@@ -69,39 +69,40 @@ def _err(got, want):
 
 def check_attention(backend):
   import jax.numpy as jnp
-  from pallas_kernels import chunk_attention, flash_attention, gathered_attention
+  from pallas_kernels import Route, chunk_attention, flash_attention, gathered_attention
   t, c = SIZES["check"], 64
   recs = []
   for dtype in DTYPES:
     q, k, v = _inputs(1, 2, c, t, dtype)
     off = jnp.asarray([t - c, (t - c) // 2])
     ref = flash_attention(*_exact(q, k, v), causal=True, q_offset=off, kv_len=off + c,
-                          kv_layout="BHTD", backend="reference")
+                          kv_layout="BHTD", route=Route(backend="reference"))
     # 8-bit K/V take the Triton kernel on a GPU (flash._mosaic_config: the Mosaic path hung).
     got = flash_attention(q, k, v, causal=True, q_offset=off, kv_len=off + c, kv_layout="BHTD",
-                          backend=backend, use_cudnn=False)
+                          route=Route(backend=backend), use_cudnn=False)
     recs.append({"kernel": "prefill", "dtype": dtype, "out_err": _err(got[0], ref[0]),
                  "lse_err": _err(got[1], ref[1])})
     pos = jnp.asarray([t - 1, t // 3])
     ref = flash_attention(*_exact(q[:, :1], k, v), causal=True, q_offset=pos, kv_len=pos + 1,
-                          kv_layout="BHTD", backend="reference")
+                          kv_layout="BHTD", route=Route(backend="reference"))
     got = flash_attention(q[:, :1], k, v, causal=True, q_offset=pos, kv_len=pos + 1,
-                          kv_layout="BHTD", backend=backend)
+                          kv_layout="BHTD", route=Route(backend=backend))
     recs.append({"kernel": "decode", "dtype": dtype, "out_err": _err(got[0], ref[0]),
                  "lse_err": _err(got[1], ref[1])})
     _, kc, vc = _inputs(2, 2, c, c, "bfloat16")
     kc, vc = jnp.swapaxes(kc, 1, 2), jnp.swapaxes(vc, 1, 2)
-    got = chunk_attention(q, k, v, kc, vc, off, kv_layout="BHTD", backend=backend)
+    got = chunk_attention(q, k, v, kc, vc, off, kv_layout="BHTD", route=Route(backend=backend))
     ref = chunk_attention(*_exact(q, k, v), kc.astype(jnp.float32), vc.astype(jnp.float32), off,
-                          kv_layout="BHTD", backend="reference")
+                          kv_layout="BHTD", route=Route(backend="reference"))
     recs.append({"kernel": "chunk", "dtype": dtype, "out_err": _err(got[0], ref[0]),
                  "lse_err": _err(got[1], ref[1])})
     idx = jnp.broadcast_to(jnp.arange(0, t, 3)[None, None, :], (2, KV, -(-t // 3)))
     valid = idx < jnp.asarray([t, t // 2])[:, None, None]
     freqs = 1.0 / (10000.0 ** (jnp.arange(0, D, 2) / D))
     kw = dict(kv_layout="BHTD", key_rope_freqs=freqs)
-    got = gathered_attention(q[:, :1], k, v, idx, valid, backend=backend, **kw)
-    ref = gathered_attention(*_exact(q[:, :1], k, v), idx, valid, backend="reference", **kw)
+    got = gathered_attention(q[:, :1], k, v, idx, valid, route=Route(backend=backend), **kw)
+    ref = gathered_attention(*_exact(q[:, :1], k, v), idx, valid, route=Route(backend="reference"),
+                             **kw)
     recs.append({"kernel": "gathered_rope", "dtype": dtype, "out_err": _err(got[0], ref[0]),
                  "lse_err": _err(got[1], ref[1])})
   return recs
@@ -110,15 +111,15 @@ def check_attention(backend):
 def check_topk(backend):
   import jax.numpy as jnp
   import numpy as np
-  from pallas_kernels import topk_scores
+  from pallas_kernels import Route, topk_scores
   t = SIZES["check"] * 8
   recs = []
   for dtype in DTYPES:
     for lq in (64, 1):
       q, k, _ = _inputs(3, 2, lq, t, dtype)
       kw = dict(valid_len=jnp.asarray([t, t - 777]), exclude_prefix=32, kv_layout="BHTD")
-      got = topk_scores(q, k, 4, backend=backend, **kw)
-      ref = topk_scores(q, k, 4, backend="reference", **kw)
+      got = topk_scores(q, k, 4, route=Route(backend=backend), **kw)
+      ref = topk_scores(q, k, 4, route=Route(backend="reference"), **kw)
       same = np.asarray(got[1]) == np.asarray(ref[1])
       recs.append({"kernel": f"topk_{'prefill' if lq > 1 else 'decode'}", "dtype": dtype,
                    "indices_equal": float(np.mean(same)),
@@ -148,18 +149,18 @@ def _timed_record(rec, fn, args, read, reps, bw):
 def time_decode(reps, bw):
   import jax
   import jax.numpy as jnp
-  from pallas_kernels import flash_attention, topk_scores
+  from pallas_kernels import Route, flash_attention, topk_scores
   recs = []
   for t in SIZES["decode"]:
     for dtype in ("bfloat16",) + DTYPES:
       q, k, v = _inputs(4, 1, 1, t, dtype)
       pos = jnp.asarray([t - 1])
       attn = jax.jit(lambda q, k, v: flash_attention(q, k, v, causal=True, q_offset=pos,
-                                                     kv_len=pos + 1, kv_layout="BHTD"))
+                                                     kv_len=pos + 1, kv_layout="BHTD", route=Route()))
       recs.append(_timed_record({"kernel": "decode_attention", "keys": t, "dtype": dtype},
                                 attn, (q, k, v), _nbytes(k, v), reps, bw))
       top = jax.jit(lambda q, k: topk_scores(q, k, 4, valid_len=pos + 1, kv_layout="BHTD",
-                                             scale=1.0))
+                                             scale=1.0, route=Route()))
       recs.append(_timed_record({"kernel": "decode_topk4", "keys": t, "dtype": dtype},
                                 top, (q, k), _nbytes(k), reps, bw))
       del q, k, v
@@ -174,7 +175,7 @@ def time_decode_products(reps, bw):
   channels), then the time of each over 32K / 128K / 1M keys."""
   import jax
   import jax.numpy as jnp
-  from pallas_kernels import KernelOptions, flash_attention
+  from pallas_kernels import KernelOptions, Route, flash_attention
   variants = {"int8": {"q_dtype": {}, "fp16": {"int8_fp16_products": True}},
               "float8_e4m3fn": {"q_dtype": {"fp8_fp16_products": False}, "fp16": {}}}
   recs = []
@@ -183,10 +184,10 @@ def time_decode_products(reps, bw):
     q, k, v = _inputs(5, 2, 1, t, dtype)
     pos = jnp.asarray([t - 1, t // 3])
     ref = flash_attention(*_exact(q, k, v), causal=True, q_offset=pos, kv_len=pos + 1,
-                          kv_layout="BHTD", backend="reference")
+                          kv_layout="BHTD", route=Route(backend="reference"))
     for name, o in opts.items():
       got = flash_attention(q, k, v, causal=True, q_offset=pos, kv_len=pos + 1, kv_layout="BHTD",
-                            options=KernelOptions(**o))
+                            route=Route(kernels=KernelOptions(**o)))
       recs.append({"check": "decode", "dtype": dtype, "products": name,
                    "out_err": _err(got[0], ref[0]), "lse_err": _err(got[1], ref[1])})
   for t in SIZES["decode"]:
@@ -195,7 +196,7 @@ def time_decode_products(reps, bw):
       pos = jnp.asarray([t - 1])
       for name, o in opts.items():
         fn = jax.jit(lambda q, k, v, o=KernelOptions(**o): flash_attention(
-            q, k, v, causal=True, q_offset=pos, kv_len=pos + 1, kv_layout="BHTD", options=o))
+            q, k, v, causal=True, q_offset=pos, kv_len=pos + 1, kv_layout="BHTD", route=Route(kernels=o)))
         recs.append(_timed_record({"kernel": "decode_attention", "keys": t, "dtype": dtype,
                                    "products": name}, fn, (q, k, v), _nbytes(k, v), reps, bw))
       del q, k, v
@@ -211,7 +212,7 @@ def time_decode_tiles(reps, bw):
 
   import jax
   import jax.numpy as jnp
-  from pallas_kernels import flash_attention
+  from pallas_kernels import Route, flash_attention
   from pallas_kernels.gpu import Tiling
   recs = []
   for t in SIZES["tile_keys"]:
@@ -223,7 +224,7 @@ def time_decode_tiles(reps, bw):
                                                          (None, 66, 132, 264)):
         tl = Tiling(block_keys=bk, num_warps=warps, num_stages=stages, key_splits=splits)
         fn = jax.jit(lambda q, k, v, tl=tl: flash_attention(
-            q, k, v, causal=True, q_offset=pos, kv_len=pos + 1, kv_layout="BHTD", tiling=tl))
+            q, k, v, causal=True, q_offset=pos, kv_len=pos + 1, kv_layout="BHTD", tiling=tl, route=Route()))
         rec = {"keys": t, "dtype": dtype, "block_keys": bk, "warps": warps, "stages": stages,
                "key_splits": splits}
         try:
@@ -237,7 +238,7 @@ def time_decode_tiles(reps, bw):
 def time_prefill(reps):
   import jax
   import jax.numpy as jnp
-  from pallas_kernels import chunk_attention, topk_scores
+  from pallas_kernels import Route, chunk_attention, topk_scores
   recs = []
   c = SIZES["chunk"]
   for off in SIZES["offsets"]:
@@ -246,7 +247,7 @@ def time_prefill(reps):
       _, kc, vc = _inputs(6, 1, c, c, "bfloat16")
       kc, vc = jnp.swapaxes(kc, 1, 2), jnp.swapaxes(vc, 1, 2)
       fn = jax.jit(lambda q, k, v, kc, vc: chunk_attention(q, k, v, kc, vc, jnp.asarray([off]),
-                                                           kv_layout="BHTD"))
+                                                           kv_layout="BHTD", route=Route()))
       med, _ = median_time(lambda: jax.block_until_ready(fn(q, k, v, kc, vc)), warmup=2,
                            reps=reps)
       flops = 4 * c * H * D * (off + c / 2)
@@ -255,7 +256,7 @@ def time_prefill(reps):
   for t in SIZES["topk_keys"]:
     for dtype in ("bfloat16",) + DTYPES:
       q, k, _ = _inputs(7, 1, SIZES["topk_rows"], t, dtype)
-      fn = jax.jit(lambda q, k: topk_scores(q, k, 4, kv_layout="BHTD", scale=1.0))
+      fn = jax.jit(lambda q, k: topk_scores(q, k, 4, kv_layout="BHTD", scale=1.0, route=Route()))
       med, _ = median_time(lambda: jax.block_until_ready(fn(q, k)), warmup=2, reps=reps)
       recs.append({"kernel": "prefill_topk4", "keys": t, "dtype": dtype, "ms": med * 1e3,
                    "tflops": 2 * SIZES["topk_rows"] * H * D * t / med / 1e12})
@@ -270,7 +271,7 @@ def time_topk_routes(reps):
   against the bf16 keys; the share of rows whose top-4 equals the Triton route's."""
   import jax
   import numpy as np
-  from pallas_kernels import KernelOptions, topk_scores
+  from pallas_kernels import KernelOptions, Route, topk_scores
   from pallas_kernels.topk.topk import copy_segment
   recs = []
   for t in SIZES["route_keys"]:
@@ -279,7 +280,7 @@ def time_topk_routes(reps):
                        ("int8", copy // 4)):
       q, k, _ = _inputs(7, 1, SIZES["topk_rows"], t, dtype)
       fn = jax.jit(lambda q, k, cap=cap: topk_scores(
-          q, k, 4, kv_layout="BHTD", scale=1.0, options=KernelOptions(topk_dequantize_bytes=cap)))
+          q, k, 4, kv_layout="BHTD", scale=1.0, route=Route(kernels=KernelOptions(topk_dequantize_bytes=cap))))
       med, _ = median_time(lambda: jax.block_until_ready(fn(q, k)), warmup=2, reps=reps)
       rec = {"kernel": "prefill_topk4_route", "keys": t, "dtype": dtype,
              "topk_dequantize_bytes": cap, "ms": med * 1e3,

@@ -64,6 +64,7 @@ def child(args) -> dict:
   from jax_longctx.run.generation import decode, prefill
   from jax_longctx.methods import get
   from jax_longctx.model import random_on_mesh
+  from pallas_kernels import Route
 
   cfg = preset(args.model, dtype="bfloat16")
   settings = dict(SMOKE_METHOD) if args.smoke else {}
@@ -85,7 +86,7 @@ def child(args) -> dict:
     raise SystemExit(f"--model-splits {m} does not divide {n_dev} devices")
   mesh = make_mesh(f"ctx={n_dev // m},model={m}", devices)
   options = RunOptions(mesh=mesh, kv_dtype=args.kv_dtype or None,
-                       kernels=kernel_options(args.kernel_option))
+                       route=Route(kernels=kernel_options(args.kernel_option)))
   room = args.decode_tokens * (args.decode_reps + 1)
   unit = math.lcm(128, method.cache_unit(n_dev // m))
   cache_len = -(-(c + room) // unit) * unit

@@ -36,7 +36,9 @@ def measure(cfg, method, context: int, n_q: int, profile: bool = False) -> dict:
   from jax_longctx.methods.reattention_scope import (most_voted, pairwise_items, select_scope,
                                                      span_runs, vote)
   from jax_longctx.core.rope import inv_freq
-  from pallas_kernels import KernelOptions
+  from pallas_kernels import KernelOptions, Route
+
+  ROUTE = Route()  # the default run's route, as the layer step below runs (AttnContext's options)
 
   keys = jax.random.split(jax.random.key(0), 5)
   shape = (1, cfg.num_kv_heads, context, cfg.head_dim)
@@ -48,7 +50,7 @@ def measure(cfg, method, context: int, n_q: int, profile: bool = False) -> dict:
   pos = (context - n_q + jnp.arange(n_q, dtype=jnp.int32))[None, :]
   valid = jnp.ones(pos.shape, bool)
   hp = dict(n_global=method.n_global, n_local=method.n_local, span=method.span,
-            top_k=method.top_k, clip=method.clip, backend="auto")
+            top_k=method.top_k, clip=method.clip, route=ROUTE)
   n = cfg.num_layers  # one call runs the step once per layer, as a decode step does
 
   def nudged(x, i):  # depends on the iteration, so XLA cannot hoist the work out of the loop
@@ -57,13 +59,13 @@ def measure(cfg, method, context: int, n_q: int, profile: bool = False) -> dict:
   seq_end, lo = pos[:, -1] + 1, method.n_global
   hi = seq_end - method.n_local
   stages = {  # prefixes of the selection, each reduced to a scalar XLA cannot skip
-      "score": lambda q, kc: jnp.sum(vote(q, kc, lo, hi, valid, method.top_k, "auto")),
+      "score": lambda q, kc: jnp.sum(vote(q, kc, lo, hi, valid, method.top_k, route=ROUTE)),
       "vote": lambda q, kc: jnp.sum(most_voted(
-          vote(q, kc, lo, hi, valid, method.top_k, "auto"), method.clip, kc.shape[2],
-          pairwise_items("auto"))),
+          vote(q, kc, lo, hi, valid, method.top_k, route=ROUTE), method.clip, kc.shape[2],
+          pairwise_items(ROUTE))),
       "spans": lambda q, kc: jnp.sum(span_runs(most_voted(
-          vote(q, kc, lo, hi, valid, method.top_k, "auto"), method.clip, kc.shape[2],
-          pairwise_items("auto")),
+          vote(q, kc, lo, hi, valid, method.top_k, route=ROUTE), method.clip, kc.shape[2],
+          pairwise_items(ROUTE)),
           jnp.int32(lo), hi, method.span)[0]),
       "select": lambda q, kc: jnp.sum(select_scope(q, kc, pos, valid, **hp).idx),
   }
@@ -79,8 +81,8 @@ def measure(cfg, method, context: int, n_q: int, profile: bool = False) -> dict:
   select = looped(stages["select"])
   one_select = jax.jit(lambda q, kc: select_scope(q, kc, pos, valid, **hp).idx)
   kernel_select = looped(lambda q, kc: jnp.sum(select_scope(  # the kernels' own running sets
-      q, kc, pos, valid, **hp,
-      options=KernelOptions(topk_few_rows="kernel", topk_many_rows="kernel")).idx))
+      q, kc, pos, valid, **{**hp, "route": Route(
+          kernels=KernelOptions(topk_few_rows="kernel", topk_many_rows="kernel"))}).idx))
 
   @functools.partial(jax.jit, donate_argnums=0)  # the cache is updated in place, as in decoding
   def layer(state, q, k, v):

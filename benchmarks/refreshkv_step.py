@@ -95,7 +95,7 @@ def measure(cfg, context: int, parts: tuple[str, ...] = ("",)) -> dict:
 
   def partial(q, full, priority, part):
     added = part.add(pos[:, 0], ctx.valid[:, 0])
-    out = added.attend_rows(full, q)
+    out = added.attend_rows(full, q, route=ctx.options.route)
     return jnp.sum(out[..., :8].astype(jnp.float32)) + jnp.sum(added.evict().pos[..., :8])
 
   def radix_plan(bits, counting, one_cumsum):

@@ -27,7 +27,7 @@ def measure(keys: int, top_k: int = 4) -> list[dict]:
   import jax
   import jax.numpy as jnp
 
-  from pallas_kernels import KernelOptions, topk_scores
+  from pallas_kernels import KernelOptions, Route, topk_scores
 
   ks = jax.random.split(jax.random.key(0), 2)
   q = jax.random.normal(ks[0], (1, 1, 32, 128), jnp.bfloat16)
@@ -39,7 +39,7 @@ def measure(keys: int, top_k: int = 4) -> list[dict]:
 
     def call(q, k, options=options):
       return topk_scores(q, k, top_k, scale=1.0, valid_len=hi, exclude_prefix=lo,
-                         kv_layout="BHTD", backend="gpu", options=options)
+                         kv_layout="BHTD", route=Route(backend="gpu", kernels=options))
 
     @jax.jit
     def loop(q, k, call=call):

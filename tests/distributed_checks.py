@@ -11,6 +11,7 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 import pallas_kernels
+from pallas_kernels import Route
 from jax_longctx.ops.mesh_attention import merge_across, ring_attention
 from jax_longctx.core.options import RunOptions
 
@@ -28,11 +29,13 @@ def _qkv(seed, b, t, h, kvh, d):
 def ring(causal: bool):
   q, k, v = _qkv(0, 2, N * 16, 6, 2, 16)
   spec = P(None, "sp")
-  f = jax.jit(jax.shard_map(functools.partial(ring_attention, axis_name="sp", causal=causal),
+  f = jax.jit(jax.shard_map(functools.partial(ring_attention, axis_name="sp", causal=causal,
+                                              route=Route()),
                             mesh=MESH, in_specs=(spec, spec, spec), out_specs=(spec, spec),
                             check_vma=False))
   out, lse = f(q, k, v)
-  want, want_lse = pallas_kernels.flash_attention(q, k, v, causal=causal, backend="reference")
+  want, want_lse = pallas_kernels.flash_attention(q, k, v, causal=causal,
+                                                  route=Route(backend="reference"))
   np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=1e-5, rtol=1e-5)
   np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), atol=1e-5, rtol=1e-5)
 
@@ -53,7 +56,7 @@ def star_phase2():
     kv_len = jnp.where(last, tb + s, tb)
     out, lse = pallas_kernels.flash_attention(q, k, v, causal=True, kv_len=kv_len,
                                               q_offset=jnp.where(last, tb, tb + s),
-                                              backend="reference")
+                                              route=Route(backend="reference"))
     return merge_across(out, lse, "sp")
 
   ctx = P(None, "sp")
@@ -63,7 +66,7 @@ def star_phase2():
   k_all = jnp.concatenate([k_ctx, k_q], axis=1)
   v_all = jnp.concatenate([v_ctx, v_q], axis=1)
   want, want_lse = pallas_kernels.flash_attention(q, k_all, v_all, causal=True, q_offset=N * tb,
-                                                  backend="reference")
+                                                  route=Route(backend="reference"))
   np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=1e-5, rtol=1e-5)
   np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), atol=1e-5, rtol=1e-5)
 

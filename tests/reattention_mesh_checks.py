@@ -17,6 +17,7 @@ from jax_longctx.methods import AttnContext, TokenShards, get
 from jax_longctx.methods.reattention_scope import Scope
 from jax_longctx.core.options import RunOptions
 from jax_longctx.core.rope import inv_freq
+from pallas_kernels import Route
 from tests.conftest import TINY_LLAMA3, tiny_config
 
 N = 8
@@ -47,7 +48,7 @@ def layer(tied: bool, backend: str = "reference", block: int = 0):
   cfg = tiny_config(**TINY_LLAMA3)
   one = get("reattention", **HP)
   mesh_method = get("reattention_mesh", shard_block=block, **HP)
-  options = RunOptions(kernel_backend=backend)
+  options = RunOptions(route=Route(backend=backend))
   b, t, h, kvh, d = 2, 128, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
   rng = np.random.default_rng(5)
   keys = rng.normal(size=(3 if tied else b * t, kvh, d)).astype(np.float32)

@@ -329,10 +329,10 @@ def fused():
   cfg = tiny_config(**MODELS["gqa"], hidden_size=64, max_position_embeddings=CACHE_LEN)
   params = random_params(cfg, seed=1)
   one = generate(fuse_projections(params), cfg, docs, get("full"), max_new_tokens=5)
-  switches = RunOptions(prefill_chunk=8, mesh="data=2,model=4", cache_write_backend="gpu",
-                        add_norm_backend="gpu", kernel_backend="gpu", prefill_kernel=False,
-                        decode_kernel=True, kernels=pallas_kernels.KernelOptions(
-                            decode_merge_kernel=True, decode_q_in_kernel=True))
+  switches = RunOptions(prefill_chunk=8, mesh="data=2,model=4", route=pallas_kernels.Route(
+      cache_write_backend="gpu", add_norm_backend="gpu", backend="gpu", prefill_kernel=False,
+      decode_kernel=True, kernels=pallas_kernels.KernelOptions(
+          decode_merge_kernel=True, decode_q_in_kernel=True)))
   switched = generate(fuse_placed(place(params, cfg, switches.mesh), switches.mesh), cfg, docs,
                       get("full"), max_new_tokens=5, options=switches)
   assert switched.tokens == one.tokens, (switched.tokens, one.tokens)

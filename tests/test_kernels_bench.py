@@ -12,6 +12,7 @@ import torch
 
 from benchmarks import authors_topk
 from jax_longctx.app import bench_kernels
+from pallas_kernels import Route
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -76,7 +77,7 @@ def _inputs(lq, t):
 
 def test_measure_maps_layouts_and_counts_exact_rows():
   q, k = _inputs(1, 1024)  # one decode query: padded to their 128-row tile
-  ours = bench_kernels.topk_scores(q, k, 4, backend="reference")[1]
+  ours = bench_kernels.topk_scores(q, k, 4, route=Route(backend="reference"))[1]
   rec = authors_topk.measure(Emulated(False), q, k, 4, timer=lambda call: 2e-3, ours_indices=ours)
   assert rec == {"authors_ms": 2.0, "authors_q_len": 128, "authors_rows_exact": 1.0,
                  "ours_rows_exact": 1.0}
@@ -86,7 +87,7 @@ def test_rows_exact_sees_the_tile_approximation():
   q, k = _inputs(128, 1024)
   rec = authors_topk.measure(Emulated(True), q, k, 4, timer=lambda call: 1e-3)
   # A row is exact when its four best keys lie in four different 128-key tiles.
-  best = np.asarray(bench_kernels.topk_scores(q, k, 4, backend="reference")[1]) // 128
+  best = np.asarray(bench_kernels.topk_scores(q, k, 4, route=Route(backend="reference"))[1]) // 128
   expected = np.mean([len(set(row)) == 4 for row in best.reshape(-1, 4)])
   assert 0 < expected < 1 and rec["authors_rows_exact"] == expected
   top1 = authors_topk.measure(Emulated(True), q, k, 1, timer=lambda call: 1e-3)

@@ -15,6 +15,7 @@ from jax_longctx.methods import full as full_lib
 from jax_longctx.methods import hparams
 from jax_longctx.model import forward
 from jax_longctx.core.options import RunOptions
+from pallas_kernels import Route
 from pallas_kernels.attention import chunk
 
 EVICTING = ("h2o", "streaming_llm", "tova", "snapkv")
@@ -237,7 +238,7 @@ def test_full_prefill_through_the_kernel_equals_the_jnp_path(tiny, monkeypatch, 
     monkeypatch.setattr(chunk, "cudnn_dense", chunk.reference_dense)
   jax.clear_caches()  # the other route's steps were traced with the same options
   got, _ = _step_logits(params, cfg, prompts, get("full"), 2,
-                        options=RunOptions(prefill_kernel=True))
+                        options=RunOptions(route=Route(prefill_kernel=True)))
   np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0)
 
 
@@ -250,7 +251,7 @@ def test_full_decode_through_the_kernel_equals_the_jnp_path(tiny, monkeypatch):
   prompts = _prompts(cfg, (13, 29))
   ref, _ = _step_logits(params, cfg, prompts, get("full"), 4)
   got, _ = _step_logits(fuse_projections(params), cfg, prompts, get("full"), 4,
-                        options=RunOptions(decode_kernel=True))
+                        options=RunOptions(route=Route(decode_kernel=True)))
   np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0)
 
 

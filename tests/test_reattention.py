@@ -15,6 +15,7 @@ from jax_longctx.methods.reattention_scope import (PAIRWISE_MAX_VOTES, most_vote
                                                    select_scope)
 from jax_longctx.core.options import RunOptions
 from jax_longctx.core.rope import inv_freq
+from pallas_kernels import Route
 from tests.conftest import tiny_config
 
 HP = dict(n_global=4, n_local=16, span=5, top_k=3, clip=6)
@@ -68,7 +69,7 @@ def test_selection_equals_the_paper_reference(n_q, seq_ends, backend):
   pos, valid = _step(seq_ends, n_q)
   valid[1, -1] &= n_q == 1  # a padded query must not vote
   scope = select_scope(jnp.asarray(q), jnp.asarray(k), jnp.asarray(pos), jnp.asarray(valid),
-                       backend=backend, **HP)
+                       route=Route(backend=backend), **HP)
   for b, end in enumerate(seq_ends):
     end = int(pos[b][valid[b]].max()) + 1
     want = reference_scope(q[b][valid[b]], k[b], end, **HP)
@@ -88,7 +89,7 @@ def test_vote_stride_takes_every_stride_th_query_from_the_last(stride, n_q, back
   pos, valid = _step(seq_ends, n_q)
   valid[1, -1] &= n_q == 1  # sequence 1's last slot is padding: the one before it is its last
   scope = select_scope(jnp.asarray(q), jnp.asarray(k), jnp.asarray(pos), jnp.asarray(valid),
-                       vote_stride=stride, backend=backend, **HP)
+                       vote_stride=stride, route=Route(backend=backend), **HP)
   votes = np.zeros(n_q, bool)
   votes[(n_q - 1) % stride::stride] = True
   for b in range(len(seq_ends)):
@@ -124,7 +125,8 @@ def test_vote_counting_by_pairs_or_histogram_equals_by_sorting(seed):
 def test_upstream_gqa_pairing_would_select_other_tokens():
   q, k = _inputs(3, 1, 1)
   pos, valid = _step((150,), 1)
-  scope = select_scope(jnp.asarray(q), jnp.asarray(k), jnp.asarray(pos), jnp.asarray(valid), **HP)
+  scope = select_scope(jnp.asarray(q), jnp.asarray(k), jnp.asarray(pos), jnp.asarray(valid),
+                       route=Route(), **HP)
   got = np.asarray(scope.idx[0, :int(scope.length[0])]).tolist()
   upstream = reference_scope(q[0], k[0], 150, pair=lambda head: head % 2, **HP)
   assert got == reference_scope(q[0], k[0], 150, **HP)
@@ -136,7 +138,8 @@ def test_rope_positions_never_exceed_the_scope():
   q, k = _inputs(5, 3, 8, cache_len=400)
   for ends in [(9, 30, 57), (120, 250, 400), (399, 21, 333)]:
     pos, valid = _step(ends, 8)
-    sc = select_scope(jnp.asarray(q), jnp.asarray(k), jnp.asarray(pos), jnp.asarray(valid), **HP)
+    sc = select_scope(jnp.asarray(q), jnp.asarray(k), jnp.asarray(pos), jnp.asarray(valid),
+                      route=Route(), **HP)
     length, first = np.asarray(sc.length), np.asarray(sc.q_offset)
     assert (length <= method.scope_size).all() and sc.idx.shape[1] == method.scope_size
     last_q = first + valid.sum(axis=1) - 1
@@ -175,7 +178,7 @@ def test_layer_output_is_rope_attention_over_the_reference_scope(backend, n_q):
   v_new = np.take_along_axis(v_all, pos[:, :, None, None], axis=1)
   freqs = inv_freq(cfg)
   ctx = AttnContext(layer=0, q_pos=jnp.asarray(pos), valid=jnp.asarray(valid), freqs=freqs,
-                    cfg=cfg, options=RunOptions(kernel_backend=backend))
+                    cfg=cfg, options=RunOptions(route=Route(backend=backend)))
   out, _ = method.prefill(state, jnp.asarray(q), jnp.asarray(k_new), jnp.asarray(v_new), ctx)
   for i, end in enumerate(ends):
     scope = np.asarray(reference_scope(q[i], k_all[i].transpose(1, 0, 2), end, **HP))
@@ -212,4 +215,4 @@ def test_bad_settings_fail_clearly():
   with pytest.raises(MethodError, match="clip=0 must be >= 1"):
     get("reattention", **{**HP, "clip": 0}).init_state(cfg, 1, 96, jnp.float32, 8)
   with pytest.raises(MethodError, match="has no hyper-parameter 'backend'"):
-    get("reattention", backend="gpu", **HP)  # the run's kernel_backend picks it (RunOptions)
+    get("reattention", backend="gpu", **HP)  # the run's route picks it (RunOptions.route)

@@ -67,10 +67,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                       "blocks.topk_few_rows=kernel with --methods blocks:reattention (default: the "
                       "run's own choice)")
   p.add_argument("--run-option", action="append", default=[], metavar="KEY=VALUE",
-                 help="a RunOptions field for every run, e.g. add_norm_backend=auto "
+                 help="a RunOptions or Route field for every run, e.g. add_norm_backend=auto "
                       "(default: none set)")
   p.add_argument("--decode-tiling", default=None, metavar="KEY=VALUE,...",
-                 help="RunOptions.decode_tiling for every run, e.g. block_keys=64,num_stages=3 "
+                 help="Route.decode_tiling for every run, e.g. block_keys=64,num_stages=3 "
                       "(default: the kernel's own split plan)")
   p.add_argument("--fill-cache", action="store_true",
                  help="decode only, over a cache filled with random K/V (no prefill)")

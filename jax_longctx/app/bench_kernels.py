@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_longctx.app.bench_measure import timed
-from pallas_kernels import chunk_attention, flash_attention, gathered_attention, topk_scores
+from pallas_kernels import Route, chunk_attention, flash_attention, gathered_attention, topk_scores
 from pallas_kernels.topk import topk_blocks
 from pallas_kernels.options import DEFAULT, KernelOptions
 
@@ -43,8 +43,8 @@ def bench_topk(key, lq, t, top_k, args, anchor=True, tiling=None,
                options: KernelOptions = DEFAULT):
   kq, kk = jax.random.split(key)
   q, k = normal(kq, (1, lq, H, D)), normal(kk, (1, t, KV, D))
-  ours = jax.jit(lambda q, k: topk_scores(q, k, top_k, backend="gpu", tiling=tiling,
-                                          options=options))
+  ours = jax.jit(lambda q, k: topk_scores(q, k, top_k, route=Route(backend="gpu", kernels=options),
+                                          tiling=tiling))
   rec = {"case": "topk_scores", "q_len": lq, "kv_len": t, "top_k": top_k, **_tiling(tiling)}
   flops = 2 * H * lq * t * D  # the products q.k alone, for every kernel timed here
   rec["ms"] = timed(ours, q, k, reps=args.reps, inner=args.inner) * 1e3
@@ -56,8 +56,8 @@ def bench_topk(key, lq, t, top_k, args, anchor=True, tiling=None,
   beside = (KernelOptions(topk_few_rows="kernel") if lq * (H // KV) <= topk_blocks.MAX_ROWS
             else KernelOptions(topk_many_rows="kernel") if top_k > 1 else None)
   if beside is not None and options == DEFAULT:
-    kernel = jax.jit(lambda q, k: topk_scores(q, k, top_k, backend="gpu", tiling=tiling,
-                                              options=beside))
+    route = Route(backend="gpu", kernels=beside)
+    kernel = jax.jit(lambda q, k: topk_scores(q, k, top_k, route=route, tiling=tiling))
     rec["kernel_ms"] = timed(kernel, q, k, reps=args.reps, inner=args.inner) * 1e3
     rec["kernel_over_ours"] = rec["kernel_ms"] / rec["ms"]
     if rec.get("k_read_ms"):
@@ -84,7 +84,8 @@ def bench_prefill(key, t, args, tiling=None, cudnn=True):
   flops = 4 * H * D * t * (t + 1) / 2
   rec = {"case": "flash_prefill_causal", "kv_len": t, **_tiling(tiling)}
   for name, cud in (("ours", False), ("cudnn", True))[: 2 if cudnn else 1]:
-    fn = jax.jit(lambda q, k, v, c=cud: flash_attention(q, k, v, causal=True, backend="gpu",
+    fn = jax.jit(lambda q, k, v, c=cud: flash_attention(q, k, v, causal=True,
+                                                        route=Route(backend="gpu"),
                                                         use_cudnn=c, tiling=tiling))
     rec[f"{name}_ms"] = timed(fn, q, k, v, reps=args.reps, inner=args.inner) * 1e3
     rec[f"{name}_tflops"] = flops / rec[f"{name}_ms"] / 1e9
@@ -96,7 +97,8 @@ def bench_prefill(key, t, args, tiling=None, cudnn=True):
 def bench_decode(key, t, args, tiling=None):
   ks = jax.random.split(key, 3)
   q, k, v = normal(ks[0], (1, 1, H, D)), normal(ks[1], (1, t, KV, D)), normal(ks[2], (1, t, KV, D))
-  fn = jax.jit(lambda q, k, v: flash_attention(q, k, v, causal=False, backend="gpu", tiling=tiling))
+  fn = jax.jit(lambda q, k, v: flash_attention(q, k, v, causal=False, route=Route(backend="gpu"),
+                                               tiling=tiling))
   rec = {"case": "flash_decode", "kv_len": t, **_tiling(tiling)}
   rec["ms"] = timed(fn, q, k, v, reps=args.reps, inner=args.inner) * 1e3
   rec["bytes"] = 2 * k.size * 2
@@ -113,13 +115,14 @@ def bench_gathered(key, t, n, args, tiling=None, rope=False):
   idx = jnp.sort(jax.vmap(lambda kk: jax.random.choice(kk, t, (n,), replace=False))(
       jax.random.split(ks[3], KV)), axis=-1)[None].astype(jnp.int32)
   freqs = 1.0 / 500000.0 ** (jnp.arange(0, D, 2, dtype=jnp.float32) / D) if rope else None
-  fn = jax.jit(lambda q, k, v, i: gathered_attention(q, k, v, i, backend="gpu", tiling=tiling,
+  fn = jax.jit(lambda q, k, v, i: gathered_attention(q, k, v, i, route=Route(backend="gpu"),
+                                                     tiling=tiling,
                                                      kv_layout=layout, key_rope_freqs=freqs))
   rec = {"case": "gathered_attention" + ("_rope" if rope else ""), "kv_len": t, "selected": n,
          **_tiling(tiling)}
   rec["ms"] = timed(fn, q, k, v, idx, reps=args.reps, inner=args.inner) * 1e3
   kd, vd = (k[:, :, :n], v[:, :, :n]) if rope else (k[:, :n], v[:, :n])
-  dense = jax.jit(lambda q, k, v: flash_attention(q, k, v, causal=False, backend="gpu",
+  dense = jax.jit(lambda q, k, v: flash_attention(q, k, v, causal=False, route=Route(backend="gpu"),
                                                   kv_layout=layout))
   rec["dense_ms"] = timed(dense, q, kd, vd, reps=args.reps, inner=args.inner) * 1e3
   rec["ratio_to_dense"] = rec["ms"] / rec["dense_ms"]
@@ -133,16 +136,16 @@ def check_topk(key):
   out = {}
   for lq, case in ((64, "prefill"), (1, "decode")):  # decode: the blocks path (topk_blocks)
     for top_k in (1, 4, 128):
-      v, i = topk_scores(q[:, :lq], k, top_k, backend="gpu", **kw)
-      rv, ri = topk_scores(q[:, :lq], k, top_k, backend="reference", **kw)
+      v, i = topk_scores(q[:, :lq], k, top_k, route=Route(backend="gpu"), **kw)
+      rv, ri = topk_scores(q[:, :lq], k, top_k, route=Route(backend="reference"), **kw)
       out[f"{case}_top{top_k}_index_equal"] = float(jnp.mean(i == ri))
       out[f"{case}_top{top_k}_score_maxdiff"] = float(jnp.max(jnp.abs(v - rv)))
   # Both above use XLA's top_k on this device; decode's blocks path relies on its order among
   # equal scores, so it is also checked against numpy's (score desc, index asc).
-  i = topk_scores(q[:, :1], k, 4, backend="gpu", **kw)[1]
+  i = topk_scores(q[:, :1], k, 4, route=Route(backend="gpu"), **kw)[1]
   numpy_i = _numpy_top4(q[:, :1], k, kw["exclude_prefix"], kw["valid_len"] - kw["exclude_suffix"])
   out["decode_top4_index_equal_numpy"] = float(np.mean(np.asarray(i) == numpy_i))
-  i = topk_scores(q, k, 4, backend="gpu", **kw)[1]  # prefill rows: the segments path
+  i = topk_scores(q, k, 4, route=Route(backend="gpu"), **kw)[1]  # prefill rows: the segments path
   numpy_i = _numpy_top4(q, k, kw["exclude_prefix"], kw["valid_len"] - kw["exclude_suffix"])
   out["prefill_top4_index_equal_numpy"] = float(np.mean(np.asarray(i) == numpy_i))
   return out
@@ -164,20 +167,20 @@ def check_attention(key):
   ks = jax.random.split(key, 4)
   q, k, v = normal(ks[0], (2, 300, H, D)), normal(ks[1], (2, 5000, KV, D)), normal(ks[2], (2, 5000, KV, D))
   kw = dict(causal=True, q_offset=jnp.array([4700, 100]), kv_len=jnp.array([5000, 400]))
-  o, l = flash_attention(q, k, v, backend="gpu", use_cudnn=False, **kw)
+  o, l = flash_attention(q, k, v, route=Route(backend="gpu"), use_cudnn=False, **kw)
   ro, rl = flash_attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
-                           backend="reference", **kw)
+                           route=Route(backend="reference"), **kw)
   rel = lambda a, b: float(jnp.linalg.norm((a - b).astype(jnp.float32)) / jnp.linalg.norm(b))  # noqa
   res = {"flash_rel_err": rel(o, ro), "flash_lse_maxdiff": float(jnp.max(jnp.abs(l - rl)))}
-  oc, lc = flash_attention(q, k, v, causal=True, backend="gpu", use_cudnn=True)
+  oc, lc = flash_attention(q, k, v, causal=True, route=Route(backend="gpu"), use_cudnn=True)
   rc, rlc = flash_attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
-                            causal=True, backend="reference")
+                            causal=True, route=Route(backend="reference"))
   res.update(cudnn_rel_err=rel(oc, rc), cudnn_lse_maxdiff=float(jnp.max(jnp.abs(lc - rlc))))
   idx = jax.random.randint(ks[3], (2, KV, 700), 0, 5000)
   valid = jax.random.bernoulli(ks[3], 0.8, idx.shape)
-  go, gl = gathered_attention(q[:, :1], k, v, idx, valid, backend="gpu")
+  go, gl = gathered_attention(q[:, :1], k, v, idx, valid, route=Route(backend="gpu"))
   gro, grl = gathered_attention(q[:, :1].astype(jnp.float32), k.astype(jnp.float32),
-                                v.astype(jnp.float32), idx, valid, backend="reference")
+                                v.astype(jnp.float32), idx, valid, route=Route(backend="reference"))
   res.update(gathered_rel_err=rel(go, gro), gathered_lse_maxdiff=float(jnp.max(jnp.abs(gl - grl))))
   return res
 
@@ -207,7 +210,8 @@ def chunked(q, k, v, *, chunk: int, use_cudnn: bool):
     qc = jax.lax.dynamic_slice_in_dim(q, off, chunk, axis=1)
     kc = jnp.swapaxes(jax.lax.dynamic_slice_in_dim(k, off, chunk, axis=2), 1, 2)
     vc = jnp.swapaxes(jax.lax.dynamic_slice_in_dim(v, off, chunk, axis=2), 1, 2)
-    o, _ = chunk_attention(qc, k, v, kc, vc, off, kv_layout="BHTD", use_cudnn=use_cudnn)
+    o, _ = chunk_attention(qc, k, v, kc, vc, off, kv_layout="BHTD", use_cudnn=use_cudnn,
+                           route=Route())
     return jax.lax.dynamic_update_slice_in_dim(out, o, off, axis=1)
 
   return jax.lax.fori_loop(0, length // chunk, body, jnp.zeros_like(q))

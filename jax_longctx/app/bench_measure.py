@@ -165,16 +165,22 @@ def run_options(*, mesh=None, kv_dtype=None, chunk=None, kernel_option=(), run_o
                 decode_tiling: str = ""):
   """The RunOptions of a benchmark's run. Every kernel choice a command line can make
   (--kernel-option, --decode-tiling, --run-option) is turned into options here and nowhere
-  else, so a change of how runs choose kernels changes this one function."""
+  else, so a change of how runs choose kernels changes this one function. A --run-option names
+  a field of RunOptions or of its kernel route (pallas_kernels.Route, e.g. add_norm_backend)."""
   from jax_longctx.core.options import RunOptions
+  from pallas_kernels.route import Route
 
   tiling = None
   if decode_tiling:
     from pallas_kernels.gpu import Tiling
     tiling = Tiling(**option_fields(Tiling, decode_tiling.split(","), "--decode-tiling"))
-  fields = {"prefill_chunk": chunk, **option_fields(RunOptions, run_option, "--run-option")}
-  return RunOptions(mesh=mesh or None, kernels=kernel_options(kernel_option),
-                    kv_dtype=kv_dtype or None, decode_tiling=tiling, **fields)
+  in_route = {f.name for f in dataclasses.fields(Route)} - {"kernels", "decode_tiling"}
+  routed = [p for p in run_option if p.partition("=")[0] in in_route]
+  others = [p for p in run_option if p.partition("=")[0] not in in_route]
+  fields = {"prefill_chunk": chunk, **option_fields(RunOptions, others, "--run-option")}
+  route = Route(kernels=kernel_options(kernel_option), decode_tiling=tiling,
+                **option_fields(Route, routed, "--run-option"))
+  return RunOptions(mesh=mesh or None, route=route, kv_dtype=kv_dtype or None, **fields)
 
 
 def device_kernel_times(run, calls: int, per_call: int = 1) -> list[dict]:

@@ -1,7 +1,10 @@
 """RunOptions: how a run's compiled steps are built, as opposed to what they compute.
 
 One frozen (hashable) value handed to every jitted step as a static argument and to each layer's
-method through `AttnContext.options`: kernel choices, decode variants, the prefill chunk. Two
+method through `AttnContext.options`: the kernel route (pallas_kernels.Route: the kernels'
+variant and choices, decode tiling, the cache-write and add+norm kernels, full attention's
+kernel switches; every kernel call takes it as `route=`), the prefill chunk, remat, the mesh,
+the KV dtype. Two
 option sets compile apart, so a benchmark that compares variants builds one option set each and
 nothing it changes can leave an already compiled step stale (module globals read at trace time
 could). The device mesh is one of them: steps built for a mesh run per device
@@ -16,8 +19,8 @@ from typing import Any
 
 import jax
 
-import pallas_kernels
 from pallas_kernels import quant
+from pallas_kernels.route import Route
 from jax_longctx.core.config_types import ConfigError
 from jax_longctx.core.mesh import make_mesh
 
@@ -29,29 +32,13 @@ REMAT_POLICIES = {"layer": jax.checkpoint_policies.nothing_saveable,
 
 @dataclasses.dataclass(frozen=True)
 class RunOptions:
-  # Which kernel a call runs where several compute the same thing (pallas_kernels.KernelOptions).
-  kernels: pallas_kernels.KernelOptions = pallas_kernels.KernelOptions()
-  # Tiling of one-token decode attention on GPU (None: the kernel's own split plan,
-  # gpu.split_plan: about 2 programs per core, ~32 splits of 1024 keys at 32K, batch 1, 8 kv heads).
-  decode_tiling: pallas_kernels.Tiling | None = None
-  # One-token cache writes through pallas_kernels.decode.cache_write's in-place kernel on this kernel
-  # backend ("auto": the kernel on GPU, the scatter elsewhere; "gpu": also interpreted on CPU),
-  # or None: XLA's scatter for every write. This switch, the next and KernelOptions'
-  # decode_merge_kernel / decode_q_in_kernel together: the 8B's decode on `model=2` 5.37 -> 5.16
-  # ms (2 H100s; one GPU ~0.5% each, within spread), so on by default (BENCHMARKS.md).
-  cache_write_backend: str | None = "auto"
-  # One-token steps run each residual add and the norm after it as one kernel
-  # (pallas_kernels.decode.add_rmsnorm) on this backend, or None: jnp's add and norm (above).
-  add_norm_backend: str | None = "auto"
+  # Every kernel call's route (pallas_kernels/route.py says each field): the variant ("auto":
+  # the platform's; "gpu": the GPU kernels, interpreted off a GPU, as benchmarks/decode_profile.py
+  # --smoke runs them on CPU), the KernelOptions, the decode tiling, the cache-write and add+norm
+  # kernels, full attention's prefill / decode kernel switches. `replace_route` makes a variant.
+  route: Route = Route()
   # Prefill chunk (tokens a step); None: the method's own, else `default_chunk()`.
   prefill_chunk: int | None = None
-  # The kernel backend of full attention's kernel calls ("auto": the platform's; "gpu": the GPU
-  # kernels, interpreted off a GPU, as benchmarks/decode_profile.py --smoke runs them on CPU).
-  kernel_backend: str = "auto"
-  # Full attention through the flash-attention kernels, for prefill chunks and for one-token
-  # steps; None: where measured faster (prefill on GPU and TPU, decode on NVIDIA GPUs).
-  prefill_kernel: bool | None = None
-  decode_kernel: bool | None = None
   # Rematerialization of each decoder layer in a backward pass (training; forward-only steps
   # are unaffected): None keeps every activation; "layer" keeps only each layer's input and
   # recomputes the rest; "dots" also keeps the outputs of the weight matmuls (no batch
@@ -71,10 +58,8 @@ class RunOptions:
         object.__setattr__(self, "kv_dtype", quant.check_kv_dtype(self.kv_dtype))
       except ValueError as e:
         raise ConfigError(str(e)) from None
-    for field in ("cache_write_backend", "add_norm_backend", "kernel_backend"):
-      value = getattr(self, field)
-      if value is not None and value not in pallas_kernels.BACKENDS:
-        raise ConfigError(f"{field}={value!r} must be one of {pallas_kernels.BACKENDS}")
+    if not isinstance(self.route, Route):
+      raise ConfigError(f"route={self.route!r} must be a pallas_kernels.Route")
     if self.prefill_chunk is not None and self.prefill_chunk < 1:
       raise ConfigError(f"prefill_chunk={self.prefill_chunk} must be >= 1 (or None)")
     if self.remat is not None and self.remat not in REMAT_POLICIES:
@@ -90,6 +75,13 @@ class RunOptions:
 
   def replace(self, **kw) -> "RunOptions":
     return dataclasses.replace(self, **kw)
+
+  def replace_route(self, **kw) -> "RunOptions":
+    """These options with the route's fields `kw` replaced (Route's fields)."""
+    try:
+      return dataclasses.replace(self, route=self.route.replace(**kw))
+    except ValueError as e:
+      raise ConfigError(str(e)) from None
 
 
 DEFAULT = RunOptions()

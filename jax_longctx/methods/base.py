@@ -136,7 +136,8 @@ class AttnContext:
   # False when the method's `decode_gate` ruled out its occasional costly branch for this step
   # in every layer (a Python bool: the model compiles the step once for each value).
   gate_open: bool = True
-  # How the step is built (kernel choices, decode variants): hand `options.kernels` to kernels.
+  # How the step is built (kernel choices, decode variants): every kernel call takes
+  # `options.route` as its `route=`.
   options: RunOptions = DEFAULT_OPTIONS
   # The heads this device holds and the reductions that combine them (tensor parallel).
   heads: Heads = Heads()

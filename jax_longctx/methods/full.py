@@ -10,24 +10,7 @@ import pallas_kernels
 from jax_longctx.ops.attention import attention
 from jax_longctx.ops.cache import KVCache
 from jax_longctx.methods.base import AttnContext, Method, register
-from jax_longctx.core.options import RunOptions
 from jax_longctx.core.rope import apply_rope
-
-
-def prefill_uses_kernel(options: RunOptions) -> bool:
-  """Whether prefill chunks go to the flash-attention kernel (by default on GPU and TPU)."""
-  if options.prefill_kernel is not None:
-    return options.prefill_kernel
-  return pallas_kernels.resolve(options.kernel_backend).kind != "reference"
-
-
-def decode_uses_kernel(options: RunOptions) -> bool:
-  """Whether one-token steps go to the flash-attention kernel: by default on NVIDIA GPUs, where
-  its split-K decode variant reads only the slots below each sequence's length (H200, 8B shape:
-  decode 5.70 -> 5.47 ms at 32K with fused projections, BENCHMARKS.md). Not on TPU: unmeasured."""
-  if options.decode_kernel is not None:
-    return options.decode_kernel
-  return pallas_kernels.resolve(options.kernel_backend).kind == "gpu"
 
 
 @register
@@ -50,31 +33,28 @@ class Full(Method):
     chunk_kv: (k, v) [B, S, KV, d] of a prefill chunk just written (k after RoPE), which lets
     the chunk's own part run as a square causal cuDNN call (pallas_kernels.chunk_attention).
     """
-    opts = ctx.options
-    if q.shape[1] == 1 and decode_uses_kernel(opts):
+    route = ctx.options.route
+    if q.shape[1] == 1 and route.fused_decode:
       pos = ctx.q_pos[:, 0]
       return pallas_kernels.flash_attention(q, state.k, state.v, causal=True, q_offset=pos,
                                             kv_len=pos + 1, kv_layout="BHTD",
-                                            tiling=opts.decode_tiling, options=opts.kernels,
-                                            backend=opts.kernel_backend)
-    if q.shape[1] > 1 and prefill_uses_kernel(opts):
+                                            tiling=route.decode_tiling, route=route)
+    if q.shape[1] > 1 and route.fused_prefill:
       # A prefill chunk's positions are contiguous, so the causal rule is the kernel's own; keys
       # past the chunk's end are never read. (The jnp path stays for CPU, where the kernel's
       # reference would hold a score matrix, and for decode on TPU.)
       if chunk_kv is not None:
         return pallas_kernels.chunk_attention(q, state.k, state.v, *chunk_kv, ctx.q_pos[:, 0],
-                                              kv_layout="BHTD", options=opts.kernels,
-                                              backend=opts.kernel_backend)
+                                              kv_layout="BHTD", route=route)
       return pallas_kernels.flash_attention(q, state.k, state.v, causal=True,
                                             q_offset=ctx.q_pos[:, 0], kv_len=ctx.q_pos[:, -1] + 1,
-                                            kv_layout="BHTD", options=opts.kernels,
-                                            backend=opts.kernel_backend)
+                                            kv_layout="BHTD", route=route)
     b, t = ctx.q_pos.shape[0], state.max_len
     k_pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     return attention(q, state.k, state.v, ctx.q_pos, k_pos, kv_extent=jnp.max(ctx.q_pos) + 1)
 
   def prefill(self, state: KVCache, q, k, v, ctx: AttnContext):
     k = apply_rope(k, ctx.q_pos, ctx.freqs)
-    state = state.write(ctx.q_pos, k, v, ctx.options.cache_write_backend)
+    state = state.write(ctx.q_pos, k, v, route=ctx.options.route)
     out, _ = self.attend_cache(state, apply_rope(q, ctx.q_pos, ctx.freqs), ctx, chunk_kv=(k, v))
     return out, state

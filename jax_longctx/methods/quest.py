@@ -65,7 +65,7 @@ class Quest(SelectingMethod):
 
   def write(self, state: QuestState, k, v, ctx: AttnContext) -> QuestState:
     """Stores post-RoPE k and folds it into its page's min/max (padding is dropped)."""
-    kv = state.kv.write(ctx.q_pos, k, v, ctx.options.cache_write_backend)
+    kv = state.kv.write(ctx.q_pos, k, v, route=ctx.options.route)
     page = jnp.where(ctx.valid, ctx.q_pos // self.page_size, state.kmin.shape[2])
     b_idx = jnp.arange(k.shape[0])[:, None]
     kmin = state.kmin.at[b_idx, :, page].min(k.astype(state.kmin.dtype), mode="drop")

@@ -34,7 +34,7 @@ class ReAttentionSettings:
   """ReAttention's hyper-parameters, shared by the one-device method and its registry entry over
   a device mesh (`reattention_mesh`). Defaults are the paper's §3.1 settings (OpenMOSS/
   ReAttention uses per-query top-1; the paper's runs top-4). Which kernel variant runs is the
-  run's (`RunOptions.kernel_backend`), as for every method. vote_stride (not the paper's): in a step of
+  run's (`RunOptions.route`), as for every method. vote_stride (not the paper's): in a step of
   several queries, only every vote_stride-th query, counted back from the step's last, scores
   the cache and votes; 1 (the default) is the paper's rule, where every query votes."""
 
@@ -97,13 +97,14 @@ class ReAttention(ReAttentionSettings, Method):
     return KVCache.zeros(cfg, batch, max_len, dtype)
 
   def write(self, state: KVCache, k, v, ctx: AttnContext) -> KVCache:
-    return state.write(ctx.q_pos, k, v, ctx.options.cache_write_backend)  # keys before RoPE, slot = position
+    return state.write(ctx.q_pos, k, v,
+                       route=ctx.options.route)  # keys before RoPE, slot = position
 
   def scope(self, state: KVCache, q, ctx: AttnContext) -> Scope:
     return select_scope(q, state.k, ctx.q_pos, ctx.valid, n_global=self.n_global,
                         n_local=self.n_local, span=self.span, top_k=self.top_k, clip=self.clip,
-                        vote_stride=self.vote_stride, backend=ctx.options.kernel_backend,
-                        options=ctx.options.kernels, heads=ctx.heads)
+                        vote_stride=self.vote_stride, route=ctx.options.route,
+                        heads=ctx.heads)
 
   def step(self, state: KVCache, q, k, v, ctx: AttnContext):
     """One step: (out [B, S, H, d], lse [B, S, H] fp32, state, the scope attended)."""
@@ -124,7 +125,7 @@ class ReAttention(ReAttentionSettings, Method):
     """The step's queries (ranks q_offset + i) over the scope's keys (ranks 0..length-1) of the
     cache: (out, lse). The mesh variant calls it with one device's part of the scope (with a
     block-cyclic layout, a part whose ranks are sc.k_rank and sc.q_rank)."""
-    if q.shape[1] == 1 and pallas_kernels.resolve(ctx.options.kernel_backend).kind != "reference":
+    if q.shape[1] == 1 and not ctx.options.route.is_reference:
       return self._attend_one(q, state, sc, ctx)
     ranked = sc.k_rank is not None  # a block-cyclic mesh part: ranks apart from slots
     take = sc.idx[:, None, :, None]  # one scope per sequence, shared by its kv heads
@@ -151,20 +152,20 @@ class ReAttention(ReAttentionSettings, Method):
     return pallas_kernels.gathered_attention(
         apply_rope(q, q_rank[:, None], ctx.freqs), state.k, state.v, idx, valid,
         kv_layout="BHTD", key_rope_freqs=ctx.freqs, key_positions=sc.k_rank,
-        key_offset=ctx.key_offset, backend=ctx.options.kernel_backend, options=ctx.options.kernels)
+        key_offset=ctx.key_offset, route=ctx.options.route)
 
   def _attend(self, q, k, v, q_rank, k_rank, sc: Scope, options: RunOptions):
     """Causal attention over the compacted scope: slot j < sc.length sits at rank k_rank[j]
     (ascending; j itself but in a block-cyclic mesh part), the kernel's causal mask counting
     slots from sc.q_offset."""
-    if pallas_kernels.resolve(options.kernel_backend).kind == "reference":
+    if options.route.is_reference:
       # CPU: the jnp path stops at the longest scope instead of scoring all N padded slots.
       slots = jnp.arange(k.shape[2], dtype=jnp.int32)[None, :]
       k_pos = jnp.where(slots < sc.length[:, None], k_rank, -1)
       return attention(q, k, v, q_rank, k_pos, kv_extent=jnp.max(sc.length))
     return pallas_kernels.flash_attention(q, k, v, causal=True, q_offset=sc.q_offset,
                                           kv_len=sc.length, kv_layout="BHTD",
-                                          backend=options.kernel_backend, options=options.kernels)
+                                          route=options.route)
 
 
 @register
@@ -206,15 +207,14 @@ class MeshReAttention(ReAttention):
   def write(self, state: KVCache, k, v, ctx: AttnContext) -> KVCache:
     layout, p = layout_here(ctx.tokens, state.max_len, self.shard_block)
     # Another shard's tokens go to slot t, which the write drops (a negative index would wrap).
-    return state.write(layout.slot(ctx.q_pos, p), k, v, ctx.options.cache_write_backend)
+    return state.write(layout.slot(ctx.q_pos, p), k, v, route=ctx.options.route)
 
   def scope(self, state: KVCache, q, ctx: AttnContext) -> Scope:
     layout, p = layout_here(ctx.tokens, state.max_len, self.shard_block)
     seq_end, hi = step_bounds(ctx.q_pos, ctx.valid, self.n_local)
     q, valid = voters(q, ctx.valid, self.vote_stride)
     scores, idx = candidates(q, state.k, layout.held_below(self.n_global, p),
-                             layout.held_below(hi, p), self.top_k, ctx.options.kernel_backend,
-                             ctx.options.kernels)
+                             layout.held_below(hi, p), self.top_k, route=ctx.options.route)
     idx = jnp.where(idx >= 0, layout.position(idx, p), -1)
     idx = global_top_k(scores, idx, min(self.top_k, state.max_len * layout.n_dev), ctx.tokens,
                        contiguous=not self.shard_block)
@@ -222,7 +222,7 @@ class MeshReAttention(ReAttention):
                             seq_end, hi,
                             n_global=self.n_global, n_local=self.n_local, span=self.span,
                             clip=self.clip, n_tokens=state.max_len * layout.n_dev,
-                            backend=ctx.options.kernel_backend)
+                            route=ctx.options.route)
 
   def attend_scope(self, q, state: KVCache, sc: Scope, ctx: AttnContext):
     part = device_part(sc, *layout_here(ctx.tokens, state.max_len, self.shard_block))

@@ -28,7 +28,7 @@ class Scope:
   idx: jnp.ndarray  # [B, N] int32 cache slots (= original token positions), valid entries first
   length: jnp.ndarray  # [B] int32 valid entries; the rest of `idx` is padding
   q_offset: jnp.ndarray  # [B] int32 scope position of the step's first query
-  # One device's part of a scope over a block-cyclic mesh (distributed/reattention_mesh.py):
+  # One device's part of a scope over a block-cyclic mesh (reattention.py, MeshReAttention):
   # its entries are not contiguous in the scope, so each carries its rank there (where RoPE
   # puts it), q_rank is the first query's rank, and q_offset counts only the part's entries
   # before that query (the causal mask over the part's slots). None: ranks are the slots.
@@ -36,8 +36,7 @@ class Scope:
   q_rank: jnp.ndarray | None = None  # [B] int32
 
 
-def candidates(q, k_cache, lo, hi, top_k: int, backend: str = "auto",
-               options: pallas_kernels.KernelOptions = pallas_kernels.KernelOptions()):
+def candidates(q, k_cache, lo, hi, top_k: int, *, route: pallas_kernels.Route):
   """Per query and query head, the top-k candidates lo <= t < hi[b] of k_cache by raw q.k.
 
   q [B, S, H, d] before RoPE; k_cache [B, KV, T, d] before RoPE (GQA: query head h reads kv head
@@ -49,14 +48,13 @@ def candidates(q, k_cache, lo, hi, top_k: int, backend: str = "auto",
 
   def score():
     return pallas_kernels.topk_scores(q, k_cache, top_k, scale=1.0, valid_len=hi,
-                                      exclude_prefix=lo, kv_layout="BHTD", backend=backend,
-                                      options=options)
+                                      exclude_prefix=lo, kv_layout="BHTD", route=route)
 
   def nothing():
     shape = q.shape[:3] + (top_k,)
     return jnp.full(shape, -jnp.inf, jnp.float32), jnp.full(shape, -1, jnp.int32)
 
-  if pallas_kernels.resolve(backend).kind == "reference":
+  if route.is_reference:
     # The jnp reference scores every key, so short contexts (every sequence within global +
     # local) skip it. The kernels only visit candidate tiles already, and a conditional would
     # cost a device-to-host sync per layer on GPU.
@@ -81,11 +79,10 @@ def ballots(idx, q_valid):
   return jnp.where(q_valid[:, :, None, None], idx, -1).reshape(idx.shape[0], -1)
 
 
-def vote(q, k_cache, lo, hi, q_valid, top_k: int, backend: str = "auto",
-         options: pallas_kernels.KernelOptions = pallas_kernels.KernelOptions()):
+def vote(q, k_cache, lo, hi, q_valid, top_k: int, *, route: pallas_kernels.Route):
   """Per query and query head, the top-k candidates lo <= t < hi[b] by raw q.k, as votes
   [B, S * H * top_k] int32 (`candidates`, `ballots`)."""
-  return ballots(candidates(q, k_cache, lo, hi, top_k, backend, options)[1], q_valid)
+  return ballots(candidates(q, k_cache, lo, hi, top_k, route=route)[1], q_valid)
 
 
 # Up to this many votes a row (a decode step: heads x top_k), most_voted compares every pair of
@@ -107,7 +104,7 @@ def most_voted(votes, clip: int, n_tokens: int | None = None, pairwise_max: int 
   where fewer distinct tokens got votes. O(V^2) by comparing pairs when V is small, a histogram
   over n_tokens slots when the cache is short against the votes, else O(V log V) by sorting
   (all give the same tokens; tests/test_reattention.py). pairwise_max: most_voted_counted's
-  (`pairwise_items(backend)`).
+  (`pairwise_items(route)`).
   """
   if votes.shape[1] <= PAIRWISE_MAX_VOTES:
     return most_voted_pairwise(votes, clip)
@@ -163,12 +160,12 @@ def most_voted_counted(votes, clip: int, n_tokens: int, *, block: int = COUNT_BL
   return kept.astype(jnp.int32)
 
 
-def pairwise_items(backend: str) -> int:
-  """most_voted_counted's pairwise_max for a backend: on a GPU the pairs' reductions were the
+def pairwise_items(route: pallas_kernels.Route) -> int:
+  """most_voted_counted's pairwise_max for a run's kernel route: on the GPU kernels the pairs' reductions were the
   fastest measured (BENCHMARKS.md); on a 2-core CPU they ran far slower than top_k (20,000
   votes over 8K-100K slots: 19-138 ms, another job running, against 0.3-0.5 ms), and the TPU
   is not measured: both take top_k."""
-  return PAIRWISE_MAX_ITEMS if pallas_kernels.resolve(backend).kind == "gpu" else 0
+  return PAIRWISE_MAX_ITEMS if route.on_gpu else 0
 
 
 def best_in_order(value, item, live, n: int):
@@ -280,19 +277,19 @@ def step_bounds(q_pos, q_valid, n_local: int):
 
 
 def scope_from_votes(votes, q_pos, seq_end, hi, *, n_global: int, n_local: int, span: int,
-                     clip: int, n_tokens: int | None = None, backend: str = "auto") -> Scope:
+                     clip: int, route: pallas_kernels.Route,
+                     n_tokens: int | None = None) -> Scope:
   """The `clip` most voted tokens as spans, between the global and the local part (votes
   [B, V], from `vote` or from the devices' candidates merged; every vote < n_tokens, the
   cache's slots, when that is given)."""
-  kept = most_voted(votes, clip, n_tokens, pairwise_items(backend))
+  kept = most_voted(votes, clip, n_tokens, pairwise_items(route))
   first, count = span_runs(kept, jnp.int32(n_global), hi, span)
   return assemble(first, count, n_global, n_local, n_global + clip * span + n_local, seq_end,
                   q_pos[:, 0])
 
 
 def select_scope(q, k_cache, q_pos, q_valid, *, n_global: int, n_local: int, span: int,
-                 top_k: int, clip: int, vote_stride: int = 1, backend: str = "auto",
-                 options: pallas_kernels.KernelOptions = pallas_kernels.KernelOptions(),
+                 top_k: int, clip: int, route: pallas_kernels.Route, vote_stride: int = 1,
                  heads: Heads = Heads()) -> Scope:
   """The whole selection for one layer and step (Algorithm 1 for a chunk, 2 for one token).
 
@@ -303,7 +300,7 @@ def select_scope(q, k_cache, q_pos, q_valid, *, n_global: int, n_local: int, spa
   """
   seq_end, hi = step_bounds(q_pos, q_valid, n_local)
   q_vote, valid_vote = voters(q, q_valid, vote_stride)
-  votes = heads.concat(vote(q_vote, k_cache, n_global, hi, valid_vote, top_k, backend, options),
+  votes = heads.concat(vote(q_vote, k_cache, n_global, hi, valid_vote, top_k, route=route),
                        axis=1)
   return scope_from_votes(votes, q_pos, seq_end, hi, n_global=n_global, n_local=n_local,
-                          span=span, clip=clip, n_tokens=k_cache.shape[2], backend=backend)
+                          span=span, clip=clip, n_tokens=k_cache.shape[2], route=route)

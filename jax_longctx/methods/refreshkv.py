@@ -106,15 +106,16 @@ class PartialCache:
     b_idx, h_idx = jnp.indices(victim.shape)
     return self.replace(pos=self.pos.at[b_idx, h_idx, victim].set(-1, mode="drop"))
 
-  def attend_rows(self, full: KVCache, q_rot, skip=None):
+  def attend_rows(self, full: KVCache, q_rot, *, route: pallas_kernels.Route, skip=None):
     """q_rot [B, 1, H, d] over the C_f rows this cache names (each query head its kv head's).
 
-    skip [B] bool: sequences whose answer is not wanted (zeros); the kernel reads none of
-    their rows."""
+    route: the run's kernel route (RunOptions.route). skip [B] bool: sequences whose answer is
+    not wanted (zeros); the kernel reads none of their rows."""
     extent = None if skip is None else jnp.broadcast_to(
         jnp.where(skip, 0, self.pos.shape[-1])[:, None], self.pos.shape[:2])
     out, _ = pallas_kernels.gathered_attention(q_rot, full.k, full.v, jnp.maximum(self.pos, 0),
-                                               self.pos >= 0, kv_layout="BHTD", extent=extent)
+                                               self.pos >= 0, kv_layout="BHTD", extent=extent,
+                                               route=route)
     return out
 
 
@@ -244,14 +245,14 @@ class RefreshKV(Method):
   def decode(self, state: RefreshState, q, k, v, ctx: AttnContext):
     if q.shape[1] != 1:
       raise MethodError(f"refreshkv decodes one token per step, got {q.shape[1]}")
-    full = state.full.write(ctx.q_pos, apply_rope(k, ctx.q_pos, ctx.freqs), v,
-                            ctx.options.cache_write_backend)
+    route = ctx.options.route
+    full = state.full.write(ctx.q_pos, apply_rope(k, ctx.q_pos, ctx.freqs), v, route=route)
     q_rot = apply_rope(q, ctx.q_pos, ctx.freqs)
     # The partial step: attend over C_p and the step's token, then the lowest-scoring one leaves.
     added = state.part.add(ctx.q_pos[:, 0], ctx.valid[:, 0])
     part_p = added.evict()
     if not ctx.gate_open:  # no sequence is at a comparison step: a partial step, no conditional
-      return added.attend_rows(full, q_rot), state.replace(full=full, part=part_p)
+      return added.attend_rows(full, q_rot, route=route), state.replace(full=full, part=part_p)
     due = self.due(state, q, ctx)
 
     def full_step(_):
@@ -260,15 +261,17 @@ class RefreshKV(Method):
       else:
         out_f, part = Full().attend_cache(full, q_rot, ctx)[0], part_p
       if not self.full_attention:
-        out_f = part.attend_rows(full, q_rot)
+        out_f = part.attend_rows(full, q_rot, route=route)
       keep = jax.tree.map(lambda a, b: jnp.where(due[:, None, None], a, b), part, part_p)
-      out_p = added.attend_rows(full, q_rot, skip=due)  # only the sequences not due: none read
+      out_p = added.attend_rows(full, q_rot, route=route,
+                                skip=due)  # only the sequences not due: none read
       return jnp.where(due[:, None, None, None], out_f.astype(out_p.dtype), out_p), keep
 
     # Only positions and scores leave the branches (no K/V is updated inside them), so the
     # common partial step pays no copy for the branch it skips.
     out, part = jax.lax.cond(jnp.any(due), full_step,
-                             lambda _: (added.attend_rows(full, q_rot), part_p), None)
+                             lambda _: (added.attend_rows(full, q_rot, route=route), part_p),
+                             None)
     q_ref = jnp.where(due[:, None], self._mean_query(q, ctx)[:, 0], state.q_ref)
     return out, state.replace(full=full, part=part, q_ref=q_ref,
                               n_full=state.n_full + due.astype(jnp.int32))

@@ -189,7 +189,7 @@ class RESA(Method):
     o_est, lse_p = pallas_kernels.flash_attention(
         mu_q[:, None].astype(float_dtype(cache.k, info.cfg.jnp_dtype)), cache.k, cache.v,
         causal=False, kv_len=lengths,
-        kv_layout="BHTD", backend=info.options.kernel_backend, options=info.options.kernels)
+        kv_layout="BHTD", route=info.options.route)
     return k_sum, o_est[:, 0].astype(jnp.float32), lse_p[:, 0]
 
   def prior_over_scope(self, mu_q, cache: KVCache, sc, tokens: TokenShards):

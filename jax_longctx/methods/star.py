@@ -76,10 +76,9 @@ def _phase2(state: Phase2State, q, k, v, ctx: AttnContext):
   local = state.local.append(apply_rope(k, ctx.q_pos, ctx.freqs), v, ctx.valid, ctx.q_pos)
   q = apply_rope(q, ctx.q_pos, ctx.freqs)
   c = state.context  # its valid slots are a prefix: a device holds contiguous blocks
-  opts = ctx.options
   out_c, lse_c = pallas_kernels.flash_attention(
       q, c.k, c.v, causal=False, kv_len=jnp.sum(c.pos >= 0, axis=-1), kv_layout="BHTD",
-      backend=opts.kernel_backend, options=opts.kernels)
+      route=ctx.options.route)
   out_l, lse_l = attention(q, local.k, local.v, ctx.q_pos, local.pos)
   last = ctx.tokens.index() == ctx.tokens.shards - 1
   lse_l = jnp.where(last, lse_l, -jnp.inf)  # the local tokens count once: on the last device
@@ -174,11 +173,11 @@ class RowEncode(Method):
 
   def prefill(self, state, q, k, v, ctx: AttnContext):
     q, k = apply_rope(q, ctx.q_pos, ctx.freqs), apply_rope(k, ctx.q_pos, ctx.freqs)
-    backend = ctx.options.kernel_backend
+    route = ctx.options.route
     if self.ring and ctx.tokens.axis is not None:
-      out, _ = ring_attention(q, k, v, ctx.tokens.axis, causal=True, backend=backend)
+      out, _ = ring_attention(q, k, v, ctx.tokens.axis, causal=True, route=route)
     else:
-      out, _ = pallas_kernels.flash_attention(q, k, v, causal=True, backend=backend)
+      out, _ = pallas_kernels.flash_attention(q, k, v, causal=True, route=route)
     return out, _context_kv(k, v, ctx)
 
 
@@ -198,8 +197,8 @@ class AnchoredBlocks(Method):
 
   def prefill(self, state, q, k, v, ctx: AttnContext):
     q, k = apply_rope(q, ctx.q_pos, ctx.freqs), apply_rope(k, ctx.q_pos, ctx.freqs)
-    backend = ctx.options.kernel_backend
-    out, lse = pallas_kernels.flash_attention(q, k, v, causal=True, backend=backend)
+    route = ctx.options.route
+    out, lse = pallas_kernels.flash_attention(q, k, v, causal=True, route=route)
     if not self.anchor:
       return out, _context_kv(k, v, ctx)
     br, t, h, d = q.shape
@@ -210,7 +209,7 @@ class AnchoredBlocks(Method):
     n_anchor = send(jnp.sum(head(ctx.valid), axis=1, dtype=jnp.int32))
     out_a, lse_a = pallas_kernels.flash_attention(
         q.reshape(b, self.rows * t, h, d), send(head(k)), send(head(v)).astype(k.dtype),
-        causal=False, kv_len=n_anchor, backend=backend)
+        causal=False, kv_len=n_anchor, route=route)
     block0 = on_first & (jnp.arange(br) % self.rows == 0)  # its anchor is its own first tokens
     lse_a = jnp.where(block0[:, None, None], -jnp.inf, lse_a.reshape(br, t, h))
     out, _ = merge_attention(jnp.stack([out, out_a.reshape(br, t, h, d)]).astype(jnp.float32),

@@ -33,6 +33,7 @@ from jax_longctx.core.options import DEFAULT, RunOptions
 from jax_longctx.methods.base import AttnContext, Heads, Method, TokenShards
 from jax_longctx.core.rope import inv_freq, query_scale, rotate
 from pallas_kernels.decode import add_rmsnorm
+from pallas_kernels.route import Route
 
 _INIT_STD = 0.02
 
@@ -69,17 +70,17 @@ class RMSNorm(nnx.Module):
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
     return self.scale[...] * xf.astype(x.dtype)
 
-  def add_and_norm(self, x, h, backend: str | None = None):
-    """(x + h, the norm of it); h None: nothing to add. With a kernel backend
-    (`RunOptions.add_norm_backend`), a one-token step's add and norm are one kernel."""
+  def add_and_norm(self, x, h, *, route: Route):
+    """(x + h, the norm of it); h None: nothing to add. With an add+norm backend in the run's
+    route (`Route.add_norm_backend`), a one-token step's add and norm are one kernel."""
     if h is None:
       return x, self(x)
     b, s, d = x.shape
-    if backend is None or s != 1:
+    if route.add_norm_backend is None or s != 1:
       x = x + h
       return x, self(x)
     total, y = add_rmsnorm.add_rms_norm(x.reshape(b, d), h.reshape(b, d), self.scale[...],
-                                        eps=self.eps, backend=backend)
+                                        eps=self.eps, route=route)
     return total.reshape(x.shape), y.reshape(x.shape)
 
 
@@ -112,9 +113,13 @@ class Attention(nnx.Module):
       self.v_offset = nnx.Param(jnp.zeros((kv, hd), dt))
     self.q_scale = query_scale(cfg)
     self.num_heads, self.num_kv_heads = h, kv
+    # The layout, said once (the weights above follow it): fused projections, Qwen2's biases,
+    # Qwen3's q/k norms, key smoothing, the calibrated K/V offsets.
+    self.fused, self.biased, self.qk_normed = fused, bool(cfg.attention_bias), bool(cfg.qk_norm)
+    self.smoothed, self.offsets = bool(cfg.key_smoothing), bool(cfg.kv_offsets)
 
   def _qkv(self, x):
-    if hasattr(self, "qkv_proj"):
+    if self.fused:
       h, kv = self.num_heads, self.num_kv_heads
       qkv = jnp.einsum("bsd,dhk->bshk", x, self.qkv_proj[...])
       return qkv[:, :, :h], qkv[:, :, h:h + kv], qkv[:, :, h + kv:]
@@ -125,11 +130,11 @@ class Attention(nnx.Module):
 
   def __call__(self, x, state, ctx: AttnContext, method: Method, decode: bool):
     q, k, v = self._qkv(x)
-    if hasattr(self, "q_bias"):
+    if self.biased:
       q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
-    if hasattr(self, "q_norm"):
+    if self.qk_normed:
       q, k = self.q_norm(q), self.k_norm(k)
-    if hasattr(self, "k_smooth"):
+    if self.smoothed:
       # Keys divided and queries multiplied by the same power of two per channel: every q.k is
       # unchanged bit for bit (and RoPE commutes: a RoPE pair shares its factor), while an
       # 8-bit cache's per-token scale is no longer set by a few large key channels.
@@ -140,11 +145,11 @@ class Attention(nnx.Module):
       # Methods get keys and queries before RoPE; a constant on q scales every score as
       # YaRN's factor on both rotated q and k does, and leaves the cached keys untouched.
       q = q * jnp.asarray(self.q_scale, q.dtype)
-    if hasattr(self, "v_offset"):
+    if self.offsets:
       k, v, ctx = self._less_offsets(k, v, ctx, method)
     step = method.decode if decode else method.prefill
     out, state = step(state, q, k, v, ctx)  # [B, S, H, hd]
-    if hasattr(self, "v_offset"):  # each value's offset back: out is a convex sum of values
+    if self.offsets:  # each value's offset back: out is a convex sum of values
       out = out + self._per_query_head(self.v_offset[...]).astype(out.dtype)
     return _all_reduce(self._out(out.astype(x.dtype)), ctx.heads.axis), state
 
@@ -177,7 +182,7 @@ class Attention(nnx.Module):
     return (k.astype(jnp.float32) - c).astype(k.dtype), v, ctx
 
   def _out(self, out):  # [B, S, H, hd] -> [B, S, D]
-    if hasattr(self, "o_proj_t"):
+    if self.fused:
       return jnp.einsum("bshk,dhk->bsd", out, self.o_proj_t[...])
     return jnp.einsum("bshk,hkd->bsd", out, self.o_proj[...])
 
@@ -192,11 +197,11 @@ class MLP(nnx.Module):
       self.gate_proj = _param(rngs, "gate_proj", (d, f), dt)
       self.up_proj = _param(rngs, "up_proj", (d, f), dt)
     self.down_proj = _param(rngs, "down_proj", (f, d), dt)
-    self.intermediate_size = f
+    self.intermediate_size, self.fused = f, fused
 
   def __call__(self, x, axis: str | None = None):
     """axis: the tensor-parallel mesh axis this device's hidden units are a part of."""
-    if hasattr(self, "gate_up_proj"):
+    if self.fused:
       f = self.intermediate_size
       gate_up = jnp.einsum("bsd,df->bsf", x, self.gate_up_proj[...])
       gate, up = gate_up[..., :f], gate_up[..., f:]
@@ -219,10 +224,10 @@ class DecoderLayer(nnx.Module):
     """x: the residual stream without `pending`, the previous layer's MLP output (None in the
     first layer), which is added here together with this layer's first norm (so that the two
     can be one kernel). Returns (x, this layer's MLP output, not yet added, state)."""
-    backend = ctx.options.add_norm_backend
-    x, normed = self.attn_norm.add_and_norm(x, pending, backend)
+    route = ctx.options.route
+    x, normed = self.attn_norm.add_and_norm(x, pending, route=route)
     h, state = self.attn(normed, state, ctx, method, decode)
-    x, normed = self.mlp_norm.add_and_norm(x, h, backend)
+    x, normed = self.mlp_norm.add_and_norm(x, h, route=route)
     return x, self.mlp(normed, ctx.heads.axis), state
 
 
@@ -282,7 +287,7 @@ class Llama(nnx.Module):
         run = jax.checkpoint(run, policy=options.remat_policy())
       x, pending, state[i] = run(x, pending, state[i])
     lengths = cache.lengths + jnp.sum(valid, axis=1, dtype=jnp.int32)
-    normed = self.final_norm.add_and_norm(x, pending, options.add_norm_backend)[1]
+    normed = self.final_norm.add_and_norm(x, pending, route=options.route)[1]
     return normed, cache.replace(lengths=lengths, state=tuple(state))
 
 

@@ -23,6 +23,7 @@ from jax_longctx.core.axes import HEADS, ROWS, TOKENS, axes
 from jax_longctx.core.config import LlamaConfig
 from pallas_kernels.decode import cache_write
 from pallas_kernels.quant import Quantized, dequantize, per_row, store_like, zeros_like_storage
+from pallas_kernels.route import Route
 
 __all__ = ["Cache", "KVCache", "Quantized", "load", "per_row", "stored", "stored_as",
            "float_dtype", "weighted_sum", "with_key_offset", "zeros"]
@@ -102,15 +103,15 @@ class KVCache:
   def max_len(self) -> int:
     return self.k.shape[2]
 
-  def write(self, positions: jnp.ndarray, k_new: jnp.ndarray, v_new: jnp.ndarray,
-            one_token_backend: str | None = None) -> "KVCache":
+  def write(self, positions: jnp.ndarray, k_new: jnp.ndarray, v_new: jnp.ndarray, *,
+            route: Route) -> "KVCache":
     """Stores k/v_new [B, S, KV, d] at slots `positions` [B, S] (out of range: dropped).
 
-    one_token_backend: one-token writes through pallas_kernels.decode.cache_write's in-place kernel on
-    that backend (`RunOptions.cache_write_backend`); None: the scatter below."""
-    if positions.shape[1] == 1 and one_token_backend is not None:
+    route: the run's kernel route; with a `cache_write_backend`, one-token writes go through
+    pallas_kernels.decode.cache_write's in-place kernel on it, else the scatter below."""
+    if positions.shape[1] == 1 and route.cache_write_backend is not None:
       return KVCache(*cache_write.write_one_token(self.k, self.v, positions[:, 0], k_new[:, 0],
-                                                  v_new[:, 0], backend=one_token_backend))
+                                                  v_new[:, 0], route=route))
     b_idx = jnp.arange(positions.shape[0])[:, None]
 
     def put(cache, new):

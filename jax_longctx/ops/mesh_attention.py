@@ -32,22 +32,23 @@ def merge_across(out, lse, axis_name: str):
   return merged, jnp.where(total > 0, m_safe + jnp.log(safe), -jnp.inf)
 
 
-def ring_attention(q, k, v, axis_name: str, *, causal: bool = True, scale=None,
-                   backend: str = "auto"):
+def ring_attention(q, k, v, axis_name: str, *, route: pallas_kernels.Route, causal: bool = True,
+                   scale=None):
   """Exact attention of this device's query block over the whole sequence.
 
   q [B, Tb, H, d], k, v [B, Tb, KV, d]: device i holds tokens i*Tb .. (i+1)*Tb - 1. Returns
   (out [B, Tb, H, d] in q's dtype, lse [B, Tb, H] fp32). Each of the n steps attends to the block
   in hand and passes it on; the partials merge once at the end. Under `causal`, an earlier block
   is seen whole, this device's own block causally, and a later block is skipped (no compute);
-  every call has a zero query offset, so on GPU each goes to cuDNN's flash attention.
+  every call has a zero query offset, so on GPU each goes to cuDNN's flash attention. route:
+  the run's kernel route, which every block's call takes.
   """
   n = jax.lax.axis_size(axis_name)  # static: the loop unrolls, n - 1 transfers
   me = jax.lax.axis_index(axis_name)
   b, tb, h, _ = q.shape
   perm = [(i, (i + 1) % n) for i in range(n)]
   attend = lambda kb, vb, tri: pallas_kernels.flash_attention(q, kb, vb, causal=tri, scale=scale,
-                                                               backend=backend)
+                                                               route=route)
   branches = (lambda kb, vb: attend(kb, vb, False),  # an earlier block
               lambda kb, vb: attend(kb, vb, True),  # this device's own block
               lambda kb, vb: (jnp.zeros_like(q), jnp.full((b, tb, h), -jnp.inf, jnp.float32)))

@@ -30,10 +30,10 @@ import inspect
 
 import jax.numpy as jnp
 
-from pallas_kernels import backend as backend_lib
 from pallas_kernels import layout, quant, reference
 from pallas_kernels.attention.flash import flash_attention, mosaic_serves
 from pallas_kernels.options import DEFAULT, KernelOptions
+from pallas_kernels.route import Route
 
 NEG_INF = float("-inf")
 _NEEDED = ("q_seqlen", "kv_seqlen", "scale", "mask_type", "qkv_layout", "return_residual")
@@ -107,17 +107,16 @@ def chunk_attention_composed(q, k_cache, v_cache, k_chunk, v_chunk, q_offset, *,
   return out.astype(q.dtype), lse
 
 
-def cudnn_route(q, k_cache, backend: str, kv_layout: str = "BTHD",
-                options: KernelOptions = DEFAULT) -> bool:
+def cudnn_route(q, k_cache, route: Route, kv_layout: str = "BTHD") -> bool:
   """Whether `chunk_attention` takes the cuDNN route: on a GPU (not interpreted) with the private
   entry present, bf16/fp16 queries and cache of one dtype, unless the Mosaic GPU flash kernel
   serves the chunk (Hopper: one call with the offset, measured 1.10-1.14x the two cuDNN calls);
   never for a quantized cache."""
-  if not options.chunk_cudnn or quant.is_quantized(k_cache):
+  if not route.kernels.chunk_cudnn or quant.is_quantized(k_cache):
     return False
-  if mosaic_serves(q, k_cache, k_cache, kv_layout=kv_layout, backend=backend, options=options):
+  if mosaic_serves(q, k_cache, k_cache, kv_layout=kv_layout, route=route):
     return False
-  variant = backend_lib.resolve(backend)
+  variant = route.variant()
   return (variant.kind == "gpu" and not variant.interpret and cudnn_available()
           and q.dtype in (jnp.bfloat16, jnp.float16) and q.dtype == k_cache.dtype)
 
@@ -130,8 +129,7 @@ def dequantize_first(q, k_cache, variant, options: KernelOptions = DEFAULT) -> b
 
 
 def chunk_attention(q, k_cache, v_cache, k_chunk, v_chunk, q_offset, *, kv_layout: str = "BTHD",
-                    scale: float | None = None, backend: str = "auto",
-                    use_cudnn: bool | None = None, options: KernelOptions = DEFAULT):
+                    scale: float | None = None, route: Route, use_cudnn: bool | None = None):
   """Causal attention of a prefill chunk at positions q_offset[b] + i over the cache and itself.
 
   q [B,C,H,d]; k/v_cache [B,T,KV,d] (BTHD) or [B,KV,T,d] (BHTD), holding the chunk's own keys at
@@ -144,11 +142,11 @@ def chunk_attention(q, k_cache, v_cache, k_chunk, v_chunk, q_offset, *, kv_layou
   b, c, _, d = q.shape
   scale = float(scale) if scale is not None else d ** -0.5
   q_off = layout.per_batch(q_offset, b, 0)
-  if dequantize_first(q, k_cache, backend_lib.resolve(backend), options):
+  if dequantize_first(q, k_cache, route.variant(), route.kernels):
     k_cache, v_cache, k_chunk, v_chunk = (quant.dequantize(x, q.dtype)
                                           for x in (k_cache, v_cache, k_chunk, v_chunk))
   if use_cudnn is None:
-    use_cudnn = cudnn_route(q, k_cache, backend, kv_layout, options)
+    use_cudnn = cudnn_route(q, k_cache, route, kv_layout)
   elif use_cudnn and quant.is_quantized(k_cache):
     raise ValueError("use_cudnn=True: cuDNN cannot read a quantized cache")
   if use_cudnn:
@@ -156,4 +154,4 @@ def chunk_attention(q, k_cache, v_cache, k_chunk, v_chunk, q_offset, *, kv_layou
                                     v_chunk.astype(q.dtype), q_off, scale=scale,
                                     kv_layout=kv_layout)
   return flash_attention(q, k_cache, v_cache, causal=True, q_offset=q_off, kv_len=q_off + c,
-                         scale=scale, kv_layout=kv_layout, backend=backend, options=options)
+                         scale=scale, kv_layout=kv_layout, route=route)

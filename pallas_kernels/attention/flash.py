@@ -26,32 +26,31 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels import backend as backend_lib
 from pallas_kernels import gpu, layout, tpu
 from pallas_kernels.attention import mgpu_flash
 from pallas_kernels import online_softmax as osm
 from pallas_kernels import reference
 from pallas_kernels.decode import split_merge
 from pallas_kernels.options import DEFAULT, KernelOptions
+from pallas_kernels.route import Route
 
 SQ = gpu.SQ
 
 def flash_attention(q, k, v, *, causal: bool = True, q_offset=0, kv_len=None,
-                    scale: float | None = None, kv_layout: str = "BTHD", backend: str = "auto",
-                    use_cudnn: bool | None = None, tiling: gpu.Tiling | None = None,
-                    options: KernelOptions = DEFAULT):
+                    scale: float | None = None, kv_layout: str = "BTHD", route: Route,
+                    use_cudnn: bool | None = None, tiling: gpu.Tiling | None = None):
   """Softmax(q.k * scale) v. q [B, Lq, H, d]; k, v [B, T, KV, d] (BTHD) or [B, KV, T, d] (BHTD).
 
   q_offset, kv_len: ints or [B]. scale defaults to 1/sqrt(d). Returns (out [B, Lq, H, d] in q's
   dtype, lse [B, Lq, H] fp32, natural log; rows that see no key give (0, -inf)).
   use_cudnn: None = when the GPU variant runs natively and cuDNN can express the call (and the
-  Mosaic kernel is not preferred: options.mosaic_before_cudnn, or tiling.impl="mosaic" asked
-  for). options: the run's kernel choices (`KernelOptions`).
+  Mosaic kernel is not preferred: route.kernels.mosaic_before_cudnn, or tiling.impl="mosaic"
+  asked for). route: the run's kernel route (`Route`: its variant and `KernelOptions`).
   """
   b, lq, h, kvh, t, d = layout.check_qk(q, k, kv_layout)
   quantized = layout.check_kv(k, v)
   scale = float(scale) if scale is not None else 1.0 / math.sqrt(d)
-  variant = backend_lib.resolve(backend)
+  variant, options = route.variant(), route.kernels
   if variant.kind == "tpu":
     tpu.check_kv_dtype(k)
   mosaic = _mosaic_config(variant, q, k, v, kv_layout, tiling, options)
@@ -115,11 +114,9 @@ def flash_attention(q, k, v, *, causal: bool = True, q_offset=0, kv_len=None,
   return out, layout.from_rows(lse, lq, h)
 
 
-def mosaic_serves(q, k, v, *, kv_layout: str = "BTHD", backend: str = "auto",
-                  options: KernelOptions = DEFAULT) -> bool:
+def mosaic_serves(q, k, v, *, kv_layout: str = "BTHD", route: Route) -> bool:
   """Whether `flash_attention` would run these shapes on the Mosaic GPU kernel."""
-  return _mosaic_config(backend_lib.resolve(backend), q, k, v, kv_layout, None,
-                        options) is not None
+  return _mosaic_config(route.variant(), q, k, v, kv_layout, None, route.kernels) is not None
 
 
 def _mosaic_config(variant, q, k, v, kv_layout, tiling, options: KernelOptions = DEFAULT):

@@ -33,20 +33,19 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels import backend as backend_lib
 from pallas_kernels import gpu, layout, tpu
 from pallas_kernels.decode import split_merge
 from pallas_kernels import online_softmax as osm
 from pallas_kernels import reference
-from pallas_kernels.options import DEFAULT, KernelOptions
+from pallas_kernels.route import Route
 
 SQ = gpu.SQ
 
 
 def gathered_attention(q, k, v, indices, valid=None, *, scale: float | None = None,
                        kv_layout: str = "BTHD", key_rope_freqs=None, key_positions=None,
-                       key_offset=None, extent=None, backend: str = "auto",
-                       tiling: gpu.Tiling | None = None, options: KernelOptions = DEFAULT):
+                       key_offset=None, extent=None, route: Route,
+                       tiling: gpu.Tiling | None = None):
   """q [B, Lq, H, d] over k, v (BTHD or BHTD) at indices [B, KV, n] (int, into the key axis).
 
   valid: bool [B, KV, n] (default: all); indices outside [0, T) count as invalid. Every query row
@@ -55,8 +54,8 @@ def gathered_attention(q, k, v, indices, valid=None, *, scale: float | None = No
   rotated already), or at key_positions[b, j] (int [B, n], shared by a sequence's kv heads) when
   given. key_offset: None, or [KV, d] added to each key (dequantized) before it is rotated; needs
   key_rope_freqs. extent: None, or [B, KV] int: entries at and past it count as invalid and the GPU
-  kernel does not read them (0: the group costs no reads). options: the run's kernel choices
-  (decode_q_in_kernel, decode_merge_kernel as for flash_attention's decode). Returns (out
+  kernel does not read them (0: the group costs no reads). route: the run's kernel route (its
+  variant; decode_q_in_kernel, decode_merge_kernel as for flash_attention's decode). Returns (out
   [B, Lq, H, d], lse [B, Lq, H] fp32); a row with no valid key gives (0, -inf).
   """
   b, lq, h, kvh, t, d = layout.check_qk(q, k, kv_layout)
@@ -87,7 +86,7 @@ def gathered_attention(q, k, v, indices, valid=None, *, scale: float | None = No
       raise ValueError(f"key_offset must be [kv_heads={kvh}, d={d}], got {key_offset.shape}")
   scale = float(scale) if scale is not None else 1.0 / math.sqrt(d)
   indices = indices.astype(jnp.int32)
-  variant = backend_lib.resolve(backend)
+  variant, options = route.variant(), route.kernels
   if variant.kind == "tpu":
     tpu.check_kv_dtype(k)
   if variant.kind == "reference":

@@ -17,6 +17,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import backend as backend_lib
 from pallas_kernels import gpu
+from pallas_kernels.route import Route
 
 
 def reference(x, h, scale, eps: float):
@@ -33,11 +34,12 @@ def supported(d: int) -> bool:
   return d >= 16 and d & (d - 1) == 0
 
 
-def add_rms_norm(x, h, scale, *, eps: float, backend: str = "auto"):
-  """As `reference`; on GPU (rows of a power-of-two width) one kernel."""
+def add_rms_norm(x, h, scale, *, eps: float, route: Route):
+  """As `reference`; on GPU (`route.add_norm_backend`; rows of a power-of-two width) one kernel;
+  with no add+norm backend, the reference."""
   if x.ndim != 2 or h.shape != x.shape or scale.shape != x.shape[1:]:
     raise ValueError(f"x {x.shape}, h {h.shape} must be [N, D] and scale {scale.shape} [D]")
-  variant = backend_lib.resolve(backend)
+  variant = backend_lib.resolve(route.add_norm_backend or "reference")
   if (variant.kind != "gpu" or not supported(x.shape[1]) or h.dtype != x.dtype
       or scale.dtype != x.dtype):  # mixed dtypes: jnp's promotion rules
     return reference(x, h, scale, eps)

@@ -21,6 +21,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import backend as backend_lib
 from pallas_kernels import gpu, layout, quant
+from pallas_kernels.route import Route
 
 SQ = gpu.SQ
 
@@ -35,15 +36,16 @@ def reference(k_cache, v_cache, positions, k_new, v_new):
                for cache, new in ((k_cache, k_new), (v_cache, v_new)))
 
 
-def write_one_token(k_cache, v_cache, positions, k_new, v_new, *, backend: str = "auto"):
-  """As `reference`; on GPU one in-place kernel (the caches are updated where they lie when the
-  caller's buffers can be reused, as inside a jitted step whose old cache is dead)."""
+def write_one_token(k_cache, v_cache, positions, k_new, v_new, *, route: Route):
+  """As `reference`; on GPU (`route.cache_write_backend`) one in-place kernel (the caches are
+  updated where they lie when the caller's buffers can be reused, as inside a jitted step whose
+  old cache is dead); with no cache-write backend, the reference."""
   b, kvh, _, d = k_cache.shape
   quantized = layout.check_kv(k_cache, v_cache)
   if k_new.shape != (b, kvh, d) or v_new.shape != k_new.shape or positions.shape != (b,):
     raise ValueError(f"k_new {k_new.shape} / v_new {v_new.shape} must be [B, KV, d] = "
                      f"{(b, kvh, d)} and positions {positions.shape} [B]")
-  variant = backend_lib.resolve(backend)
+  variant = backend_lib.resolve(route.cache_write_backend or "reference")
   if variant.kind != "gpu":
     return reference(k_cache, v_cache, positions, k_new, v_new)
   pos = positions.astype(jnp.int32).reshape(b, 1)

@@ -27,6 +27,7 @@ from pallas_kernels import backend as backend_lib
 from pallas_kernels import gpu, layout, online_softmax, quant, reference, tpu
 from pallas_kernels.topk import mgpu_topk, topk_blocks, topk_segments, topk_tile
 from pallas_kernels.options import DEFAULT, KernelOptions
+from pallas_kernels.route import Route
 
 SQ = gpu.SQ
 
@@ -37,16 +38,15 @@ MOSAIC_MIN_ROWS = 64  # query rows (queries x group) per kv head: fewer (decode)
 
 def topk_scores(q, k, top_k: int, *, scale: float | None = None, valid_len=None,
                 exclude_prefix=0, exclude_suffix=0, kv_layout: str = "BTHD",
-                backend: str = "auto", tiling: gpu.Tiling | None = None,
-                options: KernelOptions = DEFAULT):
+                route: Route, tiling: gpu.Tiling | None = None):
   """For each query row and query head, the exact top-k of q.k over the candidate keys.
 
   q: [B, Lq, H, d]; k: [B, T, KV, d] ("BTHD") or [B, KV, T, d] ("BHTD"), H a multiple of KV.
   Candidates of sequence b are keys exclude_prefix <= t < valid_len[b] - exclude_suffix.
   Returns (scores fp32, indices int32), both [B, Lq, H, top_k], best first, ties to the lowest
   index; when fewer candidates than top_k exist the rest is (-inf, -1).
-  tiling overrides the tuned block sizes and launch options (tests, benchmarks); options are
-  the run's kernel choices (`KernelOptions.topk_impl`; `topk_selection` for the GPU / TPU
+  tiling overrides the tuned block sizes and launch options (tests, benchmarks); route is the
+  run's kernel route (its variant; `KernelOptions.topk_impl`, `topk_selection` for the GPU / TPU
   kernels, the reference always selects exactly).
   """
   b, lq, h, kvh, t, d = layout.check_qk(q, k, kv_layout)
@@ -58,7 +58,7 @@ def topk_scores(q, k, top_k: int, *, scale: float | None = None, valid_len=None,
   valid_len = layout.per_batch(valid_len, b, t)
   lo = layout.per_batch(exclude_prefix, b, 0)
   hi = valid_len - layout.per_batch(exclude_suffix, b, 0)
-  variant = backend_lib.resolve(backend)
+  variant, options = route.variant(), route.kernels
   if variant.kind == "tpu":
     tpu.check_kv_dtype(k)
   if variant.kind == "reference":
@@ -81,7 +81,7 @@ def topk_scores(q, k, top_k: int, *, scale: float | None = None, valid_len=None,
     k, quantized = quant.dequantize(k, q.dtype), False
   elif segment:
     return _segmented_copy(q, k, top_k, segment, lo, hi, scale=scale, kv_layout=kv_layout,
-                           backend=backend, tiling=tiling, options=options)
+                           route=route, tiling=tiling)
   # Otherwise 8-bit keys take the Triton kernel (tiles converted in registers); the Mosaic
   # kernel's WGMMA reads bf16 tiles from shared memory and has no conversion step.
   mosaic = None if quantized else _mosaic_config(variant, q, k, rows, top_k, tiling, keys=t,

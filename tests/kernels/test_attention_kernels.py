@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import flash_attention, gathered_attention
+from pallas_kernels import Route, flash_attention, gathered_attention
 from pallas_kernels.reference import merge_attention
 from pallas_kernels.gpu import Tiling
 from tests.kernels.inputs import keys_shape, normal
@@ -52,8 +52,8 @@ def test_flash_attention_matches_reference(variant, case):
   k, v = (normal(rng, keys_shape(b, t, kvh, d, kv_layout), dtype) for _ in range(2))
   kw = dict(causal=causal, q_offset=off if isinstance(off, int) else jnp.asarray(off),
             kv_len=None if kv_len is None else jnp.asarray(kv_len), kv_layout=kv_layout)
-  got = flash_attention(q, k, v, backend=variant, tiling=tiling, **kw)
-  assert_close(got, flash_attention(q, k, v, backend="reference", **kw), dtype)
+  got = flash_attention(q, k, v, route=Route(backend=variant), tiling=tiling, **kw)
+  assert_close(got, flash_attention(q, k, v, route=Route(backend="reference"), **kw), dtype)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -67,8 +67,9 @@ def test_gathered_attention_matches_reference(variant, layout, lq, h, kvh, d, n)
   idx = jnp.asarray(rng.integers(-5, t + 5, (b, kvh, n)))  # some out of range: invalid
   valid = jnp.asarray(rng.random((b, kvh, n)) > 0.3).at[1, 0].set(False)  # one group sees nothing
   tiling = Tiling(key_splits=2, block_keys=64) if variant == "gpu" else None
-  got = gathered_attention(q, k, v, idx, valid, kv_layout=layout, backend=variant, tiling=tiling)
-  ref = gathered_attention(q, k, v, idx, valid, kv_layout=layout, backend="reference")
+  got = gathered_attention(q, k, v, idx, valid, kv_layout=layout, route=Route(backend=variant),
+                           tiling=tiling)
+  ref = gathered_attention(q, k, v, idx, valid, kv_layout=layout, route=Route(backend="reference"))
   assert_close(got, ref, jnp.float32)
   assert np.all(np.isneginf(np.asarray(got[1])[1, :, : h // kvh]))
 
@@ -86,10 +87,11 @@ def test_gathered_attention_reads_entries_below_extent_only(variant):
   valid = jnp.asarray(rng.random((b, kvh, n)) > 0.2)
   extent = jnp.asarray([[3, 70], [0, 200]])
   tiling = Tiling(key_splits=2, block_keys=64) if variant == "gpu" else None
-  got = gathered_attention(q, k, v, idx, valid, kv_layout="BHTD", extent=extent, backend=variant,
+  got = gathered_attention(q, k, v, idx, valid, kv_layout="BHTD", extent=extent,
+                           route=Route(backend=variant),
                            tiling=tiling)
   below = valid & (jnp.arange(n) < extent[..., None])
-  ref = gathered_attention(q, k, v, idx, below, kv_layout="BHTD", backend="reference")
+  ref = gathered_attention(q, k, v, idx, below, kv_layout="BHTD", route=Route(backend="reference"))
   assert_close(got, ref, jnp.float32)
   assert np.all(np.isneginf(np.asarray(got[1])[1, :, :h // kvh]))
 
@@ -109,9 +111,9 @@ def test_gathered_attention_rotates_keys_at_their_entry(variant, dtype):
   freqs = jnp.asarray(ROPE_FREQS, jnp.float32)
   tiling = Tiling(key_splits=2, block_keys=64) if variant == "gpu" else None
   got = gathered_attention(q, k, v, idx, valid, kv_layout="BHTD", key_rope_freqs=freqs,
-                           backend=variant, tiling=tiling)
+                           route=Route(backend=variant), tiling=tiling)
   ref = gathered_attention(q, k, v, idx, valid, kv_layout="BHTD", key_rope_freqs=freqs,
-                           backend="reference")
+                           route=Route(backend="reference"))
   assert_close(got, ref, dtype)
 
 
@@ -130,18 +132,19 @@ def test_gathered_attention_rotates_keys_at_given_positions(variant):
   freqs = jnp.asarray(ROPE_FREQS, jnp.float32)
   tiling = Tiling(key_splits=2, block_keys=64) if variant == "gpu" else None
   got = gathered_attention(q, k, v, idx, valid, kv_layout="BHTD", key_rope_freqs=freqs,
-                           key_positions=pos, backend=variant, tiling=tiling)
+                           key_positions=pos, route=Route(backend=variant), tiling=tiling)
   # Each sequence alone, its keys spread to their positions (entry j of a wider list at
   # pos[j]) and rotated at their entry: the same scores.
   for s in range(b):
     wide_idx = jnp.zeros((1, kvh, 4 * n), jnp.int32).at[:, :, pos[s]].set(idx[s][None])
     wide_ok = jnp.zeros((1, kvh, 4 * n), bool).at[:, :, pos[s]].set(valid[s][None])
     ref = gathered_attention(q[s:s + 1], k[s:s + 1], v[s:s + 1], wide_idx, wide_ok,
-                             kv_layout="BHTD", key_rope_freqs=freqs, backend="reference")
+                             kv_layout="BHTD", key_rope_freqs=freqs,
+                             route=Route(backend="reference"))
     assert_close((got[0][s:s + 1], got[1][s:s + 1]), ref, jnp.float32)
   with pytest.raises(ValueError, match="key_positions must be"):
     gathered_attention(q, k, v, idx, valid, kv_layout="BHTD", key_rope_freqs=freqs,
-                       key_positions=pos[:, :5], backend=variant)
+                       key_positions=pos[:, :5], route=Route(backend=variant))
 
 
 def test_gathered_reference_rotates_entry_j_at_position_j():
@@ -151,7 +154,7 @@ def test_gathered_reference_rotates_entry_j_at_position_j():
   idx = rng.permutation(40)[:25]
   out, _ = gathered_attention(q, k, v, jnp.asarray(idx)[None, None], kv_layout="BHTD",
                               key_rope_freqs=jnp.asarray(ROPE_FREQS, jnp.float32),
-                              backend="reference")
+                              route=Route(backend="reference"))
   kg = np.asarray(k, np.float64)[0, 0, idx]
   ang = np.arange(25)[:, None] * ROPE_FREQS[None, :]
   k1, k2 = kg[:, :64], kg[:, 64:]
@@ -168,26 +171,28 @@ def test_gathered_reference_equals_dense_attention_on_the_same_keys():
   rng = np.random.default_rng(0)
   q, k, v = normal(rng, (1, 1, 4, 64)), normal(rng, (1, 50, 2, 64)), normal(rng, (1, 50, 2, 64))
   idx = jnp.broadcast_to(jnp.arange(50), (1, 2, 50))
-  assert_close(gathered_attention(q, k, v, idx, backend="reference"),
-               flash_attention(q, k, v, causal=False, backend="reference"), jnp.float32)
+  assert_close(gathered_attention(q, k, v, idx, route=Route(backend="reference")),
+               flash_attention(q, k, v, causal=False,
+                               route=Route(backend="reference")), jnp.float32)
 
 
 def test_merged_halves_equal_whole_attention():
   """Attention over two disjoint key halves, merged through the LSE, is attention over all."""
   rng = np.random.default_rng(4)
   q, k, v = normal(rng, (2, 3, 4, 64)), normal(rng, (2, 90, 2, 64)), normal(rng, (2, 90, 2, 64))
-  parts = [flash_attention(q, k[:, s], v[:, s], causal=False, backend="tpu")
+  parts = [flash_attention(q, k[:, s], v[:, s], causal=False, route=Route(backend="tpu"))
            for s in (slice(0, 40), slice(40, 90))]
   merged = merge_attention(jnp.stack([p[0] for p in parts]), jnp.stack([p[1] for p in parts]))
-  assert_close(merged, flash_attention(q, k, v, causal=False, backend="reference"), jnp.float32)
+  assert_close(merged, flash_attention(q, k, v, causal=False, route=Route(backend="reference")),
+               jnp.float32)
 
 
 def test_attention_kernel_errors():
   q, k = jnp.ones((1, 2, 8, 64)), jnp.ones((1, 10, 2, 64))
   with pytest.raises(ValueError, match="same shape"):
-    flash_attention(q, k, jnp.ones((1, 11, 2, 64)))
+    flash_attention(q, k, jnp.ones((1, 11, 2, 64)), route=Route())
   with pytest.raises(ValueError, match="indices must be"):
-    gathered_attention(q, k, k, jnp.zeros((1, 3, 4), jnp.int32))
+    gathered_attention(q, k, k, jnp.zeros((1, 3, 4), jnp.int32), route=Route())
   with pytest.raises(ValueError, match="plus a head dim"):
     merge_attention(jnp.ones((2, 3, 64)), jnp.ones((2, 4)))
 

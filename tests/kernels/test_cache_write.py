@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import quant
+from pallas_kernels import Route, quant
 from pallas_kernels.decode import cache_write
 from tests.kernels.cuda_lowering import cuda_text
 from tests.kernels.inputs import normal
@@ -21,7 +21,8 @@ def test_write_one_token_equals_reference(dtype, positions):
   k, v = (normal(rng, (b, kvh, t, d), dtype) for _ in range(2))
   kn, vn = (normal(rng, (b, kvh, d), jnp.float32) for _ in range(2))  # cast to the cache's dtype
   pos = jnp.asarray(positions, jnp.int32)
-  got = jax.jit(lambda *a: cache_write.write_one_token(*a, backend="gpu"))(k, v, pos, kn, vn)
+  got = jax.jit(lambda *a: cache_write.write_one_token(*a, route=Route(backend="gpu")))(k, v, pos,
+                                                                                        kn, vn)
   ref = cache_write.reference(k, v, pos, kn, vn)
   for g, r, old in zip(got, ref, (k, v)):
     assert g.dtype == old.dtype
@@ -36,7 +37,7 @@ def test_write_one_token_checks_shapes():
   k = jnp.ones((2, 2, 8, 4))
   with pytest.raises(ValueError, match="must be"):
     cache_write.write_one_token(k, k, jnp.zeros((2,), jnp.int32), jnp.ones((2, 1, 2, 4)),
-                                jnp.ones((2, 1, 2, 4)))
+                                jnp.ones((2, 1, 2, 4)), route=Route())
 
 
 @pytest.mark.parametrize("kv_dtype", [jnp.int8, jnp.float8_e4m3fn])
@@ -48,7 +49,8 @@ def test_write_into_a_quantized_cache_equals_reference(kv_dtype):
   k, v = (quant.quantize(normal(rng, (b, kvh, t, d)), kv_dtype) for _ in range(2))
   kn, vn = (normal(rng, (b, kvh, d), jnp.bfloat16) for _ in range(2))
   pos = jnp.asarray((7, -1, 50), jnp.int32)  # the last out of range: dropped
-  got = jax.jit(lambda *a: cache_write.write_one_token(*a, backend="gpu"))(k, v, pos, kn, vn)
+  got = jax.jit(lambda *a: cache_write.write_one_token(*a, route=Route(backend="gpu")))(k, v, pos,
+                                                                                        kn, vn)
   ref = cache_write.reference(k, v, pos, kn, vn)
   for g, r, new in zip(got, ref, (kn, vn)):
     assert isinstance(g, quant.Quantized) and g.dtype == kv_dtype

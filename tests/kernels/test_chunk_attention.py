@@ -13,7 +13,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 from pallas_kernels.attention import chunk as ca
-from pallas_kernels import reference
+from pallas_kernels import Route, reference
 from tests.kernels.inputs import keys_shape, normal
 from tests.kernels.test_attention_kernels import assert_close
 
@@ -59,16 +59,17 @@ def test_other_routes_equal_the_reference(case):
   b, c, h, kvh, t, d, offsets, kv_layout, dtype = CASES[case]
   q, k, v, kc, vc, off = _inputs(b, c, h, kvh, t, d, offsets, kv_layout, dtype, seed=1)
   ref = _expected(q, k, v, off, kv_layout)
-  assert_close(ca.chunk_attention(q, k, v, kc, vc, off, kv_layout=kv_layout), ref, dtype)
-  got = ca.chunk_attention(q, k, v, kc, vc, off, kv_layout=kv_layout, backend="gpu",
+  assert_close(ca.chunk_attention(q, k, v, kc, vc, off, kv_layout=kv_layout, route=Route()), ref,
+               dtype)
+  got = ca.chunk_attention(q, k, v, kc, vc, off, kv_layout=kv_layout, route=Route(backend="gpu"),
                            use_cudnn=False)  # the Pallas kernel, interpreted
   assert_close(got, ref, dtype)
 
 
 def test_cudnn_route_is_taken_only_where_it_can_run():
   q = jnp.zeros((1, 4, 2, 8), jnp.bfloat16)
-  assert not ca.cudnn_route(q, q, "auto")  # CPU
-  assert not ca.cudnn_route(q, q, "gpu")  # interpreted: no cuDNN
+  assert not ca.cudnn_route(q, q, Route())  # CPU
+  assert not ca.cudnn_route(q, q, Route(backend="gpu"))  # interpreted: no cuDNN
   # The guard finds jax's private entry in the jax versions the project supports (0.10, 0.11);
   # if a later jax drops it, chunks fall back to the Pallas kernel instead of failing.
   assert ca.cudnn_available()

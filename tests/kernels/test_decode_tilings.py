@@ -1,5 +1,5 @@
 """The decode-attention tilings that benchmarks/decode_profile.py's split variants set through
-RunOptions.decode_tiling: each gives the reference's result (GPU variant, Pallas interpret mode)
+Route.decode_tiling: each gives the reference's result (GPU variant, Pallas interpret mode)
 and lowers to Triton for CUDA with its real launch options (no GPU needed).
 
 Tolerances as tests/kernels/test_attention_kernels.py: bf16 2e-2 on outputs, 1e-4 on the LSE.
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from benchmarks.decode_profile import VARIANTS
-from pallas_kernels import Tiling, flash_attention
+from pallas_kernels import Route, Tiling, flash_attention
 from pallas_kernels.attention import flash as fa_module
 from tests.kernels.cuda_lowering import cuda_text
 from tests.kernels.inputs import normal
@@ -31,8 +31,8 @@ def test_decode_tiling_matches_reference(name):
   k, v = (normal(rng, (b, kvh, t, d), jnp.bfloat16) for _ in range(2))
   pos = jnp.asarray([1037, 300])  # per-sequence lengths, one past a split's edge
   kw = dict(causal=True, q_offset=pos, kv_len=pos + 1, kv_layout="BHTD")
-  got = flash_attention(q, k, v, backend="gpu", tiling=Tiling(**TILINGS[name]), **kw)
-  assert_close(got, flash_attention(q, k, v, backend="reference", **kw), jnp.bfloat16)
+  got = flash_attention(q, k, v, route=Route(backend="gpu"), tiling=Tiling(**TILINGS[name]), **kw)
+  assert_close(got, flash_attention(q, k, v, route=Route(backend="reference"), **kw), jnp.bfloat16)
 
 
 @pytest.mark.parametrize("name", sorted(TILINGS))

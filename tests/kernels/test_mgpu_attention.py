@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import flash_attention, mgpu_common, reference
+from pallas_kernels import Route, flash_attention, mgpu_common, reference
 from pallas_kernels.attention import mgpu_flash
 from pallas_kernels.attention import flash as fa_module
 from pallas_kernels.backend import Variant
@@ -110,7 +110,7 @@ def test_flash_attention_routes_to_mosaic_when_asked():
   q, k, v = inputs(7, 1, 128, 4, 2, 192, 64, dtype=jnp.float16)
   kw = dict(causal=True, q_offset=64, kv_len=192)
   tiling = Tiling(impl="mosaic", block_rows=64, block_keys=64, num_stages=2)
-  got = flash_attention(q, k, v, backend="gpu", tiling=tiling, **kw)
+  got = flash_attention(q, k, v, route=Route(backend="gpu"), tiling=tiling, **kw)
   assert_matches_reference(got, q, k, v, causal=True, q_off=jnp.array([64]),
                            kv_len=jnp.array([192]))
   assert fa_module._mosaic_config(GPU_INTERPRETED, q[:, :1], k, v, "BTHD", tiling) is None
@@ -250,7 +250,7 @@ def test_routing_on_a_hopper_gpu(monkeypatch):
   def route(q, k, v, **kw):
     calls.clear()
     try:
-      flash_attention(q, k, v, backend="gpu", options=options, **kw)
+      flash_attention(q, k, v, route=Route(backend="gpu", kernels=options), **kw)
     except ZeroDivisionError:  # the stubbed Triton kernel
       pass
     return calls[0]

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import layout, mgpu_common, topk_scores
+from pallas_kernels import Route, layout, mgpu_common, topk_scores
 from pallas_kernels.topk import mgpu_topk, topk_segments
 from pallas_kernels.topk import topk as ts_module
 from pallas_kernels.backend import Variant
@@ -44,8 +44,8 @@ def assert_exact(q, k, top_k, tiling, options=KernelOptions(), **kw):
   # Mosaic takes the call (a shape it refuses would silently run the Triton kernel instead)
   assert ts_module._mosaic_config(Variant("gpu", True), q, k, rows, top_k, tiling,
                                   keys=keys) is not None
-  v, i = topk_scores(q, k, top_k, backend="gpu", tiling=tiling, options=options, **kw)
-  rv, ri = topk_scores(q, k, top_k, backend="reference", **kw)
+  v, i = topk_scores(q, k, top_k, route=Route(backend="gpu", kernels=options), tiling=tiling, **kw)
+  rv, ri = topk_scores(q, k, top_k, route=Route(backend="reference"), **kw)
   assert v.shape == i.shape == rv.shape and v.dtype == jnp.float32 and i.dtype == jnp.int32
   np.testing.assert_array_equal(np.asarray(i), np.asarray(ri))
   np.testing.assert_array_equal(np.asarray(v), np.asarray(rv))
@@ -119,8 +119,8 @@ def test_mgpu_topk_float_inputs():
   q, k = normal(rng, (1, 16, 4, 128), jnp.bfloat16), normal(rng, (1, 272, 1, 128), jnp.bfloat16)
   assert ts_module._mosaic_config(Variant("gpu", True), q, k, 64, 8, mosaic(),
                                   keys=272) is not None
-  v, i = topk_scores(q, k, 8, scale=0.125, backend="gpu", tiling=mosaic())
-  rv, ri = topk_scores(q, k, 8, scale=0.125, backend="reference")
+  v, i = topk_scores(q, k, 8, scale=0.125, route=Route(backend="gpu"), tiling=mosaic())
+  rv, ri = topk_scores(q, k, 8, scale=0.125, route=Route(backend="reference"))
   np.testing.assert_allclose(np.asarray(v), np.asarray(rv), rtol=1e-5, atol=1e-5)
   gap = np.abs(np.diff(np.asarray(rv), axis=-1)).min(axis=-1) > 1e-4
   np.testing.assert_array_equal(np.asarray(i)[gap], np.asarray(ri)[gap])
@@ -153,7 +153,7 @@ def test_pipeline_has_no_races():
   jax.block_until_ready(idx)
   assert not interpret_pallas_call.get_races().races_found
   v, i = ts_module._finish(vals, idx, 4, 32, 4)
-  rv, ri = topk_scores(q, k, 4, exclude_prefix=3, valid_len=250, backend="reference")
+  rv, ri = topk_scores(q, k, 4, exclude_prefix=3, valid_len=250, route=Route(backend="reference"))
   np.testing.assert_array_equal(np.asarray(i), np.asarray(ri))
   np.testing.assert_array_equal(np.asarray(v), np.asarray(rv))
 
@@ -260,7 +260,7 @@ def test_segments_with_and_without_the_warpgroup_test(test_first):
   vals, idx = topk_segments.keys_of_segments(qr, k, bounds, vals, firsts, 4, scale=None,
                                              kv_layout="BTHD", interpret=True)
   v, i = ts_module._finish(vals, idx, 4, 32, 4)
-  rv, ri = topk_scores(q, k, 4, exclude_prefix=3, valid_len=500, backend="reference")
+  rv, ri = topk_scores(q, k, 4, exclude_prefix=3, valid_len=500, route=Route(backend="reference"))
   np.testing.assert_array_equal(np.asarray(i), np.asarray(ri))
   np.testing.assert_array_equal(np.asarray(v), np.asarray(rv))
 

@@ -29,6 +29,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import chunk_attention, flash_attention, gathered_attention, quant, reference
+from pallas_kernels import Route
 from pallas_kernels.attention import chunk as chunk_module
 from pallas_kernels.attention import flash as fa_module
 from pallas_kernels.attention import gathered as ga_module
@@ -75,12 +76,12 @@ def test_flash_attention_reads_quantized_kv(variant, case):
   b, lq, h, kvh, t, d, off, kv_len, kv_layout, dtype, kv_dtype, tiling = FLASH[case]
   q, k, v = qkv(len(case), b, lq, h, kvh, t, d, kv_layout, dtype, kv_dtype)
   kw = dict(causal=True, q_offset=jnp.asarray(off), kv_len=jnp.asarray(kv_len), kv_layout=kv_layout)
-  got = flash_attention(q, k, v, backend=variant, tiling=tiling, **kw)
-  ref = flash_attention(q, k, v, backend="reference", **kw)
+  got = flash_attention(q, k, v, route=Route(backend=variant), tiling=tiling, **kw)
+  ref = flash_attention(q, k, v, route=Route(backend="reference"), **kw)
   assert_close(got, ref, "fp32" if dtype == jnp.float32 else "bf16")
   # the reference is the dequantize-first definition
   deq = [quant.dequantize(x, dtype) for x in (k, v)]
-  assert_close(ref, flash_attention(q, *deq, backend="reference", **kw), "fp32")
+  assert_close(ref, flash_attention(q, *deq, route=Route(backend="reference"), **kw), "fp32")
 
 
 @pytest.mark.parametrize("v_scale", [1.0, 1e-4])
@@ -97,11 +98,11 @@ def test_fp8_decode_products_in_fp16(v_scale):
     kv_dtype = jnp.int8 if opt_in else kv_dtype
     q, k, v = qkv(7, b, lq, h, kvh, t, d, kv_layout, dtype, kv_dtype)
     v = quant.Quantized(v.values, v.scale * v_scale)
-    run = lambda q, k, v, opts: flash_attention(q, k, v, backend="gpu", tiling=tiling,  # noqa: E731
-                                                options=opts, **kw)
+    run = lambda q, k, v, opts: flash_attention(  # noqa: E731
+        q, k, v, route=Route(backend="gpu", kernels=opts), tiling=tiling, **kw)
     asked = KernelOptions(int8_fp16_products=opt_in)
     got = run(q, k, v, asked)
-    ref = flash_attention(q, k, v, backend="reference", **kw)
+    ref = flash_attention(q, k, v, route=Route(backend="reference"), **kw)
     assert_close((got[0] / v_scale, got[1]), (ref[0] / v_scale, ref[1]), "bf16")
     for opts, want in ((asked, fp16), (KernelOptions(fp8_fp16_products=False), False)):
       text = str(jax.make_jaxpr(lambda q, k, v, o=opts: run(q, k, v, o))(q, k, v))
@@ -126,8 +127,8 @@ def test_gathered_attention_reads_quantized_kv(variant, layout, lq, d, dtype, kv
   kw = dict(kv_layout=layout, key_rope_freqs=jnp.asarray(ROPE[: d // 2], jnp.float32)
             if rope else None)
   tiling = Tiling(key_splits=2, block_keys=64) if variant == "gpu" else None
-  got = gathered_attention(q, k, v, idx, valid, backend=variant, tiling=tiling, **kw)
-  ref = gathered_attention(q, k, v, idx, valid, backend="reference", **kw)
+  got = gathered_attention(q, k, v, idx, valid, route=Route(backend=variant), tiling=tiling, **kw)
+  ref = gathered_attention(q, k, v, idx, valid, route=Route(backend="reference"), **kw)
   assert_close(got, ref, "fp32" if dtype == jnp.float32 else "bf16_dequantized")
 
 
@@ -135,7 +136,7 @@ def test_gathered_reference_dequantizes_then_rotates():
   q, k, v = qkv(3, 1, 1, 4, 2, 40, 64, "BHTD", jnp.bfloat16, jnp.int8)
   idx = jnp.broadcast_to(jnp.arange(30)[::-1], (1, 2, 30))
   kw = dict(kv_layout="BHTD", key_rope_freqs=jnp.asarray(ROPE[:32], jnp.float32),
-            backend="reference")
+            route=Route(backend="reference"))
   deq = [quant.dequantize(x, jnp.bfloat16) for x in (k, v)]
   assert_close(gathered_attention(q, k, v, idx, **kw), gathered_attention(q, *deq, idx, **kw),
                "fp32")
@@ -157,18 +158,21 @@ def test_gathered_attention_adds_the_key_offset_before_rotating(variant, kv_dtyp
   valid = jnp.asarray(rng.random((b, kvh, n)) > 0.3)
   kw = dict(kv_layout="BHTD", key_rope_freqs=jnp.asarray(ROPE[: d // 2], jnp.float32))
   tiling = Tiling(key_splits=2, block_keys=64) if variant == "gpu" else None
-  got = gathered_attention(q, k, v, idx, valid, backend=variant, tiling=tiling, key_offset=c,
+  got = gathered_attention(q, k, v, idx, valid, route=Route(backend=variant), tiling=tiling,
+                           key_offset=c,
                            **kw)
-  ref = gathered_attention(q, k, v, idx, valid, backend="reference", key_offset=c, **kw)
+  ref = gathered_attention(q, k, v, idx, valid, route=Route(backend="reference"), key_offset=c,
+                           **kw)
   assert_close(got, ref, "bf16_dequantized")
   whole = reference._in_model_dtype(k, jnp.bfloat16) + c[None, :, None].astype(jnp.bfloat16)
   plain = gathered_attention(q, whole, reference._in_model_dtype(v, jnp.bfloat16), idx, valid,
-                             backend="reference", **kw)
+                             route=Route(backend="reference"), **kw)
   assert_close(ref, plain, "fp32")
-  assert not np.allclose(ref[1], gathered_attention(q, k, v, idx, valid, backend="reference",
+  assert not np.allclose(ref[1], gathered_attention(q, k, v, idx, valid,
+                                                    route=Route(backend="reference"),
                                                     **kw)[1], atol=1e-2)  # c moves the scores
   with pytest.raises(ValueError, match="key_offset is added to keys before their rotation"):
-    gathered_attention(q, k, v, idx, valid, kv_layout="BHTD", key_offset=c)
+    gathered_attention(q, k, v, idx, valid, kv_layout="BHTD", key_offset=c, route=Route())
 
 
 NO_INTERPRETER = interpreter_available()
@@ -263,11 +267,11 @@ def test_decode_reads_no_dequantized_copy(kernel):
   q = S((b, 1, h, d), jnp.bfloat16)
   if kernel == "flash":
     fn = lambda q, k, v, pos: flash_attention(  # noqa: E731
-        q, k, v, q_offset=pos, kv_len=pos + 1, kv_layout="BHTD", backend="gpu")
+        q, k, v, q_offset=pos, kv_len=pos + 1, kv_layout="BHTD", route=Route(backend="gpu"))
     args = (q, kv, kv, S((b,), jnp.int32))
   else:
     fn = lambda q, k, v, idx: gathered_attention(  # noqa: E731
-        q, k, v, idx, kv_layout="BHTD", key_rope_freqs=jnp.ones(d // 2), backend="gpu")
+        q, k, v, idx, kv_layout="BHTD", key_rope_freqs=jnp.ones(d // 2), route=Route(backend="gpu"))
     args = (q, kv, kv, S((b, kvh, n), jnp.int32))
   jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
   assert _float_temporaries(jaxpr, kvh * t * d // 2) == []
@@ -322,11 +326,11 @@ def test_chunk_over_a_quantized_cache():
   own = jnp.zeros((b, c, kvh, d), jnp.float32)  # unused off the cuDNN route
   ref = reference.flash_attention(q, k, v, causal=True, q_offset=off, kv_len=off + c,
                                   scale=d ** -0.5, kv_layout="BHTD")
-  got = chunk_attention(q, k, v, own, own, off, kv_layout="BHTD", backend="gpu")
+  got = chunk_attention(q, k, v, own, own, off, kv_layout="BHTD", route=Route(backend="gpu"))
   assert_close(got, ref, "fp32")
-  assert not chunk_module.cudnn_route(q.astype(jnp.bfloat16), k, "gpu", "BHTD")
+  assert not chunk_module.cudnn_route(q.astype(jnp.bfloat16), k, Route(backend="gpu"), "BHTD")
   with pytest.raises(ValueError, match="cuDNN cannot read a quantized cache"):
-    chunk_attention(q, k, v, own, own, off, kv_layout="BHTD", use_cudnn=True)
+    chunk_attention(q, k, v, own, own, off, kv_layout="BHTD", use_cudnn=True, route=Route())
 
 
 @pytest.mark.parametrize("kv_dtype", [jnp.int8, F8])
@@ -358,7 +362,7 @@ def test_chunk_over_a_quantized_cache_dequantizes_it_first_within_the_cap(monkey
                         lambda q, k, variant, options=options, real=chunk_module.dequantize_first:
                         real(q, k, Variant("gpu", False), options))
     fn = lambda q, k, v, off: chunk_attention(  # noqa: E731
-        q, k, v, own, own, off, kv_layout="BHTD", backend="gpu", options=options)
+        q, k, v, own, own, off, kv_layout="BHTD", route=Route(backend="gpu", kernels=options))
     made = [m for m in _float_temporaries(jax.make_jaxpr(fn)(q, k, v, off).jaxpr, k.values.size)
             if m[1].startswith("float32")]  # q's dtype (the 8-bit route pads E4M3 values)
     assert len([m for m in made if m[1] == f"float32[{b},{kvh},{t},{d}]"]) >= copies, made
@@ -373,15 +377,15 @@ def test_quantized_kv_errors():
          "without the head dim": (quant.Quantized(k.values, k.scale[..., :1]), v),
          "quantized alike": (k, quant.quantize(v.dequantize(), F8))}
   for message, (kk, vv) in bad.items():
-    for call in (lambda: flash_attention(q, kk, vv),
-                 lambda: gathered_attention(q, kk, vv, idx)):
+    for call in (lambda: flash_attention(q, kk, vv, route=Route()),
+                 lambda: gathered_attention(q, kk, vv, idx, route=Route())):
       with pytest.raises(ValueError, match=message):
         call()
   kf, vf = (quant.quantize(x.dequantize(), F8) for x in (k, v))
   for backend in ("tpu",):
     with pytest.raises(ValueError, match="TPU v5e has no FP8"):
-      flash_attention(q, kf, vf, backend=backend)
+      flash_attention(q, kf, vf, route=Route(backend=backend))
     with pytest.raises(ValueError, match="TPU v5e has no FP8"):
-      gathered_attention(q, kf, vf, idx, backend=backend)
+      gathered_attention(q, kf, vf, idx, route=Route(backend=backend))
   with pytest.raises(ValueError, match="cuDNN cannot read quantized"):
-    flash_attention(q, k, v, use_cudnn=True)
+    flash_attention(q, k, v, use_cudnn=True, route=Route())

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import quant, topk_scores
+from pallas_kernels import Route, quant, topk_scores
 from pallas_kernels.gpu import Tiling
 
 B, LQ, H, KV, T, D = 2, 3, 4, 2, 333, 16
@@ -31,23 +31,27 @@ def _inputs(dtype, seed=0):
 @pytest.mark.parametrize("dtype", ["int8", "float8_e4m3fn"])
 def test_quantized_keys_select_what_the_reference_does(dtype):
   q, k = _inputs(dtype)
-  want = topk_scores(q, k, 5, kv_layout="BHTD", backend="reference", **BOUNDS)
+  want = topk_scores(q, k, 5, kv_layout="BHTD", route=Route(backend="reference"), **BOUNDS)
   # the reference is q . dequantize(k): the same selection as the float keys
-  floats = topk_scores(q, k.dequantize(), 5, kv_layout="BHTD", backend="reference", **BOUNDS)
+  floats = topk_scores(q, k.dequantize(), 5, kv_layout="BHTD", route=Route(backend="reference"),
+                       **BOUNDS)
   np.testing.assert_array_equal(floats[1], want[1])
-  runs = {"gpu": dict(backend="gpu"), "gpu_tiles": dict(backend="gpu", tiling=Tiling(block_keys=64))}
+  runs = {"gpu": dict(route=Route(backend="gpu")),
+          "gpu_tiles": dict(route=Route(backend="gpu"), tiling=Tiling(block_keys=64))}
   if dtype == "int8":
-    runs["tpu"] = dict(backend="tpu")
+    runs["tpu"] = dict(route=Route(backend="tpu"))
   for name, kw in runs.items():
     got = topk_scores(q, k, 5, kv_layout="BHTD", **BOUNDS, **kw)
     np.testing.assert_array_equal(got[1], want[1], err_msg=f"{dtype} {name}")
     np.testing.assert_array_equal(got[0], want[0], err_msg=f"{dtype} {name}")
   # decode rows (the block maxima and the pick kernel), and keys [B, T, KV, d]
-  one = topk_scores(q[:, :1], k, 4, kv_layout="BHTD", backend="gpu", **BOUNDS)
+  one = topk_scores(q[:, :1], k, 4, kv_layout="BHTD", route=Route(backend="gpu"), **BOUNDS)
   np.testing.assert_array_equal(
-      one[1], topk_scores(q[:, :1], k, 4, kv_layout="BHTD", backend="reference", **BOUNDS)[1])
+      one[1], topk_scores(q[:, :1], k, 4, kv_layout="BHTD", route=Route(backend="reference"),
+                          **BOUNDS)[1])
   bthd = quant.per_row(lambda x: jnp.swapaxes(x, 1, 2), k)
-  got = topk_scores(q, bthd, 5, kv_layout="BTHD", backend="gpu", tiling=Tiling(block_keys=64),
+  got = topk_scores(q, bthd, 5, kv_layout="BTHD", route=Route(backend="gpu"),
+                    tiling=Tiling(block_keys=64),
                     **BOUNDS)
   np.testing.assert_array_equal(got[1], want[1])
 
@@ -55,7 +59,7 @@ def test_quantized_keys_select_what_the_reference_does(dtype):
 def test_fp8_keys_on_a_tpu_are_refused():
   q, k = _inputs("float8_e4m3fn")
   with pytest.raises(ValueError, match="int8"):
-    topk_scores(q, k, 5, kv_layout="BHTD", backend="tpu")
+    topk_scores(q, k, 5, kv_layout="BHTD", route=Route(backend="tpu"))
 
 
 @pytest.mark.parametrize("dtype", ["int8", "float8_e4m3fn"])
@@ -71,7 +75,7 @@ def test_many_rows_over_8bit_keys_score_a_dequantized_copy_within_the_cap(monkey
   _, k = _inputs(dtype, seed=3)
   rows = 12  # query tokens: 24 rows a KV head, past decode's topk_blocks.MAX_ROWS
   q = jnp.asarray(np.random.default_rng(4).integers(-3, 4, (B, rows, H, D)), jnp.float32)
-  want = topk_scores(q, k, 5, kv_layout="BHTD", backend="reference", **BOUNDS)
+  want = topk_scores(q, k, 5, kv_layout="BHTD", route=Route(backend="reference"), **BOUNDS)
   copy = k.values.size * 4  # K in fp32, q's dtype
   native = Variant("gpu", False)
   assert quant.dequantized_copy_fits(k, q.dtype, native, copy)
@@ -88,8 +92,8 @@ def test_many_rows_over_8bit_keys_score_a_dequantized_copy_within_the_cap(monkey
     KernelOptions(topk_dequantize_bytes=-1)
   for cap, copied in ((copy, True), (copy - 1, False), (0, False), (None, True)):  # the default
     fn = lambda q, k, lq: topk_scores(  # noqa: E731
-        q[:, :lq], k, 5, kv_layout="BHTD", backend="gpu", **BOUNDS,
-        options=KernelOptions() if cap is None else KernelOptions(topk_dequantize_bytes=cap))
+        q[:, :lq], k, 5, kv_layout="BHTD", route=Route(backend="gpu",
+                                                       kernels=KernelOptions() if cap is None else KernelOptions(topk_dequantize_bytes=cap)), **BOUNDS)
     text = str(jax.make_jaxpr(lambda q, k: fn(q, k, rows))(q, k))
     assert (copy_shape in text) == copied, cap
     for lq in (rows, 1):  # decode's row (topk_blocks) takes no part in the route
@@ -101,8 +105,8 @@ def test_many_rows_over_8bit_keys_score_a_dequantized_copy_within_the_cap(monkey
   monkeypatch.setattr(topk_module, "COPY_SEGMENT_MIN", 16)
   per_key = copy // T
   assert [topk_module.copy_segment(n, T) for n in (T, 100, 15)] == [T, 96, 0]
-  fn = lambda q, k: topk_scores(q, k, 5, kv_layout="BHTD", backend="gpu", **BOUNDS,  # noqa: E731
-                                options=KernelOptions(topk_dequantize_bytes=100 * per_key))
+  capped = Route(backend="gpu", kernels=KernelOptions(topk_dequantize_bytes=100 * per_key))
+  fn = lambda q, k: topk_scores(q, k, 5, kv_layout="BHTD", route=capped, **BOUNDS)  # noqa: E731
   text = str(jax.make_jaxpr(fn)(q, k))
   assert f"f32[{B},{KV},96,{D}]" in text and "scan" in text
   got = fn(q, k)

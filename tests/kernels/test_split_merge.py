@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import KernelOptions, Tiling, flash_attention, gathered_attention, reference
+from pallas_kernels import Route
 from pallas_kernels.decode import split_merge
 from pallas_kernels.attention import flash as fa_module
 from tests.kernels.cuda_lowering import cuda_text
@@ -66,8 +67,8 @@ def test_decode_switches_match_reference(case, switches):
   k, v = (normal(rng, (b, kvh, t, d), dtype) for _ in range(2))
   pos = jnp.asarray(pos)
   kw = dict(causal=True, q_offset=pos, kv_len=pos + 1, kv_layout="BHTD")
-  got = flash_attention(q, k, v, backend="gpu", tiling=tiling, options=options, **kw)
-  assert_close(got, flash_attention(q, k, v, backend="reference", **kw), dtype)
+  got = flash_attention(q, k, v, route=Route(backend="gpu", kernels=options), tiling=tiling, **kw)
+  assert_close(got, flash_attention(q, k, v, route=Route(backend="reference"), **kw), dtype)
 
 
 @pytest.mark.parametrize("switches", [("decode_merge_kernel",), ("decode_q_in_kernel",),
@@ -85,9 +86,10 @@ def test_gathered_decode_switches_match_reference(switches, rope, dtype):
   valid = jnp.asarray(rng.random((b, kvh, n)) > 0.2)
   kw = dict(kv_layout="BHTD", key_rope_freqs=(
       jnp.asarray(1.0 / 10000.0 ** (np.arange(0, d, 2) / d), jnp.float32) if rope else None))
-  got = gathered_attention(q, k, v, idx, valid, backend="gpu", options=options,
+  got = gathered_attention(q, k, v, idx, valid, route=Route(backend="gpu", kernels=options),
                            tiling=Tiling(key_splits=3, block_keys=32), **kw)
-  assert_close(got, gathered_attention(q, k, v, idx, valid, backend="reference", **kw), dtype)
+  assert_close(got, gathered_attention(q, k, v, idx, valid, route=Route(backend="reference"),
+                                       **kw), dtype)
 
 
 def test_decode_switches_see_rows_with_no_key():
@@ -96,9 +98,10 @@ def test_decode_switches_see_rows_with_no_key():
   rng = np.random.default_rng(0)
   q, k, v = (normal(rng, s, jnp.float32) for s in ((2, 1, 4, 64), (2, 2, 256, 64), (2, 2, 256, 64)))
   kw = dict(causal=False, kv_len=jnp.asarray([0, 200]), kv_layout="BHTD")
-  got = flash_attention(q, k, v, backend="gpu", tiling=Tiling(key_splits=2), options=options,
+  got = flash_attention(q, k, v, route=Route(backend="gpu", kernels=options),
+                        tiling=Tiling(key_splits=2),
                         **kw)
-  assert_close(got, flash_attention(q, k, v, backend="reference", **kw), jnp.float32)
+  assert_close(got, flash_attention(q, k, v, route=Route(backend="reference"), **kw), jnp.float32)
   assert np.isneginf(np.asarray(got[1][0])).all()
 
 
@@ -122,9 +125,9 @@ def test_unpadded_q_reaches_the_kernel(monkeypatch):
                       gpu_kernel(qr, *a, **kw))
   rng = np.random.default_rng(1)
   q, k = normal(rng, (1, 1, 8, 64), jnp.float32), normal(rng, (1, 2, 100, 64), jnp.float32)
-  flash_attention(q, k, k, kv_layout="BHTD", backend="gpu",
-                  options=KernelOptions(decode_q_in_kernel=False))
-  flash_attention(q, k, k, kv_layout="BHTD", backend="gpu")
+  padded = Route(backend="gpu", kernels=KernelOptions(decode_q_in_kernel=False))
+  flash_attention(q, k, k, kv_layout="BHTD", route=padded)
+  flash_attention(q, k, k, kv_layout="BHTD", route=Route(backend="gpu"))
   assert seen == [(1, 2, 16, 64), (1, 2, 4, 64)]
 
 

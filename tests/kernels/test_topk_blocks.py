@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import KernelOptions, reference, topk_scores
+from pallas_kernels import KernelOptions, Route, reference, topk_scores
 from pallas_kernels.topk import topk_blocks
 from tests.kernels.cuda_lowering import cuda_text
 from tests.kernels.inputs import keys_shape, normal, small_ints
@@ -87,8 +87,9 @@ def test_gpu_decode_routes_here_unless_asked(monkeypatch):
 
   def route(q, options=KernelOptions()):
     picks.clear()
-    jaxpr = str(jax.make_jaxpr(lambda q, k: topk_scores(q, k, 4, backend="gpu",
-                                                        options=options))(q, k))
+    jaxpr = str(jax.make_jaxpr(lambda q, k: topk_scores(q, k, 4, route=Route(backend="gpu",
+                                                                             kernels=options)))(q,
+                                                                                                k))
     return picks[0] if picks else "fused" if "pallas_call" in jaxpr else "none"
 
   assert route(q1) == "kernel"

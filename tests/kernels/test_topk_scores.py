@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import KernelOptions
+from pallas_kernels import KernelOptions, Route
 from pallas_kernels import topk_scores as _topk_scores
 from pallas_kernels.gpu import Tiling
 from tests.kernels.inputs import keys_shape, normal, small_ints
@@ -19,8 +19,8 @@ VARIANTS = ["gpu", "tpu"]
 KERNEL = KernelOptions(topk_few_rows="kernel")
 
 
-def topk_scores(*args, **kw):
-  return _topk_scores(*args, options=KERNEL, **kw)
+def topk_scores(*args, route, **kw):
+  return _topk_scores(*args, route=route.replace(kernels=KERNEL), **kw)
 
 # (batch, q_len, q_heads, kv_heads, kv_len, d, top_k, layout, valid, prefix, suffix, tiling)
 CASES = {
@@ -41,8 +41,8 @@ def test_topk_matches_reference(variant, case):
   k = small_ints(rng, keys_shape(b, t, kvh, d, kv_layout))
   kw = dict(valid_len=None if valid is None else jnp.asarray(valid), exclude_prefix=prefix,
             exclude_suffix=suffix, kv_layout=kv_layout)
-  v, i = topk_scores(q, k, top_k, backend=variant, tiling=tiling, **kw)
-  rv, ri = topk_scores(q, k, top_k, backend="reference", **kw)
+  v, i = topk_scores(q, k, top_k, route=Route(backend=variant), tiling=tiling, **kw)
+  rv, ri = topk_scores(q, k, top_k, route=Route(backend="reference"), **kw)
   assert v.shape == i.shape == (b, lq, h, top_k)
   assert v.dtype == jnp.float32 and i.dtype == jnp.int32
   np.testing.assert_array_equal(np.asarray(i), np.asarray(ri))
@@ -59,8 +59,8 @@ def test_topk_ties_go_to_lowest_index(variant):
   distinct = small_ints(rng, (1, 37, 2, 64))
   k = jnp.tile(distinct, (1, 20, 1, 1))[:, :700]  # [1, 700, 2, 64]
   q = small_ints(rng, (1, 3, 4, 64))
-  v, i = topk_scores(q, k, 16, backend=variant, tiling=Tiling(key_splits=2))
-  rv, ri = topk_scores(q, k, 16, backend="reference")
+  v, i = topk_scores(q, k, 16, route=Route(backend=variant), tiling=Tiling(key_splits=2))
+  rv, ri = topk_scores(q, k, 16, route=Route(backend="reference"))
   np.testing.assert_array_equal(np.asarray(i), np.asarray(ri))
   np.testing.assert_array_equal(np.asarray(v), np.asarray(rv))
   ii, vv = np.asarray(i), np.asarray(v)
@@ -72,8 +72,8 @@ def test_topk_ties_go_to_lowest_index(variant):
 def test_topk_float_inputs(variant):
   rng = np.random.default_rng(3)
   q, k = normal(rng, (2, 4, 6, 128)), normal(rng, (2, 500, 3, 128))
-  v, i = topk_scores(q, k, 8, scale=0.125, backend=variant)
-  rv, ri = topk_scores(q, k, 8, scale=0.125, backend="reference")
+  v, i = topk_scores(q, k, 8, scale=0.125, route=Route(backend=variant))
+  rv, ri = topk_scores(q, k, 8, scale=0.125, route=Route(backend="reference"))
   np.testing.assert_allclose(np.asarray(v), np.asarray(rv), rtol=1e-5, atol=1e-5)
   # Indices agree wherever the reference's neighbouring scores are not within rounding.
   gap = np.abs(np.diff(np.asarray(rv), axis=-1)).min(axis=-1) > 1e-4
@@ -84,11 +84,13 @@ def test_topk_float_inputs(variant):
 def test_topk_fewer_candidates_than_k(variant):
   rng = np.random.default_rng(5)
   q, k = small_ints(rng, (2, 1, 4, 64)), small_ints(rng, (2, 300, 2, 64))
-  v, i = topk_scores(q, k, 8, valid_len=jnp.array([300, 10]), exclude_prefix=4, backend=variant)
+  v, i = topk_scores(q, k, 8, valid_len=jnp.array([300, 10]), exclude_prefix=4,
+                     route=Route(backend=variant))
   assert np.all(np.asarray(i)[1, ..., 6:] == -1) and np.all(np.isneginf(np.asarray(v)[1, ..., 6:]))
   assert np.all(np.asarray(i)[1, ..., :6] >= 4)
   np.testing.assert_array_equal(np.asarray(i), np.asarray(
-      topk_scores(q, k, 8, valid_len=jnp.array([300, 10]), exclude_prefix=4, backend="reference")[1]))
+      topk_scores(q, k, 8, valid_len=jnp.array([300, 10]), exclude_prefix=4,
+                  route=Route(backend="reference"))[1]))
 
 
 def test_topk_no_score_matrix_in_memory():
@@ -98,7 +100,7 @@ def test_topk_no_score_matrix_in_memory():
   k = jax.ShapeDtypeStruct((1, 65536, 8, 128), jnp.bfloat16)
   temp = {}
   for variant in ("gpu", "tpu", "reference"):
-    fn = jax.jit(lambda q, k, v=variant: topk_scores(q, k, 4, backend=v))
+    fn = jax.jit(lambda q, k, v=variant: topk_scores(q, k, 4, route=Route(backend=v)))
     temp[variant] = fn.lower(q, k).compile().memory_analysis().temp_size_in_bytes
   score_matrix = 512 * 32 * 65536 * 4
   assert temp["reference"] >= score_matrix  # the check can fail: the einsum path is caught
@@ -109,10 +111,10 @@ def test_topk_no_score_matrix_in_memory():
 def test_topk_errors():
   q, k = jnp.ones((1, 1, 6, 64)), jnp.ones((1, 10, 4, 64))
   with pytest.raises(ValueError, match="do not divide"):
-    topk_scores(q, k, 2)
+    topk_scores(q, k, 2, route=Route())
   with pytest.raises(ValueError, match="top_k=11"):
-    topk_scores(jnp.ones((1, 1, 8, 64)), k, 11)
+    topk_scores(jnp.ones((1, 1, 8, 64)), k, 11, route=Route())
   with pytest.raises(ValueError, match="kv_layout"):
-    topk_scores(jnp.ones((1, 1, 8, 64)), k, 2, kv_layout="THD")
+    topk_scores(jnp.ones((1, 1, 8, 64)), k, 2, kv_layout="THD", route=Route())
   with pytest.raises(ValueError, match="unknown kernel backend"):
-    topk_scores(jnp.ones((1, 1, 8, 64)), k, 2, backend="cuda")
+    topk_scores(jnp.ones((1, 1, 8, 64)), k, 2, route=Route(backend="cuda"))

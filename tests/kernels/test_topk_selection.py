@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import mgpu_common, topk_scores
+from pallas_kernels import Route, mgpu_common, topk_scores
 from pallas_kernels.topk import mgpu_topk
 from pallas_kernels.topk import topk as ts_module
 from pallas_kernels.backend import Variant
@@ -52,14 +52,15 @@ def test_topk_selection_reaches_the_kernel(kernel):
     assert ts_module._mosaic_config(Variant("gpu", True), q, k, LQ * H // KV, TOP_K, tiling,
                                     keys=T) is not None
   kw = dict(valid_len=jnp.asarray(VALID), exclude_prefix=PREFIX, exclude_suffix=SUFFIX,
-            backend=backend, tiling=tiling)
+            tiling=tiling)
 
   def run(selection):
-    v, i = topk_scores(q, k, TOP_K, options=KernelOptions(topk_selection=selection), **kw)
+    route = Route(backend=backend, kernels=KernelOptions(topk_selection=selection))
+    v, i = topk_scores(q, k, TOP_K, route=route, **kw)
     return np.asarray(v), np.asarray(i)
 
   want = topk_scores(q, k, TOP_K, valid_len=kw["valid_len"], exclude_prefix=PREFIX,
-                     exclude_suffix=SUFFIX, backend="reference")
+                     exclude_suffix=SUFFIX, route=Route(backend="reference"))
   for selection in ("exact", "max_only", "exact"):
     v, i = run(selection)
     if selection == "exact":

@@ -16,6 +16,7 @@ import pytest
 
 import pallas_kernels
 from pallas_kernels import chunk_attention, flash_attention, gathered_attention, quant, topk_scores
+from pallas_kernels import Route
 from tests.kernels.inputs import keys_shape
 from tests.tpu_export import MOSAIC_CALL, export_for_tpu, mosaic_calls
 
@@ -50,7 +51,7 @@ def test_flash_attention_lowers_for_tpu(case, backend):
 
   def fn(q, k, v, q_offset, kv_len):
     return flash_attention(q, k, v, causal=lq > 1, q_offset=q_offset, kv_len=kv_len,
-                           kv_layout=kv_layout, backend=backend)
+                           kv_layout=kv_layout, route=Route(backend=backend))
 
   _assert_lowered(export_for_tpu(fn, q, k, v, per_seq, per_seq))
 
@@ -62,7 +63,7 @@ def test_chunk_attention_lowers_for_tpu(case):
   own = S((b, c, k.shape[2 if kv_layout == "BTHD" else 1], d), k.dtype)
 
   def fn(q, k, v, k_chunk, v_chunk, q_offset):
-    return chunk_attention(q, k, v, k_chunk, v_chunk, q_offset, kv_layout=kv_layout)
+    return chunk_attention(q, k, v, k_chunk, v_chunk, q_offset, kv_layout=kv_layout, route=Route())
 
   _assert_lowered(export_for_tpu(fn, q, k, v, own, own, S((b,), jnp.int32)))
 
@@ -74,7 +75,7 @@ def test_topk_scores_lowers_for_tpu(case, top_k):
 
   def fn(q, k, valid_len):  # ReAttention's call: unscaled, a global prefix and a local suffix
     return topk_scores(q, k, top_k, scale=1.0, valid_len=valid_len, exclude_prefix=2,
-                       exclude_suffix=8, kv_layout=kv_layout)
+                       exclude_suffix=8, kv_layout=kv_layout, route=Route())
 
   _assert_lowered(export_for_tpu(fn, q, k, S((q.shape[0],), jnp.int32)))
 
@@ -92,7 +93,7 @@ def test_gathered_attention_lowers_for_tpu(case, n, rope):
     # ReAttention: keys rotated inside, at their entry or (a mesh part of a scope) their rank.
     freqs = jnp.linspace(1.0, 1e-3, d // 2) if rope != "plain" else None
     return gathered_attention(q, k, v, indices, valid, kv_layout=kv_layout, key_rope_freqs=freqs,
-                              key_positions=ranks if rope == "ranked" else None)
+                              key_positions=ranks if rope == "ranked" else None, route=Route())
 
   _assert_lowered(export_for_tpu(fn, q, k, v, picked, S((b, kvh, n), jnp.bool_),
                                  S((b, n), jnp.int32)))
@@ -104,7 +105,7 @@ def test_lowering_for_is_trace_time_only_and_keys_the_jit_cache():
   same jitted function still runs on the CPU afterwards."""
   rng = np.random.default_rng(0)
   q, k = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in [(1, 1, 4, 8), (1, 40, 2, 8)])
-  step = jax.jit(lambda q, k: flash_attention(q, k, k)[0])
+  step = jax.jit(lambda q, k: flash_attention(q, k, k, route=Route())[0])
   before = step(q, k)
   assert mosaic_calls(jax.export.export(step)(q, k)) == 0  # on CPU "auto" is the reference
   assert mosaic_calls(export_for_tpu(step, q, k)) == 1
@@ -131,7 +132,8 @@ def test_lowering_for_sets_the_platform_and_only_in_its_thread():
 
 def test_the_mosaic_call_name_is_what_the_export_holds():
   """Guards the check above against a renamed custom call (it would then count zero kernels)."""
-  exported = export_for_tpu(lambda q, k: flash_attention(q, k, k), S((1, 1, 2, 8), jnp.float32),
+  exported = export_for_tpu(lambda q, k: flash_attention(q, k, k, route=Route()), S((1, 1, 2, 8),
+                                                                                    jnp.float32),
                             S((1, 40, 2, 8), jnp.float32))
   assert f"stablehlo.custom_call @{MOSAIC_CALL}(" in exported.mlir_module()
 
@@ -154,13 +156,14 @@ def test_quantized_attention_lowers_for_tpu(case):
 
   def flash(q, k, v, q_offset, kv_len):
     return flash_attention(q, k, v, causal=lq > 1, q_offset=q_offset, kv_len=kv_len,
-                           kv_layout=kv_layout)
+                           kv_layout=kv_layout, route=Route())
 
   _assert_lowered(export_for_tpu(flash, q, k, v, per_seq, per_seq))
 
   def gathered(q, k, v, indices, valid, ranks):
     return gathered_attention(q, k, v, indices, valid, kv_layout=kv_layout,
-                              key_rope_freqs=jnp.linspace(1.0, 1e-3, d // 2), key_positions=ranks)
+                              key_rope_freqs=jnp.linspace(1.0, 1e-3,
+                                                          d // 2), key_positions=ranks, route=Route())
 
   picked = S((b, kvh, 40), jnp.int32)
   _assert_lowered(export_for_tpu(gathered, q, k, v, picked, S(picked.shape, jnp.bool_),
@@ -168,5 +171,5 @@ def test_quantized_attention_lowers_for_tpu(case):
   if lq > 1:
     own = S((b, lq, kvh, d), q.dtype)
     chunk = lambda q, k, v, kc, vc, off: chunk_attention(q, k, v, kc, vc, off,  # noqa: E731
-                                                         kv_layout=kv_layout)
+                                                         kv_layout=kv_layout, route=Route())
     _assert_lowered(export_for_tpu(chunk, q, k, v, own, own, per_seq))
