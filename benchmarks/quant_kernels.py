@@ -272,7 +272,7 @@ def time_topk_routes(reps):
   import jax
   import numpy as np
   from pallas_kernels import KernelOptions, Route, topk_scores
-  from pallas_kernels.topk.topk import copy_segment
+  from pallas_kernels.read import copy_segment
   recs = []
   for t in SIZES["route_keys"]:
     copy = KV * t * D * 2  # the bf16 copy of one sequence's keys

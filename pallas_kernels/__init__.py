@@ -20,7 +20,7 @@ One folder per op; a folder says what runs where:
 
 Shared at the top, imported by the folders and importing none of them: backend (which variant
 a route resolves to, `lowering_for`), route (Route), options (KernelOptions), quant (8-bit
-storage), layout (shapes and layouts), gpu (Triton helpers, Tiling), mgpu_common (Mosaic GPU
+storage), read (how a call reads an 8-bit cache), layout (shapes and layouts), gpu (Triton helpers, Tiling), mgpu_common (Mosaic GPU
 helpers), tpu (TPU helpers), online_softmax (the per-tile softmax and tile reads of attention
 and top-k), reference (the jnp references of every op, and `merge_attention`). attention/ also
 imports decode/ (its decode calls merge key splits with split_merge); tests/test_import_layers.py

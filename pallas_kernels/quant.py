@@ -16,7 +16,8 @@ shapes as the arrays would have: `Quantized.shape` is the values' shape), read t
 and the scales from HBM and dequantize in registers: the key scale multiplies each key's scores
 (q . (s k) = s (q . k)), the value scale each key's probability before P.V (sum p s v); the
 product and the softmax accumulate in fp32. The jnp references dequantize first
-(`dequantize`), which is the definition the kernels are tested against.
+(`dequantize`), which is the definition the kernels are tested against. How a call reads an
+8-bit buffer (as it is, with fp16 products, or copied in the queries' dtype first) is read.py's.
 
 `per_row(fn, *xs)` applies an indexing op (a gather of slots, a scatter of new tokens, a
 concatenation along the token axis) to values and scales alike, so an eviction or a write moves
@@ -97,24 +98,6 @@ def dequantize(x, dtype=jnp.float32):
   if not isinstance(x, Quantized):
     return x.astype(dtype)
   return (x.values.astype(jnp.float32) * x.scale[..., None]).astype(dtype)
-
-
-def dequantized_rows_fitting(x, dtype, variant, budget: int, axis: int) -> int:
-  """How many entries along `axis` of the 8-bit `x` a copy in `dtype` of at most `budget` bytes
-  holds, on a native GPU (dequantized_copy_fits' rule); 0 where there is no copy route."""
-  if not is_quantized(x) or variant.kind != "gpu" or variant.interpret:
-    return 0
-  return budget // (x.values.size // x.shape[axis] * jnp.dtype(dtype).itemsize)
-
-
-def dequantized_copy_fits(x, dtype, variant, budget: int, copies: int = 1) -> bool:
-  """Whether a kernel call over the 8-bit `x` (and copies - 1 more of its size: V beside K) runs
-  on a bf16 copy made first: on a native GPU, the copy at most `budget` bytes. The bf16 kernels
-  there (Mosaic, cuDNN) read no 8-bit tiles, and a compute-bound call (a prefill chunk's many
-  query rows) spends a few percent on one pass over the 8-bit buffer."""
-  if not is_quantized(x) or variant.kind != "gpu" or variant.interpret:
-    return False
-  return copies * x.values.size * jnp.dtype(dtype).itemsize <= budget
 
 
 def store_like(x, like):

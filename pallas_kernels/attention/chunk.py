@@ -30,9 +30,8 @@ import inspect
 
 import jax.numpy as jnp
 
-from pallas_kernels import layout, quant, reference
+from pallas_kernels import layout, quant, read, reference
 from pallas_kernels.attention.flash import flash_attention, mosaic_serves
-from pallas_kernels.options import DEFAULT, KernelOptions
 from pallas_kernels.route import Route
 
 NEG_INF = float("-inf")
@@ -121,13 +120,6 @@ def cudnn_route(q, k_cache, route: Route, kv_layout: str = "BTHD") -> bool:
           and q.dtype in (jnp.bfloat16, jnp.float16) and q.dtype == k_cache.dtype)
 
 
-def dequantize_first(q, k_cache, variant, options: KernelOptions = DEFAULT) -> bool:
-  """Whether a chunk over this 8-bit cache runs on its bf16 copy (module docstring): on a native
-  GPU, the copy of K and V at most `options.prefill_dequantize_bytes`."""
-  return quant.dequantized_copy_fits(k_cache, q.dtype, variant, options.prefill_dequantize_bytes,
-                                     copies=2)
-
-
 def chunk_attention(q, k_cache, v_cache, k_chunk, v_chunk, q_offset, *, kv_layout: str = "BTHD",
                     scale: float | None = None, route: Route, use_cudnn: bool | None = None):
   """Causal attention of a prefill chunk at positions q_offset[b] + i over the cache and itself.
@@ -142,7 +134,7 @@ def chunk_attention(q, k_cache, v_cache, k_chunk, v_chunk, q_offset, *, kv_layou
   b, c, _, d = q.shape
   scale = float(scale) if scale is not None else d ** -0.5
   q_off = layout.per_batch(q_offset, b, 0)
-  if dequantize_first(q, k_cache, route.variant(), route.kernels):
+  if read.dequantize_first(q, k_cache, route.variant(), route.kernels):
     k_cache, v_cache, k_chunk, v_chunk = (quant.dequantize(x, q.dtype)
                                           for x in (k_cache, v_cache, k_chunk, v_chunk))
   if use_cudnn is None:

@@ -29,7 +29,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels import gpu, layout, tpu
 from pallas_kernels.attention import mgpu_flash
 from pallas_kernels import online_softmax as osm
-from pallas_kernels import reference
+from pallas_kernels import read, reference
 from pallas_kernels.decode import split_merge
 from pallas_kernels.options import DEFAULT, KernelOptions
 from pallas_kernels.route import Route
@@ -96,9 +96,7 @@ def flash_attention(q, k, v, *, causal: bool = True, q_offset=0, kv_len=None,
                                   tl.key_splits or (1 if causal and lq > 1 else None))
     merge_kernel = options.decode_merge_kernel and lq == 1
     (kk, ks), (vv, vs) = layout.parts(kk), layout.parts(vv)
-    fp16 = quantized and q.dtype == jnp.bfloat16 and (
-        (options.fp8_fp16_products and kk.dtype == jnp.float8_e4m3fn)
-        or (options.int8_fp16_products and kk.dtype == jnp.int8))
+    fp16 = quantized and read.fp16_products(q, kk, options)
     outs, lses = _gpu(qr, kk, vv, meta, ks, vs, group=h // kvh, span=span, splits=splits,
                       parts=split_merge.parts(splits, merge_kernel), causal=causal,
                       scale=scale, kv_layout=kv_layout, tiling=tl,

@@ -24,7 +24,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import backend as backend_lib
-from pallas_kernels import gpu, layout, online_softmax, quant, reference, tpu
+from pallas_kernels import gpu, layout, online_softmax, quant, read, reference, tpu
 from pallas_kernels.topk import mgpu_topk, topk_blocks, topk_segments, topk_tile
 from pallas_kernels.options import DEFAULT, KernelOptions
 from pallas_kernels.route import Route
@@ -75,8 +75,7 @@ def topk_scores(q, k, top_k: int, *, scale: float | None = None, valid_len=None,
   # Many query rows (a prefill chunk) over 8-bit keys: their copy in q's dtype and the bf16
   # kernels within `topk_dequantize_bytes`, the whole copy or, where it does not fit, a segment
   # of keys at a time (options.py says why).
-  segment = copy_segment(quant.dequantized_rows_fitting(
-      k, q.dtype, variant, options.topk_dequantize_bytes, 1 if kv_layout == "BTHD" else 2), t)
+  segment = read.topk_copy_segment(q, k, variant, options, kv_layout, t)
   if segment >= t:
     k, quantized = quant.dequantize(k, q.dtype), False
   elif segment:
@@ -118,26 +117,6 @@ def topk_scores(q, k, top_k: int, *, scale: float | None = None, valid_len=None,
     vals, idx = _tpu(qr, kh, bounds, *tpu.scale_rows(ks), kp=kp, bm=bm, bk=bk, scale=scale,
                      selection=options.topk_selection, interpret=variant.interpret_arg())
   return _finish(vals, idx, top_k, lq, h)
-
-
-# The dequantized copy's segments (keys): a multiple of every kernel's key tile, and none
-# shorter than COPY_SEGMENT_MIN (there the pass and the extra calls cost more than the Triton
-# kernel over 8-bit tiles saves).
-COPY_SEGMENT_ALIGN = 1024
-COPY_SEGMENT_MIN = 1 << 16
-
-
-def copy_segment(fitting: int, keys: int) -> int:
-  """Keys per segment of the dequantized copy when `fitting` keys fit its cap: all `keys`
-  (one copy), else the fewest segments of equal, aligned length that fit, 0 if they are
-  shorter than COPY_SEGMENT_MIN (no copy)."""
-  if fitting >= keys:
-    return keys
-  most = fitting // COPY_SEGMENT_ALIGN * COPY_SEGMENT_ALIGN
-  if most < COPY_SEGMENT_MIN:
-    return 0
-  count = pl.cdiv(keys, most)
-  return layout.round_up(pl.cdiv(keys, count), COPY_SEGMENT_ALIGN)
 
 
 def _segmented_copy(q, k, top_k: int, segment: int, lo, hi, *, kv_layout: str, **kw):

@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import chunk_attention, flash_attention, gathered_attention, quant, reference
-from pallas_kernels import Route
+from pallas_kernels import Route, read
 from pallas_kernels.attention import chunk as chunk_module
 from pallas_kernels.attention import flash as fa_module
 from pallas_kernels.attention import gathered as ga_module
@@ -345,21 +345,21 @@ def test_chunk_over_a_quantized_cache_dequantizes_it_first_within_the_cap(monkey
   own = jnp.zeros((b, c, kvh, d), jnp.float32)
   copy = 2 * k.values.size * 4  # K and V in fp32, q's dtype
   native = Variant("gpu", False)
-  assert chunk_module.dequantize_first(q, k, native)
-  assert chunk_module.dequantize_first(q, k, native, KernelOptions(prefill_dequantize_bytes=copy))
-  assert not chunk_module.dequantize_first(
+  assert read.dequantize_first(q, k, native)
+  assert read.dequantize_first(q, k, native, KernelOptions(prefill_dequantize_bytes=copy))
+  assert not read.dequantize_first(
       q, k, native, KernelOptions(prefill_dequantize_bytes=copy - 1))
-  assert not chunk_module.dequantize_first(q, k, Variant("gpu", True))  # the interpreter
-  assert not chunk_module.dequantize_first(q, k, Variant("tpu", False))
-  assert not chunk_module.dequantize_first(q, k.values.astype(jnp.float32), native)
+  assert not read.dequantize_first(q, k, Variant("gpu", True))  # the interpreter
+  assert not read.dequantize_first(q, k, Variant("tpu", False))
+  assert not read.dequantize_first(q, k.values.astype(jnp.float32), native)
   with pytest.raises(ValueError, match="prefill_dequantize_bytes=-1 must be a byte count"):
     KernelOptions(prefill_dequantize_bytes=-1)
   ref = reference.flash_attention(q, k, v, causal=True, q_offset=off, kv_len=off + c,
                                   scale=d ** -0.5, kv_layout="BHTD")
   for cap, copies in ((copy, 1), (0, 0)):
     options = KernelOptions(prefill_dequantize_bytes=cap)
-    monkeypatch.setattr(chunk_module, "dequantize_first",
-                        lambda q, k, variant, options=options, real=chunk_module.dequantize_first:
+    monkeypatch.setattr(read, "dequantize_first",
+                        lambda q, k, variant, options=options, real=read.dequantize_first:
                         real(q, k, Variant("gpu", False), options))
     fn = lambda q, k, v, off: chunk_attention(  # noqa: E731
         q, k, v, own, own, off, kv_layout="BHTD", route=Route(backend="gpu", kernels=options))

@@ -69,7 +69,7 @@ def test_many_rows_over_8bit_keys_score_a_dequantized_copy_within_the_cap(monkey
   of keys at a time where only a part fits, and read the 8-bit keys otherwise. Both select what the reference does, as decode's rows do.
   The interpreter stands in for the GPU."""
   import jax
-  from pallas_kernels.topk import topk as topk_module
+  from pallas_kernels import read
   from pallas_kernels.backend import Variant
   from pallas_kernels.options import KernelOptions
   _, k = _inputs(dtype, seed=3)
@@ -78,22 +78,22 @@ def test_many_rows_over_8bit_keys_score_a_dequantized_copy_within_the_cap(monkey
   want = topk_scores(q, k, 5, kv_layout="BHTD", route=Route(backend="reference"), **BOUNDS)
   copy = k.values.size * 4  # K in fp32, q's dtype
   native = Variant("gpu", False)
-  assert quant.dequantized_copy_fits(k, q.dtype, native, copy)
-  assert not quant.dequantized_copy_fits(k, q.dtype, native, copy - 1)
-  assert not quant.dequantized_copy_fits(k, q.dtype, Variant("gpu", True), copy)  # interpreter
-  assert not quant.dequantized_copy_fits(k, q.dtype, Variant("tpu", False), copy)
-  real = quant.dequantized_rows_fitting
+  assert read.dequantized_copy_fits(k, q.dtype, native, copy)
+  assert not read.dequantized_copy_fits(k, q.dtype, native, copy - 1)
+  assert not read.dequantized_copy_fits(k, q.dtype, Variant("gpu", True), copy)  # interpreter
+  assert not read.dequantized_copy_fits(k, q.dtype, Variant("tpu", False), copy)
+  real = read.dequantized_rows_fitting
   assert real(k, q.dtype, native, copy, 2) == T and real(k, q.dtype, native, copy - 1, 2) == T - 1
   assert real(k, q.dtype, Variant("gpu", True), copy, 2) == 0
-  monkeypatch.setattr(topk_module.quant, "dequantized_rows_fitting",
+  monkeypatch.setattr(read, "dequantized_rows_fitting",
                       lambda x, dtype, variant, budget, axis: real(x, dtype, native, budget, axis))
   copy_shape = f"f32[{B},{KV},{T},{D}]"
   with pytest.raises(ValueError, match="topk_dequantize_bytes=-1 must be a byte count"):
     KernelOptions(topk_dequantize_bytes=-1)
   for cap, copied in ((copy, True), (copy - 1, False), (0, False), (None, True)):  # the default
+    kernels = KernelOptions() if cap is None else KernelOptions(topk_dequantize_bytes=cap)
     fn = lambda q, k, lq: topk_scores(  # noqa: E731
-        q[:, :lq], k, 5, kv_layout="BHTD", route=Route(backend="gpu",
-                                                       kernels=KernelOptions() if cap is None else KernelOptions(topk_dequantize_bytes=cap)), **BOUNDS)
+        q[:, :lq], k, 5, kv_layout="BHTD", route=Route(backend="gpu", kernels=kernels), **BOUNDS)
     text = str(jax.make_jaxpr(lambda q, k: fn(q, k, rows))(q, k))
     assert (copy_shape in text) == copied, cap
     for lq in (rows, 1):  # decode's row (topk_blocks) takes no part in the route
@@ -101,10 +101,10 @@ def test_many_rows_over_8bit_keys_score_a_dequantized_copy_within_the_cap(monkey
       np.testing.assert_array_equal(got[1], want[1][:, :lq], err_msg=f"{dtype} cap {cap} {lq}")
   # A cap below the whole copy: segments of keys, each copied and scored alone, merged. Here
   # 100 keys fit, so 4 segments of 96 (the last starts at 237 and skips the keys before 288).
-  monkeypatch.setattr(topk_module, "COPY_SEGMENT_ALIGN", 16)
-  monkeypatch.setattr(topk_module, "COPY_SEGMENT_MIN", 16)
+  monkeypatch.setattr(read, "COPY_SEGMENT_ALIGN", 16)
+  monkeypatch.setattr(read, "COPY_SEGMENT_MIN", 16)
   per_key = copy // T
-  assert [topk_module.copy_segment(n, T) for n in (T, 100, 15)] == [T, 96, 0]
+  assert [read.copy_segment(n, T) for n in (T, 100, 15)] == [T, 96, 0]
   capped = Route(backend="gpu", kernels=KernelOptions(topk_dequantize_bytes=100 * per_key))
   fn = lambda q, k: topk_scores(q, k, 5, kv_layout="BHTD", route=capped, **BOUNDS)  # noqa: E731
   text = str(jax.make_jaxpr(fn)(q, k))

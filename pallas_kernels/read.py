@@ -1,0 +1,77 @@
+"""How a kernel call reads an 8-bit (quantized) K/V cache: the entry points' decisions, in one
+place. quant.py stores the format (values and scales); this module says, per call, whether the
+8-bit tiles are read as they are, read with fp16 products, or first copied in the queries'
+dtype (whole, or a segment of keys at a time) so the bf16 kernels run.
+
+Each decision reads the call's variant and the run's KernelOptions (pallas_kernels/options.py
+says what was measured for each): a native GPU is the only place a copy or fp16 products pay.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels import layout, quant
+from pallas_kernels.options import DEFAULT, KernelOptions
+
+
+def dequantized_rows_fitting(x, dtype, variant, budget: int, axis: int) -> int:
+  """How many entries along `axis` of the 8-bit `x` a copy in `dtype` of at most `budget` bytes
+  holds, on a native GPU (dequantized_copy_fits' rule); 0 where there is no copy route."""
+  if not quant.is_quantized(x) or variant.kind != "gpu" or variant.interpret:
+    return 0
+  return budget // (x.values.size // x.shape[axis] * jnp.dtype(dtype).itemsize)
+
+
+def dequantized_copy_fits(x, dtype, variant, budget: int, copies: int = 1) -> bool:
+  """Whether a kernel call over the 8-bit `x` (and copies - 1 more of its size: V beside K) runs
+  on a bf16 copy made first: on a native GPU, the copy at most `budget` bytes. The bf16 kernels
+  there (Mosaic, cuDNN) read no 8-bit tiles, and a compute-bound call (a prefill chunk's many
+  query rows) spends a few percent on one pass over the 8-bit buffer."""
+  if not quant.is_quantized(x) or variant.kind != "gpu" or variant.interpret:
+    return False
+  return copies * x.values.size * jnp.dtype(dtype).itemsize <= budget
+
+
+def dequantize_first(q, k_cache, variant, options: KernelOptions = DEFAULT) -> bool:
+  """Whether a prefill chunk (chunk_attention) over this 8-bit cache runs on its bf16 copy: on a
+  native GPU, the copy of K and V at most `options.prefill_dequantize_bytes`."""
+  return dequantized_copy_fits(k_cache, q.dtype, variant, options.prefill_dequantize_bytes,
+                               copies=2)
+
+
+def fp16_products(q, k, options: KernelOptions = DEFAULT) -> bool:
+  """Whether the GPU flash kernel multiplies bf16 queries by 8-bit K/V tiles in fp16
+  (KernelOptions.fp8_fp16_products / int8_fp16_products); k: the key values' array."""
+  return q.dtype == jnp.bfloat16 and (
+      (options.fp8_fp16_products and k.dtype == jnp.float8_e4m3fn)
+      or (options.int8_fp16_products and k.dtype == jnp.int8))
+
+
+# The dequantized copy's segments (keys): a multiple of every kernel's key tile, and none
+# shorter than COPY_SEGMENT_MIN (there the pass and the extra calls cost more than the Triton
+# kernel over 8-bit tiles saves).
+COPY_SEGMENT_ALIGN = 1024
+COPY_SEGMENT_MIN = 1 << 16
+
+
+def copy_segment(fitting: int, keys: int) -> int:
+  """Keys per segment of the dequantized copy when `fitting` keys fit its cap: all `keys`
+  (one copy), else the fewest segments of equal, aligned length that fit, 0 if they are
+  shorter than COPY_SEGMENT_MIN (no copy)."""
+  if fitting >= keys:
+    return keys
+  most = fitting // COPY_SEGMENT_ALIGN * COPY_SEGMENT_ALIGN
+  if most < COPY_SEGMENT_MIN:
+    return 0
+  count = pl.cdiv(keys, most)
+  return layout.round_up(pl.cdiv(keys, count), COPY_SEGMENT_ALIGN)
+
+
+def topk_copy_segment(q, k, variant, options: KernelOptions, kv_layout: str, keys: int) -> int:
+  """topk_scores with many query rows over 8-bit keys: keys per segment of their copy in q's
+  dtype within `options.topk_dequantize_bytes` (all `keys`: one copy; 0: no copy, the Triton
+  kernel reads the 8-bit tiles)."""
+  return copy_segment(dequantized_rows_fitting(
+      k, q.dtype, variant, options.topk_dequantize_bytes, 1 if kv_layout == "BTHD" else 2), keys)
