@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from pallas_kernels.backend import BACKENDS, Variant, resolve
+from pallas_kernels import backend as backend_lib
+from pallas_kernels.backend import BACKENDS, Variant
 from pallas_kernels.gpu import Tiling
 from pallas_kernels.options import KernelOptions
 
@@ -57,7 +58,7 @@ class Route:
 
   def variant(self) -> Variant:
     """The attention and top-k kernels' variant where this is traced."""
-    return resolve(self.backend)
+    return backend_lib.resolve(self.backend)
 
   @property
   def is_reference(self) -> bool:

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import backend as backend_lib
 from pallas_kernels import Route, flash_attention, mgpu_common, reference
 from pallas_kernels.attention import mgpu_flash
 from pallas_kernels.attention import flash as fa_module
@@ -239,8 +240,8 @@ def test_routing_on_a_hopper_gpu(monkeypatch):
   Triton kernel. The kernels themselves are stubbed: this checks only which one is called."""
   calls = []
   options = KernelOptions(prefill_impl="mosaic", mosaic_before_cudnn=False)
-  monkeypatch.setattr(fa_module.backend_lib, "resolve", lambda backend: Variant("gpu", False))
-  monkeypatch.setattr(fa_module.backend_lib, "is_hopper", lambda: True)
+  monkeypatch.setattr(backend_lib, "resolve", lambda backend: Variant("gpu", False))
+  monkeypatch.setattr(backend_lib, "is_hopper", lambda: True)
   monkeypatch.setattr(fa_module, "_cudnn", lambda *a, **kw: calls.append("cudnn") or "cudnn")
   monkeypatch.setattr(fa_module.mgpu_flash, "mgpu_flash_attention",
                       lambda *a, **kw: calls.append("mosaic") or "mosaic")
