@@ -1,5 +1,6 @@
 """Star Attention on the default model against Star written a second time over transformers'
-Llama (tests/hf_reference.hf_star), to tell the method's failures from ours; full attention too.
+Llama (tests/helpers/hf_reference.hf_star), to tell the method's failures from ours; full
+attention too.
 Star (the one driver, `ctx=4`) runs on 4 fake CPU devices.
 
     PYTHONPATH=. python experiments/star_hf_reference.py --task passkey --depths 0.1,0.5,0.9
@@ -35,7 +36,7 @@ def main() -> None:
   from jax_longctx.methods import get
   from jax_longctx.run.driver import generate
   from jax_longctx.app.tasks import get as get_task
-  from tests.hf_reference import hf_star
+  from tests.helpers.hf_reference import hf_star
 
   lm = api.load("default", dtype="float32")
   hf_dir = os.path.join(tempfile.mkdtemp(), "hf")

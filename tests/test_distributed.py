@@ -17,7 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
                                   "star_two_blocks", "ring_end_to_end", "star_blocks",
                                   "star_vs_transformers", "star_two_blocks_in_rows"])
 def test_on_eight_devices(name):
-  run_on_eight_devices("tests.distributed_checks", name)
+  run_on_eight_devices("tests.helpers.distributed_checks", name)
 
 
 def _free_port() -> str:
@@ -80,7 +80,7 @@ def test_eval_as_two_processes(tmp_path):
 @pytest.mark.parametrize("shared_anchor", [True, False])
 def test_star_on_one_device_matches_transformers(tmp_path, shared_anchor):
   """Every block on one device (5 rows: several per device, in this process): Star equals Star
-  written over transformers' Llama (tests/hf_reference.hf_star)."""
+  written over transformers' Llama (tests/helpers/hf_reference.hf_star)."""
   import numpy as np
   import torch
   from transformers import LlamaForCausalLM
@@ -88,8 +88,8 @@ def test_star_on_one_device_matches_transformers(tmp_path, shared_anchor):
   from checkpoints_convert import export_hf
   from jax_longctx.model import random_params
   from tests.conftest import TINY_LLAMA3, tiny_config
-  from tests.distributed_checks import star_run
-  from tests.hf_reference import hf_star
+  from tests.helpers.distributed_checks import star_run
+  from tests.helpers.hf_reference import hf_star
   cfg = tiny_config(**TINY_LLAMA3)
   params = random_params(cfg, seed=4)
   export_hf(params, cfg, str(tmp_path / "hf"))

@@ -12,7 +12,7 @@ from jax_longctx.app.api import LM
 from jax_longctx.core.config import ConfigError, LlamaConfig, RopeScaling
 from jax_longctx.model import random_params
 from tests.conftest import tiny_config
-from tests.hf_reference import hf_logits
+from tests.helpers.hf_reference import hf_logits
 
 QWEN25_05B = {  # Qwen2.5-Coder-0.5B-Instruct's config.json
     "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "attention_dropout": 0.0,

@@ -9,7 +9,7 @@ RoPE pair) that divide the keys and multiply the queries.
 - RefreshKV's query similarity is the unsmoothed model's.
 - Calibration: powers of two shared by a pair's two channels, finite for a dead channel; the
   default model calibrated on prose through `load`'s own path; export refuses smoothed weights.
-The mesh (KV heads copied over `model`): tests/tensor_parallel_checks.py `smoothed`.
+The mesh (KV heads copied over `model`): tests/helpers/tensor_parallel_checks.py `smoothed`.
 """
 
 import jax

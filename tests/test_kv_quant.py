@@ -2,7 +2,7 @@
 
 Quantization itself (pallas_kernels/quant.py): the round trip's error bound per dtype, and scales
 that are never zero, inf or NaN. Every registered method (tiny random model, fp32, GQA 6/2, one
-device, budgets as tokens; the mesh and ratio budgets: tests/tensor_parallel_checks.py
+device, budgets as tokens; the mesh and ratio budgets: tests/helpers/tensor_parallel_checks.py
 `quantized`): the prompt's last logits and the teacher-forced NLL of 4 decode steps within a
 stated tolerance of the same run with the cache in the model's dtype, and the cache really held
 in 8 bits (every K/V buffer a Quantized of the asked dtype, about half the bytes). Beside it,

@@ -1,4 +1,4 @@
-"""The 8-bit KV cache on 8 fake CPU devices (tests/tensor_parallel_checks.py `quantized`,
+"""The 8-bit KV cache on 8 fake CPU devices (tests/helpers/tensor_parallel_checks.py `quantized`,
 `hlo_no_cache_gather_int8`, `smoothed`): every per-layer method with an int8 cache and four
 with fp8 on (data 2, model 2) against one device with the same cache, mesh ReAttention's on
 (ctx 2, model 2), no all-gather of a cache's size with an int8 cache, and key smoothing
@@ -12,4 +12,4 @@ from tests.conftest import run_on_eight_devices
 
 @pytest.mark.parametrize("name", ["quantized", "hlo_no_cache_gather_int8", "smoothed"])
 def test_on_eight_devices(name):
-  run_on_eight_devices("tests.tensor_parallel_checks", name)
+  run_on_eight_devices("tests.helpers.tensor_parallel_checks", name)

@@ -8,7 +8,7 @@ from jax_longctx.app.api import LM
 from jax_longctx.core.config import RopeScaling
 from jax_longctx.model import random_params
 from tests.conftest import TINY_LLAMA3, tiny_config
-from tests.hf_reference import hf_logits
+from tests.helpers.hf_reference import hf_logits
 
 
 def test_default_model_matches_transformers(default_lm, default_hf_dir):

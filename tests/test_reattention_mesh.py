@@ -1,6 +1,6 @@
 """Mesh ReAttention (jax_longctx/methods/reattention.py MeshReAttention) equals one-device ReAttention
 on 8 fake CPU devices; each check runs in its own process (the device count is fixed when JAX
-starts): tests/reattention_mesh_checks.py says what each one checks."""
+starts): tests/helpers/reattention_mesh_checks.py says what each one checks."""
 
 import numpy as np
 import pytest
@@ -13,7 +13,7 @@ from tests.conftest import run_on_eight_devices
                                   "cyclic_layer_gpu_kernels", "cyclic_model",
                                   "cyclic_resa_model"])
 def test_on_eight_devices(name):
-  run_on_eight_devices("tests.reattention_mesh_checks", name)
+  run_on_eight_devices("tests.helpers.reattention_mesh_checks", name)
 
 
 @pytest.mark.parametrize("name", ["reattention_mesh", "resa_mesh"])
@@ -22,7 +22,7 @@ def test_on_one_device_the_driver_matches_the_one_device_method(tiny, name):
   shard the whole cache): the same greedy tokens as the one-device method."""
   from jax_longctx.run.driver import generate
   from jax_longctx.methods import get
-  from tests.reattention_mesh_checks import HP
+  from tests.helpers.reattention_mesh_checks import HP
   cfg, params = tiny
   rng = np.random.default_rng(4)
   prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (41, 26)]

@@ -1,6 +1,6 @@
 """Tensor- and data-parallel inference (`RunOptions.mesh`, `load(mesh=...)`, `--mesh`) on 8 fake
-CPU devices: each check of tests/tensor_parallel_checks.py in its own process (its module doc
-says which methods run on which meshes, and why that choice), and the command line on the
+CPU devices: each check of tests/helpers/tensor_parallel_checks.py in its own process (its module
+doc says which methods run on which meshes, and why that choice), and the command line on the
 default model with its 9 heads and 3 KV heads over model=3."""
 
 import os
@@ -18,7 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
                                   "mesh_methods", "hlo_no_cache_gather", "errors", "fused",
                                   "tpu_export"])
 def test_on_eight_devices(name):
-  run_on_eight_devices("tests.tensor_parallel_checks", name)
+  run_on_eight_devices("tests.helpers.tensor_parallel_checks", name)
 
 
 def _cli(*args):

@@ -9,7 +9,7 @@ gate), and the end-of-prefill hook where there is one (RESA's prior runs flash_a
 Mesh methods: Star's / ring's phase 1 (the context encoded over the mesh axis) and phase 2 (the
 query and the decode loop), mesh ReAttention's (and RESA's over it) steps, on a real 1-device
 mesh and on an abstract 4-device one. Tensor parallel: every method's steps on (data 2, model 4)
-of this process's 8 CPU devices (tests/tensor_parallel_checks.py `tpu_export`).
+of this process's 8 CPU devices (tests/helpers/tensor_parallel_checks.py `tpu_export`).
 
 KERNEL_STEPS is exact both ways: a step that should reach a kernel but exports without a Mosaic
 call (silently on the jnp reference) fails, and so does a new or changed method whose step
@@ -36,7 +36,7 @@ from jax_longctx.run.context_encoding import _rows, encode_blocks
 from jax_longctx.run.generation import Sampling, decode_loop, row_keys
 from tests.conftest import tiny_config
 from tests.test_methods import _method
-from tests.tpu_export import export_for_tpu, mosaic_calls
+from tests.helpers.tpu_export import export_for_tpu, mosaic_calls
 
 S = jax.ShapeDtypeStruct
 # bf16 and a head dim of 64 as on a TPU; a cache past one 256-key tile, not a multiple of it.
@@ -223,7 +223,7 @@ def tensor_parallel_exports():
   (data 2, model 4) mesh of this process's 8 (CPU) devices, each device's heads, weights and
   rows under shard_map: exported for TPU as 8-device programs, with the same kernels as on one
   device (KERNEL_STEPS); every mesh method's steps or phases on (ctx 2, model 4) likewise. Run
-  by tests/tensor_parallel_checks.py `tpu_export`."""
+  by tests/helpers/tensor_parallel_checks.py `tpu_export`."""
   options = RunOptions(mesh="data=2,model=4")
   for name in names("layer"):
     method = _method(name, BUDGET)

@@ -18,7 +18,7 @@ import pallas_kernels
 from pallas_kernels import chunk_attention, flash_attention, gathered_attention, quant, topk_scores
 from pallas_kernels import Route
 from tests.kernels.inputs import keys_shape
-from tests.tpu_export import MOSAIC_CALL, export_for_tpu, mosaic_calls
+from tests.helpers.tpu_export import MOSAIC_CALL, export_for_tpu, mosaic_calls
 
 S = jax.ShapeDtypeStruct
 # (batch, q_len, q_heads, kv_heads, kv_len, head_dim, kv_layout, dtype): decode (q_len 1) and

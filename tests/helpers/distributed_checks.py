@@ -1,5 +1,5 @@
 """Multi-device checks, run in a subprocess with 8 fake CPU devices (tests/test_distributed.py):
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m tests.distributed_checks NAME
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m tests.helpers.distributed_checks NAME
 """
 
 import functools
@@ -134,7 +134,7 @@ def star_blocks():
 
 def star_vs_transformers():
   """Star with blocks of 8 and an anchor of 5 (7 blocks over 8 devices; then 4 devices, two
-  blocks each) equals Star written over transformers' Llama (tests/hf_reference.hf_star) for
+  blocks each) equals Star written over transformers' Llama (tests/helpers/hf_reference.hf_star) for
   each sequence of a batch of two, with the anchor shared or run in every row."""
   import tempfile
 
@@ -142,7 +142,7 @@ def star_vs_transformers():
   from transformers import LlamaForCausalLM
 
   from checkpoints_convert import export_hf
-  from tests.hf_reference import hf_star
+  from tests.helpers.hf_reference import hf_star
   cfg, params = _tiny()
   rng = np.random.default_rng(2)
   contexts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (54, 41)]

@@ -1,7 +1,7 @@
 """Tensor- and data-parallel inference on 8 fake CPU devices (tests/test_tensor_parallel.py), each
 check in its own process (the device count is fixed when JAX starts):
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m tests.tensor_parallel_checks NAME
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m tests.helpers.tensor_parallel_checks NAME
 
 Against one device, on the same weights: the same greedy tokens, prompt logits and
 teacher-forced NLL within fp32 rounding, and the same cache after decoding (every position a

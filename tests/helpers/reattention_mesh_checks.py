@@ -1,6 +1,6 @@
 """Mesh ReAttention against one-device ReAttention, run in a subprocess with 8 fake CPU devices
 (tests/test_reattention_mesh.py):
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m tests.reattention_mesh_checks NAME
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m tests.helpers.reattention_mesh_checks NAME
 """
 
 import sys
