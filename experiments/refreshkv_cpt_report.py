@@ -8,28 +8,12 @@ outputs take (cpt_log.jsonl -> cpt_summary.md, cpt_curves.png). OUT_DIR: RUN_DIR
 folder.
 """
 
-import json
 import os
 import statistics
 import sys
 
 from jax_longctx.app import plots
 from train_cpt import read_log
-
-
-def _read(log: str) -> tuple[dict[int, dict], list[dict]]:
-  """read_log's (steps, evaluations) of a run folder or of a log file by another name."""
-  if os.path.isdir(log):
-    return read_log(log)
-  steps, evals = {}, []
-  with open(log) as f:
-    for line in f:
-      rec = json.loads(line)
-      if "eval" in rec:
-        evals.append(rec["eval"])
-      else:
-        steps[rec["step"]] = rec
-  return steps, evals
 
 
 def summary(steps: dict[int, dict], evals: list[dict]) -> str:
@@ -76,7 +60,7 @@ def plot(steps: dict[int, dict], evals: list[dict], path: str) -> str:
 def main(log: str, out_dir: str | None = None) -> None:
   prefix = "" if os.path.isdir(log) else os.path.basename(log).removesuffix("log.jsonl")
   out_dir = out_dir or (log if os.path.isdir(log) else os.path.dirname(log) or ".")
-  steps, evals = _read(log)
+  steps, evals = read_log(log)
   text = summary(steps, evals)
   with open(os.path.join(out_dir, f"{prefix}summary.md"), "w") as f:
     f.write(text + "\n")

@@ -183,9 +183,11 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None) -> dict:
 
 
 def read_log(out_dir: str) -> tuple[dict[int, dict], list[dict]]:
-  """(the last record of each step, the evaluations) of a run's log.jsonl."""
+  """(the last record of each step, the evaluations) of a run's log.jsonl; `out_dir` may also
+  name a log file itself (one saved under another name)."""
   steps, evals = {}, []
-  with open(os.path.join(out_dir, "log.jsonl")) as f:
+  path = os.path.join(out_dir, "log.jsonl") if os.path.isdir(out_dir) else out_dir
+  with open(path) as f:
     for line in f:
       rec = json.loads(line)
       if "eval" in rec:
