@@ -53,7 +53,7 @@ def int4_quantize(levels: str):
     xf = x.astype(jnp.float32)
     if levels == "row":
       values, scale = _levels(xf)
-      return quant.Quantized(values.astype(jnp.int8), scale[..., 0])
+      return quant.Quantized(values.astype(jnp.int8), scale)
     values, scale = _levels(xf.reshape(*xf.shape[:-1], xf.shape[-1] // GROUP, GROUP))
     return eight_bit((values * scale).reshape(xf.shape), dtype)
 

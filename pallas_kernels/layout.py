@@ -35,7 +35,7 @@ def check_qk(q, k, kv_layout: str):
 def check_kv(k, v) -> bool:
   """Whether keys and values come quantized (`quant.Quantized`, the 8-bit KV cache); checks that
   both are arrays of one shape or both Quantized of one 8-bit dtype, scales shaped as their
-  values without the head dim."""
+  values with a head dim of 1."""
   kq, vq = quant.is_quantized(k), quant.is_quantized(v)
   if kq != vq:
     raise ValueError(f"k and v must both be Quantized or both arrays, got k "
@@ -47,18 +47,19 @@ def check_kv(k, v) -> bool:
   for name, x in (("k", k), ("v", v)):
     if x.dtype.name not in quant.EIGHT_BIT:
       raise ValueError(f"quantized {name} holds {x.dtype.name}: expected one of {quant.EIGHT_BIT}")
-    if x.scale.shape != x.values.shape[:-1]:
-      raise ValueError(f"{name}.scale {x.scale.shape} must be its values' shape without the head "
-                       f"dim, {x.values.shape[:-1]}")
+    if x.scale.shape != (*x.values.shape[:-1], 1):
+      raise ValueError(f"{name}.scale {x.scale.shape} must be its values' shape with a head dim "
+                       f"of 1, {(*x.values.shape[:-1], 1)}")
   if k.dtype != v.dtype:
     raise ValueError(f"k ({k.dtype.name}) and v ({v.dtype.name}) must be quantized alike")
   return True
 
 
 def parts(x):
-  """(values, scale fp32) of a Quantized, (x, None) of an array."""
+  """(values, scale fp32 [...]) of a Quantized, (x, None) of an array. The kernels tile the
+  scales as one vector per (batch, KV head), so the stored trailing 1 goes here, once."""
   if quant.is_quantized(x):
-    return x.values, x.scale.astype(jnp.float32)
+    return x.values, x.scale[..., 0].astype(jnp.float32)
   return x, None
 
 

@@ -1,7 +1,9 @@
 """8-bit storage with a scale per row: the quantized KV cache's one format, shared by every kernel.
 
-A `Quantized` holds `values` [..., d] in int8 or float8_e4m3fn and `scale` [...] fp32, one per
-row (a KV cache row is one token of one KV head), symmetric: x ~= values * scale[..., None].
+A `Quantized` holds `values` [..., d] in int8 or float8_e4m3fn and `scale` [..., 1] fp32, one per
+row (a KV cache row is one token of one KV head), symmetric: x ~= values * scale. The scale keeps
+its row's last axis (size 1) so it broadcasts against the values and every op over the leading
+axes applies to both leaves alike.
 int8 rounds x / scale to the nearest integer in [-127, 127] (clipped; -128 is never used, so
 the grid is symmetric); fp8 (E4M3, no infinities) casts x / scale, whose largest magnitude is
 448, the format's largest finite value. A row of zeros gets scale 1 (values 0): a scale is never
@@ -20,8 +22,8 @@ product and the softmax accumulate in fp32. The jnp references dequantize first
 8-bit buffer (as it is, with fp16 products, or copied in the queries' dtype first) is read.py's.
 
 `per_row(fn, *xs)` applies an indexing op (a gather of slots, a scatter of new tokens, a
-concatenation along the token axis) to values and scales alike, so an eviction or a write moves
-a token's scale with it; it never touches the last axis (the head dim).
+concatenation along the token axis) to values and scales alike (`jax.tree.map`), so an eviction
+or a write moves a token's scale with it; it never touches the last axis (the head dim).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ _QMAX = {"int8": 127.0, "float8_e4m3fn": 448.0}
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Quantized:
-  """values [..., d] int8 / float8_e4m3fn, scale [...] fp32: x ~= values * scale[..., None]."""
+  """values [..., d] int8 / float8_e4m3fn, scale [..., 1] fp32: x ~= values * scale."""
 
   values: jax.Array
   scale: jax.Array
@@ -84,11 +86,11 @@ def quantize(x, dtype) -> Quantized:
     raise ValueError(f"cannot quantize to {name!r}: one of {', '.join(EIGHT_BIT)}")
   qmax = _QMAX[name]
   xf = x.astype(jnp.float32)
-  amax = jnp.max(jnp.abs(xf), axis=-1)
+  amax = jnp.max(jnp.abs(xf), axis=-1, keepdims=True)
   scale = jnp.where(amax > 0, amax / qmax, 1.0)
   # A magnitude past fp32's range (amax inf) would make inf scales: clip to the largest finite.
   scale = jnp.minimum(scale, np.finfo(np.float32).max / qmax)
-  y = jnp.clip(xf / scale[..., None], -qmax, qmax)
+  y = jnp.clip(xf / scale, -qmax, qmax)
   values = jnp.round(y).astype(jnp.int8) if name == "int8" else y.astype(jnp.float8_e4m3fn)
   return Quantized(values, scale.astype(jnp.float32))
 
@@ -97,7 +99,7 @@ def dequantize(x, dtype=jnp.float32):
   """Quantized -> values * scale in `dtype` (computed in fp32); an array is only cast."""
   if not isinstance(x, Quantized):
     return x.astype(dtype)
-  return (x.values.astype(jnp.float32) * x.scale[..., None]).astype(dtype)
+  return (x.values.astype(jnp.float32) * x.scale).astype(dtype)
 
 
 def store_like(x, like):
@@ -112,22 +114,18 @@ def zeros_like_storage(shape, dtype) -> jax.Array | Quantized:
   array, or for an 8-bit dtype a Quantized of zeros with scales 1."""
   name = jnp.dtype(dtype).name
   if name in _QMAX:
-    return Quantized(jnp.zeros(shape, name), jnp.ones(shape[:-1], jnp.float32))
+    return Quantized(jnp.zeros(shape, name), jnp.ones((*shape[:-1], 1), jnp.float32))
   return jnp.zeros(shape, dtype)
 
 
 def per_row(fn: Callable, *xs):
-  """fn applied to the arrays xs, or, where the first is Quantized, to every x's values and
-  (as [..., 1]) to its scales: an indexing op over the leading axes (a gather, a scatter, a
-  slice, a concatenation, a swap of leading axes) moves each row's scale with its values.
-  A plain array among quantized ones must already be Quantized (use `store_like`)."""
-  if not isinstance(xs[0], Quantized):
-    return fn(*xs)
-  if not all(isinstance(x, Quantized) for x in xs):
+  """fn applied to the arrays xs, or, where they are Quantized, to their values and their scales
+  alike: an indexing op over the leading axes (a gather, a scatter, a slice, a concatenation, a
+  swap of leading axes) moves each row's scale with its values. A plain array among quantized
+  ones must be made Quantized first (`store_like`)."""
+  if len({isinstance(x, Quantized) for x in xs}) > 1:
     raise TypeError("per_row: mix of Quantized and plain arrays (store_like the new rows first)")
-  values = fn(*(x.values for x in xs))
-  scale = fn(*(x.scale[..., None] for x in xs))
-  return Quantized(values, scale[..., 0])
+  return jax.tree.map(fn, *xs)
 
 
 def nbytes(x) -> int:

@@ -33,7 +33,7 @@ def key_parts(k, dtype, kv_layout: str):
   kh = heads_first(k, kv_layout)
   if not quant.is_quantized(kh):
     return kh, None
-  return kh.values.astype(dtype), kh.scale.astype(jnp.float32)
+  return kh.values.astype(dtype), kh.scale[..., 0].astype(jnp.float32)
 
 
 def key_scores(q, k, kv_layout: str, scale):

@@ -17,7 +17,7 @@ def _keys():
 def test_row_levels_are_4_bit_with_one_scale_a_row():
   x = _keys()
   q = int4_quantize("row")(x, "int8")
-  assert q.values.dtype == jnp.int8 and q.scale.shape == x.shape[:-1]
+  assert q.values.dtype == jnp.int8 and q.scale.shape == (*x.shape[:-1], 1)
   assert int(jnp.max(jnp.abs(q.values))) == 7
   step = np.asarray(jnp.max(jnp.abs(x), -1) / 7)[..., None]
   err = np.abs(np.asarray(quant.dequantize(q)) - np.asarray(x))

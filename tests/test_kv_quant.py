@@ -41,7 +41,7 @@ def test_round_trip_error_is_bounded_per_row(dtype, bound):
   x = rng.normal(size=(3, 5, 64)).astype(np.float32)
   x[..., 7] *= 40  # an outlier channel, as keys have (KIVI)
   q = quant.quantize(jnp.asarray(x), dtype)
-  assert q.values.dtype == jnp.dtype(dtype) and q.scale.shape == x.shape[:-1]
+  assert q.values.dtype == jnp.dtype(dtype) and q.scale.shape == (*x.shape[:-1], 1)
   err = np.abs(np.asarray(q.dequantize()) - x)
   amax = np.max(np.abs(x), axis=-1, keepdims=True)
   if dtype == "int8":
@@ -133,3 +133,23 @@ def _mesh_method(name):
   if name == "resa_mesh":
     return get(name, base_args=tuple(hp.items()))
   return get(name, block_size=8) if name == "star" else get(name)
+
+
+def test_quantized_storage_takes_its_declaration_for_values_and_scales():
+  from flax import struct
+
+  from jax_longctx.core.axes import HEADS, ROWS, TOKENS, Axes, axes, logical_axes
+
+  @struct.dataclass
+  class Good:
+    k: jnp.ndarray = axes(ROWS, HEADS, TOKENS, None)
+
+  @struct.dataclass
+  class SplitsHeadDim:
+    k: jnp.ndarray = axes(ROWS, TOKENS, HEADS)
+
+  x = quant.quantize(jnp.ones((2, 3, 5, 8)), "int8")
+  got = logical_axes(Good(x)).k
+  assert got.values == got.scale == Axes((ROWS, HEADS, TOKENS, None))
+  with pytest.raises(ValueError, match="SplitsHeadDim.k: quantized storage splits its last axis"):
+    logical_axes(SplitsHeadDim(quant.quantize(jnp.ones((2, 5, 3)), "int8")))

@@ -17,7 +17,8 @@ the tree's own structure. `core/mesh.py` maps the names to the device mesh (`spe
 
 A field whose value is a struct of its own (a KVCache inside SnapKV's state) is not declared: the
 walk descends into it. A `pallas_kernels.quant.Quantized` under a declared field takes the
-declaration for its values and the same names without the last for its scales (a scale per row).
+declaration for both its leaves: its scales are its values' shape with a last axis of 1, which a
+declaration never splits (the head dim, None: `_leaf` checks).
 An array reached with no declaration is an error naming its place: a new state class must
 declare its fields.
 """
@@ -93,8 +94,10 @@ def _leaf(value, names: tuple, where: str):
   if value is None:
     return None
   if isinstance(value, Quantized):
-    scale = None if value.scale is None else Axes(names[:-1])  # (None: a tree of Nones)
-    return Quantized(_leaf(value.values, names, where), scale)
+    if names and names[-1] is not None:
+      raise ValueError(f"{where}: quantized storage splits its last axis {names[-1]!r}, which its "
+                       "scales hold once (declare it None)")
+    return jax.tree.map(lambda x: _leaf(x, names, where), value)
   if len(names) != len(value.shape):
     raise ValueError(f"{where}: declared {len(names)} axes {names} for an array of shape "
                      f"{tuple(value.shape)}")

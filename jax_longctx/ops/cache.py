@@ -49,7 +49,7 @@ def weighted_sum(x, w):
   product in the buffer's dtype (no fp32 copy of a cache). An 8-bit buffer's scales fold into
   the weights, rounded to bf16 (its values are exact there): a relative 2^-9 per term."""
   if isinstance(x, Quantized):
-    w, x = w * x.scale, x.values.astype(jnp.bfloat16)
+    w, x = w * x.scale[..., 0], x.values.astype(jnp.bfloat16)
   return jnp.einsum("bhtd,bht->bhd", x, w.astype(x.dtype), preferred_element_type=jnp.float32)
 
 

@@ -44,7 +44,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels import quant
+from pallas_kernels import layout, quant
 from pallas_kernels.mgpu_common import (COMPUTE_WGS, LOG2E, NEG_INF, Config, Ops,
                                         compiler_params, dequantize_tile, fill_ring,
                                         interpret_params, interpreter_available, keyrows, plgpu,
@@ -82,7 +82,7 @@ def mgpu_flash_attention(q, k, v, q_offset, kv_len, *, causal: bool, scale: floa
   meta = jnp.stack([q_offset.astype(jnp.int32), jnp.minimum(kv_len.astype(jnp.int32), t)], 1)
   kv = (k, v)
   if quant.is_quantized(k):
-    kv = (k.values, v.values, *(_scale_rows(x.scale, kv_layout) for x in (k, v)))
+    kv = (k.values, v.values, *(_scale_rows(layout.parts(x)[1], kv_layout) for x in (k, v)))
   body = functools.partial(_entry, dims=dims, causal=causal, scale=scale, kv_layout=kv_layout,
                            cfg=config, native=native, dtype=q.dtype)
   out, lse = plgpu.kernel(

@@ -53,11 +53,10 @@ def write_one_token(k_cache, v_cache, positions, k_new, v_new, *, route: Route):
   if not quantized:
     return _write(pos, (kn, vn), (k_cache, v_cache), interpret=variant.interpret_arg())
   # scales: rows [B, KV, 1] and caches [B, KV, T, 1], written as the values (the same kernel)
-  col = lambda x: x[..., None]  # noqa: E731
-  out = _write(pos, (kn.values, vn.values, col(kn.scale), col(vn.scale)),
-               (k_cache.values, v_cache.values, col(k_cache.scale), col(v_cache.scale)),
+  out = _write(pos, (kn.values, vn.values, kn.scale, vn.scale),
+               (k_cache.values, v_cache.values, k_cache.scale, v_cache.scale),
                interpret=variant.interpret_arg())
-  return tuple(quant.Quantized(x, s[..., 0]) for x, s in ((out[0], out[2]), (out[1], out[3])))
+  return tuple(quant.Quantized(x, s) for x, s in ((out[0], out[2]), (out[1], out[3])))
 
 
 def _kernel(pos_ref, *refs):

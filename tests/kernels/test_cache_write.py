@@ -69,8 +69,8 @@ def test_write_kernel_lowers_to_triton(quantized):
   row = jnp.ones((1, 8, 128), jnp.bfloat16)
   if quantized:  # values and scales: four buffers written in place by one kernel
     k, row = quant.quantize(k, jnp.int8), quant.quantize(row, jnp.int8)
-    rows = (row.values, row.values, row.scale[..., None], row.scale[..., None])
-    caches = (k.values, k.values, k.scale[..., None], k.scale[..., None])
+    rows = (row.values, row.values, row.scale, row.scale)
+    caches = (k.values, k.values, k.scale, k.scale)
   else:
     rows, caches = (row, row), (k, k)
 

@@ -211,7 +211,7 @@ def test_native_mosaic_kernel_lowers_with_quantized_kv(kv_dtype, d, layout, sema
   S = jax.ShapeDtypeStruct
   b, lq, h, kvh, t = 1, 2048, 32, 8, 4096
   shape = keys_shape(b, t, kvh, d, layout)
-  kv = quant.Quantized(S(shape, kv_dtype), S(shape[:-1], jnp.float32))
+  kv = quant.Quantized(S(shape, kv_dtype), S((*shape[:-1], 1), jnp.float32))
   ints = S((b,), jnp.int32)
   config = Config(64, 128, 2, semantics=semantics)
   assert fa_module.mgpu_flash.unsupported(S((b, lq, h, d), jnp.bfloat16), kv, kv,
@@ -263,7 +263,7 @@ def test_decode_reads_no_dequantized_copy(kernel):
   that would be the dequantized copy decode must not read). Traced, not run."""
   S = jax.ShapeDtypeStruct
   b, h, kvh, t, d, n = 1, 32, 8, 4096, 128, 1024
-  kv = quant.Quantized(S((b, kvh, t, d), jnp.int8), S((b, kvh, t), jnp.float32))
+  kv = quant.Quantized(S((b, kvh, t, d), jnp.int8), S((b, kvh, t, 1), jnp.float32))
   q = S((b, 1, h, d), jnp.bfloat16)
   if kernel == "flash":
     fn = lambda q, k, v, pos: flash_attention(  # noqa: E731
@@ -374,7 +374,7 @@ def test_quantized_kv_errors():
   q, k, v = qkv(2, 1, 2, 4, 2, 40, 64, "BTHD", jnp.bfloat16, jnp.int8)
   idx = jnp.zeros((1, 2, 8), jnp.int32)
   bad = {"must both be Quantized": (k, v.dequantize(jnp.bfloat16)),
-         "without the head dim": (quant.Quantized(k.values, k.scale[..., :1]), v),
+         "with a head dim of 1": (quant.Quantized(k.values, k.scale[..., 0]), v),
          "quantized alike": (k, quant.quantize(v.dequantize(), F8))}
   for message, (kk, vv) in bad.items():
     for call in (lambda: flash_attention(q, kk, vv, route=Route()),

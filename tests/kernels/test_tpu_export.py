@@ -140,7 +140,7 @@ def test_the_mosaic_call_name_is_what_the_export_holds():
 
 def _int8(kv):
   """int8 quant.Quantized K or V of kv's shape (TPU v5e has no FP8: int8 is the TPU's 8 bits)."""
-  return quant.Quantized(S(kv.shape, jnp.int8), S(kv.shape[:-1], jnp.float32))
+  return quant.Quantized(S(kv.shape, jnp.int8), S((*kv.shape[:-1], 1), jnp.float32))
 
 
 @pytest.mark.parametrize("case", ["decode_g4_bf16", "decode_g1_tiny", "chunk_g4_bf16",
