@@ -1,7 +1,9 @@
 """How a kernel call reads an 8-bit (quantized) K/V cache: the entry points' decisions, in one
-place. quant.py stores the format (values and scales); this module says, per call, whether the
-8-bit tiles are read as they are, read with fp16 products, or first copied in the queries'
-dtype (whole, or a segment of keys at a time) so the bf16 kernels run.
+place. quant.py stores the format (values and scales); this module says, per call, which
+kernels can read the 8-bit tiles (cuDNN never, the Mosaic GPU flash kernel not yet on a GPU),
+and whether they are read as they are, read with fp16 products, or first copied in the
+queries' dtype (whole, or a segment of keys at a time) so the bf16 kernels run. What is left
+in the lowerings is how each reads the format (scales beside the tiles), not which path runs.
 
 Each decision reads the call's variant and the run's KernelOptions (pallas_kernels/options.py
 says what was measured for each): a native GPU is the only place a copy or fp16 products pay.
@@ -14,6 +16,25 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import layout, quant
 from pallas_kernels.options import DEFAULT, KernelOptions
+
+
+def cudnn_reads(k) -> bool:
+  """Whether cuDNN's attention can take these keys: never 8-bit ones (it takes no scales)."""
+  return not quant.is_quantized(k)
+
+
+def check_cudnn_asked(use_cudnn: bool | None, k) -> None:
+  """A call that asks for cuDNN (use_cudnn=True) over keys it cannot read is refused."""
+  if use_cudnn and not cudnn_reads(k):
+    raise ValueError("use_cudnn=True: cuDNN cannot read a quantized cache (8-bit K/V)")
+
+
+def mosaic_reads(k, variant) -> bool:
+  """Whether the Mosaic GPU flash kernel may take these keys on this variant. Its 8-bit path
+  (tiles dequantized into its SMEM ring) passes the GPU interpreter on a CPU but hung on an
+  H200 (2026-11-25, benchmarks/quant_kernels.py check_attention): 8-bit K/V take the Triton
+  kernel on a GPU until it is fixed."""
+  return variant.interpret or not quant.is_quantized(k)
 
 
 def dequantized_rows_fitting(x, dtype, variant, budget: int, axis: int) -> int:
@@ -43,7 +64,8 @@ def dequantize_first(q, k_cache, variant, options: KernelOptions = DEFAULT) -> b
 
 def fp16_products(q, k, options: KernelOptions = DEFAULT) -> bool:
   """Whether the GPU flash kernel multiplies bf16 queries by 8-bit K/V tiles in fp16
-  (KernelOptions.fp8_fp16_products / int8_fp16_products); k: the key values' array."""
+  (KernelOptions.fp8_fp16_products / int8_fp16_products); k: the key values' array (a float
+  one: never)."""
   return q.dtype == jnp.bfloat16 and (
       (options.fp8_fp16_products and k.dtype == jnp.float8_e4m3fn)
       or (options.int8_fp16_products and k.dtype == jnp.int8))

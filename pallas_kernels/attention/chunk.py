@@ -111,7 +111,7 @@ def cudnn_route(q, k_cache, route: Route, kv_layout: str = "BTHD") -> bool:
   entry present, bf16/fp16 queries and cache of one dtype, unless the Mosaic GPU flash kernel
   serves the chunk (Hopper: one call with the offset, measured 1.10-1.14x the two cuDNN calls);
   never for a quantized cache."""
-  if not route.kernels.chunk_cudnn or quant.is_quantized(k_cache):
+  if not route.kernels.chunk_cudnn or not read.cudnn_reads(k_cache):
     return False
   if mosaic_serves(q, k_cache, k_cache, kv_layout=kv_layout, route=route):
     return False
@@ -139,8 +139,7 @@ def chunk_attention(q, k_cache, v_cache, k_chunk, v_chunk, q_offset, *, kv_layou
                                           for x in (k_cache, v_cache, k_chunk, v_chunk))
   if use_cudnn is None:
     use_cudnn = cudnn_route(q, k_cache, route, kv_layout)
-  elif use_cudnn and quant.is_quantized(k_cache):
-    raise ValueError("use_cudnn=True: cuDNN cannot read a quantized cache")
+  read.check_cudnn_asked(use_cudnn, k_cache)
   if use_cudnn:
     return chunk_attention_composed(q, k_cache, v_cache, k_chunk.astype(q.dtype),
                                     v_chunk.astype(q.dtype), q_off, scale=scale,

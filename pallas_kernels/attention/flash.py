@@ -54,14 +54,13 @@ def flash_attention(q, k, v, *, causal: bool = True, q_offset=0, kv_len=None,
   if variant.kind == "tpu":
     tpu.check_kv_dtype(k)
   mosaic = _mosaic_config(variant, q, k, v, kv_layout, tiling, options)
-  if use_cudnn and quantized:
-    raise ValueError("use_cudnn=True: cuDNN cannot read quantized K/V")
+  read.check_cudnn_asked(use_cudnn, k)
   if use_cudnn is None:
     asked = tiling is not None and tiling.impl == "mosaic"
     mosaic_first = mosaic is not None and (options.mosaic_before_cudnn or asked)
     use_cudnn = (variant.kind == "gpu" and not variant.interpret and lq > 1 and not mosaic_first
                  and isinstance(q_offset, int) and q_offset == 0 and kv_layout == "BTHD"
-                 and q.dtype in (jnp.bfloat16, jnp.float16) and not quantized)
+                 and q.dtype in (jnp.bfloat16, jnp.float16) and read.cudnn_reads(k))
   q_off = layout.per_batch(q_offset, b, 0)
   kv_len = layout.per_batch(kv_len, b, t)
   if variant.kind == "reference":
@@ -96,7 +95,7 @@ def flash_attention(q, k, v, *, causal: bool = True, q_offset=0, kv_len=None,
                                   tl.key_splits or (1 if causal and lq > 1 else None))
     merge_kernel = options.decode_merge_kernel and lq == 1
     (kk, ks), (vv, vs) = layout.parts(kk), layout.parts(vv)
-    fp16 = quantized and read.fp16_products(q, kk, options)
+    fp16 = read.fp16_products(q, kk, options)
     outs, lses = _gpu(qr, kk, vv, meta, ks, vs, group=h // kvh, span=span, splits=splits,
                       parts=split_merge.parts(splits, merge_kernel), causal=causal,
                       scale=scale, kv_layout=kv_layout, tiling=tl,
@@ -121,10 +120,7 @@ def _mosaic_config(variant, q, k, v, kv_layout, tiling, options: KernelOptions =
   """The Mosaic GPU kernel's Config when it serves this call, else None (the Triton kernel)."""
   if not gpu.mosaic_asked(variant, tiling, options.prefill_impl):
     return None
-  if layout.parts(k)[1] is not None and not variant.interpret:
-    # The Mosaic kernel's 8-bit path (tiles dequantized into its SMEM ring) passes the GPU
-    # interpreter on a CPU but hung on an H200 (2026-11-25, benchmarks/quant_kernels.py
-    # check_attention): 8-bit K/V take the Triton kernel on a GPU until it is fixed.
+  if not read.mosaic_reads(k, variant):
     return None
   config = gpu.mosaic_tiling(mgpu_flash.DEFAULT_CONFIG, tiling)
   if mgpu_flash.unsupported(q, k, v, kv_layout=kv_layout, config=config):
