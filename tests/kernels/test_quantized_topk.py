@@ -24,7 +24,7 @@ def _inputs(dtype, seed=0):
   rng = np.random.default_rng(seed)
   q = jnp.asarray(rng.integers(-3, 4, (B, LQ, H, D)), jnp.float32)
   values = jnp.asarray(rng.integers(-5, 6, (B, KV, T, D))).astype(dtype)
-  scale = jnp.asarray(2.0 ** rng.integers(-3, 3, (B, KV, T)), jnp.float32)
+  scale = jnp.asarray(2.0 ** rng.integers(-3, 3, (B, KV, T, 1)), jnp.float32)
   return q, quant.Quantized(values, scale)
 
 
