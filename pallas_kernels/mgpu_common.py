@@ -34,6 +34,14 @@ LN2 = math.log(2.0)
 NEG_INF = float("-inf")
 HEAD_DIMS = (64, 128)
 DTYPES = (jnp.bfloat16, jnp.float16)
+# 8-bit WGMMA operands (Hopper: twice the bf16 rate): s8 x s8 -> s32, e4m3 x e4m3 -> f32.
+EIGHT_BIT = (jnp.int8, jnp.float8_e4m3fn)
+# An int32 x with |x| < 2^22 is exact in fp32 as bits(x + MAGIC) - MAGIC_F: the sum's low 23
+# bits are the mantissa of 1.5 * 2^23 + x. An integer add and a float subtract, both at the full
+# rate, where cvt.rn.f32.s32 runs at a quarter of it (an 8-bit product of d <= 128 terms is at
+# most 128 * 127 * 127 < 2^21 in magnitude).
+MAGIC = 0x4B400000
+MAGIC_F = 12582912.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +102,38 @@ def unsupported(q, k, v, *, kv_layout: str, config: Config) -> str | None:
   if (need := smem_bytes(config, d, quantized=quantized)) > SMEM_LIMIT:
     return f"{config} needs {need} bytes of SMEM at d={d} (> {SMEM_LIMIT})"
   return None
+
+
+def operand_transforms(dtype, d: int):
+  """The WGMMA operand layout of a [rows, d] SMEM tile: tiled (8, one swizzle of elements) and
+  swizzled by min(128, the row's bytes)."""
+  swizzle = min(128, d * jnp.dtype(dtype).itemsize)
+  return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
+          plgpu.SwizzleTransform(swizzle))
+
+
+def scale_rows(scale, kv_layout: str):
+  """Scales [B, T, KV] or [B, KV, T] -> [B, KV, T'] fp32, each (batch, kv head) a row for 1-D TMA
+  copies (a strided box cannot hold one float per row); T' = T rounded up to 8 (a TMA stride is
+  a multiple of 16 bytes; the extra scales are never read). A copy only in BTHD (4 bytes a key
+  and head)."""
+  scale = scale.astype(jnp.float32)
+  if kv_layout == "BTHD":
+    scale = jnp.swapaxes(scale, 1, 2)
+  t = scale.shape[2]
+  return jnp.pad(scale, ((0, 0), (0, 0), (0, -t % 8)), constant_values=1.0)
+
+
+def quantize_rows(x, dtype):
+  """x [..., d] -> (values in `dtype` (int8 / E4M3), scale fp32 [...]): one symmetric scale per
+  row, as the KV cache's keys (quant.quantize), so an 8-bit WGMMA can take the rows."""
+  q = quant.quantize(x, dtype)
+  return q.values, q.scale.reshape(x.shape[:-1])
+
+
+def int_to_f32(x):
+  """int32 x (|x| < 2^22) -> fp32, exactly, by the MAGIC bit trick (no int-to-float unit)."""
+  return lax.bitcast_convert_type(x + MAGIC, jnp.float32) - MAGIC_F
 
 
 def compiler_params(config: Config, reduction_scratch_bytes: int = 0):
@@ -244,20 +284,29 @@ class Ops:
             self.layout(jnp.zeros((self.bq,), jnp.float32), row))
 
   def scores(self, q_smem, k_tile, *, after_issue):
-    """Q [bq, d] . K [bk, d]^T -> fp32 [bq, bk]; after_issue runs while the product is in flight."""
+    """Q [bq, d] . K [bk, d]^T -> fp32 [bq, bk]; after_issue runs while the product is in flight.
+    int8 tiles multiply into int32 (exact), converted by `int_to_f32`; E4M3 and 16-bit tiles
+    accumulate in fp32."""
+    acc = jnp.int32 if q_smem.dtype == jnp.int8 else jnp.float32
     if not self.native:
       s = lax.dot_general(q_smem[...], k_tile[...], (((1,), (1,)), ((), ())),
-                          preferred_element_type=jnp.float32)
+                          preferred_element_type=acc)
       self.fence_reads()
       after_issue()
-      return s
+    else:
+      def product(acc_ref):
+        plgpu.wgmma(acc_ref, q_smem, k_tile.transpose((1, 0)))  # K^T: a view
+        after_issue()
+        return acc_ref[...]
 
-    def product(acc_ref):
-      plgpu.wgmma(acc_ref, q_smem, k_tile.transpose((1, 0)))  # K^T: a view
-      after_issue()
-      return acc_ref[...]
+      s = pl.run_scoped(product, plgpu.ACC((self.bq, self.bk), acc))
+    return int_to_f32(s) if acc == jnp.int32 else s
 
-    return pl.run_scoped(product, plgpu.ACC((self.bq, self.bk), jnp.float32))
+  def columns(self, ref, shape):
+    """A [bk] fp32 SMEM row (per-key values: 8-bit keys' scales) broadcast along the rows of
+    `shape` [bq, bk], in the WGMMA layout of the scores it multiplies."""
+    x = (plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(0)) if self.native else ref[...])
+    return self.layout(lax.broadcast_in_dim(x, shape, [1]), plgpu.Layout.WGMMA)
 
   @staticmethod
   def fence_reads():

@@ -14,6 +14,7 @@ IMPLS = ("mosaic", "triton")
 TOPK_SELECTIONS = ("exact", "max_only")
 TOPK_FEW_ROWS = ("blocks", "blocks_jnp", "kernel")
 TOPK_MANY_ROWS = ("segments", "kernel")
+EIGHT_BIT_TOPK = ("tensor_cores", "dequantize")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +87,11 @@ class KernelOptions:
   # H200, BENCHMARKS.md "Re-timed"). A prefill chunk's scoring is compute-bound, so the copy's
   # pass is a few percent of it.
   topk_dequantize_bytes: int = 1 << 30
+  # topk_scores' prefill chunks over 8-bit keys on Hopper: "tensor_cores" runs the Mosaic
+  # kernel's products on the 8-bit tensor cores (s8 x s8 -> s32, e4m3 x e4m3 -> f32, the
+  # queries quantized per row for the selection: mgpu_topk.py); "dequantize" takes the route
+  # above (a bf16 copy within topk_dequantize_bytes, else the Triton kernel).
+  topk_eight_bit: str = "tensor_cores"
 
   def __post_init__(self):
     for field in ("prefill_impl", "topk_impl"):
@@ -99,6 +105,8 @@ class KernelOptions:
       value = getattr(self, field)
       if not isinstance(value, int) or value < 0:
         raise ValueError(f"{field}={value!r} must be a byte count >= 0 (0: never)")
+    if self.topk_eight_bit not in EIGHT_BIT_TOPK:
+      raise ValueError(f"topk_eight_bit={self.topk_eight_bit!r} must be one of {EIGHT_BIT_TOPK}")
     if self.topk_selection not in TOPK_SELECTIONS:
       raise ValueError(f"topk_selection={self.topk_selection!r} must be one of {TOPK_SELECTIONS}")
 

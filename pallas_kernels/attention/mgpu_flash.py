@@ -49,7 +49,7 @@ from pallas_kernels.mgpu_common import (COMPUTE_WGS, LOG2E, NEG_INF, Config, Ops
                                         compiler_params, dequantize_tile, fill_ring,
                                         interpret_params, interpreter_available, keyrows, plgpu,
                                         rendezvous, returns_when_done_if_interpreted, rows,
-                                        smem_bytes, tile_start, unsupported)
+                                        scale_rows, smem_bytes, tile_start, unsupported)
 
 __all__ = ["Config", "DEFAULT_CONFIG", "interpreter_available", "mgpu_flash_attention",
            "smem_bytes", "unsupported"]
@@ -82,7 +82,7 @@ def mgpu_flash_attention(q, k, v, q_offset, kv_len, *, causal: bool, scale: floa
   meta = jnp.stack([q_offset.astype(jnp.int32), jnp.minimum(kv_len.astype(jnp.int32), t)], 1)
   kv = (k, v)
   if quant.is_quantized(k):
-    kv = (k.values, v.values, *(_scale_rows(layout.parts(x)[1], kv_layout) for x in (k, v)))
+    kv = (k.values, v.values, *(scale_rows(layout.parts(x)[1], kv_layout) for x in (k, v)))
   body = functools.partial(_entry, dims=dims, causal=causal, scale=scale, kv_layout=kv_layout,
                            cfg=config, native=native, dtype=q.dtype)
   out, lse = plgpu.kernel(
@@ -97,18 +97,6 @@ def mgpu_flash_attention(q, k, v, q_offset, kv_len, *, causal: bool, scale: floa
       interpret=interpret_params(interpret),
   )(meta, q, *kv)
   return out, jnp.swapaxes(lse[..., :lq], 1, 2)
-
-
-def _scale_rows(scale, kv_layout: str):
-  """Scales [B, T, KV] or [B, KV, T] -> [B, KV, T'] fp32, each (batch, kv head) a row for 1-D TMA
-  copies (a strided box cannot hold one float per row); T' = T rounded up to 8 (a TMA stride is
-  a multiple of 16 bytes; the extra scales are never read). A copy only in BTHD (4 bytes a key
-  and head)."""
-  scale = scale.astype(jnp.float32)
-  if kv_layout == "BTHD":
-    scale = jnp.swapaxes(scale, 1, 2)
-  t = scale.shape[2]
-  return jnp.pad(scale, ((0, 0), (0, 0), (0, -t % 8)), constant_values=1.0)
 
 
 @dataclasses.dataclass(frozen=True)

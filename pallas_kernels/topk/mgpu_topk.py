@@ -39,35 +39,42 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.mgpu_common import (COMPUTE_WGS, DTYPES, HEAD_DIMS, NEG_INF, SMEM_LIMIT,
-                                        Config, Ops, compiler_params, fill_ring,
-                                        interpret_params, interpreter_available, keyrows, plgpu,
-                                        rendezvous, returns_when_done_if_interpreted, rows,
-                                        tile_start)
+from pallas_kernels import layout, quant
+from pallas_kernels.mgpu_common import (COMPUTE_WGS, DTYPES, EIGHT_BIT, HEAD_DIMS, NEG_INF,
+                                        SMEM_LIMIT, Config, Ops, compiler_params, fill_ring,
+                                        interpret_params, interpreter_available, keyrows,
+                                        operand_transforms, plgpu, quantize_rows, rendezvous,
+                                        returns_when_done_if_interpreted, scale_rows, tile_start)
+from pallas_kernels.topk import mgpu_select
 
 __all__ = ["Config", "DEFAULT_CONFIG", "MAX_TOP_K", "interpreter_available", "mgpu_topk_scores",
            "smem_bytes", "unsupported"]
 
 DEFAULT_CONFIG = Config(block_q=64, block_kv=128, stages=4)  # not yet tuned on a GPU
 MAX_TOP_K = 32  # 2 * top_k row vectors stay in registers
-BIG_INDEX = 2**31 - 1
 TEST_FIRST_SPAN = 262144  # keys per split past which "segments" tests before inserting
 # A row vector reduced to one value across 4 warps needs 16 bytes; a little more is harmless.
 REDUCTION_SCRATCH = 128
 
 
 def smem_bytes(config: Config, d: int, kp: int, itemsize: int = 2) -> int:
-  """Q of both compute warpgroups, the K ring, the output sets, barriers and scratch."""
+  """Q of both compute warpgroups, the K ring (with 8-bit keys, itemsize 1, their scales' ring),
+  the output sets, barriers and scratch."""
   tiles = COMPUTE_WGS * config.block_q * d + config.stages * config.block_kv * d
-  return tiles * itemsize + 2 * COMPUTE_WGS * kp * config.block_q * 4 + 1024 + REDUCTION_SCRATCH
+  scales = config.stages * config.block_kv * 4 if itemsize == 1 else 0
+  return (tiles * itemsize + scales + 2 * COMPUTE_WGS * kp * config.block_q * 4 + 1024
+          + REDUCTION_SCRATCH)
 
 
 def unsupported(q, k, top_k: int, *, config: Config, keys: int | None = None) -> str | None:
   """Why this kernel cannot run the call (None: it can); keys: the key count, when known."""
   d = q.shape[3]
+  eight_bit = quant.is_quantized(k)
   if plgpu is None:
     return "this jaxlib has no Mosaic GPU"
-  if q.dtype not in DTYPES or k.dtype != q.dtype:
+  if eight_bit and (q.dtype not in DTYPES or k.dtype not in EIGHT_BIT):
+    return f"dtypes {q.dtype}/{k.dtype}: needs bf16 or fp16 q and int8 or E4M3 keys"
+  if not eight_bit and (q.dtype not in DTYPES or k.dtype != q.dtype):
     return f"dtypes {q.dtype}/{k.dtype}: needs q and k both bf16 or both fp16"
   if d not in HEAD_DIMS:
     return f"head dim {d} not in {HEAD_DIMS}"
@@ -76,8 +83,8 @@ def unsupported(q, k, top_k: int, *, config: Config, keys: int | None = None) ->
     return f"{keys} keys: needs a multiple of 8"
   if top_k > MAX_TOP_K:
     return f"top_k {top_k} > {MAX_TOP_K} (the running set lives in registers)"
-  if smem_bytes(config, d, top_k) > SMEM_LIMIT:
-    return f"{config} needs {smem_bytes(config, d, top_k)} bytes of SMEM at d={d}"
+  if (need := smem_bytes(config, d, top_k, 1 if eight_bit else 2)) > SMEM_LIMIT:
+    return f"{config} needs {need} bytes of SMEM at d={d}"
   return None
 
 
@@ -106,22 +113,38 @@ def mgpu_topk_scores(qr, k, bounds, *, kp: int, span: int, splits: int, scale: f
   (None: not at all). selection: KernelOptions.topk_selection ("max_only", a benchmark
   diagnostic: slot 0 holds the row's running max, the rest stays empty; "segments": each split's
   kp best segments of `segment` keys, as (max score, first key) sorted best first, T a multiple
-  of `segment`: stage 1 of topk_segments.py; test_first: see _selection, None: by span).
-  interpret / native as in mgpu_flash."""
+  of `segment`: stage 1 of topk_segments.py; test_first: see mgpu_select.selection, None: by
+  span). interpret / native as in mgpu_flash.
+
+  8-bit keys (quant.Quantized, int8 or E4M3): the rows of qr are quantized alike (one scale per
+  row, quantize_rows) and the tiles multiply on the 8-bit tensor cores (int8 into exact int32,
+  E4M3 into fp32); the kernel selects by q8.k8 times each key's scale, and the kept scores are
+  multiplied by the row's scale and `scale` after (a positive factor per row changes no row's
+  order). The selection is then that of the quantized queries: it equals the dequantize-first
+  reference's where the rounding of q moves no score past a neighbour (tests/kernels say how
+  often it did)."""
   native = (interpret is False) if native is None else native
   b, kvh, rp, d = qr.shape
   t = k.shape[1 if kv_layout == "BTHD" else 2]
+  eight_bit = quant.is_quantized(k)
+  if eight_bit:
+    k, k_scale = layout.parts(k)
+    qr, q_scale = quantize_rows(qr, k.dtype)
+    inputs = (qr, k, scale_rows(k_scale, kv_layout))
+  else:
+    inputs = (qr, k)
   cta_rows = COMPUTE_WGS * config.block_q
   if (rp % cta_rows or t < config.block_kv or span % config.block_kv or span * splits < t
       or (selection == "segments" and (t % segment or config.block_kv % segment))):
     raise ValueError(f"mgpu_topk_scores: rows {rp} / keys {t} / span {span} x {splits} do not fit "
                      f"{config} (selection {selection!r}, segment {segment})")
   dims = _Dims(t=t, d=d, kvh=kvh, span=span, kp=kp)
-  body = functools.partial(_entry, dims=dims, cfg=config, scale=scale, kv_layout=kv_layout,
+  body = functools.partial(_entry, dims=dims, cfg=config,
+                           scale=None if eight_bit else scale, kv_layout=kv_layout,
                            native=native, dtype=qr.dtype,
-                           select=_selection(selection, kp, segment,
-                                             span > TEST_FIRST_SPAN if test_first is None
-                                             else test_first))
+                           select=mgpu_select.selection(selection, kp, segment,
+                                                        span > TEST_FIRST_SPAN
+                                                        if test_first is None else test_first))
   shape = (b, kvh, splits, kp, rp)  # rows minor: one TMA box per warpgroup and set slot
   vals, idx = plgpu.kernel(
       body,
@@ -131,22 +154,29 @@ def mgpu_topk_scores(qr, k, bounds, *, kp: int, span: int, splits: int, scale: f
       compiler_params=(None if interpret is not False
                        else compiler_params(config, reduction_scratch_bytes=REDUCTION_SCRATCH)),
       interpret=interpret_params(interpret),
-  )(bounds.astype(jnp.int32), qr, k)
-  return jnp.swapaxes(vals, 3, 4), jnp.swapaxes(idx, 3, 4)
+  )(bounds.astype(jnp.int32), *inputs)
+  vals, idx = jnp.swapaxes(vals, 3, 4), jnp.swapaxes(idx, 3, 4)
+  if eight_bit:  # the rows' own factors, left out of the selection
+    vals = vals * (q_scale if scale is None else q_scale * scale)[:, :, None, :, None]
+  return vals, idx
 
 
-def _entry(bounds_ref, q_ref, k_ref, v_out, i_out, *, dims, cfg, dtype, **kw):
-  """Allocates the CTA's SMEM and barriers (shared by its warpgroups) and runs them."""
-  tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))  # WGMMA operand layout
+def _entry(bounds_ref, q_ref, k_ref, *refs, dims, cfg, dtype, **kw):
+  """Allocates the CTA's SMEM and barriers (shared by its warpgroups) and runs them. refs:
+  (key scales [B, KV, T'] with 8-bit keys,) the output scores and keys."""
+  tiled = operand_transforms(dtype, dims.d)  # WGMMA operand layout
+  eight_bit = len(refs) == 3
   smem = (plgpu.SMEM((COMPUTE_WGS, cfg.block_q, dims.d), dtype, transforms=tiled),  # Q
           plgpu.SMEM((cfg.stages, cfg.block_kv, dims.d), dtype, transforms=tiled),  # K ring
           plgpu.SMEM((COMPUTE_WGS, dims.kp, cfg.block_q), jnp.float32),  # output scores
-          plgpu.SMEM((COMPUTE_WGS, dims.kp, cfg.block_q), jnp.int32))  # output keys
+          plgpu.SMEM((COMPUTE_WGS, dims.kp, cfg.block_q), jnp.int32),  # output keys
+          *([plgpu.SMEM((cfg.stages, cfg.block_kv), jnp.float32)] if eight_bit else []))
   barriers = (plgpu.Barrier(num_barriers=COMPUTE_WGS),  # Q of each compute warpgroup
               plgpu.Barrier(num_barriers=cfg.stages),  # K slot filled
               plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=cfg.stages),  # K slot freed
-              plgpu.Barrier(num_arrivals=COMPUTE_WGS))  # the compute warpgroups alternate
-  refs = (bounds_ref, q_ref, k_ref, v_out, i_out)
+              plgpu.Barrier(num_arrivals=COMPUTE_WGS),  # the compute warpgroups alternate
+              *([plgpu.Barrier(num_barriers=cfg.stages)] if eight_bit else []))  # scales filled
+  refs = (bounds_ref, q_ref, k_ref, *refs[-2:], *refs[:-2])
   pl.run_scoped(lambda *scoped: _cta(refs, *scoped, dims=dims, cfg=cfg, dtype=dtype, **kw),
                 smem, barriers, collective_axes="wg")
 
@@ -175,8 +205,8 @@ def _cta(refs, smem, barriers, *, dims, cfg, **kw):
 
   @pl.when(wg == COMPUTE_WGS)
   def _():
-    _, k_smem, _, _ = smem
-    _, k_loaded, k_free, _ = barriers
+    _, k_smem, _, _, *ks_smem = smem
+    _, k_loaded, k_free, _, *ks_loaded = barriers
     if kw["native"]:
       plgpu.set_max_registers(40, action="decrease")  # registers go to the compute warpgroups
 
@@ -184,6 +214,9 @@ def _cta(refs, smem, barriers, *, dims, cfg, **kw):
       start = tile_start(first + step, cfg.block_kv, dims.t)
       plgpu.copy_gmem_to_smem(keyrows(refs[2], kw["kv_layout"], b, h, start, cfg.block_kv),
                               k_smem.at[slot], k_loaded.at[slot])
+      if ks_smem:  # the keys' scales (8-bit keys), one row of [B, KV, T']
+        plgpu.copy_gmem_to_smem(refs[5].at[b, h, pl.ds(start, cfg.block_kv)],
+                                ks_smem[0].at[slot], ks_loaded[0].at[slot])
 
     fill_ring(last - first, cfg.stages, [(load, k_free)])
 
@@ -192,9 +225,10 @@ def _consumer(refs, smem, barriers, *, wg, row0, b, h, lo, hi, tiles, dims, cfg,
               kv_layout, native, dtype, select):
   """Compute warpgroup: its rows' running sets over the CTA's tiles, then written out."""
   del kv_layout, dtype
-  _, q_ref, _, v_out, i_out = refs
-  q_smem, k_smem, v_smem, i_smem = smem
-  q_loaded, k_loaded, k_free, turn = barriers
+  _, q_ref, _, v_out, i_out, *_ = refs
+  q_smem, k_smem, v_smem, i_smem, *ks_smem = smem
+  q_loaded, k_loaded, k_free, turn, *ks_loaded = barriers
+  key_scales = (ks_smem[0], ks_loaded[0]) if ks_smem else None
   if native:
     plgpu.set_max_registers(232, action="increase")
   q_tile = q_smem.at[wg]
@@ -209,8 +243,8 @@ def _consumer(refs, smem, barriers, *, wg, row0, b, h, lo, hi, tiles, dims, cfg,
   pl.when(wg == 1)(sync_turn)  # warpgroup 0 goes first; from here on they alternate
   first, plain_lo, plain_hi, last = tiles
   step = functools.partial(_step, first=first, q_tile=q_tile, k_smem=k_smem, k_loaded=k_loaded,
-                           k_free=k_free, sync_turn=sync_turn, ops=ops, scale=scale, lo=lo, hi=hi,
-                           t=dims.t, cfg=cfg, select=select)
+                           k_free=k_free, key_scales=key_scales, sync_turn=sync_turn, ops=ops,
+                           scale=scale, lo=lo, hi=hi, t=dims.t, cfg=cfg, select=select)
   for a, z, masked in ((first, plain_lo, True), (plain_lo, plain_hi, False),
                        (plain_hi, last, True)):
     # The cond only skips an empty loop (as mgpu_flash's masked loop; see there).
@@ -228,12 +262,17 @@ def _consumer(refs, smem, barriers, *, wg, row0, b, h, lo, hi, tiles, dims, cfg,
   plgpu.wait_smem_to_gmem(0)
 
 
-def _step(g, state, *, masked: bool, first, q_tile, k_smem, k_loaded, k_free, sync_turn, ops,
-          scale, lo, hi, t, cfg, select):
-  """Key tile g: S = Q K^T (the other warpgroup selects meanwhile), then the selection."""
+def _step(g, state, *, masked: bool, first, q_tile, k_smem, k_loaded, k_free, key_scales,
+          sync_turn, ops, scale, lo, hi, t, cfg, select):
+  """Key tile g: S = Q K^T (the other warpgroup selects meanwhile), with 8-bit keys times each
+  key's scale, then the selection."""
   slot = lax.rem(g - first, jnp.int32(cfg.stages))
   plgpu.barrier_wait(k_loaded.at[slot])
   s = ops.scores(q_tile, k_smem.at[slot], after_issue=sync_turn)  # [bq, bk] fp32
+  if key_scales is not None:
+    ks_smem, ks_loaded = key_scales
+    plgpu.barrier_wait(ks_loaded.at[slot])
+    s = s * ops.columns(ks_smem.at[slot], s.shape)
   plgpu.barrier_arrive(k_free.at[slot])
   if scale is not None:
     s = s * scale
@@ -244,127 +283,3 @@ def _step(g, state, *, masked: bool, first, q_tile, k_smem, k_loaded, k_free, sy
   state = select(state, s, key, start, ops)
   sync_turn()  # selection done: the other warpgroup's turn
   return state
-
-
-def _select(state, s, key, start, ops):
-  """The running sets ([kp] row vectors of scores, of keys) after the tile s [bq, bk] of keys
-  `key` (all above those kept): see the module doc."""
-  def threshold(vals):
-    return functools.reduce(jnp.minimum, vals)
-
-  def pending(carry):
-    _, vals, _, best = carry
-    return jnp.max(jnp.where(best > threshold(vals), 1, 0)) > 0  # across the warpgroup
-
-  def take_best(carry):
-    s, vals, keys, best = carry
-    worst = threshold(vals)
-    worst_key = functools.reduce(jnp.maximum, [jnp.where(v == worst, i, -BIG_INDEX)
-                                               for v, i in zip(vals, keys)])
-    best_key = jnp.min(jnp.where(s == rows(best, s.shape), key, BIG_INDEX), axis=1)
-    take = best > worst
-    hits = [take & (i == worst_key) for i in keys]
-    vals = [jnp.where(hit, best, v) for hit, v in zip(hits, vals)]
-    keys = [jnp.where(hit, best_key, i) for hit, i in zip(hits, keys)]
-    s = jnp.where(key == rows(best_key, s.shape), NEG_INF, s)
-    return s, vals, keys, s.max(axis=1)
-
-  del start, ops
-  vals, keys = state
-  _, vals, keys, _ = lax.while_loop(pending, take_best, (s, vals, keys, s.max(axis=1)))
-  return vals, keys
-
-
-def _select_one(state, s, key, start, ops):
-  """kp = 1, a running argmax: a row changes only where the tile's max beats its kept score
-  strictly, to the lowest key among the tile's equal maxima. At most one round, so no masking,
-  no second max and no second test across the warpgroup; the round runs only when some row
-  gains (running it on every tile measured slower at 512K keys: BENCHMARKS.md)."""
-  del start, ops
-  (val,), (kept,) = state
-  best = s.max(axis=1)
-  take = best > val
-
-  def update(_):
-    best_key = jnp.min(jnp.where(s == rows(best, s.shape), key, BIG_INDEX), axis=1)
-    return [jnp.where(take, best, val)], [jnp.where(take, best_key, kept)]
-
-  return lax.cond(jnp.max(jnp.where(take, 1, 0)) > 0, update, lambda _: ([val], [kept]), None)
-
-
-def _select_segments(state, s, key, start, ops, *, segment: int, test_first: bool):
-  """selection="segments" (topk_segments.py, stage 1): each row keeps its kp best segments of
-  `segment` consecutive keys, ranked by their max score, as a sorted set: (maxima descending,
-  first keys), equal maxima in key order. Per tile: every segment's row max (slices of S, about
-  one row reduction's work). If some row's best segment beats its worst kept one, that segment
-  (the first of equal maxima) goes in; if then some row's next best also beats its worst kept
-  one, the tile's other segments go in one by one in key order (rare once the sets fill). A
-  segment goes in after the kept ones it does not beat strictly, so of equal maxima the earlier
-  segment stays ahead. Row-vector work, no rounds over S. The clamped last tile starts on a
-  segment boundary (topk_segments needs T % segment == 0); its masked part holds -inf, which
-  never goes in."""
-  del key
-  row = plgpu.Layout.WGMMA.reduce(1)
-  maxima = [s[:, j:j + segment].max(axis=1) for j in range(0, s.shape[1], segment)]
-  best = functools.reduce(jnp.maximum, maxima)
-  n = len(maxima)
-
-  def some_row(gains):  # across the warpgroup
-    return jnp.max(jnp.where(gains, 1, 0)) > 0
-
-  def keep(state):
-    return tuple(list(x) for x in state)
-
-  def insert_best(state):
-    j_best = functools.reduce(jnp.minimum, [jnp.where(m == best, j, n)
-                                            for j, m in enumerate(maxima)])
-    vals, firsts = _insert(*state, best, start + j_best * segment)
-    rest = [jnp.where(j_best == j, NEG_INF, m) for j, m in enumerate(maxima)]
-
-    def insert_rest(state):
-      for j, m in enumerate(rest):
-        state = _insert(*state, m, ops.layout(jnp.full(m.shape, start + j * segment, jnp.int32),
-                                              row))
-      return state
-
-    gains = some_row(functools.reduce(jnp.maximum, rest) > vals[-1])
-    return lax.cond(gains, insert_rest, keep, (vals, firsts))
-
-  if not test_first:
-    return insert_best(state)
-  return lax.cond(some_row(best > state[0][-1]), insert_best, keep, state)
-
-
-def _insert(vals, firsts, m, first):
-  """The sorted set (vals descending, their firsts) with (m, first) after every kept value >= m,
-  the last one dropped."""
-  stays = [x >= m for x in vals]  # a prefix
-  def shifted(xs, new):
-    return [jnp.where(stays[0], xs[0], new)] + [
-        jnp.where(stays[i], xs[i], jnp.where(stays[i - 1], new, xs[i - 1]))
-        for i in range(1, len(xs))]
-  return shifted(vals, m), shifted(firsts, first)
-
-
-def _running_max(state, s, key, start, ops):
-  """selection="max_only" (a benchmark diagnostic, results meaningless): slot 0 of each row's set
-  keeps the running max of s; no keys, no rounds."""
-  del key, start, ops
-  vals, keys = state
-  return [jnp.maximum(vals[0], s.max(axis=1)), *vals[1:]], keys
-
-
-_SELECTIONS = {"max_only": _running_max}
-
-
-def _selection(selection: str, kp: int, segment: int, test_first: bool):
-  """The tile update: "exact" is the running argmax for kp = 1 (measured 1.19x faster than
-  the rounds at 128K keys, H200), the rounds otherwise; "segments": see _select_segments, whose
-  best segment goes in on every tile up to TEST_FIRST_SPAN keys per split (no test across the
-  warpgroup: 1.10-1.25x faster at 16K-128K keys on an H200) and after the test beyond (1.01x
-  faster at 512K keys, where most tiles no longer gain)."""
-  if selection == "exact":
-    return _select_one if kp == 1 else _select
-  if selection == "segments":
-    return functools.partial(_select_segments, segment=segment, test_first=test_first)
-  return _SELECTIONS[selection]

@@ -72,6 +72,12 @@ def topk_scores(q, k, top_k: int, *, scale: float | None = None, valid_len=None,
                                    pick="jnp" if options.topk_few_rows == "blocks_jnp"
                                    else "kernel", interpret=variant.interpret_arg())
   bounds = jnp.stack([lo, hi], axis=1)  # [B, 2]
+  # Many query rows over 8-bit keys on Hopper: the Mosaic kernel on the 8-bit tensor cores.
+  if quantized and options.topk_eight_bit == "tensor_cores":
+    mosaic = _mosaic_config(variant, q, k, rows, top_k, tiling, keys=t, options=options)
+    if mosaic is not None:
+      return _finish_mosaic(q, k, bounds, top_k, mosaic, scale=scale, kv_layout=kv_layout,
+                            tiling=tiling, options=options, variant=variant)
   # Many query rows (a prefill chunk) over 8-bit keys: their copy in q's dtype and the bf16
   # kernels within `topk_dequantize_bytes`, the whole copy or, where it does not fit, a segment
   # of keys at a time (options.py says why).
@@ -86,13 +92,8 @@ def topk_scores(q, k, top_k: int, *, scale: float | None = None, valid_len=None,
   mosaic = None if quantized else _mosaic_config(variant, q, k, rows, top_k, tiling, keys=t,
                                                  options=options)
   if mosaic is not None:
-    segments = (options.topk_many_rows == "segments" and options.topk_selection == "exact"
-                and top_k > 1)
-    vals, idx, ordered = _mosaic(q, k, bounds, top_k, mosaic, scale=scale, kv_layout=kv_layout,
-                                 key_splits=tiling.key_splits if tiling else None,
-                                 selection=options.topk_selection, segments=segments,
-                                 variant=variant)
-    return _finish(vals, idx, top_k, lq, h, ordered)
+    return _finish_mosaic(q, k, bounds, top_k, mosaic, scale=scale, kv_layout=kv_layout,
+                          tiling=tiling, options=options, variant=variant)
   # The running set is kp registers per row: fewer rows per program when k is large. GPU
   # defaults measured on an H200 (BENCHMARKS.md): 64 x 64 tiles for chunks, 256-key tiles for
   # decode, where a program has few rows and checks its set once per tile.
@@ -155,6 +156,17 @@ def _finish(vals, idx, top_k: int, lq: int, h: int, ordered: bool = False):
   if not (ordered and vals.shape[-1] == top_k):
     vals, idx = topk_tile.finish(vals, idx, top_k)
   return layout.from_rows(vals, lq, h), layout.from_rows(idx, lq, h)
+
+
+def _finish_mosaic(q, k, bounds, top_k, config, *, scale, kv_layout, tiling, options, variant):
+  """topk_scores' result from the Mosaic kernel (bf16 keys, or 8-bit on its tensor cores)."""
+  segments = (options.topk_many_rows == "segments" and options.topk_selection == "exact"
+              and top_k > 1)
+  vals, idx, ordered = _mosaic(q, k, bounds, top_k, config, scale=scale, kv_layout=kv_layout,
+                               key_splits=tiling.key_splits if tiling else None,
+                               selection=options.topk_selection, segments=segments,
+                               variant=variant)
+  return _finish(vals, idx, top_k, q.shape[1], q.shape[2], ordered)
 
 
 def _mosaic_config(variant, q, k, rows: int, top_k: int, tiling, keys: int | None = None,

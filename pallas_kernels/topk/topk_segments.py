@@ -75,17 +75,22 @@ def best_keys(qr, k, keys, top_k: int, *, scale, kv_layout: str, interpret,
   int32 [B, KV, R, n] (distinct; -1: no candidate) -> (scores fp32, keys int32) [B, KV, R,
   top_k], best first, equal scores by lower key, unfilled (-inf, -1). One program per `rows`
   rows (`warps` warps); each row's keys are gathered from the cache by pointer loads, reduced
-  against its query in fp32 and selected in registers (top_k passes over n scores)."""
+  against its query in fp32 and selected in registers (top_k passes over n scores). 8-bit k
+  (quant.Quantized): each gathered key times its scale, as the dequantize-first reference."""
   b, kvh, rp, d = qr.shape
   n = keys.shape[-1]
   t = k.shape[1 if kv_layout == "BTHD" else 2]
   width = layout.next_pow2(top_k)  # Triton blocks: powers of 2
+  k, k_scale = layout.parts(k)
 
-  def kernel(q_ref, keys_ref, k_ref, v_out, i_out):
+  def kernel(q_ref, keys_ref, k_ref, *refs):
+    ks_ref, v_out, i_out = refs if k_scale is not None else (None, *refs)
     slot = lax.broadcasted_iota(jnp.int32, (width,), 0)
     for r in range(rows):
       key = keys_ref[r, :]
       kt = k_ref[jnp.clip(key, 0, t - 1), :].astype(jnp.float32)  # [n, d]: a gather
+      if ks_ref is not None:
+        kt = kt * ks_ref[jnp.clip(key, 0, t - 1)][:, None]
       s = jnp.sum(kt * q_ref[r, :].astype(jnp.float32)[None, :], axis=1)
       s = jnp.where(key >= 0, s if scale is None else s * scale, NEG_INF)
       vals, idx = jnp.full((width,), NEG_INF, jnp.float32), jnp.full((width,), -1, jnp.int32)
@@ -101,9 +106,10 @@ def best_keys(qr, k, keys, top_k: int, *, scale, kv_layout: str, interpret,
   block = lambda m: pl.BlockSpec((SQ, SQ, rows, m), lambda bh, r: (bh // kvh, bh % kvh, r, 0))  # noqa: E731
   v, i = gpu.pallas_call(
       kernel, interpret, num_warps=warps, num_stages=1, grid=(b * kvh, rp // rows),
-      in_specs=[gpu.row_spec(kvh, rows, d), block(n), gpu.whole_keys_spec(kv_layout, t, d, kvh)],
+      in_specs=[gpu.row_spec(kvh, rows, d), block(n), gpu.whole_keys_spec(kv_layout, t, d, kvh),
+                *([gpu.whole_scales_spec(kv_layout, t, kvh)] if k_scale is not None else [])],
       out_specs=[block(width), block(width)],
       out_shape=[jax.ShapeDtypeStruct((b, kvh, rp, width), jnp.float32),
                  jax.ShapeDtypeStruct((b, kvh, rp, width), jnp.int32)],
-  )(qr, keys, k)
+  )(qr, keys, k, *([k_scale] if k_scale is not None else []))
   return v[..., :top_k], i[..., :top_k]
