@@ -59,16 +59,19 @@ def parts(x):
   """(values, scale fp32 [...]) of a Quantized, (x, None) of an array. The kernels tile the
   scales as one vector per (batch, KV head), so the stored trailing 1 goes here, once."""
   if quant.is_quantized(x):
+    if x.offset is not None:
+      raise ValueError("a kernel got 8-bit keys still holding their offset: take it apart "
+                       "first (quant.split_offset)")
     return x.values, x.scale[..., 0].astype(jnp.float32)
   return x, None
 
 
 def heads_first(k, kv_layout: str):
   """[B, KV, T, d] view (a transpose, i.e. a copy, only for BTHD); a Quantized moves its scales
-  [B, T, KV] -> [B, KV, T] alike."""
+  [B, T, KV] -> [B, KV, T] (and any offset) alike."""
   if kv_layout == "BHTD":
     return k
-  return quant.per_row(lambda x: jnp.swapaxes(x, 1, 2), k)
+  return quant.swap_axes(k, 1, 2)
 
 
 def next_pow2(n: int) -> int:

@@ -22,8 +22,17 @@ product and the softmax accumulate in fp32. The jnp references dequantize first
 8-bit buffer (as it is, with fp16 products, or copied in the queries' dtype first) is read.py's.
 
 `per_row(fn, *xs)` applies an indexing op (a gather of slots, a scatter of new tokens, a
-concatenation along the token axis) to values and scales alike (`jax.tree.map`), so an eviction
-or a write moves a token's scale with it; it never touches the last axis (the head dim).
+concatenation along the token axis) to values and scales alike, so an eviction or a write moves
+a token's scale with it; it never touches the last axis (the head dim).
+
+A buffer of keys cached before RoPE may also hold an `offset` per (KV head, channel), shaped to
+broadcast in the buffer's own layout ([1, KV, 1, d] for [B, KV, T, d]): its rows are stored less
+it (`store_like`) and read back with it (`dequantize`: values * scale + offset), so an 8-bit
+row rounds what is left of a key, not a large common part of it (E4M3 rounds relative to each
+value). The model fills it in (jax_longctx/model/decoder.py, run/key_smoothing.py's calibrated
+mean). It belongs to the buffer, not to a row: `per_row` carries it unchanged, `swap_axes`
+swaps it with the values. A kernel that reads 8-bit tiles takes it apart first
+(`split_offset`; `layout.parts` refuses a buffer still holding one).
 """
 
 from __future__ import annotations
@@ -44,10 +53,12 @@ _QMAX = {"int8": 127.0, "float8_e4m3fn": 448.0}
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Quantized:
-  """values [..., d] int8 / float8_e4m3fn, scale [..., 1] fp32: x ~= values * scale."""
+  """values [..., d] int8 / float8_e4m3fn, scale [..., 1] fp32, offset None or fp32 with size-1
+  axes but the KV heads' and the last: x ~= values * scale + offset."""
 
   values: jax.Array
   scale: jax.Array
+  offset: jax.Array | None = None
 
   @property
   def shape(self) -> tuple:
@@ -96,38 +107,83 @@ def quantize(x, dtype) -> Quantized:
 
 
 def dequantize(x, dtype=jnp.float32):
-  """Quantized -> values * scale in `dtype` (computed in fp32); an array is only cast."""
+  """Quantized -> values * scale (+ offset) in `dtype` (computed in fp32); an array is only
+  cast."""
   if not isinstance(x, Quantized):
     return x.astype(dtype)
-  return (x.values.astype(jnp.float32) * x.scale).astype(dtype)
+  y = x.values.astype(jnp.float32) * x.scale
+  return (y if x.offset is None else y + x.offset).astype(dtype)
 
 
-def store_like(x, like):
-  """x [..., d] in the storage of `like`: quantized as `like` is, or cast to its dtype."""
-  if isinstance(like, Quantized):
+def store_like(x, like, heads_axis: int | None = None):
+  """x [..., d] in the storage of `like`: quantized as `like` is (less its offset, if it holds
+  one), or cast to its dtype. heads_axis: x's KV-head axis, needed where `like` holds an
+  offset (new rows often come in another layout than the buffer's: [B, S, KV, d] into
+  [B, KV, T, d])."""
+  if not isinstance(like, Quantized):
+    return x.astype(like.dtype)
+  if like.offset is None:
     return quantize(x, like.dtype)
-  return x.astype(like.dtype)
+  if heads_axis is None:
+    raise ValueError("store_like: the buffer holds a key offset: give the new rows' heads_axis")
+  shape = [1] * x.ndim
+  shape[heads_axis], shape[-1] = offset_rows(like).shape
+  stored = quantize(x.astype(jnp.float32) - offset_rows(like).reshape(shape), like.dtype)
+  return dataclasses.replace(stored, offset=like.offset)
 
 
-def zeros_like_storage(shape, dtype) -> jax.Array | Quantized:
+def offset_rows(x) -> jax.Array | None:
+  """A Quantized's offset as [KV, d] fp32 (None: it holds none, or x is an array)."""
+  if not isinstance(x, Quantized) or x.offset is None:
+    return None
+  return x.offset.reshape(-1, x.offset.shape[-1])
+
+
+def split_offset(x):
+  """(x without its offset, the offset [KV, d] fp32 or None): for a kernel that adds the offset
+  itself, or whose result it shifts by one known amount (read.lse_with_key_offset)."""
+  offset = offset_rows(x)
+  return (x if offset is None else dataclasses.replace(x, offset=None)), offset
+
+
+def zeros_like_storage(shape, dtype, offset_heads_axis: int | None = None):
   """An empty buffer of `shape` [..., d] stored as `dtype` (a KV_DTYPES name or dtype): an
-  array, or for an 8-bit dtype a Quantized of zeros with scales 1."""
+  array, or for an 8-bit dtype a Quantized of zeros with scales 1. offset_heads_axis: the KV-head
+  axis of a buffer of keys cached before RoPE; an 8-bit one then holds a zero offset (module
+  doc), which the model fills in."""
   name = jnp.dtype(dtype).name
-  if name in _QMAX:
-    return Quantized(jnp.zeros(shape, name), jnp.ones((*shape[:-1], 1), jnp.float32))
-  return jnp.zeros(shape, dtype)
+  if name not in _QMAX:
+    return jnp.zeros(shape, dtype)
+  offset = None
+  if offset_heads_axis is not None:
+    offset_shape = [1] * len(shape)
+    offset_shape[offset_heads_axis], offset_shape[-1] = shape[offset_heads_axis], shape[-1]
+    offset = jnp.zeros(offset_shape, jnp.float32)
+  return Quantized(jnp.zeros(shape, name), jnp.ones((*shape[:-1], 1), jnp.float32), offset)
 
 
 def per_row(fn: Callable, *xs):
   """fn applied to the arrays xs, or, where they are Quantized, to their values and their scales
-  alike: an indexing op over the leading axes (a gather, a scatter, a slice, a concatenation, a
-  swap of leading axes) moves each row's scale with its values. A plain array among quantized
-  ones must be made Quantized first (`store_like`)."""
+  alike: an indexing op over the leading axes that keeps their order (a gather, a scatter, a
+  slice, a concatenation) moves each row's scale with its values; the first one's offset comes
+  along unchanged (`swap_axes` reorders axes). A plain array among quantized ones must be made
+  Quantized first (`store_like`)."""
   if len({isinstance(x, Quantized) for x in xs}) > 1:
     raise TypeError("per_row: mix of Quantized and plain arrays (store_like the new rows first)")
-  return jax.tree.map(fn, *xs)
+  if not isinstance(xs[0], Quantized):
+    return fn(*xs)
+  out = Quantized(fn(*(x.values for x in xs)), fn(*(x.scale for x in xs)), xs[0].offset)
+  if out.offset is not None and out.values.ndim != out.offset.ndim:
+    raise ValueError(f"per_row: rows of {out.values.ndim} axes from a buffer whose offset has "
+                     f"{out.offset.ndim}: an op over a key buffer must keep its axes")
+  return out
+
+
+def swap_axes(x, a: int, b: int):
+  """x with axes a and b swapped: an array, or a Quantized's values, scales and offset alike."""
+  return jax.tree.map(lambda y: jnp.swapaxes(y, a, b), x)
 
 
 def nbytes(x) -> int:
-  """Bytes a stored buffer holds (values and scales)."""
+  """Bytes a stored buffer holds (values, scales and any offset)."""
   return sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(x))

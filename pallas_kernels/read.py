@@ -97,3 +97,14 @@ def topk_copy_segment(q, k, variant, options: KernelOptions, kv_layout: str, key
   kernel reads the 8-bit tiles)."""
   return copy_segment(dequantized_rows_fitting(
       k, q.dtype, variant, options.topk_dequantize_bytes, 1 if kv_layout == "BTHD" else 2), keys)
+
+
+def lse_with_key_offset(lse, q, offset, scale: float):
+  """The log-sum-exp of softmax(q.k * scale) over keys k that a kernel read less their offset c
+  [KV, d] (quant.split_offset): every score of query row (b, i, h) was lower by scale * q.c,
+  which the probabilities do not see and the LSE gets back here. lse [B, Lq, H] fp32, q
+  [B, Lq, H, d]; offset None: lse as it is."""
+  if offset is None:
+    return lse
+  per_head = jnp.repeat(offset, q.shape[2] // offset.shape[0], axis=0)  # [H, d]
+  return lse + scale * jnp.einsum("bqhd,hd->bqh", q.astype(jnp.float32), per_head)

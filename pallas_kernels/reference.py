@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels import quant
-from pallas_kernels.layout import heads_first
+from pallas_kernels.layout import heads_first, parts
 
 NEG_INF = float("-inf")
 
@@ -30,10 +30,8 @@ def key_parts(k, dtype, kv_layout: str):
   """Keys as the top-k products take them: (values [B, KV, T, d] in `dtype`, their fp32 scales
   [B, KV, T] or None). 8-bit values are exact in bf16; a key's score is its scale times q . its
   values (quant.Quantized), the fp32 product of which equals q . dequantize(k) up to rounding."""
-  kh = heads_first(k, kv_layout)
-  if not quant.is_quantized(kh):
-    return kh, None
-  return kh.values.astype(dtype), kh.scale[..., 0].astype(jnp.float32)
+  kh, scale = parts(heads_first(k, kv_layout))
+  return (kh, None) if scale is None else (kh.astype(dtype), scale)
 
 
 def key_scores(q, k, kv_layout: str, scale):

@@ -25,7 +25,7 @@ import pytest
 
 from jax_longctx.core.options import RunOptions
 from jax_longctx.methods import get, names
-from jax_longctx.ops.cache import Quantized
+from jax_longctx.ops.cache import Quantized, load
 from jax_longctx.run import generation as gen
 from jax_longctx.run.key_smoothing import with_smoothing
 from pallas_kernels import quant
@@ -105,12 +105,12 @@ def test_every_method_runs_on_an_8_bit_cache_and_key_smoothing_changes_no_score(
   # exactly (q * 1, k / 1 and x - 0 are exact), so that the smoothed run below reuses its
   # compiled programs.
   want_last, want_nll, plain = _run(*_with_smoothing(params, cfg, spread=0), method, None)
-  # Key smoothing and offsets change no score: the factors reach 2^+-3 and the offsets are
-  # larger than the keys, so a method that read a query or key other than through q.k, or that
-  # took a key offset but rotated that key elsewhere (Method.rotates_keys_in_place), or did not
-  # add a pre-RoPE one back before rotating (Method.adds_key_offset_back), would differ here
-  # unless its decision did not turn on it (these 4 steps decide no RefreshKV refresh by
-  # similarity: test_key_smoothing.py checks that one).
+  # Key smoothing and offsets change no score: the factors reach 2^+-3 and the value offsets
+  # are larger than the values, so a method that read a query or key other than through q.k,
+  # or a value other than in a convex sum, would differ here unless its decision did not turn
+  # on it (these 4 steps decide no RefreshKV refresh by similarity: test_key_smoothing.py
+  # checks that one). A cache in the model's dtype keeps its keys whole: the key offsets are
+  # the 8-bit cache's (test_an_8_bit_cache_takes_the_key_offset_out_and_reads_keys_whole).
   last, nll, _ = _run(*_with_smoothing(params, cfg), method, None)
   np.testing.assert_allclose(last, want_last, atol=1e-5, rtol=0, err_msg=f"{name} smoothed")
   np.testing.assert_allclose(nll, want_nll, atol=0, rtol=1e-5, err_msg=f"{name} smoothed")
@@ -123,6 +123,56 @@ def test_every_method_runs_on_an_8_bit_cache_and_key_smoothing_changes_no_score(
     assert len(stored) >= 2 * cfg.num_layers, (name, dtype, len(stored))  # K and V per layer
     assert all(x.values.dtype == jnp.dtype(dtype) for x in stored), (name, dtype)
     assert _bytes(cache.state) < 0.75 * _bytes(plain.state), (name, dtype)
+
+
+def _keys(state):
+  """A layer's key buffer (a RESA state's, its inner method's) and which of its slots hold a
+  token [B, KV, T]."""
+  state = getattr(state, "inner", state)
+  k = state.k
+  if hasattr(state, "pos"):  # SlotCache: slots by position, -1 empty
+    return k, np.asarray(state.pos) >= 0
+  return k, None
+
+
+@pytest.mark.parametrize("name", ["reattention", "streaming_llm", "resa", "full"])
+def test_an_8_bit_cache_takes_the_key_offset_out_and_reads_keys_whole(tiny, name):
+  """KV offsets in the weights (std 1, several times the keys' own size): an 8-bit cache of
+  pre-RoPE keys holds each layer's pre-RoPE offset and reads its keys back whole, as the fp32
+  cache stores them, within one int8 step of what it rounded (the key less the offset), also
+  under a method wrapping it (RESA over ReAttention); a cache of keys rotated in place holds
+  them less the post-RoPE offset (which every score of a query loses alike). The keys are
+  compared in the first layer, whose inputs the 8-bit cache has not changed."""
+  cfg, params = tiny
+  if name == "resa":
+    method = get("resa", base="reattention",
+                 base_args=tuple(_method("reattention", 24).hparams().items()))
+  else:
+    method = _method(name, 24)
+  rng = np.random.default_rng(4)
+  shape = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+  offsets = [rng.normal(size=shape).astype(np.float32) for _ in ("k", "v", "k before rope")]
+  params, cfg = with_smoothing(params, cfg, np.ones(shape), offsets=offsets)
+  *_, whole = _run(params, cfg, method, None)
+  *_, cache = _run(params, cfg, method, "int8")
+  before_rope = name != "full"
+  lengths = np.asarray(cache.lengths)
+  for i, (got, want) in enumerate(zip(cache.state, whole.state)):
+    k, filled = _keys(got)
+    want = np.asarray(_keys(want)[0])
+    assert (k.offset is not None) == before_rope, (name, i)
+    c = offsets[2 if before_rope else 0][i][None, :, None, :]  # [1, KV, 1, d]
+    if before_rope:
+      np.testing.assert_array_equal(np.asarray(k.offset), c)
+    if i:
+      continue
+    read = np.asarray(load(k, jnp.float32)) + (0 if before_rope else c)
+    if filled is None:  # slot = position: the written ones
+      filled = np.broadcast_to(np.arange(k.shape[2])[None, None, :] < lengths[:, None, None],
+                               k.shape[:3])
+    bound = np.max(np.abs(want - c), axis=-1, keepdims=True) * (0.5 / 127) * 1.01 + 1e-6
+    err = np.abs(read - want)
+    assert np.all((err <= bound)[filled]), (name, i, float(np.max(err[filled])))
 
 
 def _mesh_method(name):

@@ -17,8 +17,9 @@ the tree's own structure. `core/mesh.py` maps the names to the device mesh (`spe
 
 A field whose value is a struct of its own (a KVCache inside SnapKV's state) is not declared: the
 walk descends into it. A `pallas_kernels.quant.Quantized` under a declared field takes the
-declaration for both its leaves: its scales are its values' shape with a last axis of 1, which a
-declaration never splits (the head dim, None: `_leaf` checks).
+declaration for its values and scales: its scales are its values' shape with a last axis of 1,
+which a declaration never splits (the head dim, None: `_leaf` checks); its offset, if any (a
+buffer of pre-RoPE keys), keeps only the declaration's HEADS.
 An array reached with no declaration is an error naming its place: a new state class must
 declare its fields.
 """
@@ -97,7 +98,10 @@ def _leaf(value, names: tuple, where: str):
     if names and names[-1] is not None:
       raise ValueError(f"{where}: quantized storage splits its last axis {names[-1]!r}, which its "
                        "scales hold once (declare it None)")
-    return jax.tree.map(lambda x: _leaf(x, names, where), value)
+    # An offset (keys cached before RoPE) is one per KV head and channel: its other axes are 1.
+    offset = None if value.offset is None else _leaf(
+        value.offset, tuple(n if n == HEADS else None for n in names), where)
+    return Quantized(_leaf(value.values, names, where), _leaf(value.scale, names, where), offset)
   if len(names) != len(value.shape):
     raise ValueError(f"{where}: declared {len(names)} axes {names} for an array of shape "
                      f"{tuple(value.shape)}")

@@ -49,7 +49,7 @@ class LlamaConfig:
   key_smoothing: bool = False
   # Per-(KV head, channel) key and value offsets in the weights (`k_offset`, `v_offset`,
   # `k_offset_before_rope`; run/key_smoothing.py): taken out of what the cache stores, exactly
-  # restored (decoder.py).
+  # restored (decoder.py; the key offsets where the cache is 8-bit).
   kv_offsets: bool = False
 
   def __post_init__(self):

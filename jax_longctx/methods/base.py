@@ -147,10 +147,6 @@ class AttnContext:
   # method saw them (model key smoothing; None: nothing). Every q.k is unchanged by it; a method
   # that reads queries or keys otherwise divides it out (RefreshKV's query similarity).
   query_smoothing: jnp.ndarray | None = None
-  # [KV, hd] what this layer's keys were stored less before RoPE (the 8-bit cache's calibrated
-  # mean, model/decoder.py `_less_offsets`), given only to a method that `adds_key_offset_back`;
-  # None: nothing was taken out.
-  key_offset: jnp.ndarray | None = None
 
   def replace(self, **kw) -> "AttnContext":
     return dataclasses.replace(self, **kw)
@@ -202,18 +198,16 @@ class Method(RegisteredMethod):
   # instruction (the query) then appended: Star Attention's phase 1, ring attention
   # (run/context_encoding.py runs it with `context_layout` and `context_encoder`).
   encodes_context: ClassVar[bool] = False
-  # True: the method rotates each new key at its own position (`ctx.q_pos`) and reads keys
-  # nowhere before that, so a constant taken out of every key after RoPE (the 8-bit cache's
-  # calibrated key offset, model/decoder.py `_less_offsets`) lowers each score of a query by the
-  # same amount, which no softmax, top-k or LSE merge sees. False (the default; caches of
-  # pre-RoPE keys rotated again at other positions): the keys keep their offset.
-  rotates_keys_in_place: ClassVar[bool] = False
-  # True (caches of pre-RoPE keys rotated at other positions: ReAttention, StreamingLLM, CItruS):
-  # the method adds `ctx.key_offset` back to every key before rotating it, so keys stored less
-  # their pre-RoPE mean attend as themselves; a product of unrotated keys (ReAttention's top-k)
-  # drops by the same q.c for every key of a query, which no top-k sees. A method neither this
-  # nor `rotates_keys_in_place` is given no key offset: its keys are stored whole.
-  adds_key_offset_back: ClassVar[bool] = False
+  # True: the method caches keys before RoPE and rotates them elsewhere than at their own
+  # positions (ReAttention, StreamingLLM, CItruS). Its init_state then makes its key buffers
+  # with `ops.cache.zeros(..., offset_heads_axis=)` (KVCache.zeros(keys_before_rope=)): an 8-bit
+  # one holds the layer's pre-RoPE key offset and stores and reads keys through it, so the
+  # method sees whole keys and a wrapper of it (RESA, CItruS' instruction pass) inherits that
+  # with the state. False: each key is rotated at its own position (`ctx.q_pos`) and read
+  # nowhere before, so the model may take a post-RoPE constant out of every new key (the 8-bit
+  # cache's calibrated offset, model/decoder.py `_less_offsets`): every score of a query drops
+  # by the same amount, which no softmax, top-k or LSE merge sees.
+  keys_before_rope: ClassVar[bool] = False
 
   def __init_subclass__(cls, **kwargs):
     super().__init_subclass__(**kwargs)

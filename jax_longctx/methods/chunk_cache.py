@@ -19,7 +19,7 @@ from jax_longctx.core.axes import HEADS, ROWS, axes
 
 from jax_longctx.methods.base import AttnContext
 from jax_longctx.ops.attention import attention, attention_probs_sum
-from jax_longctx.ops.cache import load, per_row, stored, with_key_offset, zeros
+from jax_longctx.ops.cache import Quantized, load, per_row, stored, zeros
 from jax_longctx.core.rope import apply_rope, rotate
 
 
@@ -36,10 +36,12 @@ class ChunkCache:
 
   @classmethod
   def empty(cls, cfg, batch: int, budget: int, capacity: int, dtype) -> "ChunkCache":
-    """dtype: how keys and values are stored (ops/cache.py)."""
+    """dtype: how keys and values are stored (ops/cache.py; the keys, before RoPE, with their
+    offset)."""
     kv = (batch, cfg.num_kv_heads, capacity, cfg.head_dim)
     rows = (batch, capacity)  # every field its own buffer: the cache is donated
-    return cls(zeros(kv, dtype), zeros(kv, dtype), jnp.full(rows, -1, jnp.int32),
+    return cls(zeros(kv, dtype, offset_heads_axis=1), zeros(kv, dtype),
+               jnp.full(rows, -1, jnp.int32),
                jnp.zeros((batch,), jnp.int32), jnp.zeros(rows, jnp.float32),
                jnp.zeros(rows, jnp.float32), jnp.zeros(rows, jnp.float32), budget)
 
@@ -57,8 +59,7 @@ class ChunkCache:
 
     Returns (out [B,S,H,d], scores [B, C]): scores are the attention each old slot receives,
     averaged over heads and the valid queries (Eq. 1 of CItruS), and its sum over queries.
-    From ctx: valid, freqs, heads (the average takes every head of the layer, over devices too)
-    and key_offset (added back to old and new keys before their rotation).
+    From ctx: valid, freqs, heads (the average takes every head of the layer, over devices too).
     """
     valid, freqs, heads = ctx.valid, ctx.freqs, ctx.heads
     b, s = valid.shape
@@ -67,9 +68,8 @@ class ChunkCache:
     old_pos = self.slot_positions()
     # The cache's keys as stored (8-bit ones dequantized: the scores steering the eviction are
     # the attention the model computes), rotated at their ranks; the new ones as they are.
-    k_stored = with_key_offset(load(self.k, q.dtype), ctx.key_offset)
+    k_stored = load(self.k, q.dtype)
     v_stored = load(self.v, q.dtype)
-    k_new = with_key_offset(k_new, ctx.key_offset, heads_axis=2)
     k_old = rotate(k_stored, old_pos[:, None, :], freqs)
     q_rot = apply_rope(q, q_pos, freqs)
     k_all = jnp.concatenate([k_old, jnp.swapaxes(apply_rope(k_new, q_pos, freqs), 1, 2)], axis=2)
@@ -91,7 +91,7 @@ class ChunkCache:
 
     def put(cache, new):
       return per_row(lambda c, n: c.at[bi, :, slot].set(n, mode="drop"), cache,
-                     stored(new, cache))
+                     stored(new, cache, heads_axis=2))
 
     k, v = put(self.k, k_new), put(self.v, v_new)
     fresh = jnp.zeros(slot.shape, jnp.float32)
@@ -125,7 +125,9 @@ class ChunkCache:
                         seen=_gather_rows(self.seen, idx, ok, pad, 0))
     if active is None:
       return kept
-    return jax.tree.map(lambda new, old: _where_rows(active, new, old), kept, self)
+    # per_row: an 8-bit buffer's scales go with their rows, its key offset stays the buffer's.
+    rows = lambda new, old: per_row(lambda n, o: _where_rows(active, n, o), new, old)  # noqa: E731
+    return jax.tree.map(rows, kept, self, is_leaf=lambda x: isinstance(x, Quantized))
 
 
 def _gather_slots(a, idx, pad):

@@ -42,7 +42,7 @@ class CItruSStandard(Method):
 
   name = "citrus_standard"
   needs_instruction = True  # instructed.py runs its outer loop
-  adds_key_offset_back = True  # chunk_cache.attend_and_score
+  keys_before_rope = True  # chunk_cache: rotated at their ranks in the cache
 
   budget: Budget = 768  # k in the paper (§5.3)
   chunk: int = 256  # l in the paper

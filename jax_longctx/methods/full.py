@@ -22,7 +22,6 @@ class Full(Method):
   """
 
   name = "full"
-  rotates_keys_in_place = True
 
   def init_state(self, cfg, batch, max_len, dtype, chunk) -> KVCache:
     return KVCache.zeros(cfg, batch, max_len, dtype)

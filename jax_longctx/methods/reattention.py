@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 import pallas_kernels
 from jax_longctx.ops.attention import attention
-from jax_longctx.ops.cache import KVCache, load, per_row, with_key_offset
+from jax_longctx.ops.cache import KVCache, load, per_row
 from jax_longctx.methods.base import AttnContext, Method, MethodError, register
 from jax_longctx.methods.reattention_scope import (Scope, ballots, candidates, scope_from_votes,
                                                    select_scope, step_bounds, voters)
@@ -79,7 +79,7 @@ class ReAttention(ReAttentionSettings, Method):
   `attend_scope`; the mesh variant (MeshReAttention, below) replaces each of them."""
 
   name = "reattention"
-  adds_key_offset_back = True  # attend_scope: before the scope's keys are rotated
+  keys_before_rope = True  # rotated at their ranks in the scope
 
   def init_state(self, cfg, batch, max_len, dtype, chunk) -> KVCache:
     for field in ("n_local", "span", "top_k", "clip", "chunk", "vote_stride"):
@@ -94,7 +94,7 @@ class ReAttention(ReAttentionSettings, Method):
       raise MethodError(
           f"scope n_global + clip * span + n_local = {self.scope_size} exceeds the model's window "
           f"({cfg.max_position_embeddings}); see ReAttention.for_window")
-    return KVCache.zeros(cfg, batch, max_len, dtype)
+    return KVCache.zeros(cfg, batch, max_len, dtype, keys_before_rope=True)
 
   def write(self, state: KVCache, k, v, ctx: AttnContext) -> KVCache:
     return state.write(ctx.q_pos, k, v,
@@ -131,7 +131,6 @@ class ReAttention(ReAttentionSettings, Method):
     take = sc.idx[:, None, :, None]  # one scope per sequence, shared by its kv heads
     k_scope, v_scope = (load(per_row(lambda a: jnp.take_along_axis(a, take, axis=2), x), q.dtype)
                         for x in (state.k, state.v))  # [B, KV, N, d]
-    k_scope = with_key_offset(k_scope, ctx.key_offset)
     n = sc.idx.shape[1]
     k_rank = sc.k_rank if ranked else jnp.arange(n, dtype=jnp.int32)[None, :]  # [B or 1, N]
     k_scope = rotate(k_scope, k_rank[:, None, :], ctx.freqs)
@@ -152,7 +151,7 @@ class ReAttention(ReAttentionSettings, Method):
     return pallas_kernels.gathered_attention(
         apply_rope(q, q_rank[:, None], ctx.freqs), state.k, state.v, idx, valid,
         kv_layout="BHTD", key_rope_freqs=ctx.freqs, key_positions=sc.k_rank,
-        key_offset=ctx.key_offset, route=ctx.options.route)
+        route=ctx.options.route)
 
   def _attend(self, q, k, v, q_rank, k_rank, sc: Scope, options: RunOptions):
     """Causal attention over the compacted scope: slot j < sc.length sits at rank k_rank[j]

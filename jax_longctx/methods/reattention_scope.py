@@ -17,6 +17,7 @@ from flax import struct
 
 import pallas_kernels
 from jax_longctx.methods.base import Heads
+from jax_longctx.ops.cache import split_offset
 
 _NONE = jnp.iinfo(jnp.int32).max  # sorts after every real token index
 
@@ -45,6 +46,10 @@ def candidates(q, k_cache, lo, hi, top_k: int, *, route: pallas_kernels.Route):
   """
   top_k = min(top_k, k_cache.shape[2])
   hi = jnp.maximum(hi, lo)  # an empty candidate range, not a negative one
+  # An 8-bit cache's keys are scored as stored, less their offset c (ops/cache.py): every
+  # candidate score of a query drops by the same q.c, which neither its top-k here nor the mesh
+  # variant's gather of every shard's candidates sees.
+  k_cache, _ = split_offset(k_cache)
 
   def score():
     return pallas_kernels.topk_scores(q, k_cache, top_k, scale=1.0, valid_len=hi,

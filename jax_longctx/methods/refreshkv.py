@@ -143,7 +143,6 @@ def _cosine(a, b):
 @dataclasses.dataclass(frozen=True)
 class RefreshKV(Method):
   name = "refreshkv"
-  rotates_keys_in_place = True
   ends_prefill = True  # end_of_prefill below
 
   budget: Budget = 0.125  # K: tokens, or a fraction of the cache (the paper: L / 8)

@@ -127,10 +127,6 @@ class RESA(Method):
     return isinstance(self.inner, ReAttention)
 
   @property
-  def rotates_keys_in_place(self) -> bool:  # as its inner method's cache does
-    return not self.pre_rope
-
-  @property
   def distance(self) -> int:
     """Over ReAttention: the relative distance at which the prior places every key."""
     if self.prior_distance is not None:

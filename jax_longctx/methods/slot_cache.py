@@ -8,7 +8,6 @@ the front in position order, emptying the rest. Rows may keep different tokens p
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -33,10 +32,14 @@ class SlotCache:
   budget: int = struct.field(pytree_node=False, default=0)
 
   @classmethod
-  def empty(cls, cfg, batch: int, budget: int, capacity: int, dtype) -> "SlotCache":
-    """dtype: how keys and values are stored (ops/cache.py)."""
+  def empty(cls, cfg, batch: int, budget: int, capacity: int, dtype,
+            keys_before_rope: bool = False) -> "SlotCache":
+    """dtype: how keys and values are stored (ops/cache.py); keys_before_rope: the keys are
+    cached before RoPE (an 8-bit buffer then holds their offset: ops/cache.py)."""
     shape = (batch, cfg.num_kv_heads, capacity)
-    return cls(zeros(shape + (cfg.head_dim,), dtype), zeros(shape + (cfg.head_dim,), dtype),
+    key_heads = 1 if keys_before_rope else None
+    return cls(zeros(shape + (cfg.head_dim,), dtype, offset_heads_axis=key_heads),
+               zeros(shape + (cfg.head_dim,), dtype),
                jnp.full(shape, -1, jnp.int32), jnp.zeros(shape, jnp.float32), budget)
 
   @property
@@ -49,7 +52,7 @@ class SlotCache:
 
     def put(cache, new):
       return per_row(lambda c, n: jax.lax.dynamic_update_slice(c, n, start), cache,
-                     stored(jnp.swapaxes(new, 1, 2), cache))
+                     stored(jnp.swapaxes(new, 1, 2), cache, heads_axis=1))
 
     k, v = put(self.k, k_new), put(self.v, v_new)
     pos_new = jnp.broadcast_to(jnp.where(valid, q_pos, -1)[:, None, :],
@@ -127,22 +130,11 @@ class EvictingMethod(Method):
   Keys are cached after RoPE at their original positions unless `keys_before_rope`.
   """
 
-  # True caches keys before RoPE (StreamingLLM rotates them at their rank in the cache).
-  keys_before_rope: ClassVar[bool] = False
-
   budget: Budget = 1024
-
-  @property
-  def rotates_keys_in_place(self) -> bool:  # keys cached after RoPE, at their own positions
-    return not self.keys_before_rope
-
-  @property
-  def adds_key_offset_back(self) -> bool:  # a subclass caching pre-RoPE keys rotates them itself
-    return self.keys_before_rope
 
   def init_state(self, cfg, batch, max_len, dtype, chunk) -> SlotCache:
     n = resolve_budget(self.budget, max_len, method=self.name)
-    return SlotCache.empty(cfg, batch, n, n + chunk, dtype)
+    return SlotCache.empty(cfg, batch, n, n + chunk, dtype, self.keys_before_rope)
 
   def attend_slots(self, state: SlotCache, q, ctx: AttnContext):
     """q (pre-RoPE) over the occupied slots. Returns (q after RoPE, out, lse)."""

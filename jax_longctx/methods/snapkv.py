@@ -63,7 +63,6 @@ class SnapDecode:
 @dataclasses.dataclass(frozen=True)
 class SnapKV(Method):
   name = "snapkv"
-  rotates_keys_in_place = True
   ends_prefill = True  # end_of_prefill below
 
   budget: Budget = 1024

@@ -96,7 +96,6 @@ class _ContextEncoded(Method):
   splits_tokens = True
   encodes_context = True
   needs_instruction = True  # the query, read apart from the context
-  rotates_keys_in_place = True  # phase 1 (the encoders below) as phase 2
 
   def init_state(self, cfg, batch, max_len, dtype, chunk):
     raise MethodError(f"{self.name!r} encodes its context in blocks (run/context_encoding.py), "
@@ -168,7 +167,6 @@ class RowEncode(Method):
   the row's post-RoPE KV as a ContextKV. With `ring`, the rows are one sequence split
   contiguously over the devices (`ctx.tokens`) and attention runs around the ring."""
 
-  rotates_keys_in_place = True
   ring: bool = False
 
   def prefill(self, state, q, k, v, ctx: AttnContext):
@@ -191,7 +189,6 @@ class AnchoredBlocks(Method):
   their LSEs. Same outputs as anchor + block rows; the MLPs and projections skip the anchor's
   tokens."""
 
-  rotates_keys_in_place = True
   anchor: int = 0
   rows: int = 1  # blocks per device; block 0 is the first device's first row
 

@@ -13,7 +13,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from jax_longctx.ops.attention import attention
-from jax_longctx.ops.cache import load, with_key_offset
+from jax_longctx.ops.cache import load
 from jax_longctx.methods.base import AttnContext, Budget, MethodError, register
 from jax_longctx.methods.slot_cache import EvictingMethod, SlotCache
 from jax_longctx.core.rope import apply_rope, rotate
@@ -39,7 +39,7 @@ class StreamingLLM(EvictingMethod):
     rank = jnp.cumsum(state.pos >= 0, axis=-1, dtype=jnp.int32) - 1
     k_pos = jnp.where(state.pos >= 0, rank, -1)
     q_rank = k_pos[:, 0, state.budget:state.budget + q.shape[1]]  # the chunk's own slots
-    k = rotate(with_key_offset(load(state.k, q.dtype), ctx.key_offset), k_pos, ctx.freqs)
+    k = rotate(load(state.k, q.dtype), k_pos, ctx.freqs)
     out, lse = attention(apply_rope(q, q_rank, ctx.freqs), k, state.v, q_rank, k_pos)
     return q, out, lse
 

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jax_longctx.core.axes import HEADS, HIDDEN, KV_HEADS, VOCAB
-from jax_longctx.ops.cache import Cache
+from jax_longctx.ops.cache import Cache, holds_8_bit, set_key_offset
 from jax_longctx.core.config import LlamaConfig
 from jax_longctx.core.mesh import ModelShards, axis_size
 from jax_longctx.core.options import DEFAULT, RunOptions
@@ -108,8 +108,8 @@ class Attention(nnx.Module):
     if cfg.key_smoothing:  # powers of two, one per (KV head, channel): run.key_smoothing
       self.k_smooth = nnx.Param(jnp.ones((kv, hd), dt))
     if cfg.kv_offsets:  # what the cache stores less, one per (KV head, channel): run.key_smoothing
-      self.k_offset = nnx.Param(jnp.zeros((kv, hd), dt))  # after RoPE (methods rotating in place)
-      self.k_offset_before_rope = nnx.Param(jnp.zeros((kv, hd), dt))  # pre-RoPE caches
+      self.k_offset = nnx.Param(jnp.zeros((kv, hd), dt))  # after RoPE (keys rotated in place)
+      self.k_offset_before_rope = nnx.Param(jnp.zeros((kv, hd), dt))  # caches of pre-RoPE keys
       self.v_offset = nnx.Param(jnp.zeros((kv, hd), dt))
     self.q_scale = query_scale(cfg)
     self.num_heads, self.num_kv_heads = h, kv
@@ -146,7 +146,7 @@ class Attention(nnx.Module):
       # YaRN's factor on both rotated q and k does, and leaves the cached keys untouched.
       q = q * jnp.asarray(self.q_scale, q.dtype)
     if self.offsets:
-      k, v, ctx = self._less_offsets(k, v, ctx, method)
+      k, v, state = self._less_offsets(k, v, ctx, state, method)
     step = method.decode if decode else method.prefill
     out, state = step(state, q, k, v, ctx)  # [B, S, H, hd]
     if self.offsets:  # each value's offset back: out is a convex sum of values
@@ -156,30 +156,32 @@ class Attention(nnx.Module):
   def _per_query_head(self, x):  # [KV, hd] -> [H, hd]
     return jnp.repeat(x, self.num_heads // self.num_kv_heads, axis=0)
 
-  def _less_offsets(self, k, v, ctx: AttnContext, method: Method):
-    """(k, v, ctx): k, v [B, S, KV, hd] less this layer's offsets (run.key_smoothing: the
-    calibrated means), so an 8-bit cache rounds what is left of each value, not a large common
-    part of it.
+  def _less_offsets(self, k, v, ctx: AttnContext, state, method: Method):
+    """(k, v, state): this layer's offsets (run.key_smoothing: the calibrated means) taken out
+    of what the cache stores, so an 8-bit cache rounds what is left of each value, not a large
+    common part of it.
 
-    Exact for every method: the value offset comes back on the output (`__call__`). Keys:
-    - a method that rotates keys at their own positions and nowhere else
-      (`Method.rotates_keys_in_place`) is given RoPE_p(k) - c for a post-RoPE constant c (taken
-      out here as R(-p) c at the key's position p): every score of a query drops by the same
-      q.c, which softmax, top-k and LSE merges do not see;
-    - a cache of pre-RoPE keys rotated elsewhere (`Method.adds_key_offset_back`) is given k - c0
-      (c0 the pre-RoPE keys' mean) and c0 in `ctx.key_offset`, which it adds back before any
-      rotation (in the gathered kernel's registers too);
-    - any other method's keys stay whole."""
+    Exact for every method: the value offset comes back on the output (`__call__`). Keys, only
+    where the state stores 8 bits (a float cache keeps them whole):
+    - buffers of keys cached before RoPE hold the pre-RoPE keys' mean c0 as their offset, set
+      here: they store each key less c0 and read it back whole (ops/cache.py), whoever reads
+      them (a wrapping method too), so k goes to the method whole;
+    - any other method rotates each key at its own position p and reads keys nowhere before
+      (`Method.keys_before_rope` False), so it is given RoPE_p(k) - c for a post-RoPE constant
+      c (taken out here as R(-p) c): every score of a query drops by the same q.c, which
+      softmax, top-k and LSE merges do not see."""
     v = (v.astype(jnp.float32) - self.v_offset[...].astype(jnp.float32)).astype(v.dtype)
-    if method.rotates_keys_in_place:
-      c = jnp.broadcast_to(self.k_offset[...].astype(jnp.float32), k.shape)
-      c = rotate(c, -ctx.q_pos[:, :, None], ctx.freqs)
-    elif method.adds_key_offset_back:
-      c = self.k_offset_before_rope[...].astype(jnp.float32)
-      ctx = ctx.replace(key_offset=self.k_offset_before_rope[...])
-    else:
-      return k, v, ctx
-    return (k.astype(jnp.float32) - c).astype(k.dtype), v, ctx
+    if not holds_8_bit(state):
+      return k, v, state
+    state, before_rope = set_key_offset(state, self.k_offset_before_rope[...])
+    if before_rope:
+      return k, v, state
+    if method.keys_before_rope:
+      raise ValueError(f"{method.name} caches keys before RoPE but its 8-bit key buffers hold no "
+                       "offset: make them with ops.cache.zeros(..., offset_heads_axis=)")
+    c = jnp.broadcast_to(self.k_offset[...].astype(jnp.float32), k.shape)
+    c = rotate(c, -ctx.q_pos[:, :, None], ctx.freqs)
+    return (k.astype(jnp.float32) - c).astype(k.dtype), v, state
 
   def _out(self, out):  # [B, S, H, hd] -> [B, S, D]
     if self.fused:

@@ -10,11 +10,18 @@ default) or in 8 bits with a scale per (token, KV head) (`pallas_kernels.quant.Q
 `RunOptions.kv_dtype`). `zeros` makes either; `stored` writes new rows as the buffer stores them
 and `per_row` moves rows with their scales; `load` gives the values back in a compute dtype
 where a jnp path needs them (the kernels read the 8-bit rows and scales themselves).
+
+An 8-bit buffer of keys cached before RoPE (`zeros(..., offset_heads_axis=)`, made so by a
+method that `keys_before_rope`) also holds the layer's key offset (`Quantized.offset`), which
+the model fills in every step (`set_key_offset`): `stored` takes it out of new rows and `load`
+(and every kernel) adds it back, so a method reads its keys whole and forwards nothing.
 """
 
 from __future__ import annotations
 
+import dataclasses
 
+import jax
 import jax.numpy as jnp
 from flax import struct
 
@@ -22,21 +29,24 @@ from jax_longctx.core.axes import HEADS, ROWS, TOKENS, axes
 
 from jax_longctx.core.config import LlamaConfig
 from pallas_kernels.decode import cache_write
-from pallas_kernels.quant import Quantized, dequantize, per_row, store_like, zeros_like_storage
+from pallas_kernels.quant import (Quantized, dequantize, offset_rows, per_row, split_offset,
+                                  store_like, zeros_like_storage)
 from pallas_kernels.route import Route
 
-__all__ = ["Cache", "KVCache", "Quantized", "load", "per_row", "stored", "stored_as",
-           "float_dtype", "weighted_sum", "with_key_offset", "zeros"]
+__all__ = ["Cache", "KVCache", "Quantized", "holds_8_bit", "load", "per_row", "stored",
+           "stored_as", "float_dtype", "weighted_sum", "set_key_offset", "split_offset", "zeros"]
 
 
-def zeros(shape, dtype):
-  """An empty K or V buffer [..., d] stored as `dtype` (a float dtype or an 8-bit one)."""
-  return zeros_like_storage(shape, dtype)
+def zeros(shape, dtype, *, offset_heads_axis: int | None = None):
+  """An empty K or V buffer [..., d] stored as `dtype` (a float dtype or an 8-bit one).
+  offset_heads_axis: for keys cached before RoPE, the buffer's KV-head axis (module doc)."""
+  return zeros_like_storage(shape, dtype, offset_heads_axis)
 
 
-def stored(x, like):
-  """New rows x [..., d] as the buffer `like` stores them (quantized, or cast)."""
-  return store_like(x, like)
+def stored(x, like, heads_axis: int | None = None):
+  """New rows x [..., d] as the buffer `like` stores them (quantized, or cast); heads_axis: x's
+  KV-head axis, needed where `like` holds a key offset."""
+  return store_like(x, like, heads_axis)
 
 
 def stored_as(x, dtype):
@@ -47,10 +57,17 @@ def stored_as(x, dtype):
 def weighted_sum(x, w):
   """sum_t w[b, h, t] x[b, h, t, :] -> [B, H, d] fp32 of a stored buffer [B, H, T, d], the
   product in the buffer's dtype (no fp32 copy of a cache). An 8-bit buffer's scales fold into
-  the weights, rounded to bf16 (its values are exact there): a relative 2^-9 per term."""
-  if isinstance(x, Quantized):
-    w, x = w * x.scale[..., 0], x.values.astype(jnp.bfloat16)
-  return jnp.einsum("bhtd,bht->bhd", x, w.astype(x.dtype), preferred_element_type=jnp.float32)
+  the weights, rounded to bf16 (its values are exact there): a relative 2^-9 per term; its key
+  offset, if any, comes back as the offset times the weights' sum."""
+  if not isinstance(x, Quantized):
+    return jnp.einsum("bhtd,bht->bhd", x, w.astype(x.dtype), preferred_element_type=jnp.float32)
+  total = jnp.einsum("bhtd,bht->bhd", x.values.astype(jnp.bfloat16),
+                     (w * x.scale[..., 0]).astype(jnp.bfloat16),
+                     preferred_element_type=jnp.float32)
+  offset = offset_rows(x)
+  if offset is None:
+    return total
+  return total + jnp.sum(w, axis=-1, dtype=jnp.float32)[..., None] * offset
 
 
 def float_dtype(x, fallback):
@@ -60,19 +77,34 @@ def float_dtype(x, fallback):
 
 
 def load(x, dtype):
-  """A stored buffer's values: 8-bit rows times their scales, in `dtype`; a float buffer as it
-  is (its own dtype: what the jnp paths always read)."""
+  """A stored buffer's values: 8-bit rows times their scales (plus its key offset), in `dtype`;
+  a float buffer as it is (its own dtype: what the jnp paths always read)."""
   return dequantize(x, dtype) if isinstance(x, Quantized) else x
 
-def with_key_offset(k, offset, heads_axis: int = 1):
-  """Pre-RoPE keys k [..., KV, ..., d] (their KV-head axis `heads_axis`) plus the constant
-  offset [KV, d] they were stored less (`AttnContext.key_offset`, model/decoder.py), in k's
-  dtype, before a method rotates them; offset None: k as it is."""
-  if offset is None:
-    return k
-  shape = [1] * k.ndim
-  shape[heads_axis], shape[-1] = offset.shape
-  return k + offset.reshape(shape).astype(k.dtype)
+
+def _is_quantized(x) -> bool:
+  return isinstance(x, Quantized)
+
+
+def holds_8_bit(state) -> bool:
+  """Whether a method's state stores any K/V buffer in 8 bits."""
+  return any(map(_is_quantized, jax.tree.leaves(state, is_leaf=_is_quantized)))
+
+
+def set_key_offset(state, offset):
+  """(state with `offset` [KV, d] as the key offset of every buffer that holds one, whether any
+  does): the model's step, before the method's (model/decoder.py)."""
+  found = []
+
+  def fill(x):
+    if not _is_quantized(x) or x.offset is None:
+      return x
+    found.append(True)
+    if offset_rows(x).shape != offset.shape:
+      raise ValueError(f"key offset {offset.shape} for a buffer holding {offset_rows(x).shape}")
+    return dataclasses.replace(x, offset=offset.astype(jnp.float32).reshape(x.offset.shape))
+
+  return jax.tree.map(fill, state, is_leaf=_is_quantized), bool(found)
 
 
 @struct.dataclass
@@ -94,10 +126,14 @@ class KVCache:
   v: jnp.ndarray = axes(ROWS, HEADS, TOKENS, None)
 
   @classmethod
-  def zeros(cls, cfg: LlamaConfig, batch: int, max_len: int, dtype) -> "KVCache":
-    """dtype: how keys and values are stored (a float dtype, or "int8" / "float8_e4m3fn")."""
+  def zeros(cls, cfg: LlamaConfig, batch: int, max_len: int, dtype,
+            keys_before_rope: bool = False) -> "KVCache":
+    """dtype: how keys and values are stored (a float dtype, or "int8" / "float8_e4m3fn");
+    keys_before_rope: the keys are cached before RoPE (an 8-bit buffer then holds their offset:
+    module doc)."""
     shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
-    return cls(zeros(shape, dtype), zeros(shape, dtype))
+    return cls(zeros(shape, dtype, offset_heads_axis=1 if keys_before_rope else None),
+               zeros(shape, dtype))
 
   @property
   def max_len(self) -> int:
@@ -116,6 +152,6 @@ class KVCache:
 
     def put(cache, new):
       return per_row(lambda c, n: c.at[b_idx, :, positions].set(n, mode="drop"), cache,
-                     stored(new, cache))
+                     stored(new, cache, heads_axis=2))
 
     return KVCache(put(self.k, k_new), put(self.v, v_new))

@@ -51,10 +51,6 @@ class InstructionPass(Method):
 
   inner: Method | None = None
 
-  @property
-  def adds_key_offset_back(self) -> bool:  # the cache is the inner method's
-    return self.inner.adds_key_offset_back
-
   def prefill(self, state, q, k, v, ctx):
     return self.inner.score_instruction(state, q, k, v, ctx)
 

@@ -21,8 +21,9 @@ equalization (1) buys the keys' grid at the queries' cost. E4M3 is not helped (+
 channels out does not reduce it. What helps E4M3 is taking the keys' and values' common offset
 out of what the cache stores (`key_offset`, model/decoder.py `_less_offsets`), calibrated in the
 same pass: Qwen's E4M3 NLL +8.0% -> +0.09% on that text (docs/CLAIMS.md). Caches of pre-RoPE
-keys (ReAttention, StreamingLLM, CItruS) are stored less the pre-RoPE keys' mean instead, which
-they add back before rotating (`Method.adds_key_offset_back`).
+keys (ReAttention, StreamingLLM, CItruS: `Method.keys_before_rope`) are stored less the pre-RoPE
+keys' mean instead, which their 8-bit key buffers hold and add back on every read
+(`Quantized.offset`, ops/cache.py).
 """
 
 from __future__ import annotations

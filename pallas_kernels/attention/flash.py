@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels import gpu, layout, tpu
+from pallas_kernels import gpu, layout, quant, tpu
 from pallas_kernels.attention import mgpu_flash
 from pallas_kernels import online_softmax as osm
 from pallas_kernels import read, reference
@@ -47,9 +47,21 @@ def flash_attention(q, k, v, *, causal: bool = True, q_offset=0, kv_len=None,
   Mosaic kernel is not preferred: route.kernels.mosaic_before_cudnn, or tiling.impl="mosaic"
   asked for). route: the run's kernel route (`Route`: its variant and `KernelOptions`).
   """
+  d = q.shape[-1]
+  scale = float(scale) if scale is not None else 1.0 / math.sqrt(d)
+  # Keys stored less an offset (pre-RoPE caches): the kernels score them as stored, which
+  # lowers each query row's scores alike; only the LSE needs it back.
+  k, key_offset = quant.split_offset(k)
+  out, lse = _attention(q, k, v, causal=causal, q_offset=q_offset, kv_len=kv_len, scale=scale,
+                        kv_layout=kv_layout, route=route, use_cudnn=use_cudnn, tiling=tiling)
+  return out, read.lse_with_key_offset(lse, q, key_offset, scale)
+
+
+def _attention(q, k, v, *, causal, q_offset, kv_len, scale: float, kv_layout: str, route: Route,
+               use_cudnn, tiling):
+  """flash_attention over keys holding no offset."""
   b, lq, h, kvh, t, d = layout.check_qk(q, k, kv_layout)
   quantized = layout.check_kv(k, v)
-  scale = float(scale) if scale is not None else 1.0 / math.sqrt(d)
   variant, options = route.variant(), route.kernels
   if variant.kind == "tpu":
     tpu.check_kv_dtype(k)

@@ -14,9 +14,9 @@ With `key_rope_freqs` the keys are taken as cached before RoPE and each is rotat
 kernel at its place in the index list (entry j at position j), or at the position given for it
 (`key_positions`: one device's part of a scope split over a mesh, whose entries are not
 contiguous in it): a list of keys attended at their scope positions (ReAttention) without a
-rotated copy of them in HBM. `key_offset` is added to each such key before its rotation: a
-cache that stores pre-RoPE keys less a constant (the 8-bit cache's calibrated mean,
-model/decoder.py) gets its keys back, in the same registers. Keys are rotated in their own
+rotated copy of them in HBM. 8-bit keys that hold an offset (quant.Quantized.offset: a cache
+of pre-RoPE keys stored less their calibrated mean, model/decoder.py) get it added back to each
+such key before its rotation, in the same registers. Keys are rotated in their own
 dtype, as the models rotate them (jax_longctx.core.rope.rotate, like transformers), and on the
 GPU in 64-key tiles: on an H200
 (8K scope entries of a 32K cache, 32 query / 8 kv heads, bf16) that kernel took 12.2 us where
@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels import gpu, layout, tpu
+from pallas_kernels import gpu, layout, quant, tpu
 from pallas_kernels.decode import split_merge
 from pallas_kernels import online_softmax as osm
 from pallas_kernels import reference
@@ -44,7 +44,7 @@ SQ = gpu.SQ
 
 def gathered_attention(q, k, v, indices, valid=None, *, scale: float | None = None,
                        kv_layout: str = "BTHD", key_rope_freqs=None, key_positions=None,
-                       key_offset=None, extent=None, route: Route,
+                       extent=None, route: Route,
                        tiling: gpu.Tiling | None = None):
   """q [B, Lq, H, d] over k, v (BTHD or BHTD) at indices [B, KV, n] (int, into the key axis).
 
@@ -52,8 +52,8 @@ def gathered_attention(q, k, v, indices, valid=None, *, scale: float | None = No
   sees the same selected keys (no causal mask: select accordingly). key_rope_freqs: None, or the
   RoPE inverse frequencies [d / 2] with which the key of entry j is rotated at position j (q comes
   rotated already), or at key_positions[b, j] (int [B, n], shared by a sequence's kv heads) when
-  given. key_offset: None, or [KV, d] added to each key (dequantized) before it is rotated; needs
-  key_rope_freqs. extent: None, or [B, KV] int: entries at and past it count as invalid and the GPU
+  given. Quantized keys holding an offset: added to each key (dequantized) before it is rotated;
+  needs key_rope_freqs. extent: None, or [B, KV] int: entries at and past it count as invalid and the GPU
   kernel does not read them (0: the group costs no reads). route: the run's kernel route (its
   variant; decode_q_in_kernel, decode_merge_kernel as for flash_attention's decode). Returns (out
   [B, Lq, H, d], lse [B, Lq, H] fp32); a row with no valid key gives (0, -inf).
@@ -79,11 +79,10 @@ def gathered_attention(q, k, v, indices, valid=None, *, scale: float | None = No
     key_positions = key_positions.astype(jnp.int32)
   else:
     key_positions = jnp.arange(n, dtype=jnp.int32)[None, :]
-  if key_offset is not None:
-    if key_rope_freqs is None:
-      raise ValueError("key_offset is added to keys before their rotation: give key_rope_freqs")
-    if key_offset.shape != (kvh, d):
-      raise ValueError(f"key_offset must be [kv_heads={kvh}, d={d}], got {key_offset.shape}")
+  k, key_offset = quant.split_offset(k)
+  if key_offset is not None and key_rope_freqs is None:
+    raise ValueError("keys holding an offset are read here only to be rotated (the offset is "
+                     "added before the rotation): give key_rope_freqs")
   scale = float(scale) if scale is not None else 1.0 / math.sqrt(d)
   indices = indices.astype(jnp.int32)
   variant, options = route.variant(), route.kernels

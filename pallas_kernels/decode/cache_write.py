@@ -8,11 +8,12 @@ and of V at the sequence's own position, into the caches themselves (input_outpu
 stores nothing where the position is out of range. Other backends run the reference (a scatter).
 
 A quantized cache (quant.Quantized) gets the new rows quantized first (jnp: one scale per row, a
-row alone), then the same in-place write of values and scales, four buffers in one kernel.
+row alone, less the buffer's key offset if it holds one), then the same in-place write of values and scales, four buffers in one kernel.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -32,7 +33,7 @@ def reference(k_cache, v_cache, positions, k_new, v_new):
   jnp indexing does, down to -T). Quantized caches get the rows quantized, scales set alike."""
   b_idx = jnp.arange(positions.shape[0])
   put = lambda cache, new: cache.at[b_idx, :, positions].set(new, mode="drop")  # noqa: E731
-  return tuple(quant.per_row(put, cache, quant.store_like(new, cache))
+  return tuple(quant.per_row(put, cache, quant.store_like(new, cache, heads_axis=1))
                for cache, new in ((k_cache, k_new), (v_cache, v_new)))
 
 
@@ -49,14 +50,16 @@ def write_one_token(k_cache, v_cache, positions, k_new, v_new, *, route: Route):
   if variant.kind != "gpu":
     return reference(k_cache, v_cache, positions, k_new, v_new)
   pos = positions.astype(jnp.int32).reshape(b, 1)
-  kn, vn = quant.store_like(k_new, k_cache), quant.store_like(v_new, v_cache)
+  kn, vn = (quant.store_like(x, cache, heads_axis=1) for x, cache in ((k_new, k_cache),
+                                                                       (v_new, v_cache)))
   if not quantized:
     return _write(pos, (kn, vn), (k_cache, v_cache), interpret=variant.interpret_arg())
   # scales: rows [B, KV, 1] and caches [B, KV, T, 1], written as the values (the same kernel)
   out = _write(pos, (kn.values, vn.values, kn.scale, vn.scale),
                (k_cache.values, v_cache.values, k_cache.scale, v_cache.scale),
                interpret=variant.interpret_arg())
-  return tuple(quant.Quantized(x, s) for x, s in ((out[0], out[2]), (out[1], out[3])))
+  return tuple(dataclasses.replace(cache, values=x, scale=s)  # any key offset stays
+               for cache, x, s in ((k_cache, out[0], out[2]), (v_cache, out[1], out[3])))
 
 
 def _kernel(pos_ref, *refs):

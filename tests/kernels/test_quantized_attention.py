@@ -21,6 +21,7 @@ Tolerances (out, LSE; absolute and relative):
   product, rounded once) and go on as the bf16 kernels.
 """
 
+import dataclasses
 import re
 
 import jax
@@ -142,37 +143,34 @@ def test_gathered_reference_dequantizes_then_rotates():
                "fp32")
 
 
-@pytest.mark.parametrize("variant,kv_dtype", [("gpu", jnp.int8), ("gpu", F8), ("tpu", jnp.int8),
-                                              ("gpu", None), ("tpu", None)])
+@pytest.mark.parametrize("variant,kv_dtype", [("gpu", jnp.int8), ("gpu", F8), ("tpu", jnp.int8)])
 def test_gathered_attention_adds_the_key_offset_before_rotating(variant, kv_dtype):
-  """A cache of pre-RoPE keys stored less a constant c per (kv head, channel) (model/decoder.py:
-  the 8-bit cache's calibrated mean) attends as its keys plus c: each kernel as the reference,
-  and the reference as keys + c given whole (dequantized, in q's dtype) and rotated."""
+  """A cache of pre-RoPE keys stored less a constant c per (kv head, channel), which it holds
+  (quant.Quantized.offset; model/decoder.py: the 8-bit cache's calibrated mean), attends as its
+  keys plus c: each kernel as the reference, and the reference as keys + c given whole
+  (dequantized, in q's dtype) and rotated."""
   b, h, kvh, t, d, n = 2, 8, 2, 200, 128, 100
-  q, k, v = qkv(5, b, 1, h, kvh, t, d, "BHTD", jnp.bfloat16, kv_dtype or jnp.int8)
-  if kv_dtype is None:  # a bf16 cache holds its keys less c too
-    k, v = (quant.dequantize(x, jnp.bfloat16) for x in (k, v))
+  q, stored, v = qkv(5, b, 1, h, kvh, t, d, "BHTD", jnp.bfloat16, kv_dtype)
   rng = np.random.default_rng(6)
   c = normal(rng, (kvh, d), jnp.float32) * 4  # several times the keys' own size
+  k = dataclasses.replace(stored, offset=c[None, :, None, :])  # BHTD: [1, KV, 1, d]
   idx = jnp.asarray(rng.integers(-5, t + 5, (b, kvh, n)))
   valid = jnp.asarray(rng.random((b, kvh, n)) > 0.3)
   kw = dict(kv_layout="BHTD", key_rope_freqs=jnp.asarray(ROPE[: d // 2], jnp.float32))
   tiling = Tiling(key_splits=2, block_keys=64) if variant == "gpu" else None
   got = gathered_attention(q, k, v, idx, valid, route=Route(backend=variant), tiling=tiling,
-                           key_offset=c,
                            **kw)
-  ref = gathered_attention(q, k, v, idx, valid, route=Route(backend="reference"), key_offset=c,
-                           **kw)
+  ref = gathered_attention(q, k, v, idx, valid, route=Route(backend="reference"), **kw)
   assert_close(got, ref, "bf16_dequantized")
-  whole = reference._in_model_dtype(k, jnp.bfloat16) + c[None, :, None].astype(jnp.bfloat16)
+  whole = reference._in_model_dtype(stored, jnp.bfloat16) + c[None, :, None].astype(jnp.bfloat16)
   plain = gathered_attention(q, whole, reference._in_model_dtype(v, jnp.bfloat16), idx, valid,
                              route=Route(backend="reference"), **kw)
   assert_close(ref, plain, "fp32")
-  assert not np.allclose(ref[1], gathered_attention(q, k, v, idx, valid,
+  assert not np.allclose(ref[1], gathered_attention(q, stored, v, idx, valid,
                                                     route=Route(backend="reference"),
                                                     **kw)[1], atol=1e-2)  # c moves the scores
-  with pytest.raises(ValueError, match="key_offset is added to keys before their rotation"):
-    gathered_attention(q, k, v, idx, valid, kv_layout="BHTD", key_offset=c, route=Route())
+  with pytest.raises(ValueError, match="keys holding an offset are read here only to be rotated"):
+    gathered_attention(q, k, v, idx, valid, kv_layout="BHTD", route=Route())
 
 
 NO_INTERPRETER = interpreter_available()
