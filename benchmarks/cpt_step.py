@@ -1,6 +1,6 @@
 """Step time, model FLOPs utilization and peak memory of a continued-pretraining step.
 
-    python benchmarks/cpt_step.py --config train_cpt/configs/llama3.1-8b_refreshkv_paper.toml \
+    python -m benchmarks.cpt_step --config train_cpt/configs/llama3.1-8b_refreshkv_paper.toml \
         --out $OUT/cpt_step.json [--set KEY=VALUE ...]
 
 The config's model (the paper's: random weights of the Llama-3.1-8B shape, L 8092 + S 50, K 2048,
@@ -19,14 +19,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks.common import device_facts, median_time, write_json  # noqa: E402
+from benchmarks.common import device_facts, median_time, write_json
 
 SMOKE = {"model": "random:smoke", "prefix_len": 64, "suffix_len": 8, "top_k": 16,
          "compute_dtype": "float32", "loss_chunk": 16}
