@@ -205,7 +205,7 @@ class Method(RegisteredMethod):
   # method sees whole keys and a wrapper of it (RESA, CItruS' instruction pass) inherits that
   # with the state. False: each key is rotated at its own position (`ctx.q_pos`) and read
   # nowhere before, so the model may take a post-RoPE constant out of every new key (the 8-bit
-  # cache's calibrated offset, model/decoder.py `_less_offsets`): every score of a query drops
+  # cache's calibrated offset, model/kv_offsets.py): every score of a query drops
   # by the same amount, which no softmax, top-k or LSE merge sees.
   keys_before_rope: ClassVar[bool] = False
 

@@ -1,6 +1,7 @@
 """The decoder (decoder.py): a Flax NNX Llama-family model whose KV cache is a pytree passed in
-and out, and whose attention layers hand pre-RoPE q, k, v to a method; placement.py: the fused
-serving layout and the weights' placement over a device mesh (tensor parallel)."""
+and out, and whose attention layers hand pre-RoPE q, k, v to a method; kv_offsets.py: the
+calibrated K/V offsets a layer takes out of what its cache stores; placement.py: the fused serving
+layout and the weights' placement over a device mesh (tensor parallel)."""
 
 from jax_longctx.model.decoder import (Llama, abstract_model, device_view, forward,
                                        hidden_states, is_fused,

@@ -26,12 +26,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jax_longctx.core.axes import HEADS, HIDDEN, KV_HEADS, VOCAB
-from jax_longctx.ops.cache import Cache, holds_8_bit, set_key_offset
+from jax_longctx.ops.cache import Cache
 from jax_longctx.core.config import LlamaConfig
 from jax_longctx.core.mesh import ModelShards, axis_size
 from jax_longctx.core.options import DEFAULT, RunOptions
 from jax_longctx.methods.base import AttnContext, Heads, Method, TokenShards
-from jax_longctx.core.rope import inv_freq, query_scale, rotate
+from jax_longctx.core.rope import inv_freq, query_scale
+from jax_longctx.model.kv_offsets import less_offsets
 from pallas_kernels.decode import add_rmsnorm
 from pallas_kernels.route import Route
 
@@ -146,7 +147,9 @@ class Attention(nnx.Module):
       # YaRN's factor on both rotated q and k does, and leaves the cached keys untouched.
       q = q * jnp.asarray(self.q_scale, q.dtype)
     if self.offsets:
-      k, v, state = self._less_offsets(k, v, ctx, state, method)
+      k, v, state = less_offsets(k, v, ctx, state, method, k_offset=self.k_offset[...],
+                                 k_offset_before_rope=self.k_offset_before_rope[...],
+                                 v_offset=self.v_offset[...])
     step = method.decode if decode else method.prefill
     out, state = step(state, q, k, v, ctx)  # [B, S, H, hd]
     if self.offsets:  # each value's offset back: out is a convex sum of values
@@ -155,33 +158,6 @@ class Attention(nnx.Module):
 
   def _per_query_head(self, x):  # [KV, hd] -> [H, hd]
     return jnp.repeat(x, self.num_heads // self.num_kv_heads, axis=0)
-
-  def _less_offsets(self, k, v, ctx: AttnContext, state, method: Method):
-    """(k, v, state): this layer's offsets (run.key_smoothing: the calibrated means) taken out
-    of what the cache stores, so an 8-bit cache rounds what is left of each value, not a large
-    common part of it.
-
-    Exact for every method: the value offset comes back on the output (`__call__`). Keys, only
-    where the state stores 8 bits (a float cache keeps them whole):
-    - buffers of keys cached before RoPE hold the pre-RoPE keys' mean c0 as their offset, set
-      here: they store each key less c0 and read it back whole (ops/cache.py), whoever reads
-      them (a wrapping method too), so k goes to the method whole;
-    - any other method rotates each key at its own position p and reads keys nowhere before
-      (`Method.keys_before_rope` False), so it is given RoPE_p(k) - c for a post-RoPE constant
-      c (taken out here as R(-p) c): every score of a query drops by the same q.c, which
-      softmax, top-k and LSE merges do not see."""
-    v = (v.astype(jnp.float32) - self.v_offset[...].astype(jnp.float32)).astype(v.dtype)
-    if not holds_8_bit(state):
-      return k, v, state
-    state, before_rope = set_key_offset(state, self.k_offset_before_rope[...])
-    if before_rope:
-      return k, v, state
-    if method.keys_before_rope:
-      raise ValueError(f"{method.name} caches keys before RoPE but its 8-bit key buffers hold no "
-                       "offset: make them with ops.cache.zeros(..., offset_heads_axis=)")
-    c = jnp.broadcast_to(self.k_offset[...].astype(jnp.float32), k.shape)
-    c = rotate(c, -ctx.q_pos[:, :, None], ctx.freqs)
-    return (k.astype(jnp.float32) - c).astype(k.dtype), v, state
 
   def _out(self, out):  # [B, S, H, hd] -> [B, S, D]
     if self.fused:

@@ -93,7 +93,7 @@ def holds_8_bit(state) -> bool:
 
 def set_key_offset(state, offset):
   """(state with `offset` [KV, d] as the key offset of every buffer that holds one, whether any
-  does): the model's step, before the method's (model/decoder.py)."""
+  does): the model's step, before the method's (model/kv_offsets.py)."""
   found = []
 
   def fill(x):

@@ -19,7 +19,7 @@ default: a key channel's quantization error reaches the score times the query's 
 equalization (1) buys the keys' grid at the queries' cost. E4M3 is not helped (+8.0% / +8.0% /
 +65%): its error is relative to each value, not set by the row's largest, so evening the
 channels out does not reduce it. What helps E4M3 is taking the keys' and values' common offset
-out of what the cache stores (`key_offset`, model/decoder.py `_less_offsets`), calibrated in the
+out of what the cache stores (`key_offset`, model/kv_offsets.py), calibrated in the
 same pass: Qwen's E4M3 NLL +8.0% -> +0.09% on that text (docs/CLAIMS.md). Caches of pre-RoPE
 keys (ReAttention, StreamingLLM, CItruS: `Method.keys_before_rope`) are stored less the pre-RoPE
 keys' mean instead, which their 8-bit key buffers hold and add back on every read
