@@ -124,13 +124,6 @@ def scale_rows(scale, kv_layout: str):
   return jnp.pad(scale, ((0, 0), (0, 0), (0, -t % 8)), constant_values=1.0)
 
 
-def quantize_rows(x, dtype):
-  """x [..., d] -> (values in `dtype` (int8 / E4M3), scale fp32 [...]): one symmetric scale per
-  row, as the KV cache's keys (quant.quantize), so an 8-bit WGMMA can take the rows."""
-  q = quant.quantize(x, dtype)
-  return q.values, q.scale.reshape(x.shape[:-1])
-
-
 def int_to_f32(x):
   """int32 x (|x| < 2^22) -> fp32, exactly, by the MAGIC bit trick (no int-to-float unit)."""
   return lax.bitcast_convert_type(x + MAGIC, jnp.float32) - MAGIC_F
@@ -302,10 +295,14 @@ class Ops:
       s = pl.run_scoped(product, plgpu.ACC((self.bq, self.bk), acc))
     return int_to_f32(s) if acc == jnp.int32 else s
 
-  def columns(self, ref, shape):
-    """A [bk] fp32 SMEM row (per-key values: 8-bit keys' scales) broadcast along the rows of
-    `shape` [bq, bk], in the WGMMA layout of the scores it multiplies."""
-    x = (plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(0)) if self.native else ref[...])
+  def column_vector(self, ref):
+    """A [bk] fp32 SMEM row (per-key values: 8-bit keys' scales) in the layout of a score
+    tile's columns."""
+    return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(0)) if self.native else ref[...]
+
+  def columns(self, x, shape):
+    """A column vector (`column_vector`) broadcast along the rows of `shape` [bq, bk], in the
+    WGMMA layout of the scores it multiplies."""
     return self.layout(lax.broadcast_in_dim(x, shape, [1]), plgpu.Layout.WGMMA)
 
   @staticmethod

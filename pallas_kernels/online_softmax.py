@@ -62,8 +62,13 @@ def dequantized(x, scale_col, dtype):
 
 def scores(q, kt, scale, key_scale=None):
   """[rows, d] x [n, d] -> fp32 [rows, n] (times scale when given; times key_scale [1, n], the
-  keys' quantization scales, when given)."""
-  s = lax.dot_general(q, kt, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+  keys' quantization scales, when given). int8 q and kt multiply into int32 (exact; the TPU
+  MXU's int8 products)."""
+  if q.dtype == jnp.int8:
+    s = lax.dot_general(q, kt, (((1,), (1,)), ((), ())),
+                        preferred_element_type=jnp.int32).astype(jnp.float32)
+  else:
+    s = lax.dot_general(q, kt, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
   if key_scale is not None:
     return s * (key_scale if scale is None else key_scale * scale)
   return s if scale is None else s * scale

@@ -14,7 +14,7 @@ IMPLS = ("mosaic", "triton")
 TOPK_SELECTIONS = ("exact", "max_only")
 TOPK_FEW_ROWS = ("blocks", "blocks_jnp", "kernel")
 TOPK_MANY_ROWS = ("segments", "kernel")
-EIGHT_BIT_TOPK = ("tensor_cores", "dequantize")
+EIGHT_BIT_TOPK = ("products", "dequantize")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,11 +87,16 @@ class KernelOptions:
   # H200, BENCHMARKS.md "Re-timed"). A prefill chunk's scoring is compute-bound, so the copy's
   # pass is a few percent of it.
   topk_dequantize_bytes: int = 1 << 30
-  # topk_scores' prefill chunks over 8-bit keys on Hopper: "tensor_cores" runs the Mosaic
-  # kernel's products on the 8-bit tensor cores (s8 x s8 -> s32, e4m3 x e4m3 -> f32, the
-  # queries quantized per row for the selection: mgpu_topk.py); "dequantize" takes the route
-  # above (a bf16 copy within topk_dequantize_bytes, else the Triton kernel).
-  topk_eight_bit: str = "tensor_cores"
+  # topk_scores over 8-bit keys: "products" multiplies them as they are stored on the 8-bit
+  # matrix units, the queries quantized per row as the keys are (Hopper's tensor cores in the
+  # Mosaic kernel for prefill chunks: s8 x s8 -> s32, e4m3 x e4m3 -> f32, mgpu_topk.py; the TPU
+  # MXU's int8 x int8 -> int32); "dequantize" takes the route above (a bf16 copy within
+  # topk_dequantize_bytes, else the keys converted tile by tile to the queries' dtype).
+  # On an H200, 512 queries x 128K keys: 0.98-1.10x the bf16 keys' kernel and 1.14-1.22x
+  # "dequantize"; ReAttention's 1M-token int8 prefill 1.33x "dequantize" (BENCHMARKS.md). Off
+  # by default: the quantized queries pick other keys among near-ties (20% of random rows'
+  # top-4 with E4M3), and what that does to a model's quality is not measured yet.
+  topk_eight_bit: str = "dequantize"
 
   def __post_init__(self):
     for field in ("prefill_impl", "topk_impl"):

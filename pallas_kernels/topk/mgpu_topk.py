@@ -43,14 +43,19 @@ from pallas_kernels import layout, quant
 from pallas_kernels.mgpu_common import (COMPUTE_WGS, DTYPES, EIGHT_BIT, HEAD_DIMS, NEG_INF,
                                         SMEM_LIMIT, Config, Ops, compiler_params, fill_ring,
                                         interpret_params, interpreter_available, keyrows,
-                                        operand_transforms, plgpu, quantize_rows, rendezvous,
+                                        operand_transforms, plgpu, rendezvous,
                                         returns_when_done_if_interpreted, scale_rows, tile_start)
 from pallas_kernels.topk import mgpu_select
 
-__all__ = ["Config", "DEFAULT_CONFIG", "MAX_TOP_K", "interpreter_available", "mgpu_topk_scores",
-           "smem_bytes", "unsupported"]
+__all__ = ["Config", "DEFAULT_CONFIG", "EIGHT_BIT_CONFIG", "MAX_TOP_K", "interpreter_available",
+           "mgpu_topk_scores", "smem_bytes", "unsupported"]
 
 DEFAULT_CONFIG = Config(block_q=64, block_kv=128, stages=4)  # not yet tuned on a GPU
+# 8-bit keys: twice the keys a tile in the same SMEM, so the per-tile costs (turns, the
+# warpgroup-wide tests) spread over twice the products. 512 queries x 128K keys on an H200 (int8 /
+# E4M3, top-4): 1.52 / 1.38 ms at 64 x 128 x 4, 1.26 / 1.21 at 64 x 256 x 4, 1.33 / 1.23 at
+# 128 x 128 x 4; top-1: 1.27 / 1.09, 1.08 / 0.96, 1.09 / 0.84 (experiments/topk8_costs.py).
+EIGHT_BIT_CONFIG = Config(block_q=64, block_kv=256, stages=4)
 MAX_TOP_K = 32  # 2 * top_k row vectors stay in registers
 TEST_FIRST_SPAN = 262144  # keys per split past which "segments" tests before inserting
 # A row vector reduced to one value across 4 warps needs 16 bytes; a little more is harmless.
@@ -117,7 +122,7 @@ def mgpu_topk_scores(qr, k, bounds, *, kp: int, span: int, splits: int, scale: f
   span). interpret / native as in mgpu_flash.
 
   8-bit keys (quant.Quantized, int8 or E4M3): the rows of qr are quantized alike (one scale per
-  row, quantize_rows) and the tiles multiply on the 8-bit tensor cores (int8 into exact int32,
+  row, as the keys) and the tiles multiply on the 8-bit tensor cores (int8 into exact int32,
   E4M3 into fp32); the kernel selects by q8.k8 times each key's scale, and the kept scores are
   multiplied by the row's scale and `scale` after (a positive factor per row changes no row's
   order). The selection is then that of the quantized queries: it equals the dequantize-first
@@ -129,7 +134,7 @@ def mgpu_topk_scores(qr, k, bounds, *, kp: int, span: int, splits: int, scale: f
   eight_bit = quant.is_quantized(k)
   if eight_bit:
     k, k_scale = layout.parts(k)
-    qr, q_scale = quantize_rows(qr, k.dtype)
+    qr, q_scale = layout.parts(quant.quantize(qr, k.dtype))
     inputs = (qr, k, scale_rows(k_scale, kv_layout))
   else:
     inputs = (qr, k)
@@ -264,15 +269,20 @@ def _consumer(refs, smem, barriers, *, wg, row0, b, h, lo, hi, tiles, dims, cfg,
 
 def _step(g, state, *, masked: bool, first, q_tile, k_smem, k_loaded, k_free, key_scales,
           sync_turn, ops, scale, lo, hi, t, cfg, select):
-  """Key tile g: S = Q K^T (the other warpgroup selects meanwhile), with 8-bit keys times each
-  key's scale, then the selection."""
+  """Key tile g: S = Q K^T (the other warpgroup selects meanwhile), then the selection. With
+  8-bit keys (key_scales: their scales' ring and its barriers) the products run on the 8-bit
+  tensor cores and each key's scores are multiplied by its scale (scale is then None: applied
+  after the kernel). A test that skipped the scaling and selection of 8-bit tiles where no row
+  could gain (a row's max product times the tile's largest key scale against its worst kept
+  score) ran 1.4x slower at 512 queries x 128K keys on an H200: with 64 rows a warpgroup, some
+  row gains on most tiles, and the test and its branch cost more."""
   slot = lax.rem(g - first, jnp.int32(cfg.stages))
   plgpu.barrier_wait(k_loaded.at[slot])
   s = ops.scores(q_tile, k_smem.at[slot], after_issue=sync_turn)  # [bq, bk] fp32
   if key_scales is not None:
     ks_smem, ks_loaded = key_scales
     plgpu.barrier_wait(ks_loaded.at[slot])
-    s = s * ops.columns(ks_smem.at[slot], s.shape)
+    s = s * ops.columns(ops.column_vector(ks_smem.at[slot]), s.shape)
   plgpu.barrier_arrive(k_free.at[slot])
   if scale is not None:
     s = s * scale

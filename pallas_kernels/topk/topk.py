@@ -73,7 +73,8 @@ def topk_scores(q, k, top_k: int, *, scale: float | None = None, valid_len=None,
                                    else "kernel", interpret=variant.interpret_arg())
   bounds = jnp.stack([lo, hi], axis=1)  # [B, 2]
   # Many query rows over 8-bit keys on Hopper: the Mosaic kernel on the 8-bit tensor cores.
-  if quantized and options.topk_eight_bit == "tensor_cores":
+  eight_bit_products = quantized and options.topk_eight_bit == "products"
+  if eight_bit_products:
     mosaic = _mosaic_config(variant, q, k, rows, top_k, tiling, keys=t, options=options)
     if mosaic is not None:
       return _finish_mosaic(q, k, bounds, top_k, mosaic, scale=scale, kv_layout=kv_layout,
@@ -87,8 +88,7 @@ def topk_scores(q, k, top_k: int, *, scale: float | None = None, valid_len=None,
   elif segment:
     return _segmented_copy(q, k, top_k, segment, lo, hi, scale=scale, kv_layout=kv_layout,
                            route=route, tiling=tiling)
-  # Otherwise 8-bit keys take the Triton kernel (tiles converted in registers); the Mosaic
-  # kernel's WGMMA reads bf16 tiles from shared memory and has no conversion step.
+  # Otherwise 8-bit keys take the Triton kernel (tiles converted in registers) on a GPU.
   mosaic = None if quantized else _mosaic_config(variant, q, k, rows, top_k, tiling, keys=t,
                                                  options=options)
   if mosaic is not None:
@@ -115,8 +115,13 @@ def topk_scores(q, k, top_k: int, *, scale: float | None = None, valid_len=None,
                      interpret=variant.interpret_arg())
   else:
     kh, ks = layout.parts(layout.heads_first(k, kv_layout))
-    vals, idx = _tpu(qr, kh, bounds, *tpu.scale_rows(ks), kp=kp, bm=bm, bk=bk, scale=scale,
+    if eight_bit_products:  # int8 x int8 on the MXU: the rows' own factors after (mgpu_topk)
+      qr, q_scale = layout.parts(quant.quantize(qr, kh.dtype))
+    vals, idx = _tpu(qr, kh, bounds, *tpu.scale_rows(ks), kp=kp, bm=bm, bk=bk,
+                     scale=None if eight_bit_products else scale,
                      selection=options.topk_selection, interpret=variant.interpret_arg())
+    if eight_bit_products:
+      vals = vals * (q_scale if scale is None else q_scale * scale)[:, :, None, :, None]
   return _finish(vals, idx, top_k, lq, h)
 
 
@@ -174,7 +179,8 @@ def _mosaic_config(variant, q, k, rows: int, top_k: int, tiling, keys: int | Non
   """The Mosaic GPU kernel's Config when it serves this call, else None (the Triton kernel)."""
   if not gpu.mosaic_asked(variant, tiling, options.topk_impl) or rows < MOSAIC_MIN_ROWS:
     return None
-  config = gpu.mosaic_tiling(mgpu_topk.DEFAULT_CONFIG, tiling)
+  config = gpu.mosaic_tiling(mgpu_topk.EIGHT_BIT_CONFIG if quant.is_quantized(k)
+                             else mgpu_topk.DEFAULT_CONFIG, tiling)
   return None if mgpu_topk.unsupported(q, k, top_k, config=config, keys=keys) else config
 
 

@@ -15,6 +15,7 @@ import pytest
 
 from pallas_kernels import Route, quant, topk_scores
 from pallas_kernels.gpu import Tiling
+from pallas_kernels.options import KernelOptions
 
 B, LQ, H, KV, T, D = 2, 3, 4, 2, 333, 16
 BOUNDS = dict(valid_len=jnp.asarray([300, 200]), exclude_prefix=7)
@@ -38,7 +39,7 @@ def test_quantized_keys_select_what_the_reference_does(dtype):
   np.testing.assert_array_equal(floats[1], want[1])
   runs = {"gpu": dict(route=Route(backend="gpu")),
           "gpu_tiles": dict(route=Route(backend="gpu"), tiling=Tiling(block_keys=64))}
-  if dtype == "int8":
+  if dtype == "int8":  # keys converted to q's dtype (the int8 products: test below)
     runs["tpu"] = dict(route=Route(backend="tpu"))
   for name, kw in runs.items():
     got = topk_scores(q, k, 5, kv_layout="BHTD", **BOUNDS, **kw)
@@ -54,6 +55,25 @@ def test_quantized_keys_select_what_the_reference_does(dtype):
                     tiling=Tiling(block_keys=64),
                     **BOUNDS)
   np.testing.assert_array_equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("rows", [LQ, 40])
+def test_tpu_int8_products_on_exact_inputs(rows):
+  """The TPU kernel over int8 keys with KernelOptions(topk_eight_bit="products"): queries
+  quantized per row to int8 and multiplied
+  on the MXU (int8 x int8 -> int32), the rows' scales after. Queries whose rows hold 127 besides
+  small integers quantize with scale 1, so the selection and the scores must be the
+  reference's exactly (decode rows and a chunk's)."""
+  _, k = _inputs("int8", seed=5)
+  rng = np.random.default_rng(6)
+  q = np.asarray(rng.integers(-3, 4, (B, rows, H, D)), np.float32)
+  q[..., 2] = 127 * rng.choice([-1, 1], (B, rows, H))
+  q = jnp.asarray(q)
+  want = topk_scores(q, k, 5, kv_layout="BHTD", route=Route(backend="reference"), **BOUNDS)
+  products = Route(backend="tpu", kernels=KernelOptions(topk_eight_bit="products"))
+  got = topk_scores(q, k, 5, kv_layout="BHTD", route=products, **BOUNDS)
+  np.testing.assert_array_equal(got[1], want[1])
+  np.testing.assert_array_equal(got[0], want[0])
 
 
 def test_fp8_keys_on_a_tpu_are_refused():

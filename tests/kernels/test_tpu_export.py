@@ -17,6 +17,7 @@ import pytest
 import pallas_kernels
 from pallas_kernels import chunk_attention, flash_attention, gathered_attention, quant, topk_scores
 from pallas_kernels import Route
+from pallas_kernels.options import KernelOptions
 from tests.kernels.inputs import keys_shape
 from tests.helpers.tpu_export import MOSAIC_CALL, export_for_tpu, mosaic_calls
 
@@ -78,6 +79,20 @@ def test_topk_scores_lowers_for_tpu(case, top_k):
                        exclude_suffix=8, kv_layout=kv_layout, route=Route())
 
   _assert_lowered(export_for_tpu(fn, q, k, S((q.shape[0],), jnp.int32)))
+
+
+@pytest.mark.parametrize("case", ["decode_g4_bf16", "chunk_g4_bf16", "chunk_g3_fp32"])
+def test_int8_topk_products_lower_for_tpu(case):
+  """topk_scores over int8 keys: the queries quantized per row and multiplied int8 x int8 ->
+  int32 (the MXU's int8 products), the keys' scales on the score columns."""
+  q, k, _, kv_layout = _qkv(case)
+
+  def fn(q, k, valid_len):
+    return topk_scores(q, k, 4, scale=1.0, valid_len=valid_len, exclude_prefix=2,
+                       exclude_suffix=8, kv_layout=kv_layout,
+                       route=Route(kernels=KernelOptions(topk_eight_bit="products")))
+
+  _assert_lowered(export_for_tpu(fn, q, _int8(k), S((q.shape[0],), jnp.int32)))
 
 
 @pytest.mark.parametrize("rope", ["plain", "rope", "ranked"])
