@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jax_longctx.core.axes import HEADS, HIDDEN, KV_HEADS, VOCAB
+from jax_longctx.core.axes import EMBED, HEADS, HIDDEN, KV_HEADS, VOCAB
 from jax_longctx.ops.cache import Cache
 from jax_longctx.core.config import LlamaConfig
 from jax_longctx.core.mesh import ModelShards, axis_size
@@ -41,17 +41,22 @@ _INIT_STD = 0.02
 # Each weight's logical axes (core/axes.py), declared here where the weights are built, by their
 # name in the parameter tree; core/mesh.py RULES maps them to the mesh (tensor parallel: heads,
 # KV heads, hidden units and the vocabulary over `model`; model/placement.py). A fused weight
-# (placement.fuse_projections) splits as its parts do.
+# (placement.fuse_projections) splits as its parts do. EMBED names the model dimension
+# (hidden_size) of the attention projections and the norms: inference leaves it whole, training
+# splits it over fsdp. The MLP and the embeddings split over fsdp along their hidden units and
+# vocabulary instead (RULES says why), so their model dimension stays unnamed: one array cannot
+# split two dimensions over one mesh axis. A norm's `scale` is its one dimension: the model
+# dimension, or a q/k norm's head dimension.
 WEIGHT_AXES = {
     "embed": (VOCAB, None), "lm_head": (None, VOCAB),
-    "q_proj": (None, HEADS, None), "k_proj": (None, KV_HEADS, None),
-    "v_proj": (None, KV_HEADS, None), "qkv_proj": (None, HEADS, None),
-    "o_proj": (HEADS, None, None), "o_proj_t": (None, HEADS, None),
+    "q_proj": (EMBED, HEADS, None), "k_proj": (EMBED, KV_HEADS, None),
+    "v_proj": (EMBED, KV_HEADS, None), "qkv_proj": (EMBED, HEADS, None),
+    "o_proj": (HEADS, None, EMBED), "o_proj_t": (EMBED, HEADS, None),
     "q_bias": (HEADS, None), "k_bias": (KV_HEADS, None), "v_bias": (KV_HEADS, None),
     "k_smooth": (KV_HEADS, None), "k_offset": (KV_HEADS, None), "v_offset": (KV_HEADS, None),
     "k_offset_before_rope": (KV_HEADS, None),
     "gate_proj": (None, HIDDEN), "up_proj": (None, HIDDEN), "gate_up_proj": (None, HIDDEN),
-    "down_proj": (HIDDEN, None), "scale": (None,),
+    "down_proj": (HIDDEN, None), "scale": (EMBED,),
 }
 
 

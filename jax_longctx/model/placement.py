@@ -21,30 +21,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jax_longctx.core.axes import EMBED, KV_HEADS, VOCAB
+from jax_longctx.core.axes import KV_HEADS, VOCAB
 from jax_longctx.core.config import LlamaConfig
 from jax_longctx.core.mesh import MeshError, ModelShards, axis_size, make_mesh, spec_of
 from jax_longctx.model.decoder import WEIGHT_AXES, abstract_model, is_fused, random_params
-
-# The model dimension (hidden_size) of the weights FSDP splits along it (core/mesh.py RULES:
-# EMBED over fsdp): the attention projections and the norms. decoder.py WEIGHT_AXES leaves it
-# None, as inference leaves it whole; this names it there (checked below: only a None is named).
-# The MLP and the embeddings split along their hidden units and vocabulary instead (RULES says
-# why), so their model dimension stays unnamed: one array cannot split two dimensions over fsdp.
-# A norm's `scale` is its one dimension: the model dimension, or a q/k norm's head dimension.
-_EMBED_DIM = {"q_proj": 0, "k_proj": 0, "v_proj": 0, "qkv_proj": 0, "o_proj": 2, "o_proj_t": 0,
-              "scale": 0}
-
-
-def _named(name: str, names: tuple) -> tuple:
-  if name not in _EMBED_DIM:
-    return names
-  d = _EMBED_DIM[name]
-  assert names[d] is None, (name, names)
-  return names[:d] + (EMBED,) + names[d + 1:]
-
-
-_WEIGHT_AXES = {name: _named(name, names) for name, names in WEIGHT_AXES.items()}
 
 
 def _name(path) -> str:
@@ -54,9 +34,9 @@ def _name(path) -> str:
 
 def weight_axes(name: str) -> tuple:
   """A weight's logical axes (core/axes.py), by its name in the parameter tree."""
-  if name not in _WEIGHT_AXES:
+  if name not in WEIGHT_AXES:
     raise MeshError(f"weight {name!r} declares no logical axes (model/decoder.py WEIGHT_AXES)")
-  return _WEIGHT_AXES[name]
+  return WEIGHT_AXES[name]
 
 
 def weight_spec(name: str, mesh=None, shape=None) -> P:
