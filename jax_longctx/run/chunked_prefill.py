@@ -42,8 +42,9 @@ def default_chunk() -> int:
   return 8192 if pallas_kernels.platform() == "gpu" else 512
 
 
-@mesh_step(inputs=("params", (ROWS,), (), (ROWS,), "cache", (ROWS,)), outputs=("same", (ROWS,)),
-           donate=("cache", "last"))
+@mesh_step(inputs={"params": "params", "tokens": (ROWS,), "start": (), "prompt_lengths": (ROWS,),
+                   "cache": "cache", "last": (ROWS,)},
+           outputs=("same", (ROWS,)), donate=("cache", "last"))
 def prefill_step(params, tokens, start, prompt_lengths, cache: Cache, last, *, cfg: LlamaConfig,
                  method: Method, options: RunOptions = DEFAULT):
   """One prompt chunk [B, C] at positions start..start+C-1; keeps each row's last-token logits."""
@@ -145,7 +146,7 @@ def _nones(tree):
   return jax.tree.map(lambda _: None, tree)
 
 
-@mesh_step(inputs=("cache", "cache"), outputs="cache", donate=("donated",),
+@mesh_step(inputs={"donated": "cache", "kept": "cache"}, outputs="cache", donate=("donated",),
            static=("cfg", "method", "decode_room", "options"))
 def finish_prefill(donated, kept, *, cfg: LlamaConfig, method: Method, decode_room: int,
                    options: RunOptions = DEFAULT) -> Cache:

@@ -77,7 +77,8 @@ def _rows(context, lengths, lay: Layout):
   return tok, pos, ok, offset
 
 
-@mesh_step(inputs=("params", _BLOCKS, _BLOCKS, _BLOCKS, _BLOCKS, (ROWS,)), outputs="cache",
+@mesh_step(inputs={"params": "params", "tok": _BLOCKS, "pos": _BLOCKS, "ok": _BLOCKS,
+                   "offset": _BLOCKS, "lengths": (ROWS,)}, outputs="cache",
            static=("cfg", "method", "layout", "room", "options"))
 def encode_blocks(params, tok, pos, ok, offset, lengths, *, cfg: LlamaConfig, method: Method,
                   layout: Layout, room: int, options: RunOptions = DEFAULT) -> Cache:

@@ -129,7 +129,7 @@ def uncached_logits(params, cfg: LlamaConfig, ids, options: RunOptions = DEFAULT
                            options=options))
 
 
-@mesh_step(inputs=("params", (ROWS,), "cache"), outputs="gathered")
+@mesh_step(inputs={"params": "params", "ids": (ROWS,), "cache": "cache"}, outputs="gathered")
 def _logits(params, ids, cache, *, cfg: LlamaConfig, method: Method, options: RunOptions):
   positions = jnp.broadcast_to(jnp.arange(ids.shape[1], dtype=jnp.int32), ids.shape)
   return forward(params, ids, positions, cache, method, cfg, options=options)[0]

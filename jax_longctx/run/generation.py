@@ -157,7 +157,8 @@ def decode_while(method: Method, keep_going, step, carry, cache_of):
 DECODE_TRACES = [0]
 
 
-@mesh_step(inputs=("params", "cache", (ROWS,), (), (ROWS,)),
+@mesh_step(inputs={"params": "params", "cache": "cache", "last_logits": (ROWS,),
+                   "stop_tokens": (), "keys": (ROWS,)},
            outputs=("gathered", "gathered", "same"), donate=("cache",),
            static=("cfg", "method", "max_new_tokens", "sampling", "options"))
 def decode_loop(params, cache: Cache, last_logits, stop_tokens, keys, *, cfg: LlamaConfig,
@@ -193,8 +194,8 @@ def decode_loop(params, cache: Cache, last_logits, stop_tokens, keys, *, cfg: Ll
   return out, jnp.full((b,), step), cache
 
 
-@mesh_step(inputs=("params", "cache", (ROWS,), (ROWS,)), outputs=("gathered", "same"),
-           donate=("cache",))
+@mesh_step(inputs={"params": "params", "cache": "cache", "last_logits": (ROWS,),
+                   "targets": (ROWS,)}, outputs=("gathered", "same"), donate=("cache",))
 def teacher_forced_nll(params, cache: Cache, last_logits, targets, *, cfg: LlamaConfig,
                        method: Method, options: RunOptions = DEFAULT):
   """NLL [B, N] of `targets` fed one token per decode step after a prefill (teacher forcing);

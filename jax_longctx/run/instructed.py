@@ -55,7 +55,8 @@ class InstructionPass(Method):
     return self.inner.score_instruction(state, q, k, v, ctx)
 
 
-@mesh_step(inputs=("params", (ROWS,), (ROWS,), "cache"), outputs="same", donate=("cache",))
+@mesh_step(inputs={"params": "params", "tokens": (ROWS,), "lengths": (ROWS,), "cache": "cache"},
+           outputs="same", donate=("cache",))
 def instruction_pass(params, tokens, lengths, cache: Cache, *, cfg: LlamaConfig, method: Method,
                      options: RunOptions = DEFAULT):
   """Every layer's scores of its cache by the instruction [B, I]; the cache is not extended."""
@@ -67,14 +68,14 @@ def instruction_pass(params, tokens, lengths, cache: Cache, *, cfg: LlamaConfig,
   return scored.replace(lengths=cache.lengths)
 
 
-@mesh_step(inputs=("cache",), outputs="same", donate=("cache",))
+@mesh_step(inputs={"cache": "cache"}, outputs="same", donate=("cache",))
 def final_eviction(cache: Cache, *, cfg: LlamaConfig, method: Method,
                    options: RunOptions = DEFAULT) -> Cache:
   return cache.replace(state=tuple(method.evict_by_instruction(s) for s in cache.state))
 
 
-@mesh_step(inputs=("params", (ROWS,), (ROWS,), "cache"), outputs=("same", (ROWS,)),
-           donate=("cache",))
+@mesh_step(inputs={"params": "params", "tokens": (ROWS,), "lengths": (ROWS,), "cache": "cache"},
+           outputs=("same", (ROWS,)), donate=("cache",))
 def encode_appended(params, tokens, lengths, cache: Cache, *, cfg: LlamaConfig, method: Method,
                     options: RunOptions = DEFAULT):
   """Tokens [B, I] appended without eviction; logits of each row's last valid token."""

@@ -57,9 +57,8 @@ def mesh_step(*, inputs, outputs, donate: Sequence[str] = (), static: Sequence[s
   """A decorator: `body(*arrays, **static)` jitted (static keywords `static`, donated
   arguments `donate`), run per device under shard_map when `options` (a static keyword, its
   default the body's) has a mesh that splits anything. inputs: the kind of each array argument
-  by its name, e.g. `{"params": "params", "tokens": (ROWS,), "cache": "cache"}` (a tuple, one
-  kind per argument in order, is the older spelling); outputs: one kind, or a tuple of kinds
-  for a tuple of outputs (the module's doc). Both are checked against the body's signature when
+  by its name, e.g. `{"params": "params", "tokens": (ROWS,), "cache": "cache"}`; outputs: one
+  kind, or a tuple of kinds for a tuple of outputs (the module's doc). Both are checked against the body's signature when
   it is decorated. Every input but the weights is put on the mesh as its kind says
   (`_placed_arg`), so a step fed its own outputs compiles once."""
 
@@ -95,10 +94,9 @@ def mesh_step(*, inputs, outputs, donate: Sequence[str] = (), static: Sequence[s
 def _kinds_by_argument(body, signature, inputs, static) -> tuple:
   """The kinds of `body`'s array arguments in order, every one named once in `inputs`."""
   arrays = [n for n in signature.parameters if n not in static]
-  if not isinstance(inputs, dict):
-    inputs = dict(zip(arrays, inputs)) if len(inputs) == len(arrays) else {"?": None}
-  if list(inputs) != arrays:
-    raise TypeError(f"mesh_step of {body.__name__}: inputs name {list(inputs)}, its array "
+  if not isinstance(inputs, dict) or list(inputs) != arrays:
+    named = list(inputs) if isinstance(inputs, dict) else "no argument (kinds by name: a dict)"
+    raise TypeError(f"mesh_step of {body.__name__}: inputs name {named}, its array "
                     f"arguments are {arrays}")
   return tuple(inputs.values())
 
