@@ -91,7 +91,7 @@ def child(args) -> None:
     cfg = load_config(args.config, {"fsdp": 0, "micro_batch": n, "prefix_block": args.prefix_block,
                                     **variant, **sets})
     source = state_lib.Source(cfg)
-    mesh, opt = state_lib.make_mesh(cfg), optimizer(cfg)
+    mesh, opt = state_lib.training_mesh(cfg), optimizer(cfg)
     state = state_lib.abstract_state(source.config, opt, mesh)
     t0 = time.time()
     compiled = jit_step(cfg, source.config, opt, state).lower(

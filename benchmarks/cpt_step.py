@@ -64,7 +64,7 @@ def measure(args) -> dict:
                "steps": 1000, **(SMOKE if args.smoke else {}), **sets}
   cfg = load_config(args.config, overrides)
   source = state_lib.Source(cfg)
-  mesh, opt = state_lib.make_mesh(cfg), optimizer(cfg)
+  mesh, opt = state_lib.training_mesh(cfg), optimizer(cfg)
   t0 = time.perf_counter()
   state = state_lib.init_state(source.params(mesh), opt, mesh)
   jax.block_until_ready(state)

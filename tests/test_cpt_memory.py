@@ -104,7 +104,7 @@ def temp_bytes() -> dict:
   for remat, chunk in MEMORY_CASES:
     cfg = TrainConfig(prefix_len=512, suffix_len=16, top_k=64, global_batch=4, micro_batch=4,
                       remat=remat, loss_chunk=chunk, compute_dtype="float32")
-    mesh, opt = state_lib.make_mesh(cfg), optimizer(cfg)
+    mesh, opt = state_lib.training_mesh(cfg), optimizer(cfg)
     state = state_lib.abstract_state(model_cfg, opt, mesh)
     compiled = jit_step(cfg, model_cfg, opt, state).lower(
         state["params"], state["opt_state"], state_lib.abstract_batch(cfg, mesh)).compile()
@@ -136,7 +136,7 @@ def test_paper_config_parses_and_its_step_builds_abstractly():
   assert (cfg.remat, cfg.loss_chunk > 0, cfg.fsdp, cfg.eval_rows) == ("layer", True, 0, 0)
   source = state_lib.Source(cfg)
   assert source.config == preset("llama-3.1-8b", dtype="float32")
-  mesh, opt = state_lib.make_mesh(cfg), optimizer(cfg)
+  mesh, opt = state_lib.training_mesh(cfg), optimizer(cfg)
   assert mesh.shape["fsdp"] == len(jax.devices())
   state = state_lib.abstract_state(source.config, opt, mesh)
   n = sum(x.size for x in jax.tree.leaves(state["params"]))

@@ -1,4 +1,4 @@
-"""How a training job lies on its mesh (core/mesh.py's, `state.make_mesh`: data and fsdp):
+"""How a training job lies on its mesh (core/mesh.py's, `state.training_mesh`: data and fsdp):
 batch over both, parameters over fsdp.
 
 Every device gets distinct rows (data parallel over the whole mesh); each parameter and its

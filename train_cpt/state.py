@@ -56,7 +56,7 @@ class Source:
     return jax.device_put(self._lm.params, shardings)
 
 
-def make_mesh(cfg: TrainConfig, devices=None):
+def training_mesh(cfg: TrainConfig, devices=None):
   """core/mesh.py's mesh for the job: `cfg.fsdp` devices along fsdp (0: every device), the rest
   along data."""
   devices = list(jax.devices() if devices is None else devices)

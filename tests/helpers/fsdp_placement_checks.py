@@ -61,7 +61,7 @@ def placement():
   for model_name, model_cfg in models.items():
     for mesh_name, (fsdp, n) in meshes.items():
       cfg = load_config(None, {"fsdp": fsdp, "micro_batch": n, "global_batch": n})
-      mesh = state_lib.make_mesh(cfg, jax.devices()[:n])
+      mesh = state_lib.training_mesh(cfg, jax.devices()[:n])
       assert dict(mesh.shape) == {"data": n // (fsdp or n), "fsdp": fsdp or n, "model": 1,
                                   "ctx": 1}, mesh.shape
       tree = _state_shapes(model_cfg, "bfloat16")
