@@ -7,8 +7,8 @@ q8.k8 times each key's scale. Two kinds of check:
   the kernel must equal the dequantize-first reference bit for bit, ties included;
 - random: on normal inputs the quantized queries may reorder near-ties. A differing pick is
   allowed only where the reference's scores of the two keys differ by less than what rounding q
-  can move them (|q8 s_q - q| <= s_q / 2 a channel, so a score by at most s_q / 2 * sum|k|,
-  each of the two keys), and the share of rows that differ at all is bounded.
+  can move them (a score by at most sum_c |q8_c s_q - q_c| |k_c|, each of the two keys), and
+  the share of rows that differ at all is bounded.
 The native code lowers to Mosaic GPU on this CPU-only jaxlib; it runs in benchmarks/topk8.py.
 """
 
@@ -83,23 +83,25 @@ def test_exact_scores_equal_the_reference(dtype, top_k, many_rows):
 @pytest.mark.parametrize("top_k", [1, 4])
 def test_random_inputs_differ_only_at_near_ties(dtype, top_k):
   rng = np.random.default_rng(11 + top_k)
-  b, lq, h, kvh, t, d = 1, 32, 4, 1, 512, 128
+  b, lq, h, kvh, t, d = 1, 32, 4, 1, 304, 64
   q = normal(rng, (b, lq, h, d), jnp.bfloat16)
-  k = quant.quantize(normal(rng, keys_shape(b, t, kvh, d, "BHTD")), dtype)
-  _, i, rv, ri = run(q, k, top_k, scale=d ** -0.5, kv_layout="BHTD")
+  k = quant.quantize(normal(rng, keys_shape(b, t, kvh, d, "BTHD")), dtype)
+  _, i, rv, ri = run(q, k, top_k, scale=d ** -0.5)
   # the reference's scores of every key, [B, Lq, H, T], and how far rounding q moves each
-  kf = np.asarray(quant.dequantize(k, jnp.float32), np.float64)[:, 0]  # [B, T, d]
+  kf = np.asarray(quant.dequantize(k, jnp.float32), np.float64)[:, :, 0]  # [B, T, d]
   qf = np.asarray(q, np.float64)
   s = np.einsum("bqhd,btd->bqht", qf, kf) * d ** -0.5
-  q_step = np.asarray(quant.quantize(q, dtype).scale, np.float64).reshape(b, lq, h, 1)
-  moved = q_step / 2 * np.abs(kf).sum(-1)[:, None, None, :] * d ** -0.5  # [B, Lq, H, T]
+  rounded = np.abs(np.asarray(quant.dequantize(quant.quantize(q, dtype)), np.float64) - qf)
+  moved = np.einsum("bqhd,btd->bqht", rounded, np.abs(kf)) * d ** -0.5  # [B, Lq, H, T]
   picked = np.take_along_axis(s, i, -1)
   kth = rv[..., -1:]
   slack = np.take_along_axis(moved, i, -1) + np.take_along_axis(moved, ri[..., -1:], -1)
   assert np.all(picked >= kth - slack - 1e-5), "a pick no rounding of q explains"
   same = np.all(np.sort(i, -1) == np.sort(ri, -1), -1)
-  # measured on these inputs (128 rows): int8 99.2% / 97.7% of rows at top-1 / top-4; E4M3
-  # (3 mantissa bits: each channel of q moves by up to 1/16 of itself) 98.4% / 87.5%
+  # measured on these inputs (128 rows): int8 98.4% / 99.2% of rows at top-1 / top-4; E4M3
+  # (3 mantissa bits: each channel of q moves by up to 1/16 of itself) 92.2% / 93.0%. (d=128
+  # over BHTD keys ran here too, but jax's Mosaic GPU interpreter hung in it now and then: its
+  # threads waiting at a barrier on a 2-core machine; d=128 runs on the GPU in benchmarks/topk8.py.)
   floor = {"int8": 0.95, "float8_e4m3fn": 0.8}[dtype]
   assert same.mean() >= floor, f"only {same.mean():.1%} of rows chose the reference's keys"
 
