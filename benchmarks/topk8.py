@@ -1,4 +1,4 @@
-"""topk_scores over 8-bit keys on the 8-bit tensor cores, against bf16 and the dequantize-first route.
+"""topk_scores over 8-bit keys on the 8-bit tensor cores, against bf16 and dequantize-first.
 
     python -m benchmarks.topk8 --out $OUT/topk8.json [--only NAMES] [--smoke]
 

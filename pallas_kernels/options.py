@@ -93,9 +93,10 @@ class KernelOptions:
   # MXU's int8 x int8 -> int32); "dequantize" takes the route above (a bf16 copy within
   # topk_dequantize_bytes, else the keys converted tile by tile to the queries' dtype).
   # On an H200, 512 queries x 128K / 1M keys: 0.98-1.10x / 1.05-1.24x the bf16 keys' kernel,
-  # 1.14-1.22x / 1.21-1.40x "dequantize"; ReAttention's 1M-token int8 prefill 1.33x "dequantize" (BENCHMARKS.md). Off
-  # by default: the quantized queries pick other keys among near-ties (20% of random rows'
-  # top-4 with E4M3), and what that does to a model's quality is not measured yet.
+  # 1.14-1.22x / 1.21-1.40x "dequantize"; ReAttention's 1M-token int8 prefill 1.33x
+  # "dequantize" (BENCHMARKS.md). Off by default: the quantized queries pick other keys among
+  # near-ties (20% of random rows' top-4 with E4M3), and what that does to a model's quality is
+  # not measured yet.
   topk_eight_bit: str = "dequantize"
 
   def __post_init__(self):
