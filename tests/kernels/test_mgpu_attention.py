@@ -237,14 +237,15 @@ def test_smem_estimate_agrees_with_mosaic_lowering(monkeypatch):
 def test_routing_on_a_hopper_gpu(monkeypatch):
   """With a (pretended) native Hopper GPU: prefill goes to Mosaic unless cuDNN can express it
   (offset 0, BTHD) and mosaic_before_cudnn is off; prefill_impl="triton" and decode keep the
-  Triton kernel. The kernels themselves are stubbed: this checks only which one is called."""
+  Triton kernel. The kernels themselves are stubbed (returning an (out, lse) pair as they do):
+  this checks only which one is called."""
   calls = []
   options = KernelOptions(prefill_impl="mosaic", mosaic_before_cudnn=False)
   monkeypatch.setattr(backend_lib, "resolve", lambda backend: Variant("gpu", False))
   monkeypatch.setattr(backend_lib, "is_hopper", lambda: True)
-  monkeypatch.setattr(fa_module, "_cudnn", lambda *a, **kw: calls.append("cudnn") or "cudnn")
+  monkeypatch.setattr(fa_module, "_cudnn", lambda *a, **kw: calls.append("cudnn") or ("cudnn", None))
   monkeypatch.setattr(fa_module.mgpu_flash, "mgpu_flash_attention",
-                      lambda *a, **kw: calls.append("mosaic") or "mosaic")
+                      lambda *a, **kw: calls.append("mosaic") or ("mosaic", None))
   monkeypatch.setattr(fa_module, "_gpu", lambda *a, **kw: calls.append("triton") or 1 / 0)
   q, k, v = inputs(11, 1, 128, 4, 2, 256, 128)
 
