@@ -90,7 +90,8 @@ class KernelOptions:
   # topk_scores over 8-bit keys: "products" multiplies them as they are stored on the 8-bit
   # matrix units, the queries quantized per row as the keys are (Hopper's tensor cores in the
   # Mosaic kernel for prefill chunks: s8 x s8 -> s32, e4m3 x e4m3 -> f32, mgpu_topk.py; the TPU
-  # MXU's int8 x int8 -> int32); "dequantize" takes the route above (a bf16 copy within
+  # MXU's int8 x int8 -> int32; the reference variant computes the same products in jnp,
+  # reference.product_scores); "dequantize" takes the route above (a bf16 copy within
   # topk_dequantize_bytes, else the keys converted tile by tile to the queries' dtype).
   # On an H200, 512 queries x 128K / 1M keys: 0.98-1.10x / 1.05-1.24x the bf16 keys' kernel,
   # 1.14-1.22x / 1.21-1.40x "dequantize"; ReAttention's 1M-token int8 prefill 1.33x

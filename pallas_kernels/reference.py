@@ -43,11 +43,32 @@ def key_scores(q, k, kv_layout: str, scale):
   return s if scale is None else s * scale
 
 
-def topk_scores(q, k, top_k: int, lo, hi, *, scale=None, kv_layout="BTHD"):
-  """Exact top-k of q.k over keys lo[b] <= t < hi[b]; ties to the lowest index; unfilled -> (-inf, -1).
-  Quantized keys: q . dequantize(k) as `key_scores` computes it."""
+def product_scores(q, k, kv_layout: str, scale):
+  """The scores of the 8-bit products (KernelOptions.topk_eight_bit="products"): q quantized per
+  (token, head) row to k's 8-bit dtype, multiplied with k's values as stored (int8: exact int32
+  sums; E4M3: fp32 sums here, where Hopper's tensor cores keep fewer bits), then times the key's
+  scale and the row's scale (and `scale`) in the kernels' order. [B, Lq, KV, G, T] fp32."""
+  kh, ks = parts(heads_first(k, kv_layout))
+  qv, qs = parts(quant.quantize(q, kh.dtype))  # [B, Lq, H, d], [B, Lq, H, 1]
+  b, lq, h, d = q.shape
+  kvh = kh.shape[1]
+  qg = qv.reshape(b, lq, kvh, h // kvh, d)
+  exact = jnp.int32 if kh.dtype == jnp.int8 else jnp.float32
+  s = jnp.einsum("bqkgd,bktd->bqkgt", qg, kh, preferred_element_type=exact)
+  s = s.astype(jnp.float32) * ks[:, None, :, None, :]
+  row = qs.reshape(b, lq, kvh, h // kvh, 1)
+  return s * (row if scale is None else row * scale)
+
+
+def topk_scores(q, k, top_k: int, lo, hi, *, scale=None, kv_layout="BTHD", products=False):
+  """Exact top-k of q.k over keys lo[b] <= t < hi[b]; ties to the lowest index; unfilled ->
+  (-inf, -1). Quantized keys: q . dequantize(k) as `key_scores` computes it, or with `products` the 8-bit
+  products' scores (`product_scores`)."""
   b, lq, h, _ = q.shape
-  s = key_scores(q, k, kv_layout, scale)
+  if products and isinstance(k, quant.Quantized):
+    s = product_scores(q, k, kv_layout, scale)
+  else:
+    s = key_scores(q, k, kv_layout, scale)
   t = jnp.arange(s.shape[-1])
   ok = (t >= lo[:, None]) & (t < hi[:, None])
   s = jnp.where(ok[:, None, None, None, :], s, NEG_INF)

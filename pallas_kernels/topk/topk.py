@@ -59,10 +59,12 @@ def topk_scores(q, k, top_k: int, *, scale: float | None = None, valid_len=None,
   lo = layout.per_batch(exclude_prefix, b, 0)
   hi = valid_len - layout.per_batch(exclude_suffix, b, 0)
   variant, options = route.variant(), route.kernels
+  eight_bit_products = quantized and options.topk_eight_bit == "products"
   if variant.kind == "tpu":
     tpu.check_kv_dtype(k)
   if variant.kind == "reference":
-    return reference.topk_scores(q, k, top_k, lo, hi, scale=scale, kv_layout=kv_layout)
+    return reference.topk_scores(q, k, top_k, lo, hi, scale=scale, kv_layout=kv_layout,
+                                 products=eight_bit_products)
 
   kp = max(4, layout.next_pow2(top_k))
   rows = lq * (h // kvh)
@@ -73,7 +75,6 @@ def topk_scores(q, k, top_k: int, *, scale: float | None = None, valid_len=None,
                                    else "kernel", interpret=variant.interpret_arg())
   bounds = jnp.stack([lo, hi], axis=1)  # [B, 2]
   # Many query rows over 8-bit keys on Hopper: the Mosaic kernel on the 8-bit tensor cores.
-  eight_bit_products = quantized and options.topk_eight_bit == "products"
   if eight_bit_products:
     mosaic = _mosaic_config(variant, q, k, rows, top_k, tiling, keys=t, options=options)
     if mosaic is not None:

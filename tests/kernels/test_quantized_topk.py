@@ -76,6 +76,49 @@ def test_tpu_int8_products_on_exact_inputs(rows):
   np.testing.assert_array_equal(got[0], want[0])
 
 
+def _normal_inputs(rows, seed):
+  """Normal queries and int8 keys with scales of a few magnitudes: nothing exact, near-ties
+  where the quantized queries may pick other keys than q . dequantize(k)."""
+  rng = np.random.default_rng(seed)
+  q = jnp.asarray(rng.normal(size=(B, rows, H, D)), jnp.float32)
+  keys = rng.normal(size=(B, KV, T, D)) * rng.uniform(0.5, 4, (B, KV, T, 1))
+  k = quant.quantize(jnp.asarray(keys, jnp.float32), "int8")
+  return q, k
+
+
+def test_the_reference_products_are_the_quantized_queries_int8_sums():
+  """reference.product_scores against numpy: each (token, head) row of q quantized to int8 by
+  its own max |q| / 127, integer sums with the stored key values, times both scales."""
+  from pallas_kernels import reference
+  q, k = _normal_inputs(LQ, seed=8)
+  got = reference.product_scores(q, k, "BHTD", 0.25)  # [B, LQ, KV, G, T]
+  qn = np.asarray(q, np.float64)
+  qs = np.abs(qn).max(-1, keepdims=True) / 127
+  qv = np.clip(np.round(qn / qs), -127, 127).astype(np.int64)
+  sums = np.einsum("bqkgd,bktd->bqkgt", qv.reshape(B, LQ, KV, H // KV, D),
+                   np.asarray(k.values, np.int64))
+  want = sums * np.asarray(k.scale)[:, None, :, None, :, 0] * qs.reshape(B, LQ, KV, H // KV, 1)
+  np.testing.assert_allclose(np.asarray(got), want * 0.25, rtol=1e-6)
+
+
+@pytest.mark.parametrize("rows", [LQ, 40])
+def test_tpu_int8_products_equal_the_reference_products_on_normal_inputs(rows):
+  """On inputs where quantizing the queries moves picks, the TPU kernel's products select and
+  score exactly what the reference's products definition does (the same rounding of q, exact
+  int32 sums, the scales multiplied in the same order), and the CPU reference route honours
+  the option (it no longer scores dequantized keys when products are asked)."""
+  q, k = _normal_inputs(rows, seed=9)
+  options = KernelOptions(topk_eight_bit="products")
+  want = topk_scores(q, k, 5, kv_layout="BHTD", route=Route(backend="reference", kernels=options),
+                     **BOUNDS)
+  got = topk_scores(q, k, 5, kv_layout="BHTD", route=Route(backend="tpu", kernels=options),
+                    **BOUNDS)
+  np.testing.assert_array_equal(got[1], want[1])
+  np.testing.assert_array_equal(got[0], want[0])
+  dequantized = topk_scores(q, k, 5, kv_layout="BHTD", route=Route(backend="reference"), **BOUNDS)
+  assert not np.array_equal(np.asarray(dequantized[0]), np.asarray(want[0]))
+
+
 def test_fp8_keys_on_a_tpu_are_refused():
   q, k = _inputs("float8_e4m3fn")
   with pytest.raises(ValueError, match="int8"):
@@ -86,8 +129,8 @@ def test_fp8_keys_on_a_tpu_are_refused():
 def test_many_rows_over_8bit_keys_score_a_dequantized_copy_within_the_cap(monkeypatch, dtype):
   """On a native GPU, query rows past decode's (a prefill chunk) score a copy of the 8-bit keys
   in the queries' dtype while it fits `topk_dequantize_bytes` (the jaxpr makes it), a segment
-  of keys at a time where only a part fits, and read the 8-bit keys otherwise. Both select what the reference does, as decode's rows do.
-  The interpreter stands in for the GPU."""
+  of keys at a time where only a part fits, and read the 8-bit keys otherwise. Both select what
+  the reference does, as decode's rows do. The interpreter stands in for the GPU."""
   import jax
   from pallas_kernels import read
   from pallas_kernels.backend import Variant
