@@ -147,6 +147,12 @@ def test_bad_models_and_settings_stay_one_line_errors(capsys, tmp_path):
       ["generate", "--model", str(tmp_path / "empty"), "--prompt", "hi"], capsys)
   assert "--depths must lie in [0, 1], got [1.5]" in _one_line_error(
       ["eval", "--task", "passkey", "--depths", "1.5", "--out", str(tmp_path / "o")], capsys)
+  assert "KernelOptions has no field 'topk'" in _one_line_error(
+      ["eval", "--task", "passkey", "--kernel-option", "topk=1", "--out", str(tmp_path / "o")],
+      capsys)
+  assert "topk_eight_bit='maybe' must be one of" in _one_line_error(
+      ["eval", "--task", "passkey", "--kernel-option", "topk_eight_bit=maybe",
+       "--out", str(tmp_path / "o")], capsys)
   with pytest.raises(SystemExit) as exit_:
     cli.main(["generate", "--prompt", "hi", "--dtype", "float8"])
   assert exit_.value.code == 2 and "invalid choice: 'float8'" in capsys.readouterr().err

@@ -14,6 +14,7 @@ from jax_longctx.app import memory_estimate, run_settings
 from jax_longctx.app.eval import EvalError, MethodSpec, run_sweep
 from jax_longctx.app.tasks import TaskError
 from jax_longctx.core.options import RunOptions
+from pallas_kernels.options import KernelOptions
 from tests.test_eval import tiny_text_lm  # noqa: F401 (a fixture)
 
 LENGTH = 300
@@ -62,6 +63,9 @@ CHANGES = {
     "kv_dtype": (dict(options=RunOptions(kv_dtype="int8")), "full kv_dtype float32 -> int8"),
     "task option": (dict(task_options={"max_new_tokens": 8}),
                     "full task_options max_new_tokens 12 -> 8"),
+    "kernel option": (dict(options=RunOptions().replace_route(
+        kernels=KernelOptions(topk_eight_bit="products"))),
+                      "kernels None -> {'topk_eight_bit': 'products'}"),
 }
 
 

@@ -158,6 +158,10 @@ def _add_eval(sub) -> None:
                   help="directory for results.jsonl, summary.md and plots; a rerun with the "
                        "same --out skips the samples it holds")
   ev.add_argument("--chat", action="store_true", help="use the model's chat template")
+  ev.add_argument("--kernel-option", action="append", default=[], metavar="KEY=VALUE",
+                  help="a pallas_kernels.KernelOptions field for every run, e.g. "
+                       "topk_eight_bit=products (default: the library's choice); each record "
+                       "names the fields given")
   ev.add_argument("--cache-len", type=int, default=None,
                   help="one cache size (tokens) for all lengths: one compile per method "
                        "(default: a cache sized to each length)")

@@ -64,6 +64,7 @@ def cmd_export(args) -> int:
 def cmd_eval(args) -> int:
   from jax_longctx.app import eval as eval_lib
   from jax_longctx.app.api import load
+  from jax_longctx.app.bench_measure import kernel_options
   from jax_longctx.app import tasks as tasks_lib
   from jax_longctx.app.report import summary_table
   from jax_longctx.app.tasks import parse_length
@@ -80,6 +81,10 @@ def cmd_eval(args) -> int:
   depths = [float(x) for x in args.depths.split(",")]
   if any(not 0 <= d <= 1 for d in depths):
     raise ValueError(f"--depths must lie in [0, 1], got {depths}")
+  try:  # a bad field or value is one line, before the model loads
+    kernels = kernel_options(args.kernel_option)
+  except SystemExit as e:  # the benchmarks' way of saying it; here the CLI's one-line error
+    raise ValueError(str(e)) from None
   options = methods_lib.parse_method_args(args.task_arg)
   for name in tasks_lib.expand(args.task):  # a bad task or option fails before the model loads
     tasks_lib.get(name, **options)
@@ -89,7 +94,9 @@ def cmd_eval(args) -> int:
   lm = load(args.model, dtype=args.dtype, serving=True, mesh=args.mesh,
             smooth_keys=_smoothing(args, kv_dtypes))
   records = eval_lib.run_sweep(lm, args.task, specs, lengths, depths, args.samples, args.out,
-                               chat=args.chat, options=lm.run_options(args.chunk_size),
+                               chat=args.chat,
+                               options=lm.run_options(args.chunk_size).replace_route(
+                                   kernels=kernels),
                                task_options=options,
                                cache_len=args.cache_len, batch_size=args.batch_size,
                                first_sample=args.first_sample)

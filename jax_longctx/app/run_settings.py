@@ -2,7 +2,7 @@
 
 Each record carries `run`: `sweep`, what every record of one command shares (the model's
 identity: checkpoint path, name, config and a fingerprint of its weights; chat; the platform,
-the prefill chunk asked and the device mesh), and `entry`, what one method at one length runs
+the prefill chunk asked, the device mesh and the kernel options asked), and `entry`, what one method at one length runs
 with (the task and all its options, the method's class and every hyper-parameter as resolved
 for the model, the cache's dtype, the length and the cache's size). Key smoothing and the
 model's dtype are in its config.
@@ -71,12 +71,25 @@ def model_identity(lm) -> dict:
                 "config": dataclasses.asdict(lm.config), "fingerprint": fingerprint(lm.params)})
 
 
+def kernel_choices(options) -> dict:
+  """The kernel options of the run's route that differ from the library's defaults (the
+  defaults are the version's own)."""
+  kernels = options.route.kernels
+  default = type(kernels)()
+  return {f.name: getattr(kernels, f.name) for f in dataclasses.fields(kernels)
+          if getattr(kernels, f.name) != getattr(default, f.name)}
+
+
 def sweep_settings(lm, chat: bool, options) -> dict:
-  """What every record of one command shares."""
+  """What every record of one command shares (`kernels` only where a kernel option was asked:
+  records of the default route keep the settings they had before it was recorded)."""
   mesh = None if options.mesh is None else dict(options.mesh.shape)
-  return plain({"version": VERSION, "model": model_identity(lm), "chat": chat,
-                "platform": jax.default_backend(), "prefill_chunk": options.prefill_chunk,
-                "mesh": mesh})
+  settings = {"version": VERSION, "model": model_identity(lm), "chat": chat,
+              "platform": jax.default_backend(), "prefill_chunk": options.prefill_chunk,
+              "mesh": mesh}
+  if kernel_choices(options):
+    settings["kernels"] = kernel_choices(options)
+  return plain(settings)
 
 
 def task_options(task) -> dict:
