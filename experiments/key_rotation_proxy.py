@@ -55,7 +55,7 @@ def channel_means(params, cfg, ids) -> dict[int, np.ndarray]:
   V) on the text `ids`: the offsets a `calibrated` variant takes out."""
   means, calls = {}, itertools.count()
 
-  def record(x, like):
+  def record(x, like, heads_axis=None):
     k, m = next(calls), jnp.mean(x.astype(jnp.float32).reshape(-1, x.shape[-1]), axis=0)
     jax.debug.callback(lambda m, k=k: means.__setitem__(k, np.asarray(m)), m)
     return x.astype(like.dtype)
@@ -82,7 +82,7 @@ def rounding_store(dtype: str, rotation, centering):
   the calibrated means by call) into a cache of the model's dtype."""
   calls = itertools.count()
 
-  def store(x, like):
+  def store(x, like, heads_axis=None):
     if isinstance(like, quant.Quantized):
       raise SystemExit("run the proxy with a float cache")
     xf = x.astype(jnp.float32)
