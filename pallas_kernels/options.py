@@ -96,9 +96,10 @@ class KernelOptions:
   # On an H200, 512 queries x 128K / 1M keys: 0.98-1.10x / 1.05-1.24x the bf16 keys' kernel,
   # 1.14-1.22x / 1.21-1.40x "dequantize"; ReAttention's 1M-token int8 prefill 1.33x
   # "dequantize" (BENCHMARKS.md). Off by default: the quantized queries pick other keys among
-  # near-ties (20% of random rows' top-4 with E4M3), and what that does to a model's quality is
-  # not measured yet; and jax's Mosaic GPU interpreter hangs now and then on this kernel (never
-  # seen on an H200), not yet explained (tests/kernels/test_mgpu_topk8.py).
+  # near-ties (20% of random rows' top-4 with E4M3), and a model's quality is measured only on
+  # the CPU (SmolLM2 ReAttention at 8K: NLL +0.02%, docs/CLAIMS.md); and jax's Mosaic GPU
+  # interpreter hangs now and then on this kernel (never seen on an H200), not yet explained
+  # (tests/kernels/test_mgpu_topk8.py).
   topk_eight_bit: str = "dequantize"
 
   def __post_init__(self):
