@@ -134,6 +134,20 @@ def tiny_config(**kw) -> LlamaConfig:
 TINY_LLAMA3 = dict(rope_scaling=RopeScaling("llama3", 8.0, 1.0, 4.0, 16), rope_theta=500000.0)
 
 
+def write_tiny_checkpoint(d, **kw):
+  """A tiny random Llama (tiny_config with `kw`) written as a GGUF whose tokenizer has every
+  byte (prose tokenizes one byte a token) and converted: the checkpoint's path, d / "ckpt"."""
+  import jax
+  import numpy as np
+
+  from checkpoints_convert import convert
+  from tests.helpers.gguf_fixtures import write_gguf
+  cfg = tiny_config(**{"vocab_size": 300, "max_position_embeddings": 4096, **kw})
+  write_gguf(d / "m.gguf", cfg, jax.tree.map(np.asarray, random_params(cfg, seed=3)), "llama")
+  convert(str(d / "m.gguf"), str(d / "ckpt"))
+  return d / "ckpt"
+
+
 @pytest.fixture(scope="session")
 def tiny():
   cfg = tiny_config(**TINY_LLAMA3)

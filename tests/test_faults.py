@@ -17,8 +17,7 @@ import pytest
 from checkpoints_convert import convert, export_hf, restore
 from jax_longctx.model import random_params
 from tests.helpers import fault_child
-from tests.conftest import TINY_LLAMA3, tiny_config
-from tests.helpers.gguf_fixtures import write_gguf
+from tests.conftest import TINY_LLAMA3, tiny_config, write_tiny_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, PYTHONPATH=ROOT, JAX_LONGCTX_QUIET="1", JAX_PLATFORMS="cpu")
@@ -82,11 +81,7 @@ EVAL_MOMENTS = [fault_child.eval_moment(p, k) for p, k in (
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory):
   """A converted tiny Llama whose tokenizer has every byte (prose tokenizes one byte a token)."""
-  d = tmp_path_factory.mktemp("tiny_eval")
-  cfg = tiny_config(vocab_size=300, max_position_embeddings=4096)
-  write_gguf(d / "m.gguf", cfg, jax.tree.map(np.asarray, random_params(cfg, seed=3)), "llama")
-  convert(str(d / "m.gguf"), str(d / "ckpt"))
-  return d / "ckpt"
+  return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny_eval"))
 
 
 @pytest.fixture(scope="module")

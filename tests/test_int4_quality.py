@@ -176,10 +176,12 @@ def test_a_cache_stored_outside_a_kvcache_write_is_refused():
     cache.stored(x, cache.zeros((1, 3, 8, 64), "int8"), heads_axis=2)
 
 
-def test_kivi32_sweep_on_the_default_model_writes_int4_kivi32_records(default_lm, tmp_path):
+def test_a_kivi32_sweep_writes_int4_kivi32_records(tmp_path):
   from experiments.int4_quality import main
+  from tests.conftest import write_tiny_checkpoint
+  model = str(write_tiny_checkpoint(tmp_path, head_dim=64))
   out = str(tmp_path / "kivi32")
-  assert main(["--levels", "kivi32", "--out", out, "--", "--model", "default", "--methods",
+  assert main(["--levels", "kivi32", "--out", out, "--", "--model", model, "--methods",
                "full", "--task", "ppl", "--samples", "1", "--lengths", "300", "--task-arg",
                "n_scored=8"]) == 0
   records = [json.loads(line) for line in open(os.path.join(out, "results.jsonl"))]
