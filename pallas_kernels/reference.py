@@ -62,8 +62,8 @@ def product_scores(q, k, kv_layout: str, scale):
 
 def topk_scores(q, k, top_k: int, lo, hi, *, scale=None, kv_layout="BTHD", products=False):
   """Exact top-k of q.k over keys lo[b] <= t < hi[b]; ties to the lowest index; unfilled ->
-  (-inf, -1). Quantized keys: q . dequantize(k) as `key_scores` computes it, or with `products` the 8-bit
-  products' scores (`product_scores`)."""
+  (-inf, -1). Quantized keys: q . dequantize(k) as `key_scores` computes it, or with `products`
+  the 8-bit products' scores (`product_scores`)."""
   b, lq, h, _ = q.shape
   if products and isinstance(k, quant.Quantized):
     s = product_scores(q, k, kv_layout, scale)

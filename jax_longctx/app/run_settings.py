@@ -2,10 +2,10 @@
 
 Each record carries `run`: `sweep`, what every record of one command shares (the model's
 identity: checkpoint path, name, config and a fingerprint of its weights; chat; the platform,
-the prefill chunk asked, the device mesh and the kernel options asked), and `entry`, what one method at one length runs
-with (the task and all its options, the method's class and every hyper-parameter as resolved
-for the model, the cache's dtype, the length and the cache's size). Key smoothing and the
-model's dtype are in its config.
+the prefill chunk asked, the device mesh and the kernel options asked), and `entry`, what one
+method at one length runs with (the task and all its options, the method's class and every
+hyper-parameter as resolved for the model, the cache's dtype, the length and the cache's size).
+Key smoothing and the model's dtype are in its config.
 
 A sweep resumes from an --out only when its records were made so: every record's `sweep` must be
 this command's, and a record of a (task, method label, length) this command plans must carry the

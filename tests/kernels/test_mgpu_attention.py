@@ -243,7 +243,8 @@ def test_routing_on_a_hopper_gpu(monkeypatch):
   options = KernelOptions(prefill_impl="mosaic", mosaic_before_cudnn=False)
   monkeypatch.setattr(backend_lib, "resolve", lambda backend: Variant("gpu", False))
   monkeypatch.setattr(backend_lib, "is_hopper", lambda: True)
-  monkeypatch.setattr(fa_module, "_cudnn", lambda *a, **kw: calls.append("cudnn") or ("cudnn", None))
+  monkeypatch.setattr(fa_module, "_cudnn",
+                      lambda *a, **kw: calls.append("cudnn") or ("cudnn", None))
   monkeypatch.setattr(fa_module.mgpu_flash, "mgpu_flash_attention",
                       lambda *a, **kw: calls.append("mosaic") or ("mosaic", None))
   monkeypatch.setattr(fa_module, "_gpu", lambda *a, **kw: calls.append("triton") or 1 / 0)
