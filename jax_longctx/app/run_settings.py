@@ -87,8 +87,9 @@ def sweep_settings(lm, chat: bool, options) -> dict:
   settings = {"version": VERSION, "model": model_identity(lm), "chat": chat,
               "platform": jax.default_backend(), "prefill_chunk": options.prefill_chunk,
               "mesh": mesh}
-  if kernel_choices(options):
-    settings["kernels"] = kernel_choices(options)
+  kernels = kernel_choices(options)
+  if kernels:
+    settings["kernels"] = kernels
   return plain(settings)
 
 

@@ -101,6 +101,23 @@ def test_the_reference_products_are_the_quantized_queries_int8_sums():
   np.testing.assert_allclose(np.asarray(got), want * 0.25, rtol=1e-6)
 
 
+def test_the_reference_e4m3_products_are_the_stored_values_sums():
+  """E4M3 keys: q rounded per row to E4M3 (its own max |q| / 448) and summed with the stored
+  values in fp32, against the same sums in float64 of the rounded values (fp32 rounding only)."""
+  from pallas_kernels import reference
+  q, _ = _normal_inputs(LQ, seed=10)
+  k = quant.quantize(jnp.asarray(np.random.default_rng(11).normal(size=(B, KV, T, D)),
+                                 jnp.float32), "float8_e4m3fn")
+  got = reference.product_scores(q, k, "BHTD", None)
+  qq = quant.quantize(q, "float8_e4m3fn")
+  qv = np.asarray(qq.values.astype(jnp.float32), np.float64).reshape(B, LQ, KV, H // KV, D)
+  sums = np.einsum("bqkgd,bktd->bqkgt", qv, np.asarray(k.values.astype(jnp.float32), np.float64))
+  want = (sums * np.asarray(k.scale)[:, None, :, None, :, 0]
+          * np.asarray(qq.scale).reshape(B, LQ, KV, H // KV, 1))
+  np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+  assert np.abs(np.asarray(got) - np.asarray(reference.key_scores(q, k, "BHTD", None))).max() > 0
+
+
 @pytest.mark.parametrize("rows", [LQ, 40])
 def test_tpu_int8_products_equal_the_reference_products_on_normal_inputs(rows):
   """On inputs where quantizing the queries moves picks, the TPU kernel's products select and
