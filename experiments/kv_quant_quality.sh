@@ -9,7 +9,8 @@
 # with key smoothing (run/key_smoothing.py) unless SMOOTH=off. METHOD (full) and METHOD_ARGS (e.g.
 # "--method-arg reattention.n_local=16384 --method-arg reattention.clip=511", the paper's split
 # of Qwen's 32K window) pick the method; BATCH (1): samples a batch (eval --batch-size);
-# FIRST (0): run samples FIRST.. only (eval --first-sample: a part of the sweep, e.g. on one GPU).
+# FIRST (0): run samples FIRST.. only (eval --first-sample: a part of the sweep, e.g. on one GPU);
+# EVAL_ARGS: more eval options (e.g. "--kernel-option topk_eight_bit=products").
 #   ReAttention past the window: METHOD=reattention LENGTHS=128k,256k ... OUT passkey niah_multikey
 set -euo pipefail
 source "$(dirname "$0")/common.sh"
@@ -18,7 +19,8 @@ lengths=${LENGTHS:-16k,32k}
 # shellcheck disable=SC2206
 cli=(python -m jax_longctx eval --model "$model" --dtype bfloat16 --methods "${METHOD:-full}"
      ${METHOD_ARGS:-} --kv-dtype "${KV_DTYPES:-bfloat16,int8,float8_e4m3fn}" --lengths "$lengths"
-     --cache-len "$(cache_len "$lengths")" --batch-size "${BATCH:-1}" --first-sample "${FIRST:-0}")
+     --cache-len "$(cache_len "$lengths")" --batch-size "${BATCH:-1}" --first-sample "${FIRST:-0}"
+     ${EVAL_ARGS:-})
 [[ ${SMOOTH:-on} == off ]] && cli+=(--no-key-smoothing)
 for part in $parts; do
   case $part in
