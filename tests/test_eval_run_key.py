@@ -118,6 +118,21 @@ def test_one_plan_of_several_cache_dtypes_resumes(tiny_text_lm, tmp_path, calls)
   assert [r["run"]["entry"]["kv_dtype"] for r in recs] == ["int8", "float32"]
 
 
+def test_records_of_an_8bit_cache_name_its_top_k_route(tiny_text_lm, tmp_path, calls):  # noqa: F811
+  """An 8-bit cache's records name KernelOptions.topk_eight_bit even at its default: records
+  made before the default became "auto" (no such key) are refused, not resumed as new."""
+  specs = MethodSpec.per_kv_dtype(MethodSpec.parse("full", []), ["int8", "float32"])
+  recs = run_sweep(tiny_text_lm, "passkey", specs, [LENGTH], [0.5], 1, str(tmp_path))
+  assert [r["run"]["entry"].get("topk_eight_bit") for r in recs] == ["auto", None]
+  for r in recs:
+    r["run"]["entry"].pop("topk_eight_bit", None)
+  (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+  with pytest.raises(EvalError, match="records of other settings: full int8 topk_eight_bit "
+                                      "None -> auto"):
+    run_sweep(tiny_text_lm, "passkey", specs, [LENGTH], [0.5], 1, str(tmp_path))
+  assert len(calls) == 2
+
+
 def test_work_past_the_memory_is_refused_at_once(tiny_text_lm, tmp_path, monkeypatch,  # noqa: F811
                                                   calls):
   monkeypatch.setattr(memory_estimate, "host_available", lambda: 2 * 10**9)

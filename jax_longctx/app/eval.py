@@ -272,7 +272,7 @@ def run_sweep(lm, task_name: str, specs: list[MethodSpec], lengths: list[int],
   sweep = run_settings.sweep_settings(lm, chat, options)
   planned = {(task.name, s.label, length): run_settings.entry_settings(
                  task, s.at(length).method, _kv_dtype(lm, s, options), length,
-                 cache_len_for(task, length, cache_len))
+                 cache_len_for(task, length, cache_len), options)
              for task in task_list for s in specs for length in lengths}
   done = load_results(out_dir, repair=writer)
   try:

@@ -29,6 +29,7 @@ import jax
 import numpy as np
 
 from jax_longctx.core.errors import LongctxError
+from pallas_kernels.quant import EIGHT_BIT
 
 VERSION = 1
 
@@ -98,11 +99,17 @@ def task_options(task) -> dict:
   return dataclasses.asdict(task) if dataclasses.is_dataclass(task) else {}
 
 
-def entry_settings(task, method, kv_dtype: str, length: int, cache_len: int) -> dict:
-  """What one method at one length runs with."""
-  return plain({"task": task.name, "task_options": task_options(task),
-                "method": type(method).__name__, "hparams": method.hparams(),
-                "kv_dtype": kv_dtype, "length": length, "cache_len": cache_len})
+def entry_settings(task, method, kv_dtype: str, length: int, cache_len: int,
+                   options=None) -> dict:
+  """What one method at one length runs with. An 8-bit cache's entry also names its top-k
+  route (KernelOptions.topk_eight_bit) even when it is the default: the default changed from
+  "dequantize" to "auto", and records made under the old one must not be resumed as new."""
+  entry = {"task": task.name, "task_options": task_options(task),
+           "method": type(method).__name__, "hparams": method.hparams(),
+           "kv_dtype": kv_dtype, "length": length, "cache_len": cache_len}
+  if options is not None and kv_dtype in EIGHT_BIT:
+    entry["topk_eight_bit"] = options.route.kernels.topk_eight_bit
+  return plain(entry)
 
 
 def digest(settings: dict) -> str:

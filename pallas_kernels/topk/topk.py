@@ -59,7 +59,8 @@ def topk_scores(q, k, top_k: int, *, scale: float | None = None, valid_len=None,
   lo = layout.per_batch(exclude_prefix, b, 0)
   hi = valid_len - layout.per_batch(exclude_suffix, b, 0)
   variant, options = route.variant(), route.kernels
-  eight_bit_products = quantized and options.topk_eight_bit == "products"
+  asked = options.topk_eight_bit if quantized else "dequantize"
+  eight_bit_products = asked == "products"  # everywhere; "auto": in Hopper's Mosaic kernel only
   if variant.kind == "tpu":
     tpu.check_kv_dtype(k)
   if variant.kind == "reference":
@@ -75,7 +76,7 @@ def topk_scores(q, k, top_k: int, *, scale: float | None = None, valid_len=None,
                                    else "kernel", interpret=variant.interpret_arg())
   bounds = jnp.stack([lo, hi], axis=1)  # [B, 2]
   # Many query rows over 8-bit keys on Hopper: the Mosaic kernel on the 8-bit tensor cores.
-  if eight_bit_products:
+  if asked in ("products", "auto"):
     mosaic = _mosaic_config(variant, q, k, rows, top_k, tiling, keys=t, options=options)
     if mosaic is not None:
       return _finish_mosaic(q, k, bounds, top_k, mosaic, scale=scale, kv_layout=kv_layout,

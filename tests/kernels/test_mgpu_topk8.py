@@ -123,10 +123,11 @@ def test_random_inputs_differ_only_at_near_ties(backend, dtype, top_k):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("choice,calls", [("products", 1), ("dequantize", 0)])
+@pytest.mark.parametrize("choice,calls", [("products", 1), ("auto", 1), ("dequantize", 0)])
 def test_the_option_picks_the_route(monkeypatch, choice, calls):
-  """KernelOptions.topk_eight_bit: "products" runs the 8-bit kernel, "dequantize" never does
-  (in the interpreter it then reads the 8-bit tiles in the Triton kernel)."""
+  """KernelOptions.topk_eight_bit: "products" and "auto" (the default) run the 8-bit kernel
+  where the Mosaic kernel serves the call, "dequantize" never does (in the interpreter it then
+  reads the 8-bit tiles in the Triton kernel)."""
   seen = []
 
   class Ran(Exception):
