@@ -21,6 +21,7 @@ import numpy as np
 
 from jax_longctx.app.gap_stats import LEVEL, RESAMPLES, nll_by_seed, paired_relative
 from jax_longctx.app.records import load_results
+from jax_longctx.app.report import answers_compared
 
 
 def _sweeps(root: str) -> dict[str, list[dict]]:
@@ -60,12 +61,9 @@ def compare(a_root: str, b_root: str) -> list[str]:
                    f"[{100 * gap.low:+.3f}, {100 * gap.high:+.3f}] | {gap.n_texts} | "
                    f"{moved} of {tokens} |")
         continue
-      both = sorted(set(a_runs) & set(b_runs), key=str)
-      if both:
-        score = [100 * np.mean([runs[k]["score"] for k in both]) for runs in (a_runs, b_runs)]
-        same = sum(a_runs[k]["prediction"] == b_runs[k]["prediction"] for k in both)
-        tasks.append(f"| {path} | {task} | {method} | {n} | {len(both)} | {score[0]:.0f} | "
-                     f"{score[1]:.0f} | {same} |")
+      compared = answers_compared(a_runs, b_runs)
+      if compared:
+        tasks.append(f"| {path} | {task} | {method} | {n} | {compared} |")
   out = []
   if ppl:
     out += [f"B's pooled token NLL against A's ({LEVEL:.0%} paired bootstrap over the texts both "

@@ -6,10 +6,10 @@ arXiv 2401.18079), and what this project's CPU proxy measured on Qwen2.5-Coder-1
 8-bit format has, cost +278% NLL at 4 bits, because a few key channels are large for every
 token; per-channel key ranges cost +0.14-0.62%.
 
-- `Int4Rows` (values): x ~= code * scale + zero, codes 0..15, scale and zero per row [..., 1]
+- per row (values): x ~= code * scale + zero, codes 0..15, scale and zero per row [..., 1]
   (a row: one token of one KV head), from the row's min and max. A row is quantized alone, so a
   one-token decode write needs no other token.
-- `Int4Channels` (keys): x ~= code * scale + zero with scale and zero per (KV head, channel),
+- per channel (keys, `Int4.per_channel`): x ~= code * scale + zero with scale and zero per (KV head, channel),
   belonging to the buffer, not to a row (as quant.Quantized's offset): ranges calibrated on
   held-out text before the run (KVQuant's static per-channel ranges), values outside clipped.
   No row carries a scale, so evicting or rewriting one slot moves only its codes, and a kernel
@@ -28,6 +28,7 @@ tiles is to be tested against. `per_row` moves row-level arrays and carries buff
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable
 
 import jax
@@ -61,40 +62,29 @@ def _levels(x, lo, hi):
   return codes, scale, lo
 
 
-@jax.tree_util.register_dataclass
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["codes", "scale", "zero"],
+                   meta_fields=["per_channel"])
 @dataclasses.dataclass(frozen=True)
-class Int4Rows:
-  """codes uint8 [..., d // 2] (packed), scale and zero fp32 [..., 1]: x ~= code * scale + zero."""
+class Int4:
+  """codes uint8 [..., d // 2] (packed), x ~= code * scale + zero; scale and zero fp32 either
+  per row, [..., 1] (per_channel False: values), or per (KV head, channel) for the whole buffer,
+  size-1 axes but the KV heads' and the last, e.g. [1, KV, 1, d] for [B, KV, T, d] (keys)."""
 
   codes: jax.Array
   scale: jax.Array
   zero: jax.Array
+  per_channel: bool = False
 
   @property
   def shape(self) -> tuple:
     return (*self.codes.shape[:-1], 2 * self.codes.shape[-1])
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class Int4Channels:
-  """codes uint8 [..., d // 2] (packed); scale and zero fp32 with size-1 axes but the KV heads'
-  and the last (d), e.g. [1, KV, 1, d] for a [B, KV, T, d] buffer: x ~= code * scale + zero."""
-
-  codes: jax.Array
-  scale: jax.Array
-  zero: jax.Array
-
-  @property
-  def shape(self) -> tuple:
-    return (*self.codes.shape[:-1], 2 * self.codes.shape[-1])
-
-
-def quantize_rows(x) -> Int4Rows:
-  """x [..., d] -> Int4Rows: each row's own min and max (fp32)."""
+def quantize_rows(x) -> Int4:
+  """x [..., d] -> Int4 with each row's own min and max (fp32)."""
   xf = x.astype(jnp.float32)
   codes, scale, zero = _levels(xf, xf.min(-1, keepdims=True), xf.max(-1, keepdims=True))
-  return Int4Rows(pack(codes), scale, zero)
+  return Int4(pack(codes), scale, zero)
 
 
 def channel_ranges(x, heads_axis: int) -> tuple[jax.Array, jax.Array]:
@@ -105,32 +95,32 @@ def channel_ranges(x, heads_axis: int) -> tuple[jax.Array, jax.Array]:
   return xf.min(axes, keepdims=True), xf.max(axes, keepdims=True)
 
 
-def quantize_channels(x, lo, hi) -> Int4Channels:
-  """x [..., d] -> Int4Channels within the calibrated ranges lo <= hi (channel_ranges' shapes;
+def quantize_channels(x, lo, hi) -> Int4:
+  """x [..., d] -> Int4 per channel within the calibrated ranges lo <= hi (channel_ranges' shapes;
   jit-safe, so their order is the calibration's to hold); values outside are clipped."""
   lo, hi = jnp.asarray(lo, jnp.float32), jnp.asarray(hi, jnp.float32)
   if lo.shape != hi.shape or lo.ndim != x.ndim or lo.shape[-1] != x.shape[-1]:
     raise ValueError(f"quantize_channels: ranges {lo.shape} / {hi.shape} do not broadcast per "
                      f"channel against rows {x.shape}")
   codes, scale, zero = _levels(x.astype(jnp.float32), lo, hi)
-  return Int4Channels(pack(codes), scale, zero)
+  return Int4(pack(codes), scale, zero, per_channel=True)
 
 
 def dequantize(x, dtype=jnp.float32) -> jax.Array:
-  """Int4Rows / Int4Channels -> code * scale + zero in `dtype` (computed in fp32)."""
+  """Int4 -> code * scale + zero in `dtype` (computed in fp32)."""
   return (unpack(x.codes).astype(jnp.float32) * x.scale + x.zero).astype(dtype)
 
 
 def per_row(fn: Callable, *xs):
   """fn (an indexing op over the leading axes: a gather, a scatter, a slice, a concatenation)
-  applied to the row-level arrays of xs alike: Int4Rows' codes, scales and zeros; Int4Channels'
-  codes, its ranges (the first one's) carried unchanged."""
-  kinds = {type(x) for x in xs}
-  if len(kinds) != 1 or not kinds <= {Int4Rows, Int4Channels}:
-    raise TypeError(f"per_row: one 4-bit kind expected, got {sorted(k.__name__ for k in kinds)}")
-  if isinstance(xs[0], Int4Rows):
-    return Int4Rows(*(fn(*(getattr(x, f) for x in xs)) for f in ("codes", "scale", "zero")))
-  return Int4Channels(fn(*(x.codes for x in xs)), xs[0].scale, xs[0].zero)
+  applied to the row-level arrays of xs alike: the codes, and per-row scales and zeros; a
+  buffer's per-channel ranges (the first one's) are carried unchanged."""
+  if len({x.per_channel for x in xs}) != 1:
+    raise TypeError("per_row: a mix of per-row and per-channel 4-bit buffers")
+  codes = fn(*(x.codes for x in xs))
+  if xs[0].per_channel:
+    return Int4(codes, xs[0].scale, xs[0].zero, per_channel=True)
+  return Int4(codes, fn(*(x.scale for x in xs)), fn(*(x.zero for x in xs)))
 
 
 def nbytes(x) -> int:

@@ -227,6 +227,17 @@ def _cache_pairs(records: list[dict]):
         yield task, n, method, by_dtype[plain[0]], kv, by_dtype[kv]
 
 
+def answers_compared(a: dict, b: dict) -> str:
+  """'samples | score a | score b | same answers' (scores in %) of two runs of one cell on the
+  samples both ran ({sample key: record} each); '' when they share none."""
+  both = sorted(set(a) & set(b), key=str)
+  if not both:
+    return ""
+  score = [100 * _mean([run[k]["score"] for k in both]) for run in (a, b)]
+  same = sum(a[k]["prediction"] == b[k]["prediction"] for k in both)
+  return f"{len(both)} | {score[0]:.0f} | {score[1]:.0f} | {same}"
+
+
 def _kv_dtype_table(records: list[dict]) -> list[str]:
   """Each 8-bit cache against the same method's cache in the model's dtype, on the samples both
   ran (cells with different sample counts are compared on their common samples only), issue
@@ -245,12 +256,9 @@ def _kv_dtype_table(records: list[dict]) -> list[str]:
       continue
     runs = [{(r["depth"], r["seed"]): r for r in records
              if r["task"] == task and r["method"] == m and r["length"] == n} for m in (plain, label)]
-    both = sorted(set(runs[0]) & set(runs[1]), key=str)
-    if both:
-      score = [100 * _mean([run[k]["score"] for k in both]) for run in runs]
-      same = sum(runs[0][k]["prediction"] == runs[1][k]["prediction"] for k in both)
-      task_rows.append(f"| {task} | {_len(n)} | {method} | {kv} | {len(both)} | {score[0]:.0f} | "
-                       f"{score[1]:.0f} | {same} |")
+    compared = answers_compared(*runs)
+    if compared:
+      task_rows.append(f"| {task} | {_len(n)} | {method} | {kv} | {compared} |")
   out = []
   if ppl_rows:
     out += [f"### ppl: the 8-bit cache's pooled token NLL against the model dtype's ({LEVEL:.0%} "

@@ -81,7 +81,7 @@ def test_row_ops_move_rows_and_carry_the_ranges():
     np.testing.assert_array_equal(np.asarray(quant4.dequantize(moved)),
                                   np.asarray(quant4.dequantize(stored))[:, :, slots])
   assert quant4.per_row(pick, keys).scale is keys.scale
-  with pytest.raises(TypeError, match="one 4-bit kind"):
+  with pytest.raises(TypeError, match="a mix of per-row and per-channel"):
     quant4.per_row(lambda a, b: a, keys, values)
   # a 128-channel row: 64 bytes of codes; values add 8 bytes of scale and zero a row
   assert quant4.nbytes(values) == B * KV * T * (64 + 8)
