@@ -1,7 +1,7 @@
 """The 4-bit storage format (pallas_kernels/quant4.py) against numpy: packing round-trips and
-pairs channel j with j + d / 2 in one byte; each kind's error is at most half its step inside its
-range; per-channel key ranges hold normal channels beside outlier ones, where a range per row
-does not; row ops move row-level arrays and carry the buffer's ranges."""
+pairs channel j with j + d / 2 in one byte; every group's error is at most half its step and its
+ends are exact; keys grouped per channel along tokens hold normal channels beside outlier ones,
+where a range per row does not; row ops move values and refuse token-grouped keys."""
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +10,8 @@ import pytest
 
 from pallas_kernels import quant4
 
-B, KV, T, D = 2, 3, 40, 128
+B, KV, T, D = 2, 3, 64, 128
+G = quant4.GROUP
 
 
 def _keys(seed=0, outliers=(5, 77)):
@@ -20,6 +21,13 @@ def _keys(seed=0, outliers=(5, 77)):
   x = rng.normal(size=(B, KV, T, D)).astype(np.float32)
   x[..., list(outliers)] = 40 + 5 * rng.normal(size=(B, KV, T, len(outliers)))
   return jnp.asarray(x)
+
+
+def _grouped(x, axis):
+  """x [B, KV, T, D] as [..., groups, G, ...] along axis (2: tokens, 3: channels)."""
+  shape = list(x.shape)
+  shape[axis:axis + 1] = [shape[axis] // G, G]
+  return x.reshape(shape)
 
 
 def test_packing_round_trips_and_pairs_rotate_half_channels():
@@ -34,55 +42,52 @@ def test_packing_round_trips_and_pairs_rotate_half_channels():
     quant4.pack(jnp.zeros((3, 5), jnp.uint8))
 
 
-def test_rows_are_within_half_a_step_and_hit_their_ends():
-  x = np.asarray(_keys(2, outliers=()))
-  q = quant4.quantize_rows(jnp.asarray(x))
-  assert q.shape == x.shape and q.scale.shape == (B, KV, T, 1)
+@pytest.mark.parametrize("axis", [2, -1])  # keys: per channel over tokens; values: per token
+def test_each_group_is_within_half_a_step_and_hits_its_ends(axis):
+  x = np.asarray(_keys(2))
+  q = quant4.quantize(jnp.asarray(x), axis=axis)
+  assert q.shape == x.shape and q.axis == axis % 4
+  want = list(x.shape)
+  want[axis] //= G
+  assert q.scale.shape == q.zero.shape == tuple(want)
   back = np.asarray(quant4.dequantize(q))
-  step = (x.max(-1, keepdims=True) - x.min(-1, keepdims=True)) / 15
-  assert np.all(np.abs(back - x) <= step / 2 + 1e-5 * np.abs(x).max())
-  # each row's min and max are levels 0 and 15 exactly (asymmetric: no level wasted)
-  np.testing.assert_allclose(back.min(-1), x.min(-1), rtol=1e-6, atol=1e-6)
-  np.testing.assert_allclose(back.max(-1), x.max(-1), rtol=1e-6, atol=1e-5)
-  # a constant row: scale 1, finite, exact
-  flat = quant4.quantize_rows(jnp.full((1, D), 2.5))
-  np.testing.assert_array_equal(np.asarray(quant4.dequantize(flat)), np.full((1, D), 2.5))
-
-
-def test_channels_hold_normal_channels_beside_outliers_where_rows_do_not():
-  x = _keys(3)
-  lo, hi = quant4.channel_ranges(x, heads_axis=1)
-  assert lo.shape == hi.shape == (1, KV, 1, D)
-  q = quant4.quantize_channels(x, lo, hi)
-  jitted = jax.jit(quant4.quantize_channels)(x, lo, hi)  # ranges traced: a jitted cache write
+  a = axis % 4
+  xg, bg = _grouped(x, a), _grouped(back, a)
+  lo, hi = xg.min(a + 1, keepdims=True), xg.max(a + 1, keepdims=True)
+  assert np.all(np.abs(bg - xg) <= (hi - lo) / 30 + 1e-5 * np.abs(x).max())
+  np.testing.assert_allclose(bg.min(a + 1), lo.squeeze(a + 1), atol=1e-5)  # level 0 and 15:
+  np.testing.assert_allclose(bg.max(a + 1), hi.squeeze(a + 1), atol=1e-4)  # no level wasted
+  jitted = jax.jit(lambda y: quant4.quantize(y, axis=axis))(jnp.asarray(x))
   np.testing.assert_array_equal(np.asarray(jitted.codes), np.asarray(q.codes))
-  back = np.asarray(quant4.dequantize(q))
-  xn, step = np.asarray(x), np.asarray(hi - lo) / 15
-  assert np.all(np.abs(back - xn) <= step / 2 + 1e-4)
+
+
+def test_a_flat_group_is_exact_and_bad_groups_are_refused():
+  flat = quant4.quantize(jnp.full((1, D), 2.5))
+  np.testing.assert_array_equal(np.asarray(quant4.dequantize(flat)), np.full((1, D), 2.5))
+  with pytest.raises(ValueError, match="not whole groups of 32"):
+    quant4.quantize(jnp.ones((2, 40, D)), axis=1)
+
+
+def test_keys_per_channel_hold_normal_channels_beside_outliers_where_rows_do_not():
+  x = _keys(3)
   normal = [c for c in range(D) if c not in (5, 77)]
-  err_channels = np.abs(back - xn)[..., normal].mean()
-  err_rows = np.abs(np.asarray(quant4.dequantize(quant4.quantize_rows(x))) - xn)[..., normal].mean()
-  assert err_channels * 4 < err_rows, (err_channels, err_rows)
-  # values outside the calibrated range are clipped to it
-  clipped = np.asarray(quant4.dequantize(quant4.quantize_channels(x * 3, lo, hi)))
-  assert np.all(clipped >= np.asarray(lo) - 1e-5) and np.all(clipped <= np.asarray(hi) + 1e-4)
-  with pytest.raises(ValueError, match="do not broadcast per channel"):
-    quant4.quantize_channels(x, lo[..., :64], hi[..., :64])
+
+  def err(q):
+    return np.abs(np.asarray(quant4.dequantize(q)) - np.asarray(x))[..., normal].mean()
+  per_channel, per_row = err(quant4.quantize(x, axis=2)), err(quant4.quantize(x, group=D))
+  assert per_channel * 4 < per_row, (per_channel, per_row)
 
 
-def test_row_ops_move_rows_and_carry_the_ranges():
+def test_row_ops_move_values_and_refuse_token_grouped_keys():
   x = _keys(4)
-  lo, hi = quant4.channel_ranges(x, heads_axis=1)
-  keys, values = quant4.quantize_channels(x, lo, hi), quant4.quantize_rows(x)
-  slots = jnp.array([7, 0, 39, 7])
-  pick = lambda a: a[:, :, slots]  # noqa: E731
-  for stored in (keys, values):
-    moved = quant4.per_row(pick, stored)
-    np.testing.assert_array_equal(np.asarray(quant4.dequantize(moved)),
-                                  np.asarray(quant4.dequantize(stored))[:, :, slots])
-  assert quant4.per_row(pick, keys).scale is keys.scale
-  with pytest.raises(TypeError, match="a mix of per-row and per-channel"):
-    quant4.per_row(lambda a, b: a, keys, values)
-  # a 128-channel row: 64 bytes of codes; values add 8 bytes of scale and zero a row
-  assert quant4.nbytes(values) == B * KV * T * (64 + 8)
-  assert quant4.nbytes(keys) == B * KV * T * 64 + 2 * KV * D * 4
+  values, keys = quant4.quantize(x), quant4.quantize(x, axis=2)
+  slots = jnp.array([7, 0, 63, 7])
+  moved = quant4.per_row(lambda a: a[:, :, slots], values)
+  np.testing.assert_array_equal(np.asarray(quant4.dequantize(moved)),
+                                np.asarray(quant4.dequantize(values))[:, :, slots])
+  with pytest.raises(TypeError, match="move by whole groups"):
+    quant4.per_row(lambda a: a[:, :, slots], keys)
+  # a 128-channel row: 64 bytes of codes, 4 groups of (scale, zero) a value row, one (scale,
+  # zero) a channel per 32 key rows: 96 bytes a row either way, 37.5% of bf16 (fp32 scales)
+  assert quant4.nbytes(values) == B * KV * T * (64 + 4 * 8)
+  assert quant4.nbytes(keys) == B * KV * T * 64 + B * KV * (T // G) * D * 8
