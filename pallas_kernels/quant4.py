@@ -114,3 +114,83 @@ def per_row(fn: Callable, *xs):
 def nbytes(x) -> int:
   """Bytes a stored 4-bit buffer holds (codes, scales and zeros)."""
   return sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(x))
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["main", "residual", "residual_group"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class GroupedKeys:
+  """One layer's keys stored KIVI's way, [B, KV, T, d] (T a multiple of the group G):
+
+  main: Int4 grouped along tokens (axis 2) holding every group whose G tokens are written;
+  residual [B, KV, G, d] (a float dtype): each sequence's newest, unfilled group, whole;
+  residual_group [B] int32: which group that is (its slots residual_group * G ... + G - 1).
+  A group is quantized once, when its last token is written (KIVI's residual; KIVI keeps up to
+  one group whole): its range is its own G tokens', as the measured design's."""
+
+  main: Int4
+  residual: jax.Array
+  residual_group: jax.Array
+
+  @property
+  def shape(self) -> tuple:
+    return self.main.shape
+
+
+def zeros_grouped_keys(shape, dtype, group: int = GROUP) -> GroupedKeys:
+  """An empty key buffer of `shape` [B, KV, T, d]; dtype: the residual's (the model's)."""
+  b, kvh, t, d = shape
+  if t % group:
+    raise ValueError(f"int4 keys: {t} slots are not whole groups of {group}")
+  main = Int4(jnp.zeros((b, kvh, t, d // 2), jnp.uint8), jnp.ones((b, kvh, t // group, d),
+              jnp.float32), jnp.zeros((b, kvh, t // group, d), jnp.float32), 2, group)
+  return GroupedKeys(main, jnp.zeros((b, kvh, group, d), dtype), jnp.zeros((b,), jnp.int32))
+
+
+def write_grouped_keys(buf: GroupedKeys, positions, new) -> GroupedKeys:
+  """buf with new keys [B, S, KV, d] appended at slots `positions` [B, S] (out of range:
+  dropped). Appending: a sequence's valid positions continue its last write (the first one
+  falls in or right after its residual group), as every append-only cache writes. The residual
+  and the new keys are laid out from the residual group's first slot, quantized group by group;
+  the groups now full go to `main`, the one still filling becomes the residual."""
+  b, kvh, t, d = buf.shape
+  g = buf.main.group
+  s = positions.shape[1]
+  span = g * (1 + -(-s // g))  # the residual group and the new keys, whole groups
+  valid = (positions >= 0) & (positions < t)
+  wrote = valid.any(axis=1)  # [B]
+  start = buf.residual_group * g  # [B]: the first slot laid out
+  length = jnp.max(jnp.where(valid, positions + 1, 0), axis=1)  # [B] after the write
+  rows = jnp.arange(b)[:, None]
+  seq = jnp.zeros((b, kvh, span, d), jnp.float32).at[:, :, :g].set(buf.residual)
+  seq = seq.at[rows, :, jnp.where(valid, positions - start[:, None], span)].set(
+      new.astype(jnp.float32), mode="drop")  # [B, KV, span, d]
+  q = quantize(seq, g, axis=2)
+  full = jnp.where(wrote, length // g, buf.residual_group)  # [B] groups written whole
+  groups = buf.residual_group[:, None] + jnp.arange(span // g)  # [B, span / G]
+  done = (groups < full[:, None]) & wrote[:, None]
+  slots = jnp.where(jnp.repeat(done, g, axis=1), start[:, None] + jnp.arange(span), t)
+  group_slots = jnp.where(done, groups, t // g)
+
+  def put(old, update, at):  # update [B, KV, n, ...] at [B, n] along axis 2 (else dropped)
+    return old.at[rows, :, at].set(jnp.swapaxes(update, 1, 2), mode="drop")
+
+  main = Int4(put(buf.main.codes, q.codes, slots), put(buf.main.scale, q.scale, group_slots),
+              put(buf.main.zero, q.zero, group_slots), 2, g)
+  first = ((full - buf.residual_group) * g)[:, None, None, None]  # [B, 1, 1, 1] into seq
+  residual = jnp.take_along_axis(seq, first + jnp.arange(g)[None, None, :, None], axis=2)
+  residual = jnp.where(wrote[:, None, None, None], residual.astype(buf.residual.dtype),
+                       buf.residual)
+  return GroupedKeys(main, residual, full.astype(jnp.int32))
+
+
+def load_grouped_keys(buf: GroupedKeys, dtype=jnp.float32) -> jax.Array:
+  """[B, KV, T, d] in `dtype`: the full groups dequantized, the residual group's slots whole
+  (slots past a sequence's length hold stale data no causal query reads, as in every cache)."""
+  b, _, t, _ = buf.shape
+  g = buf.main.group
+  keys = dequantize(buf.main)
+  slots = buf.residual_group[:, None] * g + jnp.arange(g)  # [B, G]; past the end: dropped
+  keys = keys.at[jnp.arange(b)[:, None], :, slots].set(
+      jnp.swapaxes(buf.residual.astype(jnp.float32), 1, 2), mode="drop")
+  return keys.astype(dtype)

@@ -91,3 +91,47 @@ def test_row_ops_move_values_and_refuse_token_grouped_keys():
   # zero) a channel per 32 key rows: 96 bytes a row either way, 37.5% of bf16 (fp32 scales)
   assert quant4.nbytes(values) == B * KV * T * (64 + 4 * 8)
   assert quant4.nbytes(keys) == B * KV * T * 64 + B * KV * (T // G) * D * 8
+
+
+def _expected_keys(keys, length):
+  """keys [T, KV, d] of one sequence with `length` written, as KIVI stores them: each full group
+  of G tokens quantized per channel with its own range, the rest whole; [KV, length, d]."""
+  x = np.asarray(keys, np.float32)[:length].transpose(1, 0, 2)  # [KV, length, d]
+  full = (length // G) * G
+  out = x.copy()
+  if full:
+    out[:, :full] = np.asarray(quant4.dequantize(quant4.quantize(jnp.asarray(x[:, :full]),
+                                                                 axis=1)))
+  return out
+
+
+def test_grouped_keys_quantize_each_group_once_it_fills_and_keep_the_rest_whole():
+  """Three sequences appended in chunks of different sizes (one-token decode writes among them),
+  each row its own length (a row's padding dropped): after every write the buffer reads back
+  its full groups quantized with their own ranges and its newest group whole."""
+  t, kvh, d = 160, 2, 64
+  rng = np.random.default_rng(7)
+  keys = rng.normal(size=(3, t, kvh, d)) * rng.uniform(0.5, 2, (3, 1, 1, 1))
+  keys[..., 5] += 40  # an outlier channel, large for every token
+  keys = jnp.asarray(keys, jnp.bfloat16)  # [B, T, KV, d], the model's dtype
+  buf = quant4.zeros_grouped_keys((3, kvh, t, d), jnp.bfloat16)
+  write = jax.jit(quant4.write_grouped_keys)
+  lengths = np.zeros(3, int)
+  for step, sizes in enumerate([(5, 33, 0), (40, 1, 64), (1, 1, 1), (1, 30, 2), (70, 2, 31),
+                                (20, 60, 1)]):
+    s = max(sizes)
+    pos = np.full((3, s), t)  # out of range: dropped
+    for row, n in enumerate(sizes):
+      pos[row, :n] = lengths[row] + np.arange(n)
+    new = jnp.take_along_axis(keys, jnp.asarray(np.minimum(pos, t - 1))[:, :, None, None], axis=1)
+    buf = write(buf, jnp.asarray(pos, jnp.int32), new)
+    lengths += np.asarray(sizes)
+    got = np.asarray(quant4.load_grouped_keys(buf))
+    for row in range(3):
+      want = _expected_keys(keys[row], lengths[row])
+      np.testing.assert_allclose(got[row, :, :lengths[row]], want, rtol=0, atol=1e-6,
+                                 err_msg=f"write {step}, sequence {row}")
+    np.testing.assert_array_equal(np.asarray(buf.residual_group), lengths // G)
+  assert lengths.tolist() == [137, 127, 99]
+  with pytest.raises(ValueError, match="not whole groups"):
+    quant4.zeros_grouped_keys((1, 1, 40, d), jnp.bfloat16)
