@@ -100,14 +100,14 @@ def task_options(task) -> dict:
 
 
 def entry_settings(task, method, kv_dtype: str, length: int, cache_len: int,
-                   options=None) -> dict:
+                   options) -> dict:
   """What one method at one length runs with. An 8-bit cache's entry also names its top-k
   route (KernelOptions.topk_eight_bit) even when it is the default: the default changed from
   "dequantize" to "auto", and records made under the old one must not be resumed as new."""
   entry = {"task": task.name, "task_options": task_options(task),
            "method": type(method).__name__, "hparams": method.hparams(),
            "kv_dtype": kv_dtype, "length": length, "cache_len": cache_len}
-  if options is not None and kv_dtype in EIGHT_BIT:
+  if kv_dtype in EIGHT_BIT:
     entry["topk_eight_bit"] = options.route.kernels.topk_eight_bit
   return plain(entry)
 
