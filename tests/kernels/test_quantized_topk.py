@@ -136,19 +136,34 @@ def test_tpu_int8_products_equal_the_reference_products_on_normal_inputs(rows):
   assert not np.array_equal(np.asarray(dequantized[0]), np.asarray(want[0]))
 
 
-@pytest.mark.parametrize("backend", ["reference", "tpu"])
-def test_auto_takes_the_dequantize_route_off_hoppers_mosaic_kernel(backend):
+def test_auto_takes_the_dequantize_route_off_hoppers_mosaic_kernel(monkeypatch):
   """KernelOptions' default topk_eight_bit="auto" runs the 8-bit products only in Hopper's
-  Mosaic kernel: the reference and the TPU kernel score dequantized keys, exactly as
-  "dequantize" does, on inputs where the products pick otherwise."""
+  Mosaic kernel: the reference scores dequantized keys, exactly as "dequantize" does, on inputs
+  where the products pick otherwise; the TPU kernel gets the queries as they are (its products
+  would quantize them to int8 first). The TPU call is stopped before the interpreter runs (that
+  path's numbers are test_tpu_int8_products_*'s)."""
+  from pallas_kernels.topk import topk as topk_module
   q, k = _normal_inputs(LQ, seed=9)
   assert KernelOptions().topk_eight_bit == "auto"
   got, want, products = (
-      topk_scores(q, k, 5, kv_layout="BHTD", route=Route(backend=backend, kernels=KernelOptions(
+      topk_scores(q, k, 5, kv_layout="BHTD", route=Route(backend="reference", kernels=KernelOptions(
           topk_eight_bit=choice)), **BOUNDS) for choice in ("auto", "dequantize", "products"))
   np.testing.assert_array_equal(got[1], want[1])
   np.testing.assert_array_equal(got[0], want[0])
   assert not np.array_equal(np.asarray(got[0]), np.asarray(products[0]))
+
+  class Reached(Exception):
+    pass
+
+  def spy(qr, *a, **kw):
+    raise Reached(qr.dtype)
+
+  monkeypatch.setattr(topk_module, "_tpu", spy)
+  for choice, dtype in (("auto", q.dtype), ("dequantize", q.dtype), ("products", jnp.int8)):
+    with pytest.raises(Reached) as e:
+      topk_scores(q, k, 5, kv_layout="BHTD", route=Route(
+          backend="tpu", kernels=KernelOptions(topk_eight_bit=choice)), **BOUNDS)
+    assert e.value.args[0] == dtype, choice
 
 
 def test_fp8_keys_on_a_tpu_are_refused():
