@@ -44,8 +44,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# The stored dtypes of a KV cache: the model's own dtype (no scales) or one of the 8-bit ones.
-KV_DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn", "int8")
+# The stored dtypes of a KV cache: the model's own dtype (no scales), one of the 8-bit ones, or
+# "int4" (quant4.py's layout, made by jax_longctx's KVCache alone).
+KV_DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn", "int8", "int4")
 EIGHT_BIT = ("float8_e4m3fn", "int8")
 _QMAX = {"int8": 127.0, "float8_e4m3fn": 448.0}
 

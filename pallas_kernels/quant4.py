@@ -111,6 +111,15 @@ def per_row(fn: Callable, *xs):
               xs[0].axis, xs[0].group)
 
 
+def zeros_values(shape, group: int = GROUP) -> Int4:
+  """An empty value buffer of `shape` [..., d]: each row over groups of `group` channels."""
+  if shape[-1] % group or shape[-1] % 2:
+    raise ValueError(f"int4 values: {shape[-1]} channels are not whole groups of {group}")
+  grouped = (*shape[:-1], shape[-1] // group)
+  return Int4(jnp.zeros((*shape[:-1], shape[-1] // 2), jnp.uint8), jnp.ones(grouped, jnp.float32),
+              jnp.zeros(grouped, jnp.float32), len(shape) - 1, group)
+
+
 def nbytes(x) -> int:
   """Bytes a stored 4-bit buffer holds (codes, scales and zeros)."""
   return sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(x))
@@ -186,11 +195,46 @@ def write_grouped_keys(buf: GroupedKeys, positions, new) -> GroupedKeys:
 
 def load_grouped_keys(buf: GroupedKeys, dtype=jnp.float32) -> jax.Array:
   """[B, KV, T, d] in `dtype`: the full groups dequantized, the residual group's slots whole
-  (slots past a sequence's length hold stale data no causal query reads, as in every cache)."""
-  b, _, t, _ = buf.shape
+  (slots past a sequence's length hold stale data no causal query reads, as in every cache).
+  One elementwise expression (no scatter, no fp32 copy held): XLA writes the result alone."""
+  b, kvh, t, d = buf.shape
   g = buf.main.group
-  keys = dequantize(buf.main)
-  slots = buf.residual_group[:, None] * g + jnp.arange(g)  # [B, G]; past the end: dropped
-  keys = keys.at[jnp.arange(b)[:, None], :, slots].set(
-      jnp.swapaxes(buf.residual.astype(jnp.float32), 1, 2), mode="drop")
-  return keys.astype(dtype)
+  codes = unpack(buf.main.codes).astype(jnp.float32).reshape(b, kvh, t // g, g, d)
+  keys = codes * buf.main.scale[:, :, :, None] + buf.main.zero[:, :, :, None]
+  is_open = jnp.arange(t // g) == buf.residual_group[:, None]  # [B, T / G]
+  keys = jnp.where(is_open[:, None, :, None, None],
+                   buf.residual.astype(jnp.float32)[:, :, None], keys)
+  return keys.reshape(b, kvh, t, d).astype(dtype)
+
+def is_int4(x) -> bool:
+  """Whether x is a 4-bit buffer (values, or keys grouped along tokens)."""
+  return isinstance(x, (Int4, GroupedKeys))
+
+
+def load(x, dtype) -> jax.Array:
+  """A 4-bit buffer's values in `dtype` (keys: their residual group whole)."""
+  if isinstance(x, GroupedKeys):
+    return load_grouped_keys(x, dtype)
+  return dequantize(x, dtype)
+
+
+def rows_of_grouped_keys(fn: Callable, buf: GroupedKeys) -> jax.Array:
+  """fn (an op that moves whole rows of a [B, KV, T, ...] buffer over its leading axes: a
+  gather, a slice) applied to the keys, which come back dequantized in the residual's dtype
+  (the model's): only the rows fn takes are read, each with its group's scale and zero point,
+  or whole from the residual. fn sees the codes and a [B, KV, T, 1] array of row ids, so a row
+  keeps its group's (scale, zero) wherever fn puts it."""
+  b, kvh, t, d = buf.shape
+  g = buf.main.group
+  if b * kvh * t >= 2 ** 31:
+    raise ValueError(f"int4 keys: {b} x {kvh} x {t} rows overflow int32 row ids")
+  ids = jnp.arange(b * kvh * t, dtype=jnp.int32).reshape(b, kvh, t, 1)
+  taken = fn(ids)[..., 0]  # [..., n]: which (sequence, head, slot) each row is
+  seq_head, slot = taken // t, taken % t
+  def of_group(a):  # [B, KV, T / G, d] -> the rows' groups' entries [..., n, d]
+    return a.reshape(-1, d)[seq_head * (t // g) + slot // g]
+  rows = unpack(fn(buf.main.codes)).astype(jnp.float32) * of_group(buf.main.scale)
+  rows = rows + of_group(buf.main.zero)
+  in_residual = slot // g == buf.residual_group[seq_head // kvh]
+  whole = buf.residual.reshape(-1, d)[seq_head * g + slot % g].astype(jnp.float32)
+  return jnp.where(in_residual[..., None], whole, rows).astype(buf.residual.dtype)

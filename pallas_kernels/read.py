@@ -5,6 +5,10 @@ and whether they are read as they are, read with fp16 products, or first copied 
 queries' dtype (whole, or a segment of keys at a time) so the bf16 kernels run. What is left
 in the lowerings is how each reads the format (scales beside the tiles), not which path runs.
 
+A 4-bit cache (quant4.py) is read here too: no kernel reads 4-bit tiles yet, so every variant
+reads a copy in the queries' dtype made first (`four_bit_copies`: one layer's keys or values a
+call), or, for attention over gathered keys, the gathered rows alone (`four_bit_gathered`).
+
 Each decision reads the call's variant and the run's KernelOptions (pallas_kernels/options.py
 says what was measured for each): a native GPU is the only place a copy or fp16 products pay.
 """
@@ -14,7 +18,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels import layout, quant
+from pallas_kernels import layout, quant, quant4
 from pallas_kernels.options import DEFAULT, KernelOptions
 
 
@@ -108,3 +112,37 @@ def lse_with_key_offset(lse, q, offset, scale: float):
     return lse
   per_head = jnp.repeat(offset, q.shape[2] // offset.shape[0], axis=0)  # [H, d]
   return lse + scale * jnp.einsum("bqhd,hd->bqh", q.astype(jnp.float32), per_head)
+
+
+def four_bit_copies(dtype, *xs) -> tuple:
+  """xs with each 4-bit buffer (quant4: values, or keys grouped along tokens) replaced by its
+  values in `dtype`, arrays and 8-bit buffers as they are: what a kernel reads of a 4-bit cache
+  until it reads 4-bit tiles (one copy of the layer's buffer per call, on every variant)."""
+  return tuple(quant4.load(x, dtype) if quant4.is_int4(x) else x for x in xs)
+
+
+def four_bit_gathered(k, v, indices, valid, dtype, kv_layout: str):
+  """(k, v, indices, valid) for attention over the keys at `indices` [B, KV, n] of a 4-bit
+  cache: those rows alone dequantized in `dtype` ([B, KV, n, d]; entry j at index j, so entry
+  order, key positions and extents mean what they did), indices outside [0, T) invalid."""
+  if not (quant4.is_int4(k) or quant4.is_int4(v)):
+    return k, v, indices, valid
+  if kv_layout != "BHTD":
+    raise ValueError("a 4-bit cache is laid out [B, KV, T, d] (kv_layout='BHTD')")
+  t = k.shape[2]
+  inside = (indices >= 0) & (indices < t)
+  at = jnp.clip(indices, 0, t - 1)[..., None]  # [B, KV, n, 1]
+
+  def take(a):
+    return jnp.take_along_axis(a, at, axis=2)
+
+  rows = []
+  for x in (k, v):
+    if isinstance(x, quant4.GroupedKeys):
+      rows.append(quant4.rows_of_grouped_keys(take, x).astype(dtype))
+    elif isinstance(x, quant4.Int4):
+      rows.append(quant4.dequantize(quant4.per_row(take, x), dtype))
+    else:
+      rows.append(quant.per_row(take, x))
+  entries = jnp.broadcast_to(jnp.arange(indices.shape[2], dtype=jnp.int32), indices.shape)
+  return rows[0], rows[1], entries, inside if valid is None else valid & inside

@@ -65,7 +65,7 @@ def test_scales_are_never_zero_or_inf(dtype):
 
 def test_bad_kv_dtype_is_one_line():
   from jax_longctx.core.config_types import ConfigError
-  for bad in ("float8", "fp4", "int4"):
+  for bad in ("float8", "fp4", "int2"):
     with pytest.raises(ConfigError, match=f"kv_dtype '{bad}' is not one of .*int8"):
       RunOptions(kv_dtype=bad)
 

@@ -11,6 +11,7 @@ values (for contexts whose prefill would not fit a run)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -63,14 +64,16 @@ def is_shape(model: str) -> bool:
 
 def bytes_per_token(cfg, ctx: int, batch: int, kv_dtype: str | None = None) -> tuple[int, int]:
   """(weight bytes read per decode step, KV bytes read per step): the weights in their dtype,
-  the cache in it too or, 8-bit, a byte a value and an fp32 scale per (token, KV head)."""
+  the cache in it too or, 8-bit, a byte a value and an fp32 scale per (token, KV head), or,
+  4-bit, half a byte a value and an fp32 scale and zero point per 32 values (quant4.py)."""
   import numpy as np
   item = np.dtype(cfg.jnp_dtype).itemsize
   weights = cfg.num_params() - cfg.vocab_size * cfg.hidden_size  # embedding: one row per token
   if cfg.tie_word_embeddings:
     weights += cfg.vocab_size * cfg.hidden_size  # ... unless it is also the output head
   rows = 2 * cfg.num_layers * batch * cfg.num_kv_heads * ctx  # K and V rows of head_dim values
-  per_row = item * cfg.head_dim if kv_dtype is None else cfg.head_dim + 4
+  per_row = {None: item * cfg.head_dim, "int4": cfg.head_dim // 2 + cfg.head_dim // 4}.get(
+      kv_dtype, cfg.head_dim + 4)
   return item * weights, rows * per_row
 
 
@@ -107,26 +110,40 @@ def filled_cache(cfg, method, batch: int, ctx: int, cache_len: int, options):
 
   from jax_longctx.ops.cache import Quantized
   from jax_longctx.run import sharding
+  from pallas_kernels import quant4
 
   cache = sharding.empty_cache(cfg, method, batch, cache_len, 4096, options)
   keys = iter(jax.random.split(jax.random.key(1), len(jax.tree.leaves(cache)) + 1))
 
-  def drawn(x):
-    shape, dtype, where = x.shape, x.dtype, x.sharding
-    x.delete()
+  @functools.lru_cache(maxsize=None)
+  def drawer(shape, dtype, where):  # one compiled draw per kind of buffer, not per buffer
     if jnp.issubdtype(dtype, jnp.floating):  # (E4M3 drawn in bf16: random has no 8-bit floats)
       draw = lambda key: jax.random.normal(  # noqa: E731
           key, shape, jnp.bfloat16 if dtype.itemsize == 1 else dtype).astype(dtype)
+    elif dtype == jnp.uint8:  # 4-bit codes: any byte is two
+      draw = lambda key: jax.random.bits(key, shape, jnp.uint8)  # noqa: E731
     else:  # 8-bit values in [-127, 127], as quantization writes them
       draw = lambda key: jnp.maximum(  # noqa: E731
           jax.lax.bitcast_convert_type(jax.random.bits(key, shape, jnp.uint8), dtype), -127)
-    return jax.block_until_ready(jax.jit(draw, out_shardings=where)(next(keys)))
+    return jax.jit(draw, out_shardings=where)
+
+  def drawn(x):
+    shape, dtype, where = x.shape, x.dtype, x.sharding
+    x.delete()
+    return jax.block_until_ready(drawer(shape, dtype, where)(next(keys)))
 
   def one(x):
     if isinstance(x, Quantized):  # 8-bit values of any magnitude, scales of a bf16 K's rows
       return Quantized(drawn(x.values), jnp.full_like(x.scale, 0.02))
+    if isinstance(x, quant4.Int4):  # any codes; ranges of a bf16 K's values
+      return dataclasses.replace(x, codes=drawn(x.codes), scale=jnp.full_like(x.scale, 0.004),
+                                 zero=jnp.full_like(x.zero, -0.03))
+    if isinstance(x, quant4.GroupedKeys):  # full groups up to the length, the residual after
+      return quant4.GroupedKeys(one(x.main), drawn(x.residual),
+                                jnp.full_like(x.residual_group, ctx // x.main.group))
     return drawn(x) if x.ndim == 4 else x
-  state = jax.tree.map(one, cache.state, is_leaf=lambda x: isinstance(x, Quantized))
+  state = jax.tree.map(one, cache.state,
+                       is_leaf=lambda x: isinstance(x, Quantized) or quant4.is_int4(x))
   return cache.replace(state=state, lengths=jnp.full((batch,), ctx, jnp.int32))
 
 

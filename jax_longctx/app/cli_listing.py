@@ -59,12 +59,14 @@ def type_name(tp) -> str:
   return getattr(tp, "__name__", str(tp))
 
 
-def _tags(cls) -> list[str]:
+def _tags(entry) -> list[str]:
   tags = []
-  if cls.needs_instruction:
+  if entry.needs_instruction:
     tags.append("reads the instruction apart (--instruction, else the prompt's last paragraph)")
-  if getattr(cls, "splits_tokens", False):
+  if getattr(entry, "splits_tokens", False):
     tags.append("splits the context over the mesh's ctx axis (--mesh ctx=N)")
+  if getattr(entry, "int4_refusal", None) == "":
+    tags.append("stores a 4-bit cache (--kv-dtype int4)")
   return tags
 
 
@@ -83,7 +85,7 @@ def methods_text(names: list[str] | None = None) -> str:
     cls = type(entry)
     out += _wrap(f"{entry.name}: {_summary(cls, modules.count(cls.__module__))}")
     out += _wrap(f"paper: {paper(cls) or 'none (a baseline of this library)'}", "  ")
-    out += [line for tag in _tags(cls) for line in _wrap(tag, "  ")]
+    out += [line for tag in _tags(entry) for line in _wrap(tag, "  ")]
     fields = field_types(cls)
     settings = [f"{field}={getattr(entry, field)!r}" for field in fields]
     width = max(map(len, settings), default=0)

@@ -29,7 +29,8 @@ from jax_longctx.methods.hparams import (Budget, MethodError, args_per_method, c
                                          field_types, parse_method_args, resolve_budget)
 
 __all__ = ["AttnContext", "Budget", "Heads", "Method", "MethodError", "PrefillEnd",
-           "RegisteredMethod", "TokenShards", "args_per_method", "get", "names",
+           "RegisteredMethod", "TokenShards", "args_per_method", "check_cache_dtype", "get",
+           "names",
            "parse_method_args", "register", "resolve_budget"]
 
 _REGISTRY: dict[str, type["RegisteredMethod"]] = {}
@@ -208,6 +209,12 @@ class Method(RegisteredMethod):
   # cache's calibrated offset, model/kv_offsets.py): every score of a query drops
   # by the same amount, which no softmax, top-k or LSE merge sees.
   keys_before_rope: ClassVar[bool] = False
+  # Why this method's cache cannot be stored in 4 bits ("": it can, kv_dtype "int4"). A 4-bit
+  # key group shares one range over its 32 tokens (ops/cache.py), so only a cache that appends
+  # each token once, at its slot, in order (KVCache.write with the step's `valid`) holds one.
+  # `new_cache` refuses "int4" with this reason in one line.
+  int4_refusal: ClassVar[str] = ("its cache is not a KVCache that only appends tokens in order, "
+                                 "which 4-bit keys grouped along tokens need")
 
   def __init_subclass__(cls, **kwargs):
     super().__init_subclass__(**kwargs)
@@ -298,6 +305,14 @@ def register(cls: type[RegisteredMethod]) -> type[RegisteredMethod]:
 
 _KINDS = {"all": lambda cls: True, "layer": lambda cls: not cls.splits_tokens,
           "mesh": lambda cls: cls.splits_tokens}
+
+
+def check_cache_dtype(method: Method, dtype) -> None:
+  """Refuses, in one line, a cache dtype the method cannot store (kv_dtype "int4" where it
+  states an `int4_refusal`); every road that makes a method's cache asks this first."""
+  if isinstance(dtype, str) and dtype == "int4" and method.int4_refusal:
+    raise MethodError(f"{method.name} cannot store a 4-bit cache (kv_dtype int4): "
+                      f"{method.int4_refusal}")
 
 
 def names(kind: str = "all") -> list[str]:

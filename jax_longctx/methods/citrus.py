@@ -41,6 +41,7 @@ class CItruSStandard(Method):
   """Standard CSE: each chunk's own attention evicts the cache; the instruction evicts last."""
 
   name = "citrus_standard"
+  int4_refusal = "evicts single cache slots, which a 4-bit key group (one range over 32 tokens) cannot take"
   needs_instruction = True  # instructed.py runs its outer loop
   keys_before_rope = True  # chunk_cache: rotated at their ranks in the cache
 

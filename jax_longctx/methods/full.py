@@ -22,6 +22,7 @@ class Full(Method):
   """
 
   name = "full"
+  int4_refusal = ""
 
   def init_state(self, cfg, batch, max_len, dtype, chunk) -> KVCache:
     return KVCache.zeros(cfg, batch, max_len, dtype)
@@ -54,6 +55,6 @@ class Full(Method):
 
   def prefill(self, state: KVCache, q, k, v, ctx: AttnContext):
     k = apply_rope(k, ctx.q_pos, ctx.freqs)
-    state = state.write(ctx.q_pos, k, v, route=ctx.options.route)
+    state = state.write(ctx.q_pos, k, v, route=ctx.options.route, valid=ctx.valid)
     out, _ = self.attend_cache(state, apply_rope(q, ctx.q_pos, ctx.freqs), ctx, chunk_kv=(k, v))
     return out, state

@@ -36,6 +36,7 @@ class QuestState:
 @dataclasses.dataclass(frozen=True)
 class Quest(SelectingMethod):
   name = "quest"
+  int4_refusal = ""
 
   budget: Budget = 1024
   page_size: int = 16
@@ -65,7 +66,7 @@ class Quest(SelectingMethod):
 
   def write(self, state: QuestState, k, v, ctx: AttnContext) -> QuestState:
     """Stores post-RoPE k and folds it into its page's min/max (padding is dropped)."""
-    kv = state.kv.write(ctx.q_pos, k, v, route=ctx.options.route)
+    kv = state.kv.write(ctx.q_pos, k, v, route=ctx.options.route, valid=ctx.valid)
     page = jnp.where(ctx.valid, ctx.q_pos // self.page_size, state.kmin.shape[2])
     b_idx = jnp.arange(k.shape[0])[:, None]
     kmin = state.kmin.at[b_idx, :, page].min(k.astype(state.kmin.dtype), mode="drop")

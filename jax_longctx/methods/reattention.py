@@ -79,6 +79,7 @@ class ReAttention(ReAttentionSettings, Method):
   `attend_scope`; the mesh variant (MeshReAttention, below) replaces each of them."""
 
   name = "reattention"
+  int4_refusal = ""
   keys_before_rope = True  # rotated at their ranks in the scope
 
   def init_state(self, cfg, batch, max_len, dtype, chunk) -> KVCache:
@@ -97,8 +98,8 @@ class ReAttention(ReAttentionSettings, Method):
     return KVCache.zeros(cfg, batch, max_len, dtype, keys_before_rope=True)
 
   def write(self, state: KVCache, k, v, ctx: AttnContext) -> KVCache:
-    return state.write(ctx.q_pos, k, v,
-                       route=ctx.options.route)  # keys before RoPE, slot = position
+    return state.write(ctx.q_pos, k, v, route=ctx.options.route,
+                       valid=ctx.valid)  # keys before RoPE, slot = position
 
   def scope(self, state: KVCache, q, ctx: AttnContext) -> Scope:
     return select_scope(q, state.k, ctx.q_pos, ctx.valid, n_global=self.n_global,
@@ -190,6 +191,7 @@ class MeshReAttention(ReAttention):
 
   name = "reattention_mesh"
   splits_tokens = True
+  int4_refusal = "its cache is split over the mesh's ctx axis, which the 4-bit cache does not take"
 
   shard_block: int = 0
 

@@ -143,6 +143,8 @@ def _cosine(a, b):
 @dataclasses.dataclass(frozen=True)
 class RefreshKV(Method):
   name = "refreshkv"
+  int4_refusal = ("refills its small cache slot by slot at every refresh, which a 4-bit key "
+                  "group (one range over 32 tokens) cannot take")
   ends_prefill = True  # end_of_prefill below
 
   budget: Budget = 0.125  # K: tokens, or a fraction of the cache (the paper: L / 8)

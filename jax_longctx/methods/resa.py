@@ -100,6 +100,10 @@ class RESA(Method):
     super().__post_init__()
     object.__setattr__(self, "inner", self._wrapped())
 
+  @property
+  def int4_refusal(self) -> str:  # the wrapped method's cache is RESA's
+    return self.inner.int4_refusal
+
   def _wrapped(self) -> SelectingMethod | ReAttention:
     inner = get(self.base, **dict(self.base_args))
     if isinstance(inner, SelectingMethod):

@@ -96,7 +96,7 @@ class SelectingMethod(Full):
 
   def write(self, state, k_rot, v, ctx: AttnContext):
     """Stores the new tokens' post-RoPE keys and values (and any per-method summaries)."""
-    return state.write(ctx.q_pos, k_rot, v, route=ctx.options.route)
+    return state.write(ctx.q_pos, k_rot, v, route=ctx.options.route, valid=ctx.valid)
 
   def select(self, state, q_rot, ctx: AttnContext) -> jnp.ndarray:
     """[B, H, n] cache slots for each query head (out-of-range or future slots are masked)."""

@@ -131,6 +131,7 @@ class EvictingMethod(Method):
   """
 
   budget: Budget = 1024
+  int4_refusal = "evicts single cache slots, which a 4-bit key group (one range over 32 tokens) cannot take"
 
   def init_state(self, cfg, batch, max_len, dtype, chunk) -> SlotCache:
     n = resolve_budget(self.budget, max_len, method=self.name)

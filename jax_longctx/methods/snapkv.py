@@ -63,6 +63,8 @@ class SnapDecode:
 @dataclasses.dataclass(frozen=True)
 class SnapKV(Method):
   name = "snapkv"
+  int4_refusal = ("keeps single slots chosen after the prompt, which a 4-bit key group (one "
+                  "range over 32 tokens) cannot take")
   ends_prefill = True  # end_of_prefill below
 
   budget: Budget = 1024

@@ -96,6 +96,8 @@ class _ContextEncoded(Method):
   splits_tokens = True
   encodes_context = True
   needs_instruction = True  # the query, read apart from the context
+  int4_refusal = ("encodes its context in blocks over the mesh's ctx axis, which the 4-bit cache "
+                  "does not take")
 
   def init_state(self, cfg, batch, max_len, dtype, chunk):
     raise MethodError(f"{self.name!r} encodes its context in blocks (run/context_encoding.py), "

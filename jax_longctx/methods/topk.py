@@ -21,6 +21,7 @@ from jax_longctx.methods.selection import SelectingMethod, head_scores
 @dataclasses.dataclass(frozen=True)
 class TopK(SelectingMethod):
   name = "topk"
+  int4_refusal = ""
 
   budget: Budget = 1024
 

@@ -30,7 +30,8 @@ from jax_longctx.ops.cache import Cache
 from jax_longctx.core.config import LlamaConfig
 from jax_longctx.core.mesh import ModelShards, axis_size
 from jax_longctx.core.options import DEFAULT, RunOptions
-from jax_longctx.methods.base import AttnContext, Heads, Method, TokenShards
+from jax_longctx.methods.base import (AttnContext, Heads, Method, TokenShards,
+                                      check_cache_dtype)
 from jax_longctx.core.rope import inv_freq, query_scale
 from jax_longctx.model.kv_offsets import less_offsets
 from pallas_kernels.decode import add_rmsnorm
@@ -388,8 +389,10 @@ def new_cache(cfg: LlamaConfig, method: Method, batch: int, max_len: int, dtype=
               chunk: int | None = None) -> Cache:
   """An empty cache; `chunk` is the longest step that will be fed (default: max_len). dtype: how
   its keys and values are stored (default the model's; "int8" / "float8_e4m3fn": 8 bits with a
-  scale per token and KV head, ops/cache.py)."""
+  scale per token and KV head; "int4": KIVI's 4-bit layout, for a method with no
+  `int4_refusal`; ops/cache.py)."""
   dtype = cfg.jnp_dtype if dtype is None else dtype
+  check_cache_dtype(method, dtype)
   chunk = max_len if chunk is None else chunk
   state = tuple(method.init_state(cfg, batch, max_len, dtype, chunk)
                 for _ in range(cfg.num_layers))

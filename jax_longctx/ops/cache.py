@@ -11,6 +11,15 @@ default) or in 8 bits with a scale per (token, KV head) (`pallas_kernels.quant.Q
 and `per_row` moves rows with their scales; `load` gives the values back in a compute dtype
 where a jnp path needs them (the kernels read the 8-bit rows and scales themselves).
 
+In 4 bits (`RunOptions.kv_dtype="int4"`, pallas_kernels/quant4.py, KIVI's layout) values are
+stored per token over groups of channels and keys per channel over groups of tokens, each
+sequence's newest key group whole until it fills. A key group shares one range, so a 4-bit cache
+only appends: `KVCache` alone makes one, for the methods that declare `stores_int4`; new rows of
+keys go in through `KVCache.write` (never `stored` / `per_row`'s writes), and a read of some key
+rows (`per_row` over one buffer) gives them dequantized. Every kernel takes such a buffer; the
+ones that do not read 4-bit tiles yet get a copy in the queries' dtype first
+(pallas_kernels/read.py).
+
 An 8-bit buffer of keys cached before RoPE (`zeros(..., offset_heads_axis=)`, made so by a
 method that `keys_before_rope`) also holds the layer's key offset (`Quantized.offset`), which
 the model fills in every step (`set_key_offset`): `stored` takes it out of new rows and `load`
@@ -28,25 +37,49 @@ from flax import struct
 from jax_longctx.core.axes import HEADS, ROWS, TOKENS, axes
 
 from jax_longctx.core.config import LlamaConfig
+from pallas_kernels import quant, quant4
 from pallas_kernels.decode import cache_write
-from pallas_kernels.quant import (Quantized, dequantize, offset_rows, per_row, split_offset,
-                                  store_like, zeros_like_storage)
+from pallas_kernels.quant import (Quantized, dequantize, offset_rows, split_offset, store_like,
+                                  zeros_like_storage)
 from pallas_kernels.route import Route
 
-__all__ = ["Cache", "KVCache", "Quantized", "holds_8_bit", "load", "per_row", "stored",
+__all__ = ["Cache", "INT4", "KVCache", "Quantized", "holds_8_bit", "load", "per_row", "stored",
            "stored_as", "float_dtype", "weighted_sum", "set_key_offset", "split_offset", "zeros"]
+
+INT4 = "int4"  # the 4-bit cache's kv_dtype (quant4.py's layout; KVCache only)
 
 
 def zeros(shape, dtype, *, offset_heads_axis: int | None = None):
   """An empty K or V buffer [..., d] stored as `dtype` (a float dtype or an 8-bit one).
   offset_heads_axis: for keys cached before RoPE, the buffer's KV-head axis (module doc)."""
+  if isinstance(dtype, str) and dtype == INT4:
+    raise ValueError("a 4-bit K/V buffer is made by KVCache.zeros (its keys are grouped along "
+                     "tokens), for a method that stores_int4")
   return zeros_like_storage(shape, dtype, offset_heads_axis)
 
 
 def stored(x, like, heads_axis: int | None = None):
   """New rows x [..., d] as the buffer `like` stores them (quantized, or cast); heads_axis: x's
   KV-head axis, needed where `like` holds a key offset."""
+  if isinstance(like, quant4.GroupedKeys):
+    raise TypeError("stored: 4-bit keys are written by KVCache.write (groups along tokens)")
+  if isinstance(like, quant4.Int4):
+    return quant4.quantize(x, like.group)
   return store_like(x, like, heads_axis)
+
+
+def per_row(fn, *xs):
+  """fn (an indexing op over the leading axes that keeps rows whole: a gather, a scatter, a
+  slice) applied to stored buffers alike: arrays, 8-bit rows with their scales, 4-bit values
+  with theirs. 4-bit keys (grouped along tokens) are only read here, one buffer: the rows fn
+  takes come back dequantized in the model's dtype."""
+  if isinstance(xs[0], quant4.GroupedKeys):
+    if len(xs) > 1:
+      raise TypeError("per_row: 4-bit keys are written by KVCache.write (groups along tokens)")
+    return quant4.rows_of_grouped_keys(fn, xs[0])
+  if isinstance(xs[0], quant4.Int4):
+    return quant4.per_row(fn, *xs)
+  return quant.per_row(fn, *xs)
 
 
 def stored_as(x, dtype):
@@ -58,7 +91,10 @@ def weighted_sum(x, w):
   """sum_t w[b, h, t] x[b, h, t, :] -> [B, H, d] fp32 of a stored buffer [B, H, T, d], the
   product in the buffer's dtype (no fp32 copy of a cache). An 8-bit buffer's scales fold into
   the weights, rounded to bf16 (its values are exact there): a relative 2^-9 per term; its key
-  offset, if any, comes back as the offset times the weights' sum."""
+  offset, if any, comes back as the offset times the weights' sum. A 4-bit buffer is read
+  dequantized in fp32 (one layer's copy: RESA's prior, once a prompt)."""
+  if quant4.is_int4(x):
+    x = quant4.load(x, jnp.float32)
   if not isinstance(x, Quantized):
     return jnp.einsum("bhtd,bht->bhd", x, w.astype(x.dtype), preferred_element_type=jnp.float32)
   total = jnp.einsum("bhtd,bht->bhd", x.values.astype(jnp.bfloat16),
@@ -72,13 +108,16 @@ def weighted_sum(x, w):
 
 def float_dtype(x, fallback):
   """The dtype a jnp path computes in over a stored buffer: a float buffer's own, `fallback`
-  for an 8-bit one (which `load` dequantizes into it)."""
-  return fallback if isinstance(x, Quantized) else x.dtype
+  for an 8- or 4-bit one (which `load` dequantizes into it)."""
+  return fallback if isinstance(x, Quantized) or quant4.is_int4(x) else x.dtype
 
 
 def load(x, dtype):
-  """A stored buffer's values: 8-bit rows times their scales (plus its key offset), in `dtype`;
-  a float buffer as it is (its own dtype: what the jnp paths always read)."""
+  """A stored buffer's values: 8-bit rows times their scales (plus its key offset), 4-bit
+  codes times theirs plus their zero points, in `dtype`; a float buffer as it is (its own
+  dtype: what the jnp paths always read)."""
+  if quant4.is_int4(x):
+    return quant4.load(x, dtype)
   return dequantize(x, dtype) if isinstance(x, Quantized) else x
 
 
@@ -128,9 +167,16 @@ class KVCache:
   @classmethod
   def zeros(cls, cfg: LlamaConfig, batch: int, max_len: int, dtype,
             keys_before_rope: bool = False) -> "KVCache":
-    """dtype: how keys and values are stored (a float dtype, or "int8" / "float8_e4m3fn");
-    keys_before_rope: the keys are cached before RoPE (an 8-bit buffer then holds their offset:
-    module doc)."""
+    """dtype: how keys and values are stored (a float dtype, "int8" / "float8_e4m3fn", or
+    "int4": slots then rounded up to whole key groups); keys_before_rope: the keys are cached
+    before RoPE (an 8-bit buffer then holds their offset: module doc; 4-bit keys need none,
+    their groups' zero points take a common part out)."""
+    if isinstance(dtype, str) and dtype == INT4:
+      g = quant4.GROUP
+      shape = (batch, cfg.num_kv_heads, -(-max_len // g) * g, cfg.head_dim)
+      # values over groups of 32 channels (KIVI's), or of a head's all where it has fewer
+      return cls(quant4.zeros_grouped_keys(shape, cfg.jnp_dtype, g),
+                 quant4.zeros_values(shape, min(g, cfg.head_dim)))
     shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
     return cls(zeros(shape, dtype, offset_heads_axis=1 if keys_before_rope else None),
                zeros(shape, dtype))
@@ -140,18 +186,28 @@ class KVCache:
     return self.k.shape[2]
 
   def write(self, positions: jnp.ndarray, k_new: jnp.ndarray, v_new: jnp.ndarray, *,
-            route: Route) -> "KVCache":
+            route: Route, valid: jnp.ndarray | None = None) -> "KVCache":
     """Stores k/v_new [B, S, KV, d] at slots `positions` [B, S] (out of range: dropped).
 
     route: the run's kernel route; with a `cache_write_backend`, one-token writes go through
-    pallas_kernels.decode.cache_write's in-place kernel on it, else the scatter below."""
+    pallas_kernels.decode.cache_write's in-place kernel on it, else the scatter below.
+    valid [B, S]: which new tokens are real; the others (a shorter prompt's padding) are not
+    written. Required for 4-bit keys, which only append: a padding token written past a
+    sequence's end would close a key group that its next real token must join."""
+    if valid is not None:
+      positions = jnp.where(valid, positions, self.max_len)  # past the end: dropped
+    if isinstance(self.k, quant4.GroupedKeys):
+      if valid is None:
+        raise TypeError("KVCache.write: 4-bit keys need valid= (padding must not be written)")
+      return KVCache(quant4.write_grouped_keys(self.k, positions, k_new),
+                     self._put(self.v, positions, v_new))
     if positions.shape[1] == 1 and route.cache_write_backend is not None:
       return KVCache(*cache_write.write_one_token(self.k, self.v, positions[:, 0], k_new[:, 0],
                                                   v_new[:, 0], route=route))
+    return KVCache(self._put(self.k, positions, k_new), self._put(self.v, positions, v_new))
+
+  @staticmethod
+  def _put(cache, positions, new):
     b_idx = jnp.arange(positions.shape[0])[:, None]
-
-    def put(cache, new):
-      return per_row(lambda c, n: c.at[b_idx, :, positions].set(n, mode="drop"), cache,
-                     stored(new, cache, heads_axis=2))
-
-    return KVCache(put(self.k, k_new), put(self.v, v_new))
+    return per_row(lambda c, n: c.at[b_idx, :, positions].set(n, mode="drop"), cache,
+                   stored(new, cache, heads_axis=2))

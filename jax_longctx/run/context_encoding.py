@@ -25,7 +25,7 @@ from jax_longctx.core.axes import ROWS, TOKENS
 from jax_longctx.core.config import LlamaConfig
 from jax_longctx.core.mesh import axis_size
 from jax_longctx.core.options import DEFAULT, RunOptions
-from jax_longctx.methods.base import Method
+from jax_longctx.methods.base import Method, check_cache_dtype
 from jax_longctx.methods.chunk_cache import ChunkCache
 from jax_longctx.methods.star import ContextKV, Layout, Phase2State
 from jax_longctx.model import device_view, forward
@@ -42,6 +42,7 @@ def prefill_context(params, cfg: LlamaConfig, contexts: Sequence[Sequence[int]],
                     options: RunOptions = DEFAULT):
   """(cache, the query's last-token logits [B, V]) after the context and the query; the router
   checked the rows."""
+  check_cache_dtype(method, options.cache_dtype(cfg.jnp_dtype))
   lengths = np.asarray([len(c) for c in contexts], np.int32)
   lay = method.context_layout(int(lengths.max()), axis_size(options.mesh, "ctx"))
   width = -(-max(map(len, queries)) // INSTRUCTION_ROUND) * INSTRUCTION_ROUND

@@ -134,6 +134,7 @@ def chunk_attention(q, k_cache, v_cache, k_chunk, v_chunk, q_offset, *, kv_layou
   b, c, _, d = q.shape
   scale = float(scale) if scale is not None else d ** -0.5
   q_off = layout.per_batch(q_offset, b, 0)
+  k_cache, v_cache = read.four_bit_copies(q.dtype, k_cache, v_cache)
   if read.dequantize_first(q, k_cache, route.variant(), route.kernels):
     k_cache, v_cache, k_chunk, v_chunk = (quant.dequantize(x, q.dtype)
                                           for x in (k_cache, v_cache, k_chunk, v_chunk))

@@ -49,6 +49,7 @@ def flash_attention(q, k, v, *, causal: bool = True, q_offset=0, kv_len=None,
   """
   d = q.shape[-1]
   scale = float(scale) if scale is not None else 1.0 / math.sqrt(d)
+  k, v = read.four_bit_copies(q.dtype, k, v)
   # Keys stored less an offset (pre-RoPE caches): the kernels score them as stored, which
   # lowers each query row's scores alike; only the LSE needs it back.
   k, key_offset = quant.split_offset(k)

@@ -36,7 +36,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels import gpu, layout, quant, tpu
 from pallas_kernels.decode import split_merge
 from pallas_kernels import online_softmax as osm
-from pallas_kernels import reference
+from pallas_kernels import read, reference
 from pallas_kernels.route import Route
 
 SQ = gpu.SQ
@@ -58,6 +58,7 @@ def gathered_attention(q, k, v, indices, valid=None, *, scale: float | None = No
   variant; decode_q_in_kernel, decode_merge_kernel as for flash_attention's decode). Returns (out
   [B, Lq, H, d], lse [B, Lq, H] fp32); a row with no valid key gives (0, -inf).
   """
+  k, v, indices, valid = read.four_bit_gathered(k, v, indices, valid, q.dtype, kv_layout)
   b, lq, h, kvh, t, d = layout.check_qk(q, k, kv_layout)
   quantized = layout.check_kv(k, v)
   if indices.ndim != 3 or indices.shape[:2] != (b, kvh):
@@ -66,6 +67,11 @@ def gathered_attention(q, k, v, indices, valid=None, *, scale: float | None = No
   valid = jnp.ones(indices.shape, bool) if valid is None else valid
   if valid.shape != indices.shape:
     raise ValueError(f"valid {valid.shape} must match indices {indices.shape}")
+  if extent is not None:  # every variant: entries past it are invalid (the GPU's skip no reads)
+    if extent.shape != (b, kvh):
+      raise ValueError(f"extent must be [batch={b}, kv_heads={kvh}], got {extent.shape}")
+    extent = extent.astype(jnp.int32)
+    valid = valid & (jnp.arange(n, dtype=jnp.int32) < extent[..., None])
   if key_rope_freqs is not None:
     if d % 2 or key_rope_freqs.shape != (d // 2,):
       raise ValueError(f"key_rope_freqs must be [head_dim / 2 = {d // 2}] for an even head_dim "
@@ -105,11 +111,6 @@ def gathered_attention(q, k, v, indices, valid=None, *, scale: float | None = No
   q_in_kernel = options.decode_q_in_kernel and variant.kind == "gpu" and lq == 1 and rows < bm
   qr = layout.q_rows(q, kvh, rows if q_in_kernel else rows_padded)
   ok = valid & (indices >= 0) & (indices < t)
-  if extent is not None:
-    if extent.shape != (b, kvh):
-      raise ValueError(f"extent must be [batch={b}, kv_heads={kvh}], got {extent.shape}")
-    extent = extent.astype(jnp.int32)
-    ok = ok & (jnp.arange(n, dtype=jnp.int32) < extent[..., None])
   safe = jnp.clip(indices, 0, t - 1)
   key_dtype = q.dtype if quantized else k.dtype  # the dtype keys are rotated in
   offset = None if key_offset is None else key_offset.astype(key_dtype)

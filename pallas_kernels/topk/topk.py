@@ -49,6 +49,7 @@ def topk_scores(q, k, top_k: int, *, scale: float | None = None, valid_len=None,
   run's kernel route (its variant; `KernelOptions.topk_impl`, `topk_selection` for the GPU / TPU
   kernels, the reference always selects exactly).
   """
+  k, = read.four_bit_copies(q.dtype, k)
   b, lq, h, kvh, t, d = layout.check_qk(q, k, kv_layout)
   quantized = layout.check_kv(k, k)
   if scale is not None and float(scale) == 1.0:
