@@ -19,6 +19,22 @@ def xla_flags(*flags: str) -> str:
 if FAST_COMPILE not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = xla_flags(os.environ.get("XLA_FLAGS", "")).strip()
 
+# One on-disk cache of compiled programs for the whole run: the two pytest workers and every
+# process a test starts (8-device mesh checks, the command line on the default model) compile
+# many of the same programs, and a process that finds one there skips XLA's compile (an 8-device
+# mesh check run twice: 59 s, then 23 s from the cache; its first run writing it: 66 s). Made by
+# the first process that imports this file (pytest's controller, before its workers start, which
+# inherit the variable) and removed when that process ends; a user's own cache directory wins.
+# Entries are keyed by the program, the devices and JAX's version: a hit is the same program.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  import atexit
+  import shutil
+  import tempfile
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jax-longctx-tests-")
+  atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
 

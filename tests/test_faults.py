@@ -20,7 +20,10 @@ from tests.helpers import fault_child
 from tests.conftest import TINY_LLAMA3, tiny_config, write_tiny_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = dict(os.environ, PYTHONPATH=ROOT, JAX_LONGCTX_QUIET="1", JAX_PLATFORMS="cpu")
+# Without the suite's compilation cache: a child killed while writing an entry would leave it
+# cut short (JAX writes entries in place) for the processes after it.
+ENV = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+ENV.update(PYTHONPATH=ROOT, JAX_LONGCTX_QUIET="1", JAX_PLATFORMS="cpu")
 
 
 def _kill_at(moment: str, *args: str, env=ENV) -> str:
