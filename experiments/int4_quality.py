@@ -164,7 +164,7 @@ class WriteHook:
     return hooked
 
   def write(self, write):
-    def hooked(kv, positions, k_new, v_new, *, route):
+    def hooked(kv, positions, k_new, v_new, *, route, valid=None):
       import jax
       import jax.numpy as jnp
       if not self.steps:
@@ -190,7 +190,7 @@ class WriteHook:
                            self.keep_first)
       self.stores = 0
       try:
-        out = write(kv, positions, k, v, route=route)
+        out = write(kv, positions, k, v, route=route, valid=valid)
       finally:
         stores, self.stores = self.stores, None
       if stores != 2:
