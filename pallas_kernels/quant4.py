@@ -206,6 +206,7 @@ def load_grouped_keys(buf: GroupedKeys, dtype=jnp.float32) -> jax.Array:
                    buf.residual.astype(jnp.float32)[:, :, None], keys)
   return keys.reshape(b, kvh, t, d).astype(dtype)
 
+
 def is_int4(x) -> bool:
   """Whether x is a 4-bit buffer (values, or keys grouped along tokens)."""
   return isinstance(x, (Int4, GroupedKeys))

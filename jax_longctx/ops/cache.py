@@ -14,7 +14,7 @@ where a jnp path needs them (the kernels read the 8-bit rows and scales themselv
 In 4 bits (`RunOptions.kv_dtype="int4"`, pallas_kernels/quant4.py, KIVI's layout) values are
 stored per token over groups of channels and keys per channel over groups of tokens, each
 sequence's newest key group whole until it fills. A key group shares one range, so a 4-bit cache
-only appends: `KVCache` alone makes one, for the methods that declare `stores_int4`; new rows of
+only appends: `KVCache` alone makes one, for the methods with no `int4_refusal`; new rows of
 keys go in through `KVCache.write` (never `stored` / `per_row`'s writes), and a read of some key
 rows (`per_row` over one buffer) gives them dequantized. Every kernel takes such a buffer; the
 ones that do not read 4-bit tiles yet get a copy in the queries' dtype first
