@@ -30,8 +30,7 @@ from jax_longctx.methods.hparams import (Budget, MethodError, args_per_method, c
 
 __all__ = ["AttnContext", "Budget", "Heads", "Method", "MethodError", "PrefillEnd",
            "RegisteredMethod", "TokenShards", "args_per_method", "check_cache_dtype", "get",
-           "names",
-           "parse_method_args", "register", "resolve_budget"]
+           "names", "parse_method_args", "register", "resolve_budget"]
 
 _REGISTRY: dict[str, type["RegisteredMethod"]] = {}
 
