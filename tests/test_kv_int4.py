@@ -128,3 +128,22 @@ def test_the_decode_benchmark_fills_a_4_bit_cache_and_counts_its_bytes():
     assert len(np.unique(np.asarray(layer.v.codes))) > 200  # random bytes, not zeros
   held = sum(quant4.nbytes(s.k.main) + quant4.nbytes(s.v) for s in cache.state)
   assert bytes_per_token(cfg, 128, 2, "int4")[1] == held
+
+
+def test_a_4_bit_cache_takes_its_declaration_and_a_row_of_it_is_that_rows():
+  """KVCache's (ROWS, HEADS, TOKENS, None) for codes, scales and zero points alike; the keys'
+  residual keeps its tokens whole and its group index is per row; take_rows (a batch's one
+  sequence) cuts every part of it."""
+  from jax_longctx.core.axes import HEADS, ROWS, TOKENS, Axes, logical_axes, take_rows
+  from tests.conftest import tiny_config
+  cfg = tiny_config(num_heads=4, num_kv_heads=2, head_dim=64)
+  kv = KVCache.zeros(cfg, 3, 64, "int4")
+  got = logical_axes(kv)
+  declared = Axes((ROWS, HEADS, TOKENS, None))
+  for part in (got.k.main, got.v):
+    assert part.codes == part.scale == part.zero == declared
+  assert got.k.residual == Axes((ROWS, HEADS, None, None))
+  assert got.k.residual_group == Axes((ROWS,))
+  one = take_rows(kv, 1, 2)
+  assert one.k.main.codes.shape[0] == one.k.residual.shape[0] == one.v.scale.shape[0] == 1
+  assert one.k.residual_group.shape == (1,)

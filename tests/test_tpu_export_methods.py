@@ -112,6 +112,28 @@ def test_decode_step_exports_for_tpu(name):
     _expect(name, "decode", export_for_tpu(step, params, S((BATCH, 1), jnp.int32), cache))
 
 
+@pytest.mark.parametrize("name", ["full", "reattention"])
+def test_steps_over_a_4_bit_cache_export_for_tpu(name):
+  """A prefill chunk and a decode step over the 4-bit cache (each kernel reading a bf16 copy of
+  the layer's buffers, pallas_kernels/read.py): the same Mosaic kernels as over bf16."""
+  method = _method(name, BUDGET)
+  chunk = method.prefill_chunk or CHUNK
+  cache = jax.eval_shape(lambda: new_cache(CFG, method, BATCH, CACHE_LEN, "int4", chunk=chunk))
+  params = abstract_model(CFG)[1]
+
+  def prefill(params, tokens, start, lengths, cache, last):
+    return prefill_step(params, tokens, start, lengths, cache, last, cfg=CFG, method=method)
+
+  def decode(params, tokens, cache):
+    return forward(params, tokens, cache.lengths[:, None], cache, method, CFG, decode=True,
+                   logits_index=jnp.zeros((BATCH,), jnp.int32))
+
+  _expect(name, "prefill", export_for_tpu(
+      prefill, params, S((BATCH, chunk), jnp.int32), S((), jnp.int32), S((BATCH,), jnp.int32),
+      cache, S((BATCH, CFG.vocab_size), jnp.float32)))
+  _expect(name, "decode", export_for_tpu(decode, params, S((BATCH, 1), jnp.int32), cache))
+
+
 @pytest.mark.parametrize("mesh", list(MESHES))
 @pytest.mark.parametrize("name", [n for n in names("mesh") if get(n).encodes_context])
 def test_mesh_method_phases_export_for_tpu(name, mesh):

@@ -19,7 +19,10 @@ A field whose value is a struct of its own (a KVCache inside SnapKV's state) is 
 walk descends into it. A `pallas_kernels.quant.Quantized` under a declared field takes the
 declaration for its values and scales: its scales are its values' shape with a last axis of 1,
 which a declaration never splits (the head dim, None: `_leaf` checks); its offset, if any (a
-buffer of pre-RoPE keys), keeps only the declaration's HEADS.
+buffer of pre-RoPE keys), keeps only the declaration's HEADS. A 4-bit buffer (quant4) takes it
+for its codes, scales and zero points alike (their grouped axis is split as its slots would be:
+a group never straddles two shards where the slots divide into whole groups a shard); 4-bit keys'
+residual (each sequence's newest group, whole) keeps every name but TOKENS, its group index ROWS.
 An array reached with no declaration is an error naming its place: a new state class must
 declare its fields.
 """
@@ -31,6 +34,7 @@ import dataclasses
 import jax
 from flax import struct
 
+from pallas_kernels import quant4
 from pallas_kernels.quant import Quantized
 
 ROWS, HEADS, TOKENS = "rows", "heads", "tokens"
@@ -70,7 +74,7 @@ def logical_axes(tree, where: str = "state"):
   a declared field of a struct, or be given by `with_axes`."""
   if tree is None:
     return None
-  if isinstance(tree, Quantized):
+  if isinstance(tree, Quantized) or quant4.is_int4(tree):
     raise ValueError(f"{where}: quantized storage outside a declared field")
   if isinstance(tree, (tuple, list)):
     return type(tree)(logical_axes(x, f"{where}[{i}]") for i, x in enumerate(tree))
@@ -102,6 +106,16 @@ def _leaf(value, names: tuple, where: str):
     offset = None if value.offset is None else _leaf(
         value.offset, tuple(n if n == HEADS else None for n in names), where)
     return Quantized(_leaf(value.values, names, where), _leaf(value.scale, names, where), offset)
+  if isinstance(value, quant4.GroupedKeys):
+    whole = tuple(None if n == TOKENS else n for n in names)
+    return quant4.GroupedKeys(_leaf(value.main, names, where), _leaf(value.residual, whole, where),
+                              _leaf(value.residual_group, names[:1], where))
+  if isinstance(value, quant4.Int4):
+    if names and names[-1] is not None:
+      raise ValueError(f"{where}: 4-bit storage splits its last axis {names[-1]!r}, whose bytes "
+                       "hold two channels (declare it None)")
+    parts = (_leaf(getattr(value, f), names, where) for f in ("codes", "scale", "zero"))
+    return quant4.Int4(*parts, value.axis, value.group)
   if len(names) != len(value.shape):
     raise ValueError(f"{where}: declared {len(names)} axes {names} for an array of shape "
                      f"{tuple(value.shape)}")

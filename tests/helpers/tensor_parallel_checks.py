@@ -17,7 +17,8 @@ where, to keep CI short (each mesh compiles every step anew):
 - a Qwen2-style model (q/k/v biases, tied embeddings, a vocabulary of 101 padded to 104) on
   (2, 4) and a 9-head / 3-KV model (the default model's layout) on (2, 3), its evicting methods
   with budgets given as fractions of the cache: `qwen`, `nine`;
-- the cache in 8 bits (int8 for every method, fp8 for two) on (2, 2) against one device with
+- the cache in 8 bits (int8 for every method, fp8 for two) and in 4 bits (every method that
+  stores it) on (2, 2) against one device with
   the same cache dtype, and mesh ReAttention's on (ctx 2, model 2): `quantized`; the HLO check
   below with an int8 cache: `hlo_no_cache_gather_int8`;
 - the mesh methods, Star and ring on (ctx 2, model 4), mesh ReAttention and RESA on it on
@@ -76,6 +77,8 @@ def same_state(one, many, what: str):
       if x != y:
         assert y % x == 0, (what, a.shape, b.shape)
         b = np.take(b, np.arange(0, y, y // x), axis=d)
+    if a.dtype == np.uint8:  # a 4-bit cache's codes, two a byte: compared code by code
+      a, b = (np.concatenate([x & 15, x >> 4], axis=-1).astype(np.int8) for x in (a, b))
     if a.dtype.itemsize == 1 and a.dtype != bool:  # an 8-bit cache's values: a float a hair
       int_values = np.issubdtype(a.dtype, np.integer)  # apart may round one step the other way
       a, b = a.astype(np.float32), b.astype(np.float32)
@@ -147,14 +150,16 @@ RATIO = ("snapkv", "h2o", "tova", "streaming_llm", "refreshkv", "citrus_shared")
 
 def quantized():
   """The cache in 8 bits on (data 2, model 2): every per-layer method (budgets as fractions)
-  with int8, two with fp8 (an exact method and one over pre-RoPE keys), as one device with the
-  same cache (the scales split with their rows and heads); mesh ReAttention's on (ctx 2, model
-  2) as on ctx alone."""
+  with int8, two with fp8 (an exact method and one over pre-RoPE keys), every method that stores
+  4 bits with int4, as one device with the same cache (the scales and zero points split with
+  their rows and heads); mesh ReAttention's on (ctx 2, model 2) as on ctx alone."""
   # The teacher-forced steps only (logits, NLL and cache within 1e-4): the greedy loop runs the
   # same per-token step under another loop, which `meshes`, `qwen` and `nine` check on a mesh.
   compare("gqa", "data=2,model=2", names("layer"), budget=0.5, kv_dtype="int8", tokens=False)
   compare("gqa", "data=2,model=2", ("full", "reattention"), budget=0.5,
           kv_dtype="float8_e4m3fn", tokens=False)
+  compare("gqa", "data=2,model=2", [n for n in names("layer") if not get(n).int4_refusal],
+          budget=0.5, kv_dtype="int4", tokens=False)  # the methods that store 4 bits
   cfg, params = _model("gqa")
   docs = _prompts(cfg, (37, 30), seed=5)
   m = get("reattention_mesh", n_global=2, n_local=8, span=2, clip=3, top_k=2, chunk=4)
