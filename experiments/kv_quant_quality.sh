@@ -5,8 +5,8 @@
 # samples, chat template), at LENGTHS (16k,32k). One cache size for every length (one compile per
 # dtype). Results resume; a cut-off part runs on where it stopped.
 #   experiments/kv_quant_quality.sh MODEL OUT [PARTS]   PARTS: "ppl passkey" (default), niah_multikey
-# KV_DTYPES (default bfloat16,int8,float8_e4m3fn): the cache dtypes; an 8-bit one loads the model
-# with key smoothing (run/key_smoothing.py) unless SMOOTH=off. METHOD (full) and METHOD_ARGS (e.g.
+# KV_DTYPES (default bfloat16,int8,float8_e4m3fn; int4 the 4-bit cache): the cache dtypes; an
+# 8-bit one loads the model with key smoothing (run/key_smoothing.py) unless SMOOTH=off. METHOD (full) and METHOD_ARGS (e.g.
 # "--method-arg reattention.n_local=16384 --method-arg reattention.clip=511", the paper's split
 # of Qwen's 32K window) pick the method; BATCH (1): samples a batch (eval --batch-size);
 # FIRST (0): run samples FIRST.. only (eval --first-sample: a part of the sweep, e.g. on one GPU);

@@ -104,9 +104,9 @@ def test_gap_table_in_the_summary():
 
 
 def test_kv_dtype_table_pairs_each_8bit_cache_with_the_model_dtype():
-  """Labels "METHOD DTYPE" (eval --kv-dtype a,b): each 8-bit cache's pooled NLL against the same
-  method's bf16 cache over the texts both ran (here int8 ran 3 of 4), +1% where every int8
-  token is 1% worse; a method with only 8-bit cells gets no row."""
+  """Labels "METHOD DTYPE" (eval --kv-dtype a,b): each 8- or 4-bit cache's pooled NLL against the
+  same method's bf16 cache over the texts both ran (here int8 ran 3 of 4), +1% where every int8
+  token is 1% worse (int4: 2%); a method with only 8-bit cells gets no row."""
   recs = []
   for s in range(4):
     base = [1.0 + 0.1 * s, 2.0]
@@ -114,6 +114,7 @@ def test_kv_dtype_table_pairs_each_8bit_cache_with_the_model_dtype():
     if s < 3:
       recs.append(dict(_ppl_rec("re int8", s, [1.01 * x for x in base]), kv_dtype="int8"))
     recs.append(dict(_ppl_rec("solo int8", s, base), kv_dtype="int8"))
+    recs.append(dict(_ppl_rec("re int4", s, [1.02 * x for x in base]), kv_dtype="int4"))
   # a needle task: 3 samples both ran, one answered differently (and wrongly) in int8
   for s in range(3):
     for kv, pred in (("bfloat16", "42"), ("int8", "41" if s == 2 else "42")):
@@ -122,8 +123,8 @@ def test_kv_dtype_table_pairs_each_8bit_cache_with_the_model_dtype():
   recs.append({"task": "passkey", "method": "re bfloat16", "length": 64, "seed": 3, "depth": 0.5,
                "kv_dtype": "bfloat16", "prediction": "42", "score": 1.0})  # bf16 only: left out
   table = summary_table(recs)
-  row = next(line for line in table.splitlines() if line.startswith("| 64 | re | "))
-  assert row.startswith("| 64 | re | int8 vs bfloat16 | +1.000% | [+1.000, +1.000] | 3 |"), row
+  assert "| 64 | re | int8 vs bfloat16 | +1.000% | [+1.000, +1.000] | 3 |" in table, table
+  assert "| 64 | re | int4 vs bfloat16 | +2.000% | [+2.000, +2.000] | 4 |" in table, table
   assert "| solo |" not in table
   assert "| passkey | 64 | re | int8 | 3 | 100 | 67 | 2 |" in table, table
   gap = paired_relative({0: np.array([2.0])}, {0: np.array([1.0]), 1: np.array([1.0])})

@@ -15,6 +15,8 @@ from jax_longctx.app.tasks.ruler import LEFT_OUT_NOTE, PREFIX as RULER
 from jax_longctx.app.tasks.ruler_suite import NAMES as RULER_TASKS
 from pallas_kernels.quant import EIGHT_BIT
 
+QUANTIZED = (*EIGHT_BIT, "int4")  # the cache dtypes a sweep compares with the model's
+
 
 def _mean(xs):
   return sum(xs) / len(xs) if xs else float("nan")
@@ -212,18 +214,18 @@ def _gap_table(records: list[dict], baselines: list[str] | None = None) -> list[
 
 
 def _cache_pairs(records: list[dict]):
-  """(task, length, method, model-dtype label, 8-bit dtype, its label) for each method a sweep ran
-  with a cache in the model's dtype and in 8 bits (eval --kv-dtype labels them "METHOD bfloat16",
-  "METHOD int8")."""
+  """(task, length, method, model-dtype label, quantized dtype, its label) for each method a
+  sweep ran with a cache in the model's dtype and in 8 or 4 bits (eval --kv-dtype labels them
+  "METHOD bfloat16", "METHOD int8")."""
   labels = collections.defaultdict(dict)  # (task, length, method without its dtype) -> {dtype: label}
   for r in records:
     if r.get("kv_dtype"):
       key = (r["task"], r["length"], r["method"].removesuffix(" " + r["kv_dtype"]))
       labels[key][r["kv_dtype"]] = r["method"]
   for (task, n, method), by_dtype in sorted(labels.items()):
-    plain = [kv for kv in by_dtype if kv not in EIGHT_BIT]
+    plain = [kv for kv in by_dtype if kv not in QUANTIZED]
     if len(plain) == 1:
-      for kv in sorted(set(by_dtype) & set(EIGHT_BIT)):
+      for kv in sorted(set(by_dtype) & set(QUANTIZED)):
         yield task, n, method, by_dtype[plain[0]], kv, by_dtype[kv]
 
 
@@ -239,7 +241,7 @@ def answers_compared(a: dict, b: dict) -> str:
 
 
 def _kv_dtype_table(records: list[dict]) -> list[str]:
-  """Each 8-bit cache against the same method's cache in the model's dtype, on the samples both
+  """Each 8- or 4-bit cache against the same method's cache in the model's dtype, on the samples both
   ran (cells with different sample counts are compared on their common samples only), issue
   54's quality measures: for ppl the pooled token NLL with its paired-bootstrap interval; for
   the other tasks both scores and how many answers are the same string."""
