@@ -208,7 +208,7 @@ class MeshReAttention(ReAttention):
   def write(self, state: KVCache, k, v, ctx: AttnContext) -> KVCache:
     layout, p = layout_here(ctx.tokens, state.max_len, self.shard_block)
     # Another shard's tokens go to slot t, which the write drops (a negative index would wrap).
-    return state.write(layout.slot(ctx.q_pos, p), k, v, route=ctx.options.route)
+    return state.write(layout.slot(ctx.q_pos, p), k, v, route=ctx.options.route, valid=ctx.valid)
 
   def scope(self, state: KVCache, q, ctx: AttnContext) -> Scope:
     layout, p = layout_here(ctx.tokens, state.max_len, self.shard_block)
