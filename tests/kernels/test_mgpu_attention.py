@@ -74,8 +74,10 @@ CASES = {
                              Config(64, 64, 2)),
     # a chunk at an offset into a cache, per sequence; neither 152 queries nor 320 keys are
     # multiples of a block (clamped last query block and key tile; counts must be multiples of
-    # 8, `unsupported`); the second sequence's kv_len cuts the chunk's causal range
-    "chunk_offset_g4_d128": (2, 152, 4, 1, 320, 128, True, (163, 7), (320, 150), "BTHD",
+    # 8, `unsupported`); the second sequence's kv_len cuts the chunk's causal range. Head
+    # dim 128 (the interpreter's one case of it: two 64-wide tiles a row) with 2 query heads: its
+    # time grows with the CTAs (4 heads: 119 s, 2: 31 s on 2 cores); a group of 4 runs below
+    "chunk_offset_g2_d128": (2, 152, 2, 1, 320, 128, True, (163, 7), (320, 150), "BTHD",
                              Config(64, 128, 2)),
     # non-causal with per-sequence lengths, the cache layout, a 3-slot ring
     "noncausal_kvlen_g4_bhtd": (2, 128, 4, 1, 296, 64, False, (0, 0), (296, 77), "BHTD",
