@@ -19,13 +19,21 @@ def xla_flags(*flags: str) -> str:
 if FAST_COMPILE not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = xla_flags(os.environ.get("XLA_FLAGS", "")).strip()
 
-# One on-disk cache of compiled programs for the whole run: the two pytest workers and every
-# process a test starts (8-device mesh checks, the command line on the default model) compile
-# many of the same programs, and a process that finds one there skips XLA's compile (an 8-device
-# mesh check run twice: 59 s, then 23 s from the cache; its first run writing it: 66 s). Made by
-# the first process that imports this file (pytest's controller, before its workers start, which
-# inherit the variable) and removed when that process ends; a user's own cache directory wins.
-# Entries are keyed by the program, the devices and JAX's version: a hit is the same program.
+# One on-disk cache of compiled programs for the whole run (JAX's persistent cache): the two
+# pytest workers and every process a test starts (8-device mesh checks, the CLI, training jobs)
+# read what another compiled instead of compiling it again (random weights' draws, the
+# one-device side of two mesh checks, a training job's rerun, and in a worker the programs an
+# earlier test module compiled before `_drop_compiled_programs` dropped them). Measured on 2
+# cores: an 8-device mesh check run twice 59 s, then 23 s from the cache (its first run writing
+# it: 66 s); the eight-device and other subprocess test files 2,180 -> 1,820 s; four in-process
+# files (test_generate, test_method_references, test_top_n, test_reattention) 226 -> 208 s.
+# Every entry is written (no minimum compile time): writing them took 2 s of an 8-device check's
+# 45 s of compiling (83 programs), and a minimum of 1 s changed its cold run by less than the
+# noise (64 vs 61 s) while leaving most of its programs to be compiled again by the next process.
+# Made by the first process that imports this file (pytest's controller, before its workers
+# start, which inherit the variables) and removed when that process ends; a user's own cache
+# directory wins. Entries are keyed by the program, the flags, the devices and JAX's version: a
+# hit is the same program. test_faults.py keeps a cache of its own; a test may still override it.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   import atexit
   import shutil
@@ -39,6 +47,13 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_enable_x64", False)
+# JAX reads these variables when it is first imported; a plugin may have imported it before
+# this file set them, so this process takes them as config too.
+jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                  float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
+jax.config.update("jax_persistent_cache_min_entry_size_bytes",
+                  int(os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"]))
 os.environ.setdefault("JAX_LONGCTX_QUIET", "1")
 
 from jax_longctx.core.config import LlamaConfig, RopeScaling  # noqa: E402
@@ -54,30 +69,6 @@ def _drop_compiled_programs():
   one module (test_methods) and the modules' peaks add up to ~300K."""
   yield
   jax.clear_caches()
-
-
-@pytest.fixture(autouse=True, scope="session")
-def _processes_share_compiled_programs(tmp_path_factory):
-  """Every process of the suite (both xdist workers and the processes the tests start:
-  eight-device checks, the CLI, training jobs) reads what another compiled from JAX's persistent
-  cache, one directory for the session, instead of compiling it again (random weights' draws,
-  the one-device side of two mesh checks, a training job's rerun, and in a worker the programs
-  an earlier test module compiled before `_drop_compiled_programs` dropped them). Measured on 2
-  cores: the eight-device and other subprocess test files 2,180 -> 1,820 s; four in-process
-  files (test_generate, test_method_references, test_top_n, test_reattention) 226 -> 208 s. The
-  key is the program, the flags and JAX's version, so nothing changed is ever read back.
-  test_faults.py keeps a cache of its own; a test may still override it."""
-  base = tmp_path_factory.getbasetemp()
-  root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
-  os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(root / "jax_compilation_cache"))
-  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
-  # This process imported JAX before the variables were set: it takes them as config.
-  jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
-  jax.config.update("jax_persistent_cache_min_compile_time_secs",
-                    float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
-  jax.config.update("jax_persistent_cache_min_entry_size_bytes",
-                    int(os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"]))
 
 
 # ---- markers: what `-m` selects (registered in pyproject.toml) ---------------------------------
