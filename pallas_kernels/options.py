@@ -103,6 +103,13 @@ class KernelOptions:
   # niah_multikey within noise (BENCHMARKS.md; docs/CLAIMS.md). The quantized queries do pick
   # other keys among near-ties (20% of random rows' top-4 with E4M3).
   topk_eight_bit: str = "auto"
+  # One-token decode (flash_attention) over a 4-bit cache on the GPU: the split-K kernel that
+  # reads its 4-bit tiles (attention/int4_decode.py) instead of the bf16 kernel over a copy of
+  # the layer's keys and values made first (read.four_bit_copies), which also needs that copy's
+  # memory. The 8B's attention shape on an H100 (benchmarks/int4_kernels.py): 0.084 / 0.194 /
+  # 1.301 ms at 32K / 128K / 1M keys against the copy route's 0.131 / 0.469 / 3.477 (bf16 K/V:
+  # 0.076 / 0.197 / 1.425), so on.
+  int4_decode_kernel: bool = True
 
   def __post_init__(self):
     for field in ("prefill_impl", "topk_impl"):

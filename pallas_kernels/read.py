@@ -5,9 +5,10 @@ and whether they are read as they are, read with fp16 products, or first copied 
 queries' dtype (whole, or a segment of keys at a time) so the bf16 kernels run. What is left
 in the lowerings is how each reads the format (scales beside the tiles), not which path runs.
 
-A 4-bit cache (quant4.py) is read here too: no kernel reads 4-bit tiles yet, so every variant
-reads a copy in the queries' dtype made first (`four_bit_copies`: one layer's keys or values a
-call), or, for attention over gathered keys, the gathered rows alone (`four_bit_gathered`).
+A 4-bit cache (quant4.py) is read here too: one-token decode on the GPU reads its tiles
+(`four_bit_tiles`, attention/int4_decode.py) where the run enables it; every other call reads
+a copy in the queries' dtype made first (`four_bit_copies`: one layer's keys or values a call),
+or, for attention over gathered keys, the gathered rows alone (`four_bit_gathered`).
 
 Each decision reads the call's variant and the run's KernelOptions (pallas_kernels/options.py
 says what was measured for each): a native GPU is the only place a copy or fp16 products pay.
@@ -112,6 +113,22 @@ def lse_with_key_offset(lse, q, offset, scale: float):
     return lse
   per_head = jnp.repeat(offset, q.shape[2] // offset.shape[0], axis=0)  # [H, d]
   return lse + scale * jnp.einsum("bqhd,hd->bqh", q.astype(jnp.float32), per_head)
+
+
+def four_bit_tiles(q, k, v, variant, options: KernelOptions = DEFAULT) -> bool:
+  """Whether flash_attention reads a 4-bit cache's tiles (attention/int4_decode.py): on the GPU
+  variant where KernelOptions.int4_decode_kernel enables it, for one-token decode (q [B, 1, H,
+  d]) in bf16, fp16 or fp32 over keys grouped along tokens and values along channels, each
+  value piece (min(value group, d / 2) channels) within one group and at least a tensor-core
+  product's 16 wide."""
+  if not (options.int4_decode_kernel and variant.kind == "gpu" and q.shape[1] == 1):
+    return False
+  if not (isinstance(k, quant4.GroupedKeys) and isinstance(v, quant4.Int4)):
+    return False
+  d, vg = q.shape[-1], v.group
+  w = min(vg, d // 2)
+  return (q.dtype in (jnp.bfloat16, jnp.float16, jnp.float32) and w >= 16 and (d // 2) % w == 0
+          and vg % w == 0 and v.axis == v.codes.ndim - 1 and k.main.group >= 16)
 
 
 def four_bit_copies(dtype, *xs) -> tuple:

@@ -147,3 +147,40 @@ def test_a_4_bit_cache_takes_its_declaration_and_a_row_of_it_is_that_rows():
   one = take_rows(kv, 1, 2)
   assert one.k.main.codes.shape[0] == one.k.residual.shape[0] == one.v.scale.shape[0] == 1
   assert one.k.residual_group.shape == (1,)
+
+
+def test_decode_through_the_4_bit_tiles_kernel_scores_what_the_reference_route_scores():
+  """Full attention's decode steps on the GPU variant (interpreted) read the 4-bit cache through
+  attention/int4_decode.py (a head dim of 64: value pieces the kernel takes; the tiny model's 8
+  are below them): two prompts of different lengths, each step's NLL as the reference route's
+  over the dequantized cache, within fp32's summation order."""
+  from jax_longctx.core.options import RunOptions
+  from jax_longctx.model import random_params
+  from jax_longctx.run import generation as gen
+  from pallas_kernels import Route, read
+  from tests.conftest import tiny_config
+  from tests.test_methods import _prompts
+  cfg = tiny_config(num_layers=2, hidden_size=128, num_heads=4, head_dim=64,
+                    max_position_embeddings=128)
+  params = random_params(cfg, seed=4)
+  prompts = _prompts(cfg, (40, 29), seed=5)  # one group and an open residual; one still open
+  targets = jnp.asarray(np.random.default_rng(6).integers(0, cfg.vocab_size, (2, 6)), jnp.int32)
+  calls = []
+  tiles = read.four_bit_tiles
+
+  def counted(q, k, v, variant, options=None):
+    calls.append(tiles(q, k, v, variant, options))
+    return calls[-1]
+
+  def nll(route):
+    options = RunOptions(prefill_chunk=16, kv_dtype="int4", route=route)
+    cache, last = gen.prefill(params, cfg, prompts, get("full"), cache_len=96, decode_room=6,
+                              options=options)
+    return np.asarray(gen.teacher_forced_nll(params, cache, last, targets, cfg=cfg,
+                                             method=get("full"), options=options)[0])
+
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(read, "four_bit_tiles", counted)
+    got = nll(Route(backend="gpu", prefill_kernel=False, decode_kernel=True))
+  assert calls and all(calls), calls  # every decode step's attention read the tiles
+  np.testing.assert_allclose(got, nll(Route(backend="reference")), rtol=1e-4, atol=1e-5)
