@@ -1,0 +1,166 @@
+"""Decode attention over a 4-bit cache (quant4: KIVI's layout): the kernel that reads its tiles
+(attention/int4_decode.py, KernelOptions.int4_decode_kernel) checked against the reference on
+the device, then timed against the same call over bf16 and int8 K/V and over the 4-bit cache's
+bf16 copy (read.four_bit_copies, the route without the kernel).
+
+    python -m benchmarks.int4_kernels --out $OUT/int4_kernels.json     # one GPU
+    python -m benchmarks.int4_kernels --smoke --out /tmp/i4.json       # CPU, tiny, interpreted
+
+check: 2 sequences (the second with its residual group open), keys with outlier channels; the
+largest error of the kernel (bf16 queries) and of the copy route against the fp32 reference over
+the dequantized cache. decode: Llama-3.1-8B's attention shape (32 query heads over 8 KV heads,
+d 128, batch 1) over 32K / 128K / 1M keys, back-to-back calls (bench_measure.timed), each with the
+bytes the cache holds over its time beside the device's copy bandwidth measured in the same run.
+tiles: the kernel's launch options and key splits at 128K and 1M keys.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import sys
+
+import jax
+
+from benchmarks.common import copy_bandwidth, device_facts, run_cases_to_json
+from benchmarks.quant_kernels import _err, _nbytes, _timed_record
+
+H, KV, D = 32, 8, 128
+BACKEND = "auto"  # --smoke: "gpu", the kernels interpreted on CPU
+SIZES = dict(check=1000, decode=(32768, 131072, 1048576), tiles=(131072,))
+
+
+def _cache(seed, b, t, dtype, open_tokens: int = 5):
+  """(q [b, 1, H, D] bf16, k, v) in `dtype`: bfloat16, int8, or int4 (quant4.GroupedKeys with
+  its last group open, `open_tokens` short of full, and quant4.Int4 values)."""
+  import jax
+  import jax.numpy as jnp
+  from pallas_kernels import quant, quant4
+  keys = jax.random.split(jax.random.key(seed), 3)
+  q = jax.random.normal(keys[0], (b, 1, H, D), jnp.float32).astype(jnp.bfloat16)
+  k = jax.random.normal(keys[1], (b, KV, t, D), jnp.float32)
+  k = k.at[..., :4].multiply(30.0)  # outlier channels, as real keys have (KIVI)
+  v = jax.random.normal(keys[2], (b, KV, t, D), jnp.float32)
+  if dtype == "bfloat16":
+    return q, k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
+  if dtype != "int4":
+    return q, quant.quantize(k, dtype), quant.quantize(v, dtype)
+  g = quant4.GROUP
+  last = (t - open_tokens) // g
+  grouped = quant4.GroupedKeys(quant4.quantize(k, g, axis=2),
+                               k[:, :, last * g:(last + 1) * g].astype(jnp.bfloat16),
+                               jnp.full((b,), last, jnp.int32))
+  return q, grouped, quant4.quantize(v, min(g, D))
+
+
+def _route(tiles: bool):
+  from pallas_kernels import KernelOptions, Route
+  return Route(backend=BACKEND, kernels=KernelOptions(int4_decode_kernel=tiles))
+
+
+def check():
+  import jax.numpy as jnp
+  from pallas_kernels import Route, flash_attention, quant4
+  t = SIZES["check"] // 32 * 32
+  q, k, v = _cache(1, 2, t, "int4", open_tokens=11)
+  pos = jnp.asarray([t - 12, t // 3])  # the second sequence's keys stop inside main's groups
+  kw = dict(causal=True, q_offset=pos, kv_len=pos + 1, kv_layout="BHTD")
+  ref = flash_attention(q.astype(jnp.float32), quant4.load(k, jnp.float32),
+                        quant4.dequantize(v, jnp.float32), route=Route(backend="reference"), **kw)
+  recs = []
+  for name, tiles in (("kernel", True), ("copy", False)):
+    got = flash_attention(q, k, v, route=_route(tiles), **kw)
+    recs.append({"check": "decode", "route": name, "out_err": _err(got[0], ref[0]),
+                 "lse_err": _err(got[1], ref[1])})
+  return recs
+
+
+def _decode_fn(pos, route, tiling=None):
+  import jax
+  from pallas_kernels import flash_attention
+  return jax.jit(lambda q, k, v: flash_attention(q, k, v, causal=True, q_offset=pos,
+                                                 kv_len=pos + 1, kv_layout="BHTD", route=route,
+                                                 tiling=tiling))
+
+
+@contextlib.contextmanager
+def _jnp_unpack(on: bool):
+  """A diagnostic: the kernel with its codes unpacked by Triton's lowering of jnp (the CPU
+  interpreter's path) instead of the PTX (int4_decode._NIBBLES_PTX); compiled apart."""
+  from pallas_kernels.attention import int4_decode
+  saved = int4_decode._PTX_CONSTANTS
+  if on:
+    int4_decode._PTX_CONSTANTS = {}
+  jax.clear_caches()
+  try:
+    yield
+  finally:
+    int4_decode._PTX_CONSTANTS = saved
+    jax.clear_caches()
+
+
+def time_decode(reps, bw):
+  import jax.numpy as jnp
+  recs = []
+  for t in SIZES["decode"]:
+    pos = jnp.asarray([t - 6])
+    for dtype, route in (("bfloat16", "kernel"), ("int8", "kernel"), ("int4", "copy"),
+                         ("int4", "tiles"), ("int4", "tiles_jnp_unpack")):
+      q, k, v = _cache(4, 1, t, dtype)
+      rec = {"kernel": "decode_attention", "keys": t, "dtype": dtype, "route": route}
+      try:
+        with _jnp_unpack(route == "tiles_jnp_unpack"):
+          recs.append(_timed_record(rec, _decode_fn(pos, _route(route.startswith("tiles"))),
+                                    (q, k, v), _nbytes(k, v), reps, bw))
+      except Exception as e:  # noqa: BLE001 - a route out of memory at 1M is a result
+        recs.append({**rec, "error": str(e)[:300]})
+      del q, k, v
+  return recs
+
+
+def time_tiles(reps, bw):
+  """The kernel's keys a step (whole groups), warps, stages and key splits (None:
+  gpu.split_plan's ~2 programs a core)."""
+  import jax.numpy as jnp
+  from pallas_kernels.gpu import Tiling
+  recs = []
+  for t in SIZES["tiles"]:
+    pos = jnp.asarray([t - 6])
+    q, k, v = _cache(8, 1, t, "int4")
+    for bk, warps, stages, splits in itertools.product((64, 128, 256), (4, 8), (3,), (None,)):
+      tl = Tiling(block_keys=bk, num_warps=warps, num_stages=stages, key_splits=splits)
+      rec = {"keys": t, "block_keys": bk, "warps": warps, "stages": stages,
+             "key_splits": splits}
+      try:
+        recs.append(_timed_record(rec, _decode_fn(pos, _route(True), tl), (q, k, v),
+                                  _nbytes(k, v), reps, bw))
+      except Exception as e:  # noqa: BLE001 - a tiling that does not launch is a result
+        recs.append({**rec, "error": str(e)[:300]})
+    del q, k, v
+  return recs
+
+
+def main() -> None:
+  global H, KV, D, BACKEND
+  p = argparse.ArgumentParser(description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--out", required=True)
+  p.add_argument("--reps", type=int, default=20)
+  p.add_argument("--only", default="", help="comma list of cases (check, decode, tiles)")
+  p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU, kernels interpreted")
+  args = p.parse_args()
+  if args.smoke:
+    H, KV, D = 8, 2, 64
+    SIZES.update(check=256, decode=(512,), tiles=(512,))
+    BACKEND, args.reps = "gpu", 1
+  bw = 1.0 if args.smoke else copy_bandwidth()
+  cases = {"check": check, "decode": lambda: time_decode(args.reps, bw),
+           "tiles": lambda: time_tiles(args.reps, bw)}
+  failed = run_cases_to_json(cases, args.out, {**device_facts(), "copy_bw": bw,
+                                               "heads": f"{H}/{KV}", "head_dim": D}, args.only)
+  sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+  main()
