@@ -184,3 +184,16 @@ def test_decode_through_the_4_bit_tiles_kernel_scores_what_the_reference_route_s
     got = nll(Route(backend="gpu", prefill_kernel=False, decode_kernel=True))
   assert calls and all(calls), calls  # every decode step's attention read the tiles
   np.testing.assert_allclose(got, nll(Route(backend="reference")), rtol=1e-4, atol=1e-5)
+
+
+def test_refreshkv_refreshes_over_a_4_bit_cache(tiny):
+  """RefreshKV's full steps (every other decode step here) read the whole 4-bit C_f and refill
+  C_p, which holds positions into it, not keys: the NLL of its decode steps within the stated
+  tolerance of the fp32 cache's, with full steps taken in every layer."""
+  cfg, params = tiny
+  method = get("refreshkv", budget=24, fixed_stride=2)
+  _, want_nll, _ = _run(params, cfg, method, None)
+  _, nll, cache = _run(params, cfg, method, "int4")
+  np.testing.assert_allclose(nll, want_nll, atol=0, rtol=NLL_RTOL)
+  assert all(float(np.sum(np.asarray(layer.n_full))) > 0 for layer in cache.state)
+  assert all(isinstance(layer.full.k, quant4.GroupedKeys) for layer in cache.state)

@@ -143,8 +143,7 @@ def _cosine(a, b):
 @dataclasses.dataclass(frozen=True)
 class RefreshKV(Method):
   name = "refreshkv"
-  int4_refusal = ("refills its small cache slot by slot at every refresh, which a 4-bit key "
-                  "group (one range over 32 tokens) cannot take")
+  int4_refusal = ""  # C_f only appends; C_p holds positions into it, not keys
   ends_prefill = True  # end_of_prefill below
 
   budget: Budget = 0.125  # K: tokens, or a fraction of the cache (the paper: L / 8)
@@ -247,7 +246,8 @@ class RefreshKV(Method):
     if q.shape[1] != 1:
       raise MethodError(f"refreshkv decodes one token per step, got {q.shape[1]}")
     route = ctx.options.route
-    full = state.full.write(ctx.q_pos, apply_rope(k, ctx.q_pos, ctx.freqs), v, route=route)
+    full = state.full.write(ctx.q_pos, apply_rope(k, ctx.q_pos, ctx.freqs), v, route=route,
+                            valid=ctx.valid)
     q_rot = apply_rope(q, ctx.q_pos, ctx.freqs)
     # The partial step: attend over C_p and the step's token, then the lowest-scoring one leaves.
     added = state.part.add(ctx.q_pos[:, 0], ctx.valid[:, 0])
