@@ -1,12 +1,15 @@
 """Decode attention reading a 4-bit cache's tiles (quant4: KIVI's layout), split-K, on the GPU.
 
 The cache is read as stored, never copied: per program (batch x kv head, row block, key split,
-as flash_attention's decode) one key group of G tokens a step, its codes unpacked in registers
-(`nibbles`), its per-channel scales folded into the query and its zero points into one dot per
-group (q . (a c + z) = (q a) . c + q . z, quant4_products.key_scores), the values' per-token
-scales folded into the probabilities, one product per channel group (weighted_values). The
-residual group (each sequence's newest, unfilled group, kept whole) is one more step of split 0,
-its keys read as they are. The splits merge as flash_attention's do (split_merge).
+as flash_attention's decode) a few key groups of G tokens a step (Tiling.block_keys, default 4
+groups), each group's codes unpacked in registers (`nibbles`), its per-channel scales folded
+into the query (q . (a c + z) = (q a) . c + q . z, quant4_products.key_scores) and its zero
+points' share q . z taken from one matrix-vector product XLA computes for every group before the
+call; the values' per-token scales folded into the probabilities, one product per channel piece
+(weighted_values), their zero points summed elementwise and reduced once at the end, as the
+softmax's denominator is. The residual group (each sequence's newest, unfilled group, kept
+whole) is one more step of split 0, its keys read as they are. The splits merge as
+flash_attention's do (split_merge).
 
 A byte holds channel j in its low nibble and j + d / 2 in its high one, so a query's halves
 multiply a tile's low and high nibbles; value channels come out in pieces of `w` bytes' low and
