@@ -212,18 +212,41 @@ def chunked_then_decoded_logits(cfg, params, ids, n_prompt: int, chunk: int, cac
   return np.concatenate(outs, axis=1), cache
 
 
-def run_on_eight_devices(module: str, name: str) -> None:
-  """Runs check `name` of `module` (python -m module name) in its own process on 8 fake CPU
-  devices (the device count is fixed when JAX starts); it must print OK."""
+_CHECK_RUNS: dict = {}  # (module, test file, test function) -> ({check: (passed, output)}, stderr)
+
+
+def run_on_eight_devices(module: str, name: str, request=None) -> None:
+  """Runs check `name` of `module` (python -m module NAME...) in a process on 8 fake CPU devices
+  (the device count is fixed when JAX starts); it must pass. With `request`, a test's that is
+  parametrized over `name`, its first call runs every selected parametrization's check in one
+  process (tests/helpers/check_main.py) and each test reads its own check's result there: the
+  checks of a file share the process's start-up (JAX, the library, the weights' draws) and the
+  programs they have in common, compiled and traced once."""
   import os
   import subprocess
   import sys
+
+  from tests.helpers import check_main
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   env = dict(os.environ, PYTHONPATH=root,
              XLA_FLAGS=xla_flags("--xla_force_host_platform_device_count=8"), JAX_PLATFORMS="cpu")
-  out = subprocess.run([sys.executable, "-m", module, name], cwd=root, capture_output=True,
-                       text=True, env=env, timeout=600)
-  assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-3000:]
+  names, key = [name], (module, name, None)
+  if request is not None:
+    fn, path = request.node.originalname, request.node.path
+    names = [item.callspec.params["name"] for item in request.session.items
+             if item.path == path and getattr(item, "originalname", None) == fn]
+    key = (module, str(path), fn)
+  if name not in _CHECK_RUNS.get(key, ({}, ""))[0]:
+    out = subprocess.run([sys.executable, "-m", module, *names], cwd=root, capture_output=True,
+                         text=True, env=env, timeout=600 * len(names))
+    got = check_main.results(out.stdout)
+    if request is None:  # a module of one check, which prints OK
+      got = {name: (out.returncode == 0 and "OK" in out.stdout, out.stdout)}
+    _CHECK_RUNS[key] = ({n: got.get(n, (False, f"no result (exit {out.returncode})"))
+                         for n in names}, out.stderr)
+  results, stderr = _CHECK_RUNS[key]
+  passed, output = results[name]
+  assert passed, f"{output[-3000:]}\n--- stderr\n{stderr[-3000:]}"
 
 
 def write_cpt_job(root, tokenizer, **settings) -> str:

@@ -1,5 +1,5 @@
-"""Cross-device attention on 8 fake CPU devices (each check in its own process, since the device
-count is fixed when JAX starts)."""
+"""Cross-device attention on 8 fake CPU devices (the checks in one process of their own, since the
+device count is fixed when JAX starts)."""
 
 import os
 import subprocess
@@ -16,8 +16,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.mark.parametrize("name", ["ring_causal", "ring_full", "star_phase2", "star_one_block",
                                   "star_two_blocks", "ring_end_to_end", "star_blocks",
                                   "star_vs_transformers", "star_two_blocks_in_rows"])
-def test_on_eight_devices(name):
-  run_on_eight_devices("tests.helpers.distributed_checks", name)
+def test_on_eight_devices(name, request):
+  run_on_eight_devices("tests.helpers.distributed_checks", name, request)
 
 
 def _free_port() -> str:
@@ -27,31 +27,43 @@ def _free_port() -> str:
     return str(s.getsockname()[1])
 
 
-@pytest.mark.parametrize("method", ["star", "reattention_mesh", "tensor_parallel"])
-def test_mesh_method_across_two_processes_matches_one(tmp_path, method):
-  """2 processes x 4 CPU devices (jax.distributed on localhost) give what 1 process x 8 does:
-  Star, mesh ReAttention (its cache split over both processes' devices), and SnapKV with rows
-  over data (each process two groups) and heads over model."""
-  import numpy as np
-  port = _free_port()
+TWO_PROCESS_METHODS = ["star", "reattention_mesh", "tensor_parallel"]
+
+
+@pytest.fixture(scope="module")
+def two_process_runs(tmp_path_factory):
+  """Each of TWO_PROCESS_METHODS run by 2 processes x 4 CPU devices (jax.distributed on
+  localhost) and by 1 process x 8, every method of a side in the same processes (one start-up
+  and one jax.distributed set-up for the three): the directory of their outputs."""
+  out = tmp_path_factory.mktemp("two_processes")
   env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu",
              XLA_FLAGS=xla_flags("--xla_force_host_platform_device_count=4"))
   cmd = [sys.executable, "-m", "tests.helpers.two_process_check"]
-  procs = [subprocess.Popen(cmd + [port, str(i), str(tmp_path / f"p{i}.npz"), method], cwd=ROOT,
+  port = _free_port()
+  procs = [subprocess.Popen(cmd + [port, str(i), str(out), *TWO_PROCESS_METHODS], cwd=ROOT,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
            for i in range(2)]
-  outs = [p.communicate(timeout=600) for p in procs]
-  for p, (out, err) in zip(procs, outs):
-    assert p.returncode == 0 and "OK" in out, err[-3000:]
-  single = subprocess.run(cmd + ["single", str(tmp_path / "s.npz"), method], cwd=ROOT,
-                          timeout=600,
+  outs = [p.communicate(timeout=600 * len(TWO_PROCESS_METHODS)) for p in procs]
+  for p, (stdout, err) in zip(procs, outs):
+    assert p.returncode == 0 and "OK" in stdout, err[-3000:]
+  single = subprocess.run(cmd + ["single", str(out), *TWO_PROCESS_METHODS], cwd=ROOT,
+                          timeout=600 * len(TWO_PROCESS_METHODS),
                           env=dict(env, XLA_FLAGS=xla_flags(
                               "--xla_force_host_platform_device_count=8")),
                           capture_output=True, text=True)
   assert single.returncode == 0, single.stderr[-3000:]
-  want = np.load(tmp_path / "s.npz")
+  return out
+
+
+@pytest.mark.parametrize("method", TWO_PROCESS_METHODS)
+def test_mesh_method_across_two_processes_matches_one(two_process_runs, method):
+  """2 processes x 4 CPU devices (jax.distributed on localhost) give what 1 process x 8 does:
+  Star, mesh ReAttention (its cache split over both processes' devices), and SnapKV with rows
+  over data (each process two groups) and heads over model."""
+  import numpy as np
+  want = np.load(two_process_runs / f"{method}.single.npz")
   for i in range(2):
-    got = np.load(tmp_path / f"p{i}.npz")
+    got = np.load(two_process_runs / f"{method}.p{i}.npz")
     assert (got["tokens"] == want["tokens"]).all()
     np.testing.assert_allclose(got["logits"], want["logits"], atol=1e-5)
 

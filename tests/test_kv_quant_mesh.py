@@ -11,5 +11,5 @@ from tests.conftest import run_on_eight_devices
 
 
 @pytest.mark.parametrize("name", ["quantized", "hlo_no_cache_gather_int8", "smoothed"])
-def test_on_eight_devices(name):
-  run_on_eight_devices("tests.helpers.tensor_parallel_checks", name)
+def test_on_eight_devices(name, request):
+  run_on_eight_devices("tests.helpers.tensor_parallel_checks", name, request)

@@ -1,6 +1,6 @@
 """Mesh ReAttention (jax_longctx/methods/reattention.py MeshReAttention) equals one-device ReAttention
-on 8 fake CPU devices; each check runs in its own process (the device count is fixed when JAX
-starts): tests/helpers/reattention_mesh_checks.py says what each one checks."""
+on 8 fake CPU devices; the checks run in one process of their own (the device count is fixed when
+JAX starts): tests/helpers/reattention_mesh_checks.py says what each one checks."""
 
 import numpy as np
 import pytest
@@ -12,8 +12,8 @@ from tests.conftest import run_on_eight_devices
                                   "stride_model", "resa_model", "errors", "cyclic_layer_tied",
                                   "cyclic_layer_gpu_kernels", "cyclic_model",
                                   "cyclic_resa_model"])
-def test_on_eight_devices(name):
-  run_on_eight_devices("tests.helpers.reattention_mesh_checks", name)
+def test_on_eight_devices(name, request):
+  run_on_eight_devices("tests.helpers.reattention_mesh_checks", name, request)
 
 
 @pytest.mark.parametrize("name", ["reattention_mesh", "resa_mesh"])

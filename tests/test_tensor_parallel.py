@@ -1,6 +1,6 @@
 """Tensor- and data-parallel inference (`RunOptions.mesh`, `load(mesh=...)`, `--mesh`) on 8 fake
-CPU devices: each check of tests/helpers/tensor_parallel_checks.py in its own process (its module
-doc says which methods run on which meshes, and why that choice), and the command line on the
+CPU devices: the checks of tests/helpers/tensor_parallel_checks.py in one process (its module doc
+says which methods run on which meshes, and why that choice), and the command line on the
 default model with its 9 heads and 3 KV heads over model=3."""
 
 import os
@@ -17,8 +17,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.mark.parametrize("name", ["all_methods", "meshes_mha", "meshes_gqa", "qwen", "nine",
                                   "mesh_methods", "hlo_no_cache_gather", "errors", "fused",
                                   "tpu_export"])
-def test_on_eight_devices(name):
-  run_on_eight_devices("tests.helpers.tensor_parallel_checks", name)
+def test_on_eight_devices(name, request):
+  run_on_eight_devices("tests.helpers.tensor_parallel_checks", name, request)
 
 
 def _cli(*args):

@@ -1,5 +1,5 @@
 """Multi-device checks, run in a subprocess with 8 fake CPU devices (tests/test_distributed.py):
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m tests.helpers.distributed_checks NAME
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m tests.helpers.distributed_checks NAME...
 """
 
 import functools
@@ -14,6 +14,7 @@ import pallas_kernels
 from pallas_kernels import Route
 from jax_longctx.ops.mesh_attention import merge_across, ring_attention
 from jax_longctx.core.options import RunOptions
+from tests.helpers import check_main
 
 N = 8
 MESH = Mesh(np.array(jax.devices()[:N]), ("sp",))
@@ -170,5 +171,4 @@ CHECKS = {"ring_causal": functools.partial(ring, True), "ring_full": functools.p
 
 if __name__ == "__main__":
   assert len(jax.devices()) >= N, f"needs {N} devices, got {len(jax.devices())}"
-  CHECKS[sys.argv[1]]()
-  print("OK")
+  check_main.main(CHECKS, sys.argv[1:])

@@ -1,6 +1,6 @@
 """Training placement from core/mesh.py RULES against the shape probing train_cpt/sharding.py did
 before (tests/test_fsdp_placement.py), on 8 fake CPU devices:
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m tests.helpers.fsdp_placement_checks NAME
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m tests.helpers.fsdp_placement_checks NAME...
 """
 
 import sys
@@ -13,6 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jax_longctx.core.config import preset
 from jax_longctx.model import abstract_model
 from tests.conftest import tiny_config
+from tests.helpers import check_main
 from train_cpt import sharding
 from train_cpt import state as state_lib
 from train_cpt.config import load_config
@@ -87,5 +88,4 @@ CHECKS = {"placement": placement}
 
 if __name__ == "__main__":
   assert len(jax.devices()) >= 8, f"needs 8 devices, got {len(jax.devices())}"
-  CHECKS[sys.argv[1]]()
-  print("OK")
+  check_main.main(CHECKS, sys.argv[1:])

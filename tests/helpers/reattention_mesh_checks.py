@@ -1,6 +1,6 @@
 """Mesh ReAttention against one-device ReAttention, run in a subprocess with 8 fake CPU devices
 (tests/test_reattention_mesh.py):
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m tests.helpers.reattention_mesh_checks NAME
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m tests.helpers.reattention_mesh_checks NAME...
 """
 
 import sys
@@ -19,6 +19,7 @@ from jax_longctx.core.options import RunOptions
 from jax_longctx.core.rope import inv_freq
 from pallas_kernels import Route
 from tests.conftest import TINY_LLAMA3, tiny_config
+from tests.helpers import check_main
 
 N = 8
 MESH = Mesh(np.array(jax.devices()[:N]), ("ctx",))
@@ -174,5 +175,4 @@ CHECKS = {"layer": lambda: layer(False), "layer_tied": lambda: layer(True),
 
 if __name__ == "__main__":
   assert len(jax.devices()) >= N, f"needs {N} devices, got {len(jax.devices())}"
-  CHECKS[sys.argv[1]]()
-  print("OK")
+  check_main.main(CHECKS, sys.argv[1:])

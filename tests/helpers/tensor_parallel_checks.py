@@ -1,7 +1,7 @@
-"""Tensor- and data-parallel inference on 8 fake CPU devices (tests/test_tensor_parallel.py), each
-check in its own process (the device count is fixed when JAX starts):
+"""Tensor- and data-parallel inference on 8 fake CPU devices (tests/test_tensor_parallel.py), the
+checks of a test file in one process of their own (the device count is fixed when JAX starts):
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m tests.helpers.tensor_parallel_checks NAME
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m tests.helpers.tensor_parallel_checks NAME...
 
 Against one device, on the same weights: the same greedy tokens, prompt logits and
 teacher-forced NLL within fp32 rounding, and the same cache after decoding (every position a
@@ -47,6 +47,7 @@ from jax_longctx.run.driver import generate
 from jax_longctx.run.key_smoothing import smooth_keys
 from tests.conftest import tiny_config
 from tests.test_methods import CACHE_LEN, _apart, _method, _prompts
+from tests.helpers import check_main
 
 MODELS = {
     "mha": dict(num_heads=8, num_kv_heads=8, head_dim=8),
@@ -372,5 +373,4 @@ CHECKS = {"tpu_export": tpu_export, "all_methods": all_methods,
           "smoothed": smoothed}
 
 if __name__ == "__main__":
-  CHECKS[sys.argv[1]]()
-  print("OK")
+  check_main.main(CHECKS, sys.argv[1:])

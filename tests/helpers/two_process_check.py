@@ -2,10 +2,13 @@
 parallel: METHOD tensor_parallel, rows over data=4 (two groups a process), heads over model=2)
 across 2 processes x 4 CPU devices on localhost (jax.distributed, gloo collectives), against the
 same run in one process with 8 devices (tests/test_distributed.py):
-    python -m tests.helpers.two_process_check PORT PROCESS_ID OUT_FILE [METHOD]  (one a process)
-    python -m tests.helpers.two_process_check single OUT_FILE [METHOD]  (8 devices, one process)
+    python -m tests.helpers.two_process_check PORT PROCESS_ID OUT_DIR METHOD...  (one a process)
+    python -m tests.helpers.two_process_check single OUT_DIR METHOD...  (8 devices, one process)
+each METHOD in turn in the same process(es), its output in OUT_DIR/METHOD.pPROCESS_ID.npz or
+OUT_DIR/METHOD.single.npz.
 """
 
+import os
 import sys
 
 import jax
@@ -46,9 +49,11 @@ def run(out_file, method="star"):
 
 if __name__ == "__main__":
   if sys.argv[1] == "single":
-    run(*sys.argv[2:])
+    side, out_dir, methods = "single", sys.argv[2], sys.argv[3:]
   else:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(f"localhost:{sys.argv[1]}", num_processes=2,
                                process_id=int(sys.argv[2]), local_device_ids=[0, 1, 2, 3])
-    run(*sys.argv[3:])
+    side, out_dir, methods = f"p{sys.argv[2]}", sys.argv[3], sys.argv[4:]
+  for name in methods:
+    run(os.path.join(out_dir, f"{name}.{side}.npz"), name)
