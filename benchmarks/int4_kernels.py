@@ -11,7 +11,7 @@ largest error of the kernel (bf16 queries) and of the copy route against the fp3
 the dequantized cache. decode: Llama-3.1-8B's attention shape (32 query heads over 8 KV heads,
 d 128, batch 1) over 32K / 128K / 1M keys, back-to-back calls (bench_measure.timed), each with the
 bytes the cache holds over its time beside the device's copy bandwidth measured in the same run.
-tiles: the kernel's launch options and key splits at 128K and 1M keys.
+tiles: the kernel's keys a step (whole key groups) and warps at 128K keys.
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ SIZES = dict(check=1000, decode=(32768, 131072, 1048576), tiles=(131072,))
 def _cache(seed, b, t, dtype, open_tokens: int = 5):
   """(q [b, 1, H, D] bf16, k, v) in `dtype`: bfloat16, int8, or int4 (quant4.GroupedKeys with
   its last group open, `open_tokens` short of full, and quant4.Int4 values)."""
-  import jax
   import jax.numpy as jnp
   from pallas_kernels import quant, quant4
   keys = jax.random.split(jax.random.key(seed), 3)
@@ -120,8 +119,7 @@ def time_decode(reps, bw):
 
 
 def time_tiles(reps, bw):
-  """The kernel's keys a step (whole groups), warps, stages and key splits (None:
-  gpu.split_plan's ~2 programs a core)."""
+  """The kernel's keys a step (whole groups) and warps (3 stages, gpu.split_plan's splits)."""
   import jax.numpy as jnp
   from pallas_kernels.gpu import Tiling
   recs = []
