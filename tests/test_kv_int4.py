@@ -181,7 +181,8 @@ def test_decode_through_the_4_bit_tiles_kernel_scores_what_the_reference_route_s
 
   with pytest.MonkeyPatch.context() as patch:
     patch.setattr(read, "four_bit_tiles", counted)
-    got = nll(Route(backend="gpu", prefill_kernel=False, decode_kernel=True))
+    got = nll(Route(backend="gpu", prefill_kernel=False, decode_kernel=True,
+                    cache_write_backend="gpu"))  # and int4_write's kernel writes each token
   assert calls and all(calls), calls  # every decode step's attention read the tiles
   np.testing.assert_allclose(got, nll(Route(backend="reference")), rtol=1e-4, atol=1e-5)
 

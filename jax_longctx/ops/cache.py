@@ -38,7 +38,7 @@ from jax_longctx.core.axes import HEADS, ROWS, TOKENS, axes
 
 from jax_longctx.core.config import LlamaConfig
 from pallas_kernels import quant, quant4
-from pallas_kernels.decode import cache_write
+from pallas_kernels.decode import cache_write, int4_write
 from pallas_kernels.quant import (Quantized, dequantize, offset_rows, split_offset, store_like,
                                   zeros_like_storage)
 from pallas_kernels.route import Route
@@ -190,7 +190,8 @@ class KVCache:
     """Stores k/v_new [B, S, KV, d] at slots `positions` [B, S] (out of range: dropped).
 
     route: the run's kernel route; with a `cache_write_backend`, one-token writes go through
-    pallas_kernels.decode.cache_write's in-place kernel on it, else the scatter below.
+    pallas_kernels.decode.cache_write's in-place kernel on it (int4_write's for a 4-bit
+    cache), else the scatter below.
     valid [B, S]: which new tokens are real; the others (a shorter prompt's padding) are not
     written. Required for 4-bit keys, which only append: a padding token written past a
     sequence's end would close a key group that its next real token must join."""
@@ -199,6 +200,9 @@ class KVCache:
     if isinstance(self.k, quant4.GroupedKeys):
       if valid is None:
         raise TypeError("KVCache.write: 4-bit keys need valid= (padding must not be written)")
+      if positions.shape[1] == 1 and route.cache_write_backend is not None:
+        return KVCache(*int4_write.write_one_token(self.k, self.v, positions[:, 0], k_new[:, 0],
+                                                   v_new[:, 0], route=route))
       return KVCache(quant4.write_grouped_keys(self.k, positions, k_new),
                      self._put(self.v, positions, v_new))
     if positions.shape[1] == 1 and route.cache_write_backend is not None:
