@@ -1,4 +1,4 @@
-"""Split-K decode attention over bf16, int8 and E4M3 K/V, called a few times each: the program that
+"""Split-K decode attention over bf16, int8, E4M3 and 4-bit K/V, called a few times each: the program that
 Nsight Compute profiles to say what holds the 8-bit decode kernel under the copy bandwidth
 (BENCHMARKS.md, "Profiled: what holds int8 decode"). One query token, Llama-3.1-8B's attention
 shape (32 query heads over 8 KV heads, d 128), batch 1, --keys keys. On the GPU machine:
@@ -12,14 +12,17 @@ shape (32 query heads over 8 KV heads, d 128), batch 1, --keys keys. On the GPU 
 `_kernel`) and `-c` stops after them: without both, ncu replayed every launch of the JAX program
 (the inputs' generation too) and reported nothing in 400 s. Each dtype's kernel runs --calls
 times after its compile, so the report holds each kernel --calls times; quant_kernels.py times
-the same calls without the profiler.
+the same calls without the profiler. `--dtypes int4`: the kernel reading the 4-bit tiles
+(int4_decode; its cache as benchmarks/int4_kernels.py builds it), timed there.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 
+from benchmarks import int4_kernels
 from benchmarks.quant_kernels import _inputs
 
 
@@ -35,7 +38,8 @@ def main():
   t = args.keys
   pos = jnp.asarray([t - 1])
   for dtype in args.dtypes.split(","):
-    q, k, v = jax.block_until_ready(_inputs(4, 1, 1, t, dtype))
+    make = int4_kernels._cache if dtype == "int4" else functools.partial(_inputs, 4)
+    q, k, v = jax.block_until_ready(make(1, 1, t, dtype))
     attn = jax.jit(lambda q, k, v: flash_attention(q, k, v, causal=True, q_offset=pos,
                                                    kv_len=pos + 1, kv_layout="BHTD", route=Route()))
     for _ in range(args.calls):

@@ -132,12 +132,17 @@ def filled_cache(cfg, method, batch: int, ctx: int, cache_len: int, options):
     x.delete()
     return jax.block_until_ready(drawer(shape, dtype, where)(next(keys)))
 
+  def constant(x, value):  # x's buffer freed before its replacement is made, as drawn's
+    shape, dtype, where = x.shape, x.dtype, x.sharding
+    x.delete()
+    return jax.block_until_ready(jnp.full(shape, value, dtype, device=where))
+
   def one(x):
     if isinstance(x, Quantized):  # 8-bit values of any magnitude, scales of a bf16 K's rows
-      return Quantized(drawn(x.values), jnp.full_like(x.scale, 0.02))
+      return dataclasses.replace(x, values=drawn(x.values), scale=constant(x.scale, 0.02))
     if isinstance(x, quant4.Int4):  # any codes; ranges of a bf16 K's values
-      return dataclasses.replace(x, codes=drawn(x.codes), scale=jnp.full_like(x.scale, 0.004),
-                                 zero=jnp.full_like(x.zero, -0.03))
+      return dataclasses.replace(x, codes=drawn(x.codes), scale=constant(x.scale, 0.004),
+                                 zero=constant(x.zero, -0.03))
     if isinstance(x, quant4.GroupedKeys):  # full groups up to the length, the residual after
       return quant4.GroupedKeys(one(x.main), drawn(x.residual),
                                 jnp.full_like(x.residual_group, ctx // x.main.group))
@@ -249,10 +254,11 @@ def measure_decode(s: DecodeSetting) -> dict:
     jax.block_until_ready(out)
 
   if os.environ.get("JAX_LONGCTX_DUMP_HLO"):  # where XLA copies buffers shows there
-    hlo = decode_loop.lower(params, cache, last, stops, row_keys(0, b), **kw).compile().as_text()
+    compiled = decode_loop.lower(params, cache, last, stops, row_keys(0, b), **kw).compile()
     dump = os.path.join(os.environ["JAX_LONGCTX_DUMP_HLO"], f"{s.label or s.method}_{ctx}.hlo.txt")
     with open(dump, "w") as f:
-      f.write(hlo)
+      f.write(compiled.as_text())
+    stage(f"decode program: {compiled.memory_analysis()}")  # temp, donated (alias) bytes
   t0 = time.perf_counter()
   decode()
   decode_compile_s = time.perf_counter() - t0
