@@ -8,7 +8,8 @@ bf16 copy (read.four_bit_copies, the route without the kernel).
 
 check: 2 sequences (the second with its residual group open), keys with outlier channels; the
 largest error of the kernel (bf16 queries) and of the copy route against the fp32 reference over
-the dequantized cache. decode: Llama-3.1-8B's attention shape (32 query heads over 8 KV heads,
+the dequantized cache. write: the one-token write kernel against the jnp write over 40 steps
+(entries that differ). decode: Llama-3.1-8B's attention shape (32 query heads over 8 KV heads,
 d 128, batch 1) over 32K / 128K / 1M keys, back-to-back calls (bench_measure.timed), each with the
 bytes the cache holds over its time beside the device's copy bandwidth measured in the same run.
 tiles: the kernel's keys a step (whole key groups) and warps at 128K keys.
@@ -73,6 +74,40 @@ def check():
     recs.append({"check": "decode", "route": name, "out_err": _err(got[0], ref[0]),
                  "lse_err": _err(got[1], ref[1])})
   return recs
+
+
+def check_write(steps: int = 40):
+  """The one-token write kernel (decode/int4_write.py) against the jnp write, step after step
+  from a prompt of 2 sequences (one closing a group at the first step): the stored leaves'
+  differing entries (codes, scales, zero points, residual), which the kernel is built to
+  make none."""
+  import jax.numpy as jnp
+  import numpy as np
+  from jax_longctx.ops.cache import KVCache
+  from pallas_kernels import Route, quant4
+  t = SIZES["check"] // 32 * 32
+  cache = KVCache(quant4.zeros_grouped_keys((2, KV, t, D), jnp.bfloat16),
+                  quant4.zeros_values((2, KV, t, D), min(quant4.GROUP, D)))
+  rng = jax.random.split(jax.random.key(3), 2 * steps + 1)
+  prompt = jax.random.normal(rng[0], (2, t // 2, KV, D), jnp.float32).at[..., :4].multiply(30)
+  lengths = jnp.asarray([31, t // 2 - 9])
+  routes = {name: Route(backend=BACKEND, cache_write_backend=w)
+            for name, w in (("jnp", None), ("kernel", BACKEND))}
+  cache = cache.write(jnp.broadcast_to(jnp.arange(t // 2), (2, t // 2)), prompt, prompt,
+                      route=routes["jnp"], valid=jnp.arange(t // 2)[None] < lengths[:, None])
+  step = jax.jit(lambda c, pos, k, v, route: c.write(pos, k, v, route=route,
+                                                     valid=jnp.ones((2, 1), bool)),
+                 static_argnames="route")
+  got = {name: cache for name in routes}
+  for i in range(steps):
+    k, v = (jax.random.normal(r, (2, 1, KV, D), jnp.bfloat16) for r in rng[1 + 2 * i:3 + 2 * i])
+    got = {name: step(got[name], (lengths + i)[:, None], k, v, route)
+           for name, route in routes.items()}
+  leaves = [np.asarray(x) for x in jax.tree.leaves(got["kernel"])]
+  differing = sum(int(np.sum(a != np.asarray(b))) for a, b in zip(leaves, jax.tree.leaves(
+      got["jnp"])))
+  return [{"check": "write", "steps": steps, "entries": sum(a.size for a in leaves),
+           "differing": differing}]
 
 
 def _decode_fn(pos, route, tiling=None):
@@ -145,7 +180,7 @@ def main() -> None:
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--out", required=True)
   p.add_argument("--reps", type=int, default=20)
-  p.add_argument("--only", default="", help="comma list of cases (check, decode, tiles)")
+  p.add_argument("--only", default="", help="comma list of cases (check, write, decode, tiles)")
   p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU, kernels interpreted")
   args = p.parse_args()
   if args.smoke:
@@ -153,7 +188,7 @@ def main() -> None:
     SIZES.update(check=256, decode=(512,), tiles=(512,))
     BACKEND, args.reps = "gpu", 1
   bw = 1.0 if args.smoke else copy_bandwidth()
-  cases = {"check": check, "decode": lambda: time_decode(args.reps, bw),
+  cases = {"check": check, "write": check_write, "decode": lambda: time_decode(args.reps, bw),
            "tiles": lambda: time_tiles(args.reps, bw)}
   failed = run_cases_to_json(cases, args.out, {**device_facts(), "copy_bw": bw,
                                                "heads": f"{H}/{KV}", "head_dim": D}, args.only)
