@@ -91,10 +91,12 @@ MARKED = {
         "test_distributed.py::test_mesh_method_across_two_processes_matches_one",
         "test_distributed.py::test_eval_as_two_processes",
         "test_fsdp_placement.py::test_fsdp_placement_from_rules_matches_the_shape_probing_it_replaced",
+        "test_kv_int4_mesh.py",
         "test_kv_quant_mesh.py",
         "test_reattention_mesh.py::test_on_eight_devices",
         "test_readme.py::test_readme_command",  # one of them is the README's 8-device example
         "test_tensor_parallel.py",
+        "test_tensor_parallel_layouts.py",
         "test_train_cpt.py::test_fsdp_over_eight_devices_gives_the_single_device_losses",
     ),
     # Loads a real bundled model without the fixtures (the CLI's `--model default` in a fresh

@@ -1,5 +1,7 @@
-"""Tensor- and data-parallel inference on 8 fake CPU devices (tests/test_tensor_parallel.py), the
-checks of a test file in one process of their own (the device count is fixed when JAX starts):
+"""Tensor- and data-parallel inference on 8 fake CPU devices (tests/test_tensor_parallel.py and
+tests/test_tensor_parallel_layouts.py; the 8-bit and 4-bit caches: tests/test_kv_quant_mesh.py
+and tests/test_kv_int4_mesh.py), the checks of a test file in one process of their own (the
+device count is fixed when JAX starts):
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m tests.helpers.tensor_parallel_checks NAME...
 
@@ -17,10 +19,10 @@ where, to keep CI short (each mesh compiles every step anew):
 - a Qwen2-style model (q/k/v biases, tied embeddings, a vocabulary of 101 padded to 104) on
   (2, 4) and a 9-head / 3-KV model (the default model's layout) on (2, 3), its evicting methods
   with budgets given as fractions of the cache: `qwen`, `nine`;
-- the cache in 8 bits (int8 for every method, fp8 for two) and in 4 bits (every method that
-  stores it) on (2, 2) against one device with
-  the same cache dtype, and mesh ReAttention's on (ctx 2, model 2): `quantized`; the HLO check
-  below with an int8 cache: `hlo_no_cache_gather_int8`;
+- the cache in 8 bits (int8 for every method, fp8 for two) on (2, 2) against one device with
+  the same cache dtype, and mesh ReAttention's on (ctx 2, model 2): `quantized`; in 4 bits
+  (every method that stores it) likewise: `quantized_int4`; the HLO check below with an int8
+  cache: `hlo_no_cache_gather_int8`;
 - the mesh methods, Star and ring on (ctx 2, model 4), mesh ReAttention and RESA on it on
   (ctx 4, model 2), against ctx alone: `mesh_methods`;
 - no all-gather of a cache's size in any method's compiled prefill chunk or decode loop:
@@ -149,18 +151,17 @@ def nine():
 RATIO = ("snapkv", "h2o", "tova", "streaming_llm", "refreshkv", "citrus_shared")
 
 
+# The quantized caches compare the teacher-forced steps only (logits, NLL and cache within 1e-4):
+# the greedy loop runs the same per-token step under another loop, which `meshes`, `qwen` and
+# `nine` check on a mesh.
 def quantized():
   """The cache in 8 bits on (data 2, model 2): every per-layer method (budgets as fractions)
-  with int8, two with fp8 (an exact method and one over pre-RoPE keys), every method that stores
-  4 bits with int4, as one device with the same cache (the scales and zero points split with
-  their rows and heads); mesh ReAttention's on (ctx 2, model 2) as on ctx alone."""
-  # The teacher-forced steps only (logits, NLL and cache within 1e-4): the greedy loop runs the
-  # same per-token step under another loop, which `meshes`, `qwen` and `nine` check on a mesh.
+  with int8, two with fp8 (an exact method and one over pre-RoPE keys), as one device with the
+  same cache (the scales split with their rows and heads); mesh ReAttention's on (ctx 2,
+  model 2) as on ctx alone."""
   compare("gqa", "data=2,model=2", names("layer"), budget=0.5, kv_dtype="int8", tokens=False)
   compare("gqa", "data=2,model=2", ("full", "reattention"), budget=0.5,
           kv_dtype="float8_e4m3fn", tokens=False)
-  compare("gqa", "data=2,model=2", [n for n in names("layer") if not get(n).int4_refusal],
-          budget=0.5, kv_dtype="int4", tokens=False)  # the methods that store 4 bits
   cfg, params = _model("gqa")
   docs = _prompts(cfg, (37, 30), seed=5)
   m = get("reattention_mesh", n_global=2, n_local=8, span=2, clip=3, top_k=2, chunk=4)
@@ -169,6 +170,14 @@ def quantized():
           for mesh in ("ctx=2", "ctx=2,model=2")]
   assert runs[0].tokens == runs[1].tokens
   same_state(runs[0].cache.state, runs[1].cache.state, "reattention_mesh int8")
+
+
+def quantized_int4():
+  """The cache in 4 bits on (data 2, model 2): every method that stores it (budgets as
+  fractions), as one device with the same cache (the scales and zero points split with their
+  rows and heads)."""
+  compare("gqa", "data=2,model=2", [n for n in names("layer") if not get(n).int4_refusal],
+          budget=0.5, kv_dtype="int4", tokens=False)
 
 
 def smoothed():
@@ -369,7 +378,8 @@ CHECKS = {"tpu_export": tpu_export, "all_methods": all_methods,
           "meshes_gqa": lambda: meshes("gqa", "data=4,model=2"), "qwen": qwen, "nine": nine,
           "mesh_methods": mesh_methods, "hlo_no_cache_gather": hlo_no_cache_gather,
           "errors": errors, "fused": fused,
-          "quantized": quantized, "hlo_no_cache_gather_int8": lambda: hlo_no_cache_gather("int8"),
+          "quantized": quantized, "quantized_int4": quantized_int4,
+          "hlo_no_cache_gather_int8": lambda: hlo_no_cache_gather("int8"),
           "smoothed": smoothed}
 
 if __name__ == "__main__":
