@@ -9,9 +9,10 @@ bf16 copy (read.four_bit_copies, the route without the kernel).
 check: 2 sequences (the second with its residual group open), keys with outlier channels; the
 largest error of the kernel (bf16 queries) and of the copy route against the fp32 reference over
 the dequantized cache. write: the one-token write kernel against the jnp write over 40 steps
-(entries that differ). decode: Llama-3.1-8B's attention shape (32 query heads over 8 KV heads,
-d 128, batch 1) over 32K / 128K / 1M keys, back-to-back calls (bench_measure.timed), each with the
-bytes the cache holds over its time beside the device's copy bandwidth measured in the same run.
+(entries that differ a leaf, and by how much). decode: Llama-3.1-8B's attention shape (32
+query heads over 8 KV heads, d 128, batch 1) over 32K / 128K / 1M keys, back-to-back calls
+(bench_measure.timed), each with the bytes the cache holds over its time beside the device's
+copy bandwidth measured in the same run.
 tiles: the kernel's keys a step (whole key groups) and warps at 128K keys.
 """
 
@@ -103,11 +104,18 @@ def check_write(steps: int = 40):
     k, v = (jax.random.normal(r, (2, 1, KV, D), jnp.bfloat16) for r in rng[1 + 2 * i:3 + 2 * i])
     got = {name: step(got[name], (lengths + i)[:, None], k, v, route)
            for name, route in routes.items()}
-  leaves = [np.asarray(x) for x in jax.tree.leaves(got["kernel"])]
-  differing = sum(int(np.sum(a != np.asarray(b))) for a, b in zip(leaves, jax.tree.leaves(
-      got["jnp"])))
-  return [{"check": "write", "steps": steps, "entries": sum(a.size for a in leaves),
-           "differing": differing}]
+  recs = []
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got["kernel"]),
+                          jax.tree.leaves(got["jnp"])):
+    a, b = np.asarray(a), np.asarray(b)
+    if a.dtype == np.uint8:  # packed codes: compared code by code
+      a, b = (np.asarray(quant4.unpack(x)).astype(np.int32) for x in (a, b))
+    diff = np.abs(a.astype(np.float64) - b.astype(np.float64))
+    recs.append({"check": "write", "leaf": jax.tree_util.keystr(path), "steps": steps,
+                 "entries": a.size, "differing": int(np.sum(a != b)),
+                 "max_abs_diff": float(diff.max()),
+                 "max_rel_diff": float((diff / np.maximum(np.abs(b), 1e-30)).max())})
+  return recs
 
 
 def _decode_fn(pos, route, tiling=None):

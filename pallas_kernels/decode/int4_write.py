@@ -18,8 +18,10 @@ div.rn and cvt.rni on the GPU: Triton's own division is approximate and it lower
 Interpreted, every entry equals the jnp write's; on an H200 the scales came out within one ulp
 of the jnp write as XLA compiles it (1.2e-7 relative; zero points and residual equal) and 48
 and 35 of 2.03M key and value codes one level apart, where the two straddle a level's edge
-(benchmarks/int4_kernels.py, write). A position outside [0, T) writes nothing. Other backends, and shapes
-whose channel or group counts are not powers of two (Triton's tensors), run the jnp write.
+(benchmarks/int4_kernels.py, write; measured on this kernel's first form, which rewrote the
+whole residual every step). A position outside [0, T) writes nothing. Other backends, and
+shapes whose channel or group counts are not powers of two (Triton's tensors), run the jnp
+write.
 """
 
 from __future__ import annotations

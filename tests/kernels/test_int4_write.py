@@ -44,7 +44,8 @@ def test_one_token_writes_equal_the_jnp_write_step_after_step(d):
   cache = cache.write(jnp.broadcast_to(jnp.arange(64), (b, 64)), prompt, prompt * 0.5,
                       route=JNP, valid=valid)
   written = jnp.asarray([True, True, True, False])
-  step = jax.jit(lambda c, pos, k, v, route: c.write(pos, k, v, route=route, valid=written[:, None]),
+  step = jax.jit(lambda c, pos, k, v, route: c.write(pos, k, v, route=route,
+                                                     valid=written[:, None]),
                  static_argnames="route")
   want = got = cache
   for i in range(steps):  # across group edges: every row closes a group within the steps
