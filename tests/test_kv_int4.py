@@ -128,6 +128,9 @@ def test_the_decode_benchmark_fills_a_4_bit_cache_and_counts_its_bytes():
     assert len(np.unique(np.asarray(layer.v.codes))) > 200  # random bytes, not zeros
   held = sum(quant4.nbytes(s.k.main) + quant4.nbytes(s.v) for s in cache.state)
   assert bytes_per_token(cfg, 128, 2, "int4")[1] == held
+  # every buffer committed to its device, as the decode step's outputs are: an uncommitted one
+  # made the first timed loop compile the step again
+  assert all(x.committed for x in jax.tree.leaves(cache))
 
 
 def test_a_4_bit_cache_takes_its_declaration_and_a_row_of_it_is_that_rows():

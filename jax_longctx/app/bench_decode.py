@@ -145,11 +145,13 @@ def filled_cache(cfg, method, batch: int, ctx: int, cache_len: int, options):
                                  zero=constant(x.zero, -0.03))
     if isinstance(x, quant4.GroupedKeys):  # full groups up to the length, the residual after
       return quant4.GroupedKeys(one(x.main), drawn(x.residual),
-                                jnp.full_like(x.residual_group, ctx // x.main.group))
+                                constant(x.residual_group, ctx // x.main.group))
     return drawn(x) if x.ndim == 4 else x
   state = jax.tree.map(one, cache.state,
                        is_leaf=lambda x: isinstance(x, Quantized) or quant4.is_int4(x))
-  return cache.replace(state=state, lengths=jnp.full((batch,), ctx, jnp.int32))
+  # every buffer placed where the empty one was (committed): an uncommitted one is a different
+  # program for jit than the decode step's own output, and the first timed loop recompiled
+  return cache.replace(state=state, lengths=constant(cache.lengths, ctx))
 
 
 def _weights(s: DecodeSetting, options):
