@@ -191,7 +191,7 @@ class KVCache:
 
     route: the run's kernel route; with a `cache_write_backend`, one-token writes go through
     pallas_kernels.decode.cache_write's in-place kernel on it (int4_write's for a 4-bit
-    cache), else the scatter below.
+    cache, where its shapes allow), else the scatter below.
     valid [B, S]: which new tokens are real; the others (a shorter prompt's padding) are not
     written. Required for 4-bit keys, which only append: a padding token written past a
     sequence's end would close a key group that its next real token must join."""
@@ -200,7 +200,7 @@ class KVCache:
     if isinstance(self.k, quant4.GroupedKeys):
       if valid is None:
         raise TypeError("KVCache.write: 4-bit keys need valid= (padding must not be written)")
-      if positions.shape[1] == 1 and route.cache_write_backend is not None:
+      if positions.shape[1] == 1 and int4_write.applies(self.k, self.v, route):
         return KVCache(*int4_write.write_one_token(self.k, self.v, positions[:, 0], k_new[:, 0],
                                                    v_new[:, 0], route=route))
       return KVCache(quant4.write_grouped_keys(self.k, positions, k_new),

@@ -19,9 +19,9 @@ Interpreted, every entry equals the jnp write's; on an H200 the scales came out 
 of the jnp write as XLA compiles it (1.2e-7 relative; zero points and residual equal) and 48
 and 35 of 2.03M key and value codes one level apart, where the two straddle a level's edge
 (benchmarks/int4_kernels.py, write; measured on this kernel's first form, which rewrote the
-whole residual every step). A position outside [0, T) writes nothing. Other backends, and
-shapes whose channel or group counts are not powers of two (Triton's tensors), run the jnp
-write.
+whole residual every step). A position outside [0, T) writes nothing. KVCache.write asks
+`applies`: other backends, and shapes whose channel or group counts are not powers of two
+(Triton's tensors), take its jnp write.
 """
 
 from __future__ import annotations
@@ -39,35 +39,36 @@ from pallas_kernels.route import Route
 SQ = gpu.SQ
 
 
-def reference(keys: quant4.GroupedKeys, values: quant4.Int4, positions, k_new, v_new):
-  """keys/values: one layer's 4-bit cache [B, KV, T, d]; positions [B] (outside [0, T): not
-  written); k/v_new [B, KV, d] -> (keys, values) with each sequence's token appended."""
-  t = keys.shape[2]
-  pos = jnp.where((positions >= 0) & (positions < t), positions, t)[:, None]  # [B, 1]
-  keys = quant4.write_grouped_keys(keys, pos, k_new[:, None])
-  rows = quant4.quantize(v_new[:, :, None].astype(jnp.float32), values.group)  # [B, KV, 1, d]
-  b_idx = jnp.arange(pos.shape[0])[:, None]
-  put = lambda c, n: c.at[b_idx, :, pos].set(jnp.swapaxes(n, 1, 2), mode="drop")  # noqa: E731
-  return keys, quant4.per_row(put, values, rows)
-
-
 def _fits(keys: quant4.GroupedKeys, values: quant4.Int4) -> bool:
   pow2 = lambda n: n > 0 and n & (n - 1) == 0  # noqa: E731
   d, g, gv = keys.shape[3], keys.main.group, values.group
   return pow2(d) and pow2(g) and pow2(gv) and d >= 4 and gv <= d
 
 
+def applies(keys: quant4.GroupedKeys, values: quant4.Int4, route: Route) -> bool:
+  """Whether the run's route writes a one-token step into this cache with the kernel: a GPU
+  cache-write backend, and head dim and groups powers of two. (Else KVCache.write's jnp write,
+  which the kernel is tested equal to.)"""
+  return (route.cache_write_backend is not None
+          and backend_lib.resolve(route.cache_write_backend).kind == "gpu"
+          and _fits(keys, values))
+
+
 def write_one_token(keys: quant4.GroupedKeys, values: quant4.Int4, positions, k_new, v_new, *,
                     route: Route):
-  """As `reference`; on GPU (`route.cache_write_backend`) one in-place kernel (the buffers are
-  updated where they lie when the caller's can be reused, as inside a jitted step)."""
+  """keys/values: one layer's 4-bit cache [B, KV, T, d] (where `applies`); positions [B]
+  (outside [0, T): not written); k/v_new [B, KV, d] -> (keys, values) with each sequence's
+  token appended, in place (the buffers are updated where they lie when the caller's can be
+  reused, as inside a jitted step)."""
   b, kvh, t, d = keys.shape
   if k_new.shape != (b, kvh, d) or v_new.shape != k_new.shape or positions.shape != (b,):
     raise ValueError(f"k_new {k_new.shape} / v_new {v_new.shape} must be [B, KV, d] = "
                      f"{(b, kvh, d)} and positions {positions.shape} [B]")
-  variant = backend_lib.resolve(route.cache_write_backend or "reference")
-  if variant.kind != "gpu" or not _fits(keys, values):
-    return reference(keys, values, positions, k_new, v_new)
+  if not applies(keys, values, route):
+    raise ValueError("int4_write: the route has no GPU cache-write backend, or the cache's "
+                     f"head dim / groups ({d}, {keys.main.group}, {values.group}) are not "
+                     "powers of two: KVCache.write's jnp write takes it")
+  variant = backend_lib.resolve(route.cache_write_backend)
   g = keys.main.group
   pos = positions.astype(jnp.int32)
   valid = (pos >= 0) & (pos < t)

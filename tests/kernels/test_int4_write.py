@@ -43,6 +43,8 @@ def test_one_token_writes_equal_the_jnp_write_step_after_step(d):
   valid = jnp.asarray(np.arange(64)[None] < lengths[:, None])
   cache = cache.write(jnp.broadcast_to(jnp.arange(64), (b, 64)), prompt, prompt * 0.5,
                       route=JNP, valid=valid)
+  assert int4_write.applies(cache.k, cache.v, KERNEL)  # the kernel's, not the jnp write again
+  assert not int4_write.applies(cache.k, cache.v, JNP)
   written = jnp.asarray([True, True, True, False])
   step = jax.jit(lambda c, pos, k, v, route: c.write(pos, k, v, route=route,
                                                      valid=written[:, None]),
