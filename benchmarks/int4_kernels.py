@@ -13,7 +13,7 @@ the dequantized cache. write: the one-token write kernel against the jnp write o
 query heads over 8 KV heads, d 128, batch 1) over 32K / 128K / 1M keys, back-to-back calls
 (bench_measure.timed), each with the bytes the cache holds over its time beside the device's
 copy bandwidth measured in the same run.
-tiles: the kernel's keys a step (whole key groups) and warps at 128K keys.
+tiles: the kernel's keys a step (whole key groups), warps and key splits at 32K and 128K keys.
 """
 
 from __future__ import annotations
@@ -25,12 +25,12 @@ import sys
 
 import jax
 
-from benchmarks.common import copy_bandwidth, device_facts, run_cases_to_json
+from benchmarks.common import copy_bandwidth, device_facts, printable, run_cases_to_json
 from benchmarks.quant_kernels import _err, _nbytes, _timed_record
 
 H, KV, D = 32, 8, 128
 BACKEND = "auto"  # --smoke: "gpu", the kernels interpreted on CPU
-SIZES = dict(check=1000, decode=(32768, 131072, 1048576), tiles=(131072,))
+SIZES = dict(check=1000, decode=(32768, 131072, 1048576), tiles=(32768, 131072))
 
 
 def _cache(seed, b, t, dtype, open_tokens: int = 5):
@@ -142,6 +142,11 @@ def _jnp_unpack(on: bool):
     jax.clear_caches()
 
 
+def _progress(rec):
+  """A record to stderr as it is measured (the case's JSON is written when the case ends)."""
+  print(printable(rec), file=sys.stderr, flush=True)
+
+
 def time_decode(reps, bw):
   import jax.numpy as jnp
   recs = []
@@ -157,27 +162,30 @@ def time_decode(reps, bw):
                                     (q, k, v), _nbytes(k, v), reps, bw))
       except Exception as e:  # noqa: BLE001 - a route out of memory at 1M is a result
         recs.append({**rec, "error": str(e)[:300]})
+      _progress(recs[-1])
       del q, k, v
   return recs
 
 
 def time_tiles(reps, bw):
-  """The kernel's keys a step (whole groups) and warps (3 stages, gpu.split_plan's splits)."""
+  """The kernel's keys a step (whole groups), warps and key splits (gpu.split_plan's count, and
+  2x / 4x it: more programs a core in flight), 3 stages."""
   import jax.numpy as jnp
-  from pallas_kernels.gpu import Tiling
+  from pallas_kernels.gpu import Tiling, split_plan
   recs = []
   for t in SIZES["tiles"]:
     pos = jnp.asarray([t - 6])
     q, k, v = _cache(8, 1, t, "int4")
-    for bk, warps, stages, splits in itertools.product((64, 128, 256), (4, 8), (3,), (None,)):
-      tl = Tiling(block_keys=bk, num_warps=warps, num_stages=stages, key_splits=splits)
-      rec = {"keys": t, "block_keys": bk, "warps": warps, "stages": stages,
-             "key_splits": splits}
+    for bk, warps, more in itertools.product((64, 128, 256), (2, 4), (1, 2, 4)):
+      splits = split_plan(KV, t, bk, None)[1] * more
+      tl = Tiling(block_keys=bk, num_warps=warps, num_stages=3, key_splits=splits)
+      rec = {"keys": t, "block_keys": bk, "warps": warps, "stages": 3, "key_splits": splits}
       try:
         recs.append(_timed_record(rec, _decode_fn(pos, _route(True), tl), (q, k, v),
                                   _nbytes(k, v), reps, bw))
       except Exception as e:  # noqa: BLE001 - a tiling that does not launch is a result
         recs.append({**rec, "error": str(e)[:300]})
+      _progress(recs[-1])
     del q, k, v
   return recs
 
@@ -189,8 +197,13 @@ def main() -> None:
   p.add_argument("--out", required=True)
   p.add_argument("--reps", type=int, default=20)
   p.add_argument("--only", default="", help="comma list of cases (check, write, decode, tiles)")
+  p.add_argument("--keys", default="", help="comma list of key counts for decode and tiles "
+                 "(default: 32768,131072,1048576 and 32768,131072)")
   p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU, kernels interpreted")
   args = p.parse_args()
+  if args.keys:
+    keys = tuple(int(n) for n in args.keys.split(","))
+    SIZES.update(decode=keys, tiles=keys)
   if args.smoke:
     H, KV, D = 8, 2, 64
     SIZES.update(check=256, decode=(512,), tiles=(512,))

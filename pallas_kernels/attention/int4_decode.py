@@ -4,10 +4,10 @@ The cache is read as stored, never copied: per program (batch x kv head, row blo
 as flash_attention's decode) a few key groups of G tokens a step (Tiling.block_keys, default 4
 groups), each group's codes unpacked in registers (`nibbles`), its per-channel scales folded
 into the query (q . (a c + z) = (q a) . c + q . z, quant4_products.key_scores) and its zero
-points' share q . z taken from one matrix-vector product XLA computes for every group before the
-call; the values' per-token scales folded into the probabilities, one product per channel piece
-(weighted_values), their zero points summed elementwise and reduced once at the end, as the
-softmax's denominator is. The residual group (each sequence's newest, unfilled group, kept
+points' share q . z taken from one fused reduction XLA computes for every group before the
+call; the values dequantized in registers piece by piece (`dequantize`: their token's scale and
+zero point, one packed fma a pair, rounded to the queries' dtype as a bf16 cache's values are)
+and multiplied by the probabilities as flash attention's are. The residual group (each sequence's newest, unfilled group, kept
 whole) is one more step of split 0, its keys read as they are. The splits merge as
 flash_attention's do (split_merge).
 
@@ -40,10 +40,10 @@ _MAGIC = {jnp.dtype(jnp.bfloat16): (jnp.uint16, 0x4300, 128.0),
 
 # The same on a CUDA GPU in PTX, four bytes a register: byte permutes spread the bytes over
 # 16-bit lanes ({shift}: 4 for the high nibbles), one lop3 a lane pair ors a nibble into MAGIC
-# ((a & b) | c: 0xEA), one packed fma subtracts BIAS: 3-4 instructions a pair of codes, where
-# Triton's lowering of `nibbles`' jnp takes 4-6 a code. {magic}, {one}, {neg_bias}: 16-bit
-# patterns in both lanes; {t}: f16x2 or bf16x2. Low and high nibbles come from two calls (JAX's
-# Triton lowering takes one result an inline asm).
+# ((a & b) | c: 0xEA), one packed fma subtracts BIAS: 3 instructions a pair of low codes, 4 a
+# pair of high ones (a shift first), where Triton's lowering of `nibbles`' jnp takes 4-6 a code.
+# {magic}, {one}, {neg_bias}: 16-bit patterns in both lanes; {t}: f16x2 or bf16x2. Low and high
+# nibbles come from two calls (JAX's Triton lowering takes one result an inline asm).
 _NIBBLES_PTX = """{{
 .reg .b32 p0, p1, mask, magic, one, neg;
 mov.b32 mask, 0x000F000F;
@@ -52,9 +52,7 @@ mov.b32 one, {one};
 mov.b32 neg, {neg_bias};
 prmt.b32 p0, $2, 0, 0x5140;
 prmt.b32 p1, $2, 0, 0x7362;
-shr.b32 p0, p0, {shift};
-shr.b32 p1, p1, {shift};
-lop3.b32 $0, p0, mask, magic, 0xEA;
+{shifts}lop3.b32 $0, p0, mask, magic, 0xEA;
 lop3.b32 $1, p1, mask, magic, 0xEA;
 fma.rn.{t} $0, $0, one, neg;
 fma.rn.{t} $1, $1, one, neg;
@@ -73,13 +71,30 @@ def nibbles(packed, dtype, native_gpu: bool = False):
     from jax.experimental.pallas import triton as pltriton
     out = jax.ShapeDtypeStruct(packed.shape, dtype)
     return tuple(pltriton.elementwise_inline_asm(
-        _NIBBLES_PTX.format(shift=shift, **_PTX_CONSTANTS[dtype]), args=[packed],
-        constraints="=r,=r,r", pack=4, result_shape_dtypes=[out])[0] for shift in (0, 4))
+        _NIBBLES_PTX.format(shifts=shifts, **_PTX_CONSTANTS[dtype]), args=[packed],
+        constraints="=r,=r,r", pack=4, result_shape_dtypes=[out])[0]
+        for shifts in ("", "shr.b32 p0, p0, 4;\nshr.b32 p1, p1, 4;\n"))
   uint, magic, bias = _MAGIC[dtype]
   wide = packed.astype(uint)
   def as_float(bits):
     return lax.bitcast_convert_type(bits | uint(magic), dtype) - jnp.asarray(bias, dtype)
   return as_float(wide & uint(15)), as_float(wide >> uint(4))
+
+
+def dequantize(codes, scale, zero, native_gpu: bool = False):
+  """codes [n, w] in a 16-bit float (exact), scale and zero [n] fp32 (one a row) -> codes *
+  scale + zero [n, w] in codes' dtype: scale and zero rounded to it, then one fma a value
+  rounded once (native_gpu: one packed fma a pair of values, by PTX, as the codes' unpacking)."""
+  dtype = codes.dtype
+  s, z = (jnp.broadcast_to(x.astype(dtype)[:, None], codes.shape) for x in (scale, zero))
+  if native_gpu and dtype in _PTX_CONSTANTS:
+    from jax.experimental.pallas import triton as pltriton
+    return pltriton.elementwise_inline_asm(
+        f"fma.rn.{_PTX_CONSTANTS[dtype]['t']} $0, $1, $2, $3;", args=[codes, s, z],
+        constraints="=r,r,r,r", pack=2,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(codes.shape, dtype)])[0]
+  f32 = jnp.float32
+  return (codes.astype(f32) * s.astype(f32) + z.astype(f32)).astype(dtype)
 
 
 def attention(q, k: quant4.GroupedKeys, v: quant4.Int4, *, causal: bool, q_offset, kv_len,
@@ -101,11 +116,13 @@ def attention(q, k: quant4.GroupedKeys, v: quant4.Int4, *, causal: bool, q_offse
   span, splits = gpu.split_plan(b * kvh, t, tl.block_keys, tl.key_splits)
   meta = jnp.stack([q_offset, kv_len, k.residual_group * g], axis=1).astype(jnp.int32)
   qr = layout.q_rows(q, kvh, rows)  # [B, KV, rows, d]
-  # Each group's zero points' share of its scores, scale * q . z, for every group at once: a
-  # matrix-vector product XLA reads the zero points for (the kernel would read them too), so
-  # the kernel adds one number a row and group instead of a reduction over d a step.
-  zero_scores = jnp.einsum("bkrd,bkgd->bkrg", qr.astype(jnp.float32) * scale, k.main.zero,
-                           precision=lax.Precision.HIGHEST)  # [B, KV, rows, T / G]
+  # Each group's zero points' share of its scores, scale * q . z, for every group at once,
+  # read by XLA before the call (the kernel would read the zero points too), so the kernel adds
+  # one number a row and group instead of a reduction over d a step. A multiply and a sum, one
+  # fused reduction in fp32: the matrix-vector product at HIGHEST precision ran as a GEMM of
+  # fp32 passes (5.8 us a layer at 32K on an H200, three times the zero points' read).
+  qs = qr.astype(jnp.float32) * scale  # [B, KV, rows, d]
+  zero_scores = jnp.sum(qs[:, :, :, None, :] * k.main.zero[:, :, None], axis=-1)  # [.., T / G]
   outs, lses = _gpu(meta, qr, k.main.codes, k.main.scale, zero_scores, k.residual, v.codes,
                     v.scale, v.zero, span=span, splits=splits,
                     parts=split_merge.parts(splits, merge_kernel), causal=causal, scale=scale,
@@ -133,6 +150,10 @@ def _gpu(meta, qr, kc, ka, zero_scores, kres, vc, vs, vz, *, span, splits, parts
   # significant bits rather than bf16's 8 (the codes are exact in either; |q a| stays far
   # inside fp16's range). The values' p s stay in bf16, whose range keeps small weights whole.
   key_dtype = jnp.dtype(jnp.float16) if dtype == jnp.bfloat16 else dtype
+  # The values dequantized in fp16 too: a value's scale and zero point rounded to 11 significant
+  # bits, where bf16's 8 cost the outputs 4x the error when a group's zero point is far larger
+  # than its values' spread (a value of magnitude beyond 65504 is out of this path's range).
+  value_dtype = key_dtype
   native = not interpret  # a Triton kernel compiled for CUDA
   # value pieces: (first byte column, nibble, first channel) of each piece
   pieces = [(c, nib, c + nib * half) for c in range(0, half, w) for nib in (0, 1)]
@@ -156,9 +177,12 @@ def _gpu(meta, qr, kc, ka, zero_scores, kres, vc, vs, vz, *, span, splits, parts
 
     def fold(carry, tiles):
       """Folds score tiles [(slots, s [bm, G]), ...] (-inf: masked) and their values into the
-      state: the running max, and elementwise sums (of p; of p m, the values' zero points'
-      share, per value group) that are reduced once, at the end."""
-      m, l_acc, accs, z_accs = carry
+      state: the running max, the elementwise sum of p (reduced once, at the end) and the
+      output pieces. Each value piece is dequantized in registers (its token's scale and zero
+      point, one packed fma a pair) and multiplied by p as it is: the probabilities go to the
+      tensor cores once a tile, where folding the values' scales into them took one product,
+      a layout change and a zero point sum a value group."""
+      m, l_acc, accs = carry
       top = functools.reduce(jnp.maximum, [s for _, s in tiles])
       m_new = jnp.maximum(m, jnp.max(top, axis=1, keepdims=True))
       m_safe = jnp.where(m_new == osm.NEG_INF, 0.0, m_new)
@@ -166,15 +190,15 @@ def _gpu(meta, qr, kc, ka, zero_scores, kres, vc, vs, vz, *, span, splits, parts
       ps = [jnp.exp(s - m_safe) for _, s in tiles]  # [bm, G] each
       l_acc = l_acc * alpha + functools.reduce(jnp.add, ps)
       accs = [acc * alpha for acc in accs]
-      z_accs = [z * alpha for z in z_accs]
       for (at, _), p in zip(tiles, ps):
-        codes = {c: nibbles(vc_ref[at, pl.ds(c, w)], dtype, native)
+        p = p.astype(value_dtype)
+        codes = {c: nibbles(vc_ref[at, pl.ds(c, w)], value_dtype, native)
                  for c in range(0, half, w)}
         for i, (c, nib, ch) in enumerate(pieces):
-          s_row = vs_ref[at, ch // value_group][None, :]  # [1, G]
-          accs[i] = accs[i] + dot((p * s_row).astype(dtype), codes[c][nib], ((1,), (0,)))
-        z_accs = [z + p * vz_ref[at, j][None, :] for j, z in enumerate(z_accs)]
-      return m_new, l_acc, accs, z_accs
+          j = ch // value_group
+          vals = dequantize(codes[c][nib], vs_ref[at, j], vz_ref[at, j], native)  # [G, w]
+          accs[i] = accs[i] + dot(p, vals, ((1,), (0,)))
+      return m_new, l_acc, accs
 
     def key_scores(first):
       """Scores [bm, G] of the key group starting at slot `first` (< T), its codes unpacked,
@@ -206,19 +230,17 @@ def _gpu(meta, qr, kc, ka, zero_scores, kres, vc, vs, vz, *, span, splits, parts
     if causal:
       end = jnp.minimum(end, q_off + 1)
     zeros = lambda n: jnp.zeros((bm, n), jnp.float32)  # noqa: E731
-    carry = (jnp.full((bm, 1), osm.NEG_INF, jnp.float32), zeros(g),
-             [zeros(w) for _ in pieces], [zeros(g) for _ in range(nv)])
+    carry = (jnp.full((bm, 1), osm.NEG_INF, jnp.float32), zeros(g), [zeros(w) for _ in pieces])
     steps = jnp.clip(pl.cdiv(end - start0, per_step * g), 0, span // (per_step * g))
     carry = lax.fori_loop(0, steps, group_step, carry)
     # split 0 also reads the residual group (none when the cache is full: it lies past T)
     has_residual = ((split == 0) & (res_start < t)).astype(jnp.int32)
-    m, l_acc, accs, z_accs = lax.fori_loop(0, has_residual, residual_step, carry)
+    m, l_acc, accs = lax.fori_loop(0, has_residual, residual_step, carry)
     l = jnp.sum(l_acc, axis=1, keepdims=True)
     seen = l > 0
     safe_l = jnp.where(seen, l, 1.0)
     for acc, (_, _, ch) in zip(accs, pieces):
-      zero_share = jnp.sum(z_accs[ch // value_group], axis=1, keepdims=True)
-      o_ref[:, pl.ds(ch, w)] = jnp.where(seen, (acc + zero_share) / safe_l, 0.0)
+      o_ref[:, pl.ds(ch, w)] = jnp.where(seen, acc / safe_l, 0.0)
     lse_ref[...] = jnp.where(seen, m + jnp.log(safe_l), osm.NEG_INF)
 
   index = lambda bh, r, s: (bh // kvh, bh % kvh, s, r, 0)  # noqa: E731

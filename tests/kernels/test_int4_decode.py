@@ -9,8 +9,9 @@ residual) and one shorter than its query position's causal edge; GQA and MHA row
 and several, with the last step past the buffer's end; many key splits, merged by the kernel
 or by jnp. Tolerances: fp32 queries 2e-5 (another summation order); bf16 queries no further
 from the fp32 reference than the route the kernel replaces (the dequantized cache in bf16, then
-the bf16 kernel: 1.5-3.5x the kernel's error here) and within 4e-2 (outputs) / 2e-2 (LSE): the
-kernel rounds q a to fp16 and p s to bf16 where the copy rounds every key and value to bf16.
+the bf16 kernel: several times the kernel's error here) and within 4e-2 (outputs) / 2e-2 (LSE): the
+kernel rounds q a, the dequantized values and p to fp16 where the copy rounds every key and
+value to bf16 (here 0.024 / 0.005 against the copy's 0.114 / 0.142).
 """
 
 import jax
