@@ -85,7 +85,8 @@ class KernelOptions:
   # prefill chunks do above); 0: never, the Triton kernel reads the 8-bit keys (0.42-0.48x the
   # bf16 kernel at 512 rows; ReAttention's int8 prefill ran ~1.9x slower than bf16's on an
   # H200, BENCHMARKS.md "Re-timed"). A prefill chunk's scoring is compute-bound, so the copy's
-  # pass is a few percent of it.
+  # pass is a few percent of it. 4-bit keys (no kernel reads their tiles for top-k) take the
+  # same cap on every variant, their segments never shorter than read.COPY_SEGMENT_MIN keys.
   topk_dequantize_bytes: int = 1 << 30
   # topk_scores over 8-bit keys: "products" multiplies them as they are stored on the 8-bit
   # matrix units, the queries quantized per row as the keys are (Hopper's tensor cores in the

@@ -193,6 +193,20 @@ def write_grouped_keys(buf: GroupedKeys, positions, new) -> GroupedKeys:
   return GroupedKeys(main, residual, full.astype(jnp.int32))
 
 
+def slice_grouped_keys(buf: GroupedKeys, start, size: int) -> GroupedKeys:
+  """Slots start .. start + size of the keys (start may be traced; both whole groups) as a
+  buffer of their own: codes, scales and zero points sliced, the residual group renumbered (a
+  number outside the slice: the residual lies elsewhere, and the slice's groups are all read
+  from `main`)."""
+  g = buf.main.group
+  if size % g:
+    raise ValueError(f"int4 keys: a slice of {size} slots is not whole groups of {g}")
+  cut = functools.partial(jax.lax.dynamic_slice_in_dim, axis=2)
+  main = Int4(cut(buf.main.codes, start, size), cut(buf.main.scale, start // g, size // g),
+              cut(buf.main.zero, start // g, size // g), buf.main.axis, g)
+  return GroupedKeys(main, buf.residual, buf.residual_group - start // g)
+
+
 def load_grouped_keys(buf: GroupedKeys, dtype=jnp.float32) -> jax.Array:
   """[B, KV, T, d] in `dtype`: the full groups dequantized, the residual group's slots whole
   (slots past a sequence's length hold stale data no causal query reads, as in every cache).

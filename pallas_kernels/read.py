@@ -7,8 +7,10 @@ in the lowerings is how each reads the format (scales beside the tiles), not whi
 
 A 4-bit cache (quant4.py) is read here too: one-token decode on the GPU reads its tiles
 (`four_bit_tiles`, attention/int4_decode.py) where the run enables it; every other call reads
-a copy in the queries' dtype made first (`four_bit_copies`: one layer's keys or values a call),
-or, for attention over gathered keys, the gathered rows alone (`four_bit_gathered`).
+a copy in the queries' dtype made first (`four_bit_copies`: one layer's keys or values a call;
+top-k past `topk_dequantize_bytes`, a segment of whole key groups at a time:
+`four_bit_topk_segment`), or, for attention over gathered keys, the gathered rows alone
+(`four_bit_gathered`).
 
 Each decision reads the call's variant and the run's KernelOptions (pallas_kernels/options.py
 says what was measured for each): a native GPU is the only place a copy or fp16 products pay.
@@ -129,6 +131,18 @@ def four_bit_tiles(q, k, v, variant, options: KernelOptions = DEFAULT) -> bool:
   w = min(vg, d // 2)
   return (q.dtype in (jnp.bfloat16, jnp.float16, jnp.float32) and w >= 16 and (d // 2) % w == 0
           and vg % w == 0 and v.axis == v.codes.ndim - 1 and k.main.group >= 16)
+
+
+def four_bit_topk_segment(q, k, options: KernelOptions, keys: int) -> int:
+  """topk_scores over 4-bit keys (no kernel reads their tiles): keys per segment of their copy
+  in q's dtype, the whole copy (`keys`) where it takes at most `options.topk_dequantize_bytes`,
+  else segments of equal length that do (none shorter than COPY_SEGMENT_MIN: a cap below one
+  such segment still copies that much). 0 for keys that are not 4-bit."""
+  if not isinstance(k, quant4.GroupedKeys):
+    return 0
+  b, kvh, _, d = k.shape
+  fitting = options.topk_dequantize_bytes // (b * kvh * d * jnp.dtype(q.dtype).itemsize)
+  return copy_segment(max(fitting, min(keys, COPY_SEGMENT_MIN)), keys)
 
 
 def four_bit_copies(dtype, *xs) -> tuple:

@@ -24,7 +24,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import backend as backend_lib
-from pallas_kernels import gpu, layout, online_softmax, quant, read, reference, tpu
+from pallas_kernels import gpu, layout, online_softmax, quant, quant4, read, reference, tpu
 from pallas_kernels.topk import mgpu_topk, topk_blocks, topk_segments, topk_tile
 from pallas_kernels.options import DEFAULT, KernelOptions
 from pallas_kernels.route import Route
@@ -49,6 +49,17 @@ def topk_scores(q, k, top_k: int, *, scale: float | None = None, valid_len=None,
   run's kernel route (its variant; `KernelOptions.topk_impl`, `topk_selection` for the GPU / TPU
   kernels, the reference always selects exactly).
   """
+  segment = read.four_bit_topk_segment(q, k, route.kernels, k.shape[2])
+  if segment and route.variant().kind != "reference":  # the reference scores one whole copy
+    if kv_layout != "BHTD":
+      raise ValueError("a 4-bit cache is laid out [B, KV, T, d] (kv_layout='BHTD')")
+    if segment < k.shape[2]:
+      b, t = q.shape[0], k.shape[2]
+      if not 1 <= top_k <= t:
+        raise ValueError(f"top_k={top_k} must be between 1 and the number of keys ({t})")
+      hi = layout.per_batch(valid_len, b, t) - layout.per_batch(exclude_suffix, b, 0)
+      return _segmented_copy(q, k, top_k, segment, layout.per_batch(exclude_prefix, b, 0), hi,
+                             scale=scale, kv_layout=kv_layout, route=route, tiling=tiling)
   k, = read.four_bit_copies(q.dtype, k)
   b, lq, h, kvh, t, d = layout.check_qk(q, k, kv_layout)
   quantized = layout.check_kv(k, k)
@@ -129,21 +140,26 @@ def topk_scores(q, k, top_k: int, *, scale: float | None = None, valid_len=None,
 
 
 def _segmented_copy(q, k, top_k: int, segment: int, lo, hi, *, kv_layout: str, **kw):
-  """topk_scores over 8-bit keys whose whole copy in q's dtype exceeds the cap: a loop over
-  segments of `segment` keys (lax.scan: one copy alive at a time), each dequantized and scored
-  alone (the bf16 kernels), its candidates merged into the running best. Exact: the segments
-  hold disjoint keys (the last one starts early so it stays inside the cache, and its keys
-  before its nominal start are excluded) and the merge orders by (score desc, index asc)."""
+  """topk_scores over 8-bit or 4-bit keys whose whole copy in q's dtype exceeds the cap: a loop
+  over segments of `segment` keys (lax.scan: one copy alive at a time), each dequantized and
+  scored alone (the bf16 kernels), its candidates merged into the running best. Exact: the
+  segments hold disjoint keys (the last one starts early so it stays inside the cache, and its
+  keys before its nominal start are excluded) and the merge orders by (score desc, index asc).
+  4-bit keys: segments of whole key groups, each read with the residual where it falls."""
   axis = 1 if kv_layout == "BTHD" else 2
   t = k.shape[axis]
   shape = q.shape[:3] + (top_k,)
 
   def step(best, s):
     start = jnp.minimum(s * segment, t - segment)
-    part = quant.per_row(lambda x: lax.dynamic_slice_in_dim(x, start, segment, axis), k)
+    if isinstance(k, quant4.GroupedKeys):
+      part = quant4.load(quant4.slice_grouped_keys(k, start, segment), q.dtype)
+    else:
+      part = quant.dequantize(quant.per_row(
+          lambda x: lax.dynamic_slice_in_dim(x, start, segment, axis), k), q.dtype)
     seg_lo = jnp.clip(jnp.maximum(lo, s * segment) - start, 0, segment)
     seg_hi = jnp.clip(jnp.minimum(hi, (s + 1) * segment) - start, seg_lo, segment)
-    vals, idx = topk_scores(q, quant.dequantize(part, q.dtype), min(top_k, segment),
+    vals, idx = topk_scores(q, part, min(top_k, segment),
                             valid_len=seg_hi, exclude_prefix=seg_lo, kv_layout=kv_layout, **kw)
     idx = jnp.where(idx >= 0, idx + start, -1)
     return topk_tile.finish(jnp.concatenate([best[0], vals], -1),

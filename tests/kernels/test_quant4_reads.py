@@ -1,7 +1,8 @@
 """How the kernels read a 4-bit cache (pallas_kernels/read.py): a read of some key rows takes
 each row with its own group's scale and zero point, or whole from the residual group; every
 public kernel given 4-bit K/V returns what it returns over their dequantized copies (flash,
-chunk, top-k: the copy itself; gathered attention: the gathered rows alone, with out-of-range
+chunk, top-k: the copy itself, or for top-k past `topk_dequantize_bytes` segments of whole key
+groups copied one at a time; gathered attention: the gathered rows alone, with out-of-range
 indices, a validity mask, extents and keys rotated at given positions). Random keys with an
 outlier channel, sequences of different lengths (one with an open residual group), the
 reference variant."""
@@ -84,3 +85,33 @@ def test_gathered_attention_reads_the_gathered_rows_alone(cache):
   with pytest.raises(ValueError, match="BHTD"):
     pallas_kernels.gathered_attention(q, keys, values, jnp.asarray(idx), valid,
                                       kv_layout="BTHD", route=ROUTE)
+
+
+def test_topk_past_its_copy_cap_scores_segments_of_whole_key_groups(cache, monkeypatch):
+  """Over the cap, each segment (whole groups; the second sequence's residual in one of them)
+  is copied alone in a scan and the candidates merged: the same scores and indices as the
+  whole copy, for many query rows and for decode's one, with excluded ends."""
+  from pallas_kernels import KernelOptions, read
+  keys, _, kd, _ = cache
+  monkeypatch.setattr(read, "COPY_SEGMENT_ALIGN", 32)
+  monkeypatch.setattr(read, "COPY_SEGMENT_MIN", 32)
+  per_key = B * KV * D * 4  # fp32 queries
+  assert read.four_bit_topk_segment(_q(1), keys, KernelOptions(), T) == T  # fits: one copy
+  capped = KernelOptions(topk_dequantize_bytes=40 * per_key)
+  assert read.four_bit_topk_segment(_q(1), keys, capped, T) == 32  # 3 segments of one group
+  assert read.four_bit_topk_segment(_q(1), kd, capped, T) == 0  # not 4-bit keys
+  kw = dict(valid_len=jnp.asarray([96, 75]), exclude_prefix=jnp.asarray([0, 3]),
+            exclude_suffix=jnp.asarray([5, 0]), kv_layout="BHTD")
+  for backend in ("gpu", "tpu"):  # interpreted
+    route = Route(backend=backend, kernels=capped)
+    for rows in (12, 1):
+      q = _q(rows, seed=rows)
+      text = str(jax.make_jaxpr(lambda q: pallas_kernels.topk_scores(q, keys, 5, route=route,
+                                                                     **kw))(q))
+      assert f"f32[{B},{KV},32,{D}]" in text and "scan" in text
+      got = pallas_kernels.topk_scores(q, keys, 5, route=route, **kw)
+      want = pallas_kernels.topk_scores(q, kd, 5, route=ROUTE, **kw)
+      np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]), err_msg=backend)
+      np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-5,
+                                 atol=1e-4)  # fp32 sums in another order
+
