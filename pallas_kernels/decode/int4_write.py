@@ -100,16 +100,24 @@ def _rint(x, native: bool):
   return _ptx("cvt.rni.f32.f32 $0, $1;", x) if native else jnp.round(x)
 
 
+def _scale(width, native: bool):
+  """A group's scale from its range's width (quant4.quantize's; a flat group: 1)."""
+  return jnp.where(width > 0, _exact_div(width, jnp.full_like(width, quant4.LEVELS - 1.0),
+                                         native), 1.0)
+
+
+def _codes(x, lo, scale, native: bool):
+  """x's codes fp32 0..15 in the group of minimum `lo` and `scale` (quant4.quantize's)."""
+  ratio = _exact_div(x - lo, jnp.broadcast_to(scale, x.shape), native)
+  return jnp.clip(_rint(ratio, native), 0.0, quant4.LEVELS - 1.0)
+
+
 def _quantize(x, axis: int, native: bool):
   """quant4.quantize of x fp32 over `axis` -> (codes fp32 0..15, scale, zero) (reduced axis
   kept, size 1)."""
   lo = jnp.min(x, axis=axis, keepdims=True)
-  width = jnp.max(x, axis=axis, keepdims=True) - lo
-  scale = jnp.where(width > 0, _exact_div(width, jnp.full_like(width, quant4.LEVELS - 1.0),
-                                          native), 1.0)
-  ratio = _exact_div(x - lo, jnp.broadcast_to(scale, x.shape), native)
-  codes = jnp.clip(_rint(ratio, native), 0.0, quant4.LEVELS - 1.0)
-  return codes, scale, lo
+  scale = _scale(jnp.max(x, axis=axis, keepdims=True) - lo, native)
+  return _codes(x, lo, scale, native), scale, lo
 
 
 def _pack(lo_codes, hi_codes):
@@ -167,10 +175,8 @@ def _write(meta, k_new, v_new, kc, ka, kz, kres, vc, vs, vz, *, group, value_gro
                                                                         keepdims=True))
         hi = jnp.maximum(jnp.max(x[0], axis=1, keepdims=True), jnp.max(x[1], axis=1,
                                                                         keepdims=True))
-        width = hi - lo
-        scale = jnp.where(width > 0, _exact_div(width, jnp.full_like(width, 15.0), native), 1.0)
-        codes = [jnp.clip(_rint(_exact_div(xi - lo, jnp.broadcast_to(scale, xi.shape), native),
-                                native), 0.0, 15.0) for xi in x]
+        scale = _scale(hi - lo, native)
+        codes = [_codes(xi, lo, scale, native) for xi in x]
         vs_ref[pl.ds(pos, 1), :] = scale
         vz_ref[pl.ds(pos, 1), :] = lo
       vc_ref[pl.ds(pos, 1), :] = _pack(*codes)
