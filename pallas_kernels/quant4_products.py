@@ -7,10 +7,11 @@ Keys (quant4.GroupedKeys, one (a, z) [d] per KV head and group of G tokens): a q
 key t in group g is q . (a_g * c_t + z_g) = (q * a_g) . c_t + q . z_g: the group's scales fold
 into the query (one multiply of d values per group, not per key) and its zero points into one
 dot product per group, added to each of its G scores; the residual group's keys are whole.
-Values (quant4.Int4 per token over groups of channels, (s, m) per token and channel group): the
-output's channel j in group h is sum_t p_t (s_th * c_tj + m_th) = sum_t (p_t s_th) c_tj +
-sum_t p_t m_th: the scales fold into the probabilities, one product per channel group.
-Products in fp32 (codes 0..15 are exact in any float type a kernel may use).
+Values (quant4.Int4, a scale and zero point per token and channel group) have no such fold that
+pays: attention/int4_decode.py dequantizes a tile of them in registers (folding the scales into
+the probabilities, sum_t (p_t s_th) c_tj + sum_t p_t m_th, took a product, a layout change and
+a sum a channel group, and ran no faster). Products in fp32 (codes 0..15 are exact in any float
+type a kernel may use).
 """
 
 from __future__ import annotations
@@ -40,17 +41,3 @@ def key_scores(q, keys: quant4.GroupedKeys) -> jax.Array:
       jnp.moveaxis(whole, -1, 1), mode="drop")  # [B, T, Lq, KV, H / KV]
   return jnp.moveaxis(scores, 1, -1).reshape(b, lq, h, t)
 
-
-def weighted_values(p, values: quant4.Int4) -> jax.Array:
-  """p [B, Lq, H, T] (weights, e.g. softmax probabilities) times values [B, KV, T, d] stored
-  per token over channel groups -> [B, Lq, H, d] fp32."""
-  if values.axis != values.codes.ndim - 1:
-    raise ValueError("weighted_values: values are grouped along each token's channels")
-  b, lq, h, t = p.shape
-  kvh, d, g = values.shape[1], values.shape[3], values.group
-  pg = p.astype(jnp.float32).reshape(b, lq, kvh, h // kvh, t)
-  codes = quant4.unpack(values.codes).astype(jnp.float32).reshape(b, kvh, t, d // g, g)
-  folded = jnp.einsum("bqkht,bktc->bqkhtc", pg, values.scale)  # p * s per channel group
-  out = jnp.einsum("bqkhtc,bktcj->bqkhcj", folded, codes)
-  out = out + jnp.einsum("bqkht,bktc->bqkhc", pg, values.zero)[..., None]
-  return out.reshape(b, lq, h, d)

@@ -6,9 +6,9 @@ groups), each group's codes unpacked in registers (`nibbles`), its per-channel s
 into the query (q . (a c + z) = (q a) . c + q . z, quant4_products.key_scores) and its zero
 points' share q . z taken from one fused reduction XLA computes for every group before the
 call; the values dequantized in registers piece by piece (`dequantize`: their token's scale and
-zero point, one packed fma a pair, rounded to the queries' dtype as a bf16 cache's values are)
-and multiplied by the probabilities as flash attention's are. The residual group (each sequence's newest, unfilled group, kept
-whole) is one more step of split 0, its keys read as they are. The splits merge as
+zero point, one packed fma a pair, in fp16 under bf16 queries) and multiplied by the
+probabilities as flash attention's are. The residual group (each sequence's newest, unfilled
+group, kept whole) is one more step of split 0, its keys read as they are. The splits merge as
 flash_attention's do (split_merge).
 
 A byte holds channel j in its low nibble and j + d / 2 in its high one, so a query's halves
@@ -39,7 +39,7 @@ _MAGIC = {jnp.dtype(jnp.bfloat16): (jnp.uint16, 0x4300, 128.0),
           jnp.dtype(jnp.float32): (jnp.uint32, 0x4B000000, 8388608.0)}
 
 # The same on a CUDA GPU in PTX, four bytes a register: byte permutes spread the bytes over
-# 16-bit lanes ({shift}: 4 for the high nibbles), one lop3 a lane pair ors a nibble into MAGIC
+# 16-bit lanes ({shifts}: by 4 for the high nibbles), one lop3 a lane pair ors a nibble into MAGIC
 # ((a & b) | c: 0xEA), one packed fma subtracts BIAS: 3 instructions a pair of low codes, 4 a
 # pair of high ones (a shift first), where Triton's lowering of `nibbles`' jnp takes 4-6 a code.
 # {magic}, {one}, {neg_bias}: 16-bit patterns in both lanes; {t}: f16x2 or bf16x2. Low and high
@@ -148,11 +148,13 @@ def _gpu(meta, qr, kc, ka, zero_scores, kres, vc, vs, vz, *, span, splits, parts
   dtype = qr.dtype
   # The key products in fp16 under bf16 queries: the folded query q a is rounded once, to 11
   # significant bits rather than bf16's 8 (the codes are exact in either; |q a| stays far
-  # inside fp16's range). The values' p s stay in bf16, whose range keeps small weights whole.
+  # inside fp16's range).
   key_dtype = jnp.dtype(jnp.float16) if dtype == jnp.bfloat16 else dtype
   # The values dequantized in fp16 too: a value's scale and zero point rounded to 11 significant
   # bits, where bf16's 8 cost the outputs 4x the error when a group's zero point is far larger
-  # than its values' spread (a value of magnitude beyond 65504 is out of this path's range).
+  # than its values' spread (a value of magnitude beyond 65504 is out of this path's range);
+  # the probabilities with them, p = exp(s - max) <= 1, those below 2^-24 of the row's largest
+  # flushed to zero.
   value_dtype = key_dtype
   native = not interpret  # a Triton kernel compiled for CUDA
   # value pieces: (first byte column, nibble, first channel) of each piece
