@@ -168,16 +168,18 @@ def time_decode(reps, bw):
 
 
 def time_tiles(reps, bw):
-  """The kernel's keys a step (whole groups), warps and key splits (gpu.split_plan's count, and
-  2x / 4x it: more programs a core in flight), 3 stages."""
+  """The kernel's keys a step (whole groups), warps and key splits (gpu.split_plan's count at
+  the kernel's PROGRAMS_PER_CORE, and 2x / 4x it), 3 stages. 256 keys a step left out: slower at
+  32K on an H200 (0.110 ms against 0.070-0.100) and over a minute to compile each."""
   import jax.numpy as jnp
+  from pallas_kernels.attention import int4_decode
   from pallas_kernels.gpu import Tiling, split_plan
   recs = []
   for t in SIZES["tiles"]:
     pos = jnp.asarray([t - 6])
     q, k, v = _cache(8, 1, t, "int4")
-    for bk, warps, more in itertools.product((64, 128, 256), (2, 4), (1, 2, 4)):
-      splits = split_plan(KV, t, bk, None)[1] * more
+    for bk, warps, more in itertools.product((64, 128), (2, 4), (1, 2, 4)):
+      splits = split_plan(KV, t, bk, None, int4_decode.PROGRAMS_PER_CORE)[1] * more
       tl = Tiling(block_keys=bk, num_warps=warps, num_stages=3, key_splits=splits)
       rec = {"keys": t, "block_keys": bk, "warps": warps, "stages": 3, "key_splits": splits}
       try:

@@ -93,7 +93,7 @@ def paired_relative(method: dict, base: dict, *, resamples: int = RESAMPLES, see
                     level: float = LEVEL) -> Contrast | None:
   """method's pooled NLL over base's, less one (0.001: 0.1% higher), over the texts both ran
   ({seed: NLLs} each), with its paired-bootstrap interval; None when they share no text. The
-  8-bit cache's quality measure against the cache in the model's dtype (issue 54)."""
+  quantized (8- or 4-bit) cache's quality measure against the cache in the model's dtype (issue 54)."""
   seeds = sorted(set(method) & set(base))
   if not seeds:
     return None

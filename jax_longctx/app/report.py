@@ -263,13 +263,13 @@ def _kv_dtype_table(records: list[dict]) -> list[str]:
       task_rows.append(f"| {task} | {_len(n)} | {method} | {kv} | {compared} |")
   out = []
   if ppl_rows:
-    out += [f"### ppl: the 8-bit cache's pooled token NLL against the model dtype's ({LEVEL:.0%} "
+    out += [f"### ppl: the quantized cache's pooled token NLL against the model dtype's ({LEVEL:.0%} "
             f"paired bootstrap over the texts both ran, {RESAMPLES} resamples)\n",
             "| length | method | cache | NLL vs | interval | texts |", "|---" * 6 + "|",
             *ppl_rows, ""]
   if task_rows:
-    out += ["### The 8-bit cache against the model dtype's, on the samples both ran (score %)\n",
-            "| task | length | method | cache | samples | score, model dtype | score, 8-bit | "
+    out += ["### The quantized cache against the model dtype's, on the samples both ran (score %)\n",
+            "| task | length | method | cache | samples | score, model dtype | score, quantized | "
             "same answer |", "|---" * 8 + "|", *task_rows, ""]
   return out
 

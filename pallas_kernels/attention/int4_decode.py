@@ -31,6 +31,13 @@ from pallas_kernels.decode import split_merge
 
 SQ = gpu.SQ
 
+# Programs a GPU core the key splits aim for: twice the other split-K kernels'. A program's
+# registers (152 a thread) allow 3 a core, and at 2 the grid of a batch-1 step (8 KV heads x 32
+# splits on an H200) left each core's schedulers with 0.56 eligible warps (Nsight Compute: the
+# kernel bound by latency at a third of HBM's rate); at 32K keys on an H200 the 8B shape's
+# kernel took 0.100 ms at 32 splits and 0.070 ms at 64 (BENCHMARKS.md).
+PROGRAMS_PER_CORE = 4
+
 # x | MAGIC, read as the float type, is BIAS + x exactly for 0 <= x < 16 (the float's last
 # mantissa bits count by one there): a code becomes a float by an or and a subtraction, not by
 # the conversion unit (two conversions a value for uint8 -> bf16, the bound of the 8-bit tiles).
@@ -113,7 +120,8 @@ def attention(q, k: quant4.GroupedKeys, v: quant4.Int4, *, causal: bool, q_offse
   if tl.block_rows != bm or tl.block_keys % g:
     raise ValueError(f"int4 decode: {tl.block_rows} rows a block ({bm}: the group's query "
                      f"heads) and {tl.block_keys} keys a step (whole groups of {g}) asked")
-  span, splits = gpu.split_plan(b * kvh, t, tl.block_keys, tl.key_splits)
+  span, splits = gpu.split_plan(b * kvh, t, tl.block_keys, tl.key_splits,
+                                per_core=PROGRAMS_PER_CORE)
   meta = jnp.stack([q_offset, kv_len, k.residual_group * g], axis=1).astype(jnp.int32)
   qr = layout.q_rows(q, kvh, rows)  # [B, KV, rows, d]
   # Each group's zero points' share of its scores, scale * q . z, for every group at once,
