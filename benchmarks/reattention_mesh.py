@@ -88,7 +88,7 @@ def child(args) -> dict:
   options = RunOptions(mesh=mesh, kv_dtype=args.kv_dtype or None,
                        route=Route(kernels=kernel_options(args.kernel_option)))
   room = args.decode_tokens * (args.decode_reps + 1)
-  unit = math.lcm(128, method.cache_unit(n_dev // m))
+  unit = math.lcm(128, method.cache_unit(n_dev // m, options.kv_dtype))
   cache_len = -(-(c + room) // unit) * unit
   _stage(f"context {c} over ctx={n_dev // m} x model={m}: cache {cache_len} slots "
          f"({cache_len // (n_dev // m)} a ctx shard), {args.method}, chunk {chunk}, "

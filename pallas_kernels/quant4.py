@@ -156,17 +156,24 @@ def zeros_grouped_keys(shape, dtype, group: int = GROUP) -> GroupedKeys:
   return GroupedKeys(main, jnp.zeros((b, kvh, group, d), dtype), jnp.zeros((b,), jnp.int32))
 
 
-def write_grouped_keys(buf: GroupedKeys, positions, new) -> GroupedKeys:
+def write_grouped_keys(buf: GroupedKeys, positions, new, *, capacity: int | None = None,
+                       main_group: Callable | None = None) -> GroupedKeys:
   """buf with new keys [B, S, KV, d] appended at slots `positions` [B, S] (out of range:
   dropped). Appending: a sequence's valid positions continue its last write (the first one
   falls in or right after its residual group), as every append-only cache writes. The residual
   and the new keys are laid out from the residual group's first slot, quantized group by group;
-  the groups now full go to `main`, the one still filling becomes the residual."""
+  the groups now full go to `main`, the one still filling becomes the residual.
+
+  A cache split along the tokens over devices (each device's `buf` its shard, the residual and
+  its group the same on every device): positions are the whole cache's, `capacity` its slots,
+  and main_group(groups [B, n]) -> this shard's group of each of the whole cache's groups
+  (T / G where another shard holds it: its codes, scales and zero points are dropped here)."""
   b, kvh, t, d = buf.shape
   g = buf.main.group
+  capacity = t if capacity is None else capacity
   s = positions.shape[1]
   span = g * (1 + -(-s // g))  # the residual group and the new keys, whole groups
-  valid = (positions >= 0) & (positions < t)
+  valid = (positions >= 0) & (positions < capacity)
   wrote = valid.any(axis=1)  # [B]
   start = buf.residual_group * g  # [B]: the first slot laid out
   length = jnp.max(jnp.where(valid, positions + 1, 0), axis=1)  # [B] after the write
@@ -178,8 +185,9 @@ def write_grouped_keys(buf: GroupedKeys, positions, new) -> GroupedKeys:
   full = jnp.where(wrote, length // g, buf.residual_group)  # [B] groups written whole
   groups = buf.residual_group[:, None] + jnp.arange(span // g)  # [B, span / G]
   done = (groups < full[:, None]) & wrote[:, None]
-  slots = jnp.where(jnp.repeat(done, g, axis=1), start[:, None] + jnp.arange(span), t)
-  group_slots = jnp.where(done, groups, t // g)
+  here = groups if main_group is None else main_group(groups)  # [B, span / G] in this buffer
+  group_slots = jnp.where(done & (here < t // g), here, t // g)
+  slots = (group_slots[:, :, None] * g + jnp.arange(g)).reshape(b, span)  # past T: dropped
 
   def put(old, update, at):  # update [B, KV, n, ...] at [B, n] along axis 2 (else dropped)
     return old.at[rows, :, at].set(jnp.swapaxes(update, 1, 2), mode="drop")

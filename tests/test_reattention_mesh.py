@@ -11,7 +11,8 @@ from tests.conftest import run_on_eight_devices
 @pytest.mark.parametrize("name", ["layer", "layer_tied", "layer_gpu_kernels", "model",
                                   "stride_model", "resa_model", "errors", "cyclic_layer_tied",
                                   "cyclic_layer_gpu_kernels", "cyclic_model",
-                                  "cyclic_resa_model"])
+                                  "cyclic_resa_model", "int4_layer", "int4_cyclic_layer_gpu_kernels",
+                                  "int4_model"])
 def test_on_eight_devices(name, request):
   run_on_eight_devices("tests.helpers.reattention_mesh_checks", name, request)
 

@@ -266,10 +266,11 @@ class Method(RegisteredMethod):
     del cache
     return {}
 
-  def cache_unit(self, shards: int) -> int:
+  def cache_unit(self, shards: int, kv_dtype=None) -> int:
     """A cache's length over `shards` devices of the `ctx` axis must be a multiple of this (the
-    driver rounds it up; 1 for a method that does not split the tokens)."""
-    del shards
+    driver rounds it up; 1 for a method that does not split the tokens). kv_dtype: the cache's
+    (RunOptions.kv_dtype: a 4-bit cache's shards hold whole key groups)."""
+    del shards, kv_dtype
     return 1
 
   def context_layout(self, length: int, shards: int):

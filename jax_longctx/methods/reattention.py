@@ -16,11 +16,14 @@ mesh's `ctx` axis; the parts of the scope each device holds: methods/token_layou
 from __future__ import annotations
 
 import dataclasses
+import math
+
 import jax.numpy as jnp
 
 import pallas_kernels
+from pallas_kernels import quant4
 from jax_longctx.ops.attention import attention
-from jax_longctx.ops.cache import KVCache, load, per_row
+from jax_longctx.ops.cache import INT4, KVCache, load, per_row
 from jax_longctx.methods.base import AttnContext, Method, MethodError, register
 from jax_longctx.methods.reattention_scope import (Scope, ballots, candidates, scope_from_votes,
                                                    select_scope, step_bounds, voters)
@@ -191,7 +194,7 @@ class MeshReAttention(ReAttention):
 
   name = "reattention_mesh"
   splits_tokens = True
-  int4_refusal = "its cache is split over the mesh's ctx axis, which the 4-bit cache does not take"
+  int4_refusal = ""  # a 4-bit key group lies in one shard: KVCache.write_shard
 
   shard_block: int = 0
 
@@ -200,17 +203,33 @@ class MeshReAttention(ReAttention):
       raise MethodError(f"shard_block={self.shard_block} must be 0 (contiguous shards) or a "
                         f"multiple of the chunk ({self.chunk}): a step's tokens must lie in one "
                         "device's block")
+    if _is_int4(dtype) and self.shard_block % quant4.GROUP:
+      raise MethodError(f"shard_block={self.shard_block} must be a multiple of the 4-bit "
+                        f"cache's key group ({quant4.GROUP}): a group must lie in one block")
     return super().init_state(cfg, batch, max_len, dtype, chunk)
 
-  def cache_unit(self, shards: int) -> int:
-    return shards * max(self.shard_block, 1)  # whole blocks on every device
+  def cache_unit(self, shards: int, kv_dtype=None) -> int:
+    block = max(self.shard_block, 1)  # whole blocks on every device, whole key groups in 4 bits
+    return shards * (math.lcm(block, quant4.GROUP) if _is_int4(kv_dtype) else block)
 
   def write(self, state: KVCache, k, v, ctx: AttnContext) -> KVCache:
     layout, p = layout_here(ctx.tokens, state.max_len, self.shard_block)
+    g = quant4.GROUP
     # Another shard's tokens go to slot t, which the write drops (a negative index would wrap).
-    return state.write(layout.slot(ctx.q_pos, p), k, v, route=ctx.options.route, valid=ctx.valid)
+    return state.write_shard(ctx.q_pos, layout.slot(ctx.q_pos, p), k, v,
+                             capacity=state.max_len * layout.n_dev,
+                             group_here=lambda groups: layout.slot(groups * g, p) // g,
+                             route=ctx.options.route, valid=ctx.valid)
+
+  def _here(self, state: KVCache, ctx: AttnContext) -> KVCache:
+    """The shard as the kernels read it (a 4-bit residual group at its slot here, if here)."""
+    if not isinstance(state.k, quant4.GroupedKeys):
+      return state
+    layout, p = layout_here(ctx.tokens, state.max_len, self.shard_block)
+    return state.shard_view(layout.slot(state.k.residual_group * quant4.GROUP, p))
 
   def scope(self, state: KVCache, q, ctx: AttnContext) -> Scope:
+    state = self._here(state, ctx)
     layout, p = layout_here(ctx.tokens, state.max_len, self.shard_block)
     seq_end, hi = step_bounds(ctx.q_pos, ctx.valid, self.n_local)
     q, valid = voters(q, ctx.valid, self.vote_stride)
@@ -227,6 +246,10 @@ class MeshReAttention(ReAttention):
 
   def attend_scope(self, q, state: KVCache, sc: Scope, ctx: AttnContext):
     part = device_part(sc, *layout_here(ctx.tokens, state.max_len, self.shard_block))
-    out, lse = super().attend_scope(q, state, part, ctx)
+    out, lse = super().attend_scope(q, self._here(state, ctx), part, ctx)
     out, lse = ctx.tokens.merge(out, lse)
     return out.astype(q.dtype), lse
+
+
+def _is_int4(dtype) -> bool:
+  return isinstance(dtype, str) and dtype == INT4  # a numpy dtype equals the string "int4" (int32)

@@ -260,8 +260,13 @@ class MeshRESA(RESA):
       raise MethodError(f"resa_mesh wraps reattention_mesh, not {self.base!r}")
     return get(self.base, shard_block=self.shard_block, **dict(self.base_args))
 
-  def cache_unit(self, shards: int) -> int:
-    return self.inner.cache_unit(shards)
+  @property
+  def int4_refusal(self) -> str:
+    return ("its prior reads every shard's keys and the scope's, which the 4-bit cache split over "
+            "the mesh's ctx axis does not give it")
+
+  def cache_unit(self, shards: int, kv_dtype=None) -> int:
+    return self.inner.cache_unit(shards, kv_dtype)
 
   def prior_over_cache(self, mu_q, cache: KVCache, lengths, info: PrefillEnd):
     layout, p = layout_here(info.tokens, cache.max_len, self.shard_block)

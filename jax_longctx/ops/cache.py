@@ -15,7 +15,8 @@ In 4 bits (`RunOptions.kv_dtype="int4"`, pallas_kernels/quant4.py, KIVI's layout
 stored per token over groups of channels and keys per channel over groups of tokens, each
 sequence's newest key group whole until it fills. A key group shares one range, so a 4-bit cache
 only appends: `KVCache` alone makes one, for the methods with no `int4_refusal`; new rows of
-keys go in through `KVCache.write` (never `stored` / `per_row`'s writes), and a read of some key
+keys go in through `KVCache.write` (`write_shard` for a device's shard of a cache split along the
+tokens; never `stored` / `per_row`'s writes), and a read of some key
 rows (`per_row` over one buffer) gives them dequantized. Every kernel takes such a buffer; the
 ones that do not read 4-bit tiles yet get a copy in the queries' dtype first
 (pallas_kernels/read.py).
@@ -209,6 +210,31 @@ class KVCache:
       return KVCache(*cache_write.write_one_token(self.k, self.v, positions[:, 0], k_new[:, 0],
                                                   v_new[:, 0], route=route))
     return KVCache(self._put(self.k, positions, k_new), self._put(self.v, positions, v_new))
+
+  def write_shard(self, positions, slots, k_new, v_new, *, capacity: int, group_here, route: Route,
+                  valid: jnp.ndarray | None) -> "KVCache":
+    """`write` for one device's shard of a cache split along the tokens: positions [B, S] in the
+    whole cache of `capacity` slots, slots [B, S] this shard's (its size where another device
+    holds the token: dropped). A 4-bit cache keeps the whole cache's newest key group on every
+    device, identical (each sees every new token), and quantizes a group into the shard holding
+    it when it fills: group_here(groups [B, n]) -> this shard's group (past its end: another
+    shard's; quant4.write_grouped_keys's main_group). Its reads take `shard_view`."""
+    if not isinstance(self.k, quant4.GroupedKeys):
+      return self.write(slots, k_new, v_new, route=route, valid=valid)
+    if valid is None:
+      raise TypeError("KVCache.write_shard: 4-bit keys need valid= (padding must not be written)")
+    keys = quant4.write_grouped_keys(self.k, jnp.where(valid, positions, capacity), k_new,
+                                     capacity=capacity, main_group=group_here)
+    return KVCache(keys, self._put(self.v, jnp.where(valid, slots, self.max_len), v_new))
+
+  def shard_view(self, residual_slot) -> "KVCache":
+    """This shard as a cache of its own for the kernels: 4-bit keys' residual group placed at
+    its slot here (residual_slot [B], the shard's size where another shard holds it: then
+    every group here is read from main), other caches as they are."""
+    if not isinstance(self.k, quant4.GroupedKeys):
+      return self
+    here = (residual_slot // self.k.main.group).astype(jnp.int32)
+    return KVCache(dataclasses.replace(self.k, residual_group=here), self.v)
 
   @staticmethod
   def _put(cache, positions, new):

@@ -63,7 +63,7 @@ def generate(params, cfg: LlamaConfig, prompts: Sequence[Sequence[int]], method:
   lengths = [len(p) for p in prompts]
   if instructions is not None:
     lengths = [n + len(i) for n, i in zip(lengths, instructions)]
-  unit = method.cache_unit(axis_size(options.mesh, "ctx"))
+  unit = method.cache_unit(axis_size(options.mesh, "ctx"), options.kv_dtype)
   if cache_len is None:
     unit = math.lcm(128, unit)
     cache_len = max(lengths, default=0) + max(max_new_tokens, 1)

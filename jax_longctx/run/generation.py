@@ -244,7 +244,7 @@ def prefill(params, cfg: LlamaConfig, prompts: Sequence[Sequence[int]], method: 
   chunked road is dispatched (benchmarks time the chunks through it).
   """
   sharding.check_layer_mesh(method, options)
-  unit = method.cache_unit(axis_size(options.mesh, "ctx"))
+  unit = method.cache_unit(axis_size(options.mesh, "ctx"), options.kv_dtype)
   if cache_len % unit:
     raise GenerationError(f"cache_len={cache_len} is not a multiple of {unit}, the unit "
                           f"{method.name!r} splits over the mesh's ctx axis")

@@ -17,7 +17,7 @@ from jax_longctx.methods import AttnContext, TokenShards, get
 from jax_longctx.methods.reattention_scope import Scope
 from jax_longctx.core.options import RunOptions
 from jax_longctx.core.rope import inv_freq
-from pallas_kernels import Route
+from pallas_kernels import Route, quant4
 from tests.conftest import TINY_LLAMA3, tiny_config
 from tests.helpers import check_main
 
@@ -38,19 +38,33 @@ def _steps(ends, chunk, n_decode):
     yield (ends + i)[:, None].astype(np.int32), np.ones((len(ends), 1), bool)
 
 
-def layer(tied: bool, backend: str = "reference", block: int = 0):
+def _specs(state: KVCache):
+  """shard_map specs of a cache split along the tokens over ctx (a 4-bit one's residual key
+  group and its index whole on every device)."""
+  kv = P(None, None, "ctx")
+  if not isinstance(state.k, quant4.GroupedKeys):
+    return KVCache(kv, kv)
+  return KVCache(quant4.GroupedKeys(quant4.Int4(kv, kv, kv, 2, state.k.main.group), P(), P()),
+                 quant4.Int4(kv, kv, kv, state.v.axis, state.v.group))
+
+
+def layer(tied: bool, backend: str = "reference", block: int = 0, kv_dtype=jnp.float32,
+          t: int = 128):
   """One layer's steps on random pre-RoPE q/k/v, batch 2 of lengths 117 and 45 over a 128-token
   cache (16 tokens a device: devices 3-7 hold none of the second sequence, and most devices none
   of a step's scope): the same scope exactly (indices, length, query rank) and the same (out,
   lse) as one device, for 8-token prefill chunks and 4 decode steps. `tied`: every key is one of
   three vectors, so most scores tie (the top-k must break ties to the lowest index across
   devices exactly as one device's top-k does). `block` 8: the block-cyclic layout (each device
-  holds tokens 8p..8p+7 and 64+8p..64+8p+7), whose parts of a scope are not contiguous."""
+  holds tokens 8p..8p+7 and 64+8p..64+8p+7), whose parts of a scope are not contiguous.
+  kv_dtype "int4" (t 512, block 0 or 32: whole key groups a shard): the 4-bit cache, its newest
+  key group on every device, each full group in its shard: the same as one device's 4-bit
+  cache, group for group."""
   cfg = tiny_config(**TINY_LLAMA3)
   one = get("reattention", **HP)
   mesh_method = get("reattention_mesh", shard_block=block, **HP)
   options = RunOptions(route=Route(backend=backend))
-  b, t, h, kvh, d = 2, 128, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+  b, h, kvh, d = 2, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
   rng = np.random.default_rng(5)
   keys = rng.normal(size=(3 if tied else b * t, kvh, d)).astype(np.float32)
   k_all = keys[rng.integers(0, 3, (b, t))] if tied else keys.reshape(b, t, kvh, d)
@@ -63,13 +77,14 @@ def layer(tied: bool, backend: str = "reference", block: int = 0):
                       tokens=TokenShards("ctx", N))
     return mesh_method.step(state, q, k, v, ctx)
 
+  one_state = KVCache.zeros(cfg, b, t, kv_dtype)
+  specs = _specs(one_state)
   run_mesh = jax.jit(jax.shard_map(
-      mesh_step, mesh=MESH, in_specs=(KVCache(kv, kv),) + (P(),) * 5,
-      out_specs=(P(), P(), KVCache(kv, kv), Scope(P(), P(), P())), check_vma=False))
+      mesh_step, mesh=MESH, in_specs=(specs,) + (P(),) * 5,
+      out_specs=(P(), P(), specs, Scope(P(), P(), P())), check_vma=False))
   run_one = jax.jit(lambda state, q, k, v, q_pos, valid: one.step(
       state, q, k, v, AttnContext(layer=0, q_pos=q_pos, valid=valid, freqs=freqs, cfg=cfg,
                                   options=options)))
-  one_state = KVCache.zeros(cfg, b, t, jnp.float32)
   mesh_state = one_state
   selected = 0
   for q_pos, valid in _steps((117, 45), HP["chunk"], 4):
@@ -90,17 +105,31 @@ def layer(tied: bool, backend: str = "reference", block: int = 0):
   t_local = t // N  # device p's slot s holds token position(s, p): each token in its owner's slot
   layout = TokenLayout(N, t_local, block)
   where = np.concatenate([np.asarray(layout.position(np.arange(t_local), p)) for p in range(N)])
-  np.testing.assert_array_equal(np.asarray(mesh_state.k), np.asarray(one_state.k)[:, :, where])
-  np.testing.assert_array_equal(np.asarray(mesh_state.v), np.asarray(one_state.v)[:, :, where])
+  if isinstance(one_state.k, quant4.GroupedKeys):
+    g = one_state.k.main.group
+    groups = where[::g] // g  # the whole cache's group held in each shard's groups, in order
+    for name in ("residual", "residual_group"):
+      np.testing.assert_array_equal(np.asarray(getattr(mesh_state.k, name)),
+                                    np.asarray(getattr(one_state.k, name)), err_msg=name)
+    for x_mesh, x_one in ((mesh_state.k.main, one_state.k.main), (mesh_state.v, one_state.v)):
+      for name in ("codes", "scale", "zero"):
+        at = groups if (x_one is one_state.k.main and name != "codes") else where
+        np.testing.assert_array_equal(np.asarray(getattr(x_mesh, name)),
+                                      np.asarray(getattr(x_one, name))[:, :, at], err_msg=name)
+  else:
+    np.testing.assert_array_equal(np.asarray(mesh_state.k), np.asarray(one_state.k)[:, :, where])
+    np.testing.assert_array_equal(np.asarray(mesh_state.v), np.asarray(one_state.v)[:, :, where])
   assert selected > 10, "contexts too short: no step selected spans"
 
 
-def model(one_name="reattention", mesh_name="reattention_mesh", **kw):
+def model(one_name="reattention", mesh_name="reattention_mesh", kv_dtype=None, cache_len=128,
+          **kw):
   """The tiny model (GQA 6/2) end to end, prompts of 93 and 52 tokens over a 128-token cache:
   the last-token logits after the chunked prefill, the per-token NLL of 6 teacher-forced decode
   steps, and greedy tokens through the driver (the mesh entry routes to the sharded cache)
   equal the one-device method's: ReAttention (`kw`: settings beyond HP), or RESA over it (`kw`:
-  its settings; its prior then sums and attends over every shard)."""
+  its settings; its prior then sums and attends over every shard). kv_dtype "int4" (cache_len
+  256: whole key groups a shard): the 4-bit cache on both."""
   from jax_longctx.run import driver, sharding
   from jax_longctx.run.chunked_prefill import prefill_step
   from jax_longctx.run.generation import prefill, teacher_forced_nll
@@ -116,12 +145,15 @@ def model(one_name="reattention", mesh_name="reattention_mesh", **kw):
     mesh_entry = get("resa_mesh", base_args=tuple(HP.items()), shard_block=block, **kw)
   else:
     one, mesh_entry = get(one_name, **HP, **kw), get(mesh_name, shard_block=block, **HP, **kw)
-  cache, last = prefill(params, cfg, prompts, one, cache_len=128)
-  nll, _ = teacher_forced_nll(params, cache, last, targets, cfg=cfg, method=one)
+  one_options = RunOptions(kv_dtype=kv_dtype)
+  cache, last = prefill(params, cfg, prompts, one, cache_len=cache_len, options=one_options)
+  nll, _ = teacher_forced_nll(params, cache, last, targets, cfg=cfg, method=one,
+                              options=one_options)
   compiled = prefill_step._cache_size()
-  options = RunOptions(mesh=make_mesh(MESH))
+  options = RunOptions(mesh=make_mesh(MESH), kv_dtype=kv_dtype)
   placed = sharding.placed(params, cfg, options.mesh)
-  m_cache, m_last = prefill(placed, cfg, prompts, mesh_entry, cache_len=128, options=options)
+  m_cache, m_last = prefill(placed, cfg, prompts, mesh_entry, cache_len=cache_len,
+                            options=options)
   np.testing.assert_allclose(np.asarray(m_last), np.asarray(last), atol=1e-4, rtol=0)
   # Every chunk ran one compiled step (a single-device `last` at chunk 1 once compiled a second)
   assert prefill_step._cache_size() == compiled + 1, (compiled, prefill_step._cache_size())
@@ -130,27 +162,33 @@ def model(one_name="reattention", mesh_name="reattention_mesh", **kw):
   np.testing.assert_allclose(np.asarray(nll_on_mesh), np.asarray(nll), atol=1e-4, rtol=0)
   if one_name == "resa":  # the prior did change the decode steps
     plain = get("reattention", **HP)
-    c, l = prefill(params, cfg, prompts, plain, cache_len=128)
+    c, l = prefill(params, cfg, prompts, plain, cache_len=cache_len)
     assert np.max(np.abs(np.asarray(teacher_forced_nll(params, c, l, targets, cfg=cfg,
                                                        method=plain)[0]) - nll)) > 1e-3
-  want = driver.generate(params, cfg, prompts, one, max_new_tokens=5, cache_len=128)
+  want = driver.generate(params, cfg, prompts, one, max_new_tokens=5, cache_len=cache_len,
+                         options=one_options)
   # Without a mesh the mesh entry spreads over every device on ctx.
-  got = driver.generate(params, cfg, prompts, mesh_entry, max_new_tokens=5, cache_len=128)
+  got = driver.generate(params, cfg, prompts, mesh_entry, max_new_tokens=5, cache_len=cache_len,
+                        options=one_options)
   assert got.tokens == want.tokens and got.report == {"devices": N}
 
 
 def errors():
-  """A cache that does not split into equal shards or whole blocks, and blocks that would split
-  a prefill chunk, are refused in one line."""
+  """A cache that does not split into equal shards or whole blocks (in 4 bits: of whole key
+  groups), and blocks that would split a prefill chunk or a key group, are refused in one line."""
   from jax_longctx.core.errors import LongctxError
   from jax_longctx.run.generation import prefill
   cfg = tiny_config(**TINY_LLAMA3)
-  options = RunOptions(mesh=make_mesh(MESH))
-  for block, cache_len, message in [
-      (0, 100, "cache_len=100 is not a multiple of 8, the unit 'reattention_mesh' splits"),
-      (8, 96, "cache_len=96 is not a multiple of 64, the unit 'reattention_mesh' splits"),
-      (12, 192, "shard_block=12 must be 0 (contiguous shards) or a multiple of the chunk (8)")]:
+  for block, cache_len, kv_dtype, message in [
+      (0, 100, None, "cache_len=100 is not a multiple of 8, the unit 'reattention_mesh' splits"),
+      (8, 96, None, "cache_len=96 is not a multiple of 64, the unit 'reattention_mesh' splits"),
+      (12, 192, None,
+       "shard_block=12 must be 0 (contiguous shards) or a multiple of the chunk (8)"),
+      # 4 bits: shards of whole key groups (32 tokens)
+      (0, 128, "int4", "cache_len=128 is not a multiple of 256, the unit 'reattention_mesh'"),
+      (8, 256, "int4", "shard_block=8 must be a multiple of the 4-bit cache's key group (32)")]:
     entry = get("reattention_mesh", shard_block=block, **HP)
+    options = RunOptions(mesh=make_mesh(MESH), kv_dtype=kv_dtype)
     try:
       prefill({}, cfg, [[1, 2, 3]], entry, cache_len=cache_len, options=options)
     except LongctxError as e:
@@ -171,7 +209,12 @@ CHECKS = {"layer": lambda: layer(False), "layer_tied": lambda: layer(True),
           "cyclic_layer_tied": lambda: layer(True, block=8),
           "cyclic_layer_gpu_kernels": lambda: layer(False, "gpu", block=8),
           "cyclic_model": lambda: model(shard_block=8),
-          "cyclic_resa_model": lambda: model("resa", "resa_mesh", lam=0.7, shard_block=8)}
+          "cyclic_resa_model": lambda: model("resa", "resa_mesh", lam=0.7, shard_block=8),
+          # The 4-bit cache: contiguous and block-cyclic shards, the GPU kernels interpreted.
+          "int4_layer": lambda: layer(False, kv_dtype="int4", t=512),
+          "int4_model": lambda: model(kv_dtype="int4", cache_len=256),
+          "int4_cyclic_layer_gpu_kernels": lambda: layer(False, "gpu", block=32, kv_dtype="int4",
+                                                         t=512)}
 
 if __name__ == "__main__":
   assert len(jax.devices()) >= N, f"needs {N} devices, got {len(jax.devices())}"
