@@ -6,7 +6,7 @@ tokens) either runs with the cache in 4 bits, every layer's keys grouped along t
 per token (about a third of the fp32 bytes here), the prompt's last logits and the teacher-forced
 NLL of 4 decode steps within a stated tolerance of the same run in the model's dtype; or states
 an `int4_refusal` and is refused with it, in one line, before anything runs (the mesh methods
-too, on one device; mesh ReAttention stores it).
+too, on one device; mesh ReAttention and RESA over it store it).
 
 Tolerances: a 4-bit group rounds each value by at most half a step, 1/30 of its group's range
 (values: a token's 8 channels here, head_dim 8; keys: a channel over 32 tokens, or whole while
@@ -70,7 +70,7 @@ def test_a_4_bit_cache_of_a_real_shape_holds_under_two_fifths_of_bf16s_bytes():
 
 
 # Mesh methods that store 4 bits (tests/test_reattention_mesh.py: as one device, on 8 devices).
-MESH_STORES = ("reattention_mesh",)
+MESH_STORES = ("reattention_mesh", "resa_mesh")
 
 
 @pytest.mark.parametrize("name", [n for n in names() if n not in LAYER])
@@ -81,7 +81,9 @@ def test_methods_over_a_mesh_store_a_4_bit_cache_or_refuse_it_in_one_line(tiny, 
   if name in MESH_STORES:
     from tests.helpers.reattention_mesh_checks import HP
     assert not method.int4_refusal
-    cache = new_cache(cfg, get(name, **HP), 1, 64, "int4", chunk=HP["chunk"])
+    method = (get(name, **HP) if name == "reattention_mesh"
+              else get(name, base_args=tuple(HP.items())))
+    cache = new_cache(cfg, method, 1, 64, "int4", chunk=HP["chunk"])
     assert any(isinstance(x, quant4.GroupedKeys)
                for x in jax.tree.leaves(cache, is_leaf=quant4.is_int4))
     return

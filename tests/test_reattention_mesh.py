@@ -12,7 +12,7 @@ from tests.conftest import run_on_eight_devices
                                   "stride_model", "resa_model", "errors", "cyclic_layer_tied",
                                   "cyclic_layer_gpu_kernels", "cyclic_model",
                                   "cyclic_resa_model", "int4_layer", "int4_cyclic_layer_gpu_kernels",
-                                  "int4_model"])
+                                  "int4_model", "int4_resa_model"])
 def test_on_eight_devices(name, request):
   run_on_eight_devices("tests.helpers.reattention_mesh_checks", name, request)
 

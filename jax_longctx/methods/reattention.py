@@ -24,7 +24,7 @@ import pallas_kernels
 from pallas_kernels import quant4
 from jax_longctx.ops.attention import attention
 from jax_longctx.ops.cache import INT4, KVCache, load, per_row
-from jax_longctx.methods.base import AttnContext, Method, MethodError, register
+from jax_longctx.methods.base import AttnContext, Method, MethodError, TokenShards, register
 from jax_longctx.methods.reattention_scope import (Scope, ballots, candidates, scope_from_votes,
                                                    select_scope, step_bounds, voters)
 from jax_longctx.methods.token_layout import device_part, global_top_k, layout_here
@@ -221,15 +221,16 @@ class MeshReAttention(ReAttention):
                              group_here=lambda groups: layout.slot(groups * g, p) // g,
                              route=ctx.options.route, valid=ctx.valid)
 
-  def _here(self, state: KVCache, ctx: AttnContext) -> KVCache:
-    """The shard as the kernels read it (a 4-bit residual group at its slot here, if here)."""
+  def here(self, state: KVCache, tokens: TokenShards) -> KVCache:
+    """This device's shard as a cache of its own, as every read takes it (a 4-bit residual key
+    group at its slot here, or none where another shard holds it)."""
     if not isinstance(state.k, quant4.GroupedKeys):
       return state
-    layout, p = layout_here(ctx.tokens, state.max_len, self.shard_block)
+    layout, p = layout_here(tokens, state.max_len, self.shard_block)
     return state.shard_view(layout.slot(state.k.residual_group * quant4.GROUP, p))
 
   def scope(self, state: KVCache, q, ctx: AttnContext) -> Scope:
-    state = self._here(state, ctx)
+    state = self.here(state, ctx.tokens)
     layout, p = layout_here(ctx.tokens, state.max_len, self.shard_block)
     seq_end, hi = step_bounds(ctx.q_pos, ctx.valid, self.n_local)
     q, valid = voters(q, ctx.valid, self.vote_stride)
@@ -246,7 +247,7 @@ class MeshReAttention(ReAttention):
 
   def attend_scope(self, q, state: KVCache, sc: Scope, ctx: AttnContext):
     part = device_part(sc, *layout_here(ctx.tokens, state.max_len, self.shard_block))
-    out, lse = super().attend_scope(q, self._here(state, ctx), part, ctx)
+    out, lse = super().attend_scope(q, self.here(state, ctx.tokens), part, ctx)
     out, lse = ctx.tokens.merge(out, lse)
     return out.astype(q.dtype), lse
 

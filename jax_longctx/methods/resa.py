@@ -260,15 +260,11 @@ class MeshRESA(RESA):
       raise MethodError(f"resa_mesh wraps reattention_mesh, not {self.base!r}")
     return get(self.base, shard_block=self.shard_block, **dict(self.base_args))
 
-  @property
-  def int4_refusal(self) -> str:
-    return ("its prior reads every shard's keys and the scope's, which the 4-bit cache split over "
-            "the mesh's ctx axis does not give it")
-
   def cache_unit(self, shards: int, kv_dtype=None) -> int:
     return self.inner.cache_unit(shards, kv_dtype)
 
   def prior_over_cache(self, mu_q, cache: KVCache, lengths, info: PrefillEnd):
+    cache = self.inner.here(cache, info.tokens)
     layout, p = layout_here(info.tokens, cache.max_len, self.shard_block)
     held = layout.held_below(lengths, p)  # this shard's prompt slots: its first ones
     k_sum, o_est, lse_p = super().prior_over_cache(mu_q, cache, held, info)
@@ -276,6 +272,7 @@ class MeshRESA(RESA):
     return info.tokens.sum(k_sum), o_est, lse_p
 
   def prior_over_scope(self, mu_q, cache: KVCache, sc, tokens: TokenShards):
+    cache = self.inner.here(cache, tokens)
     part = device_part(sc, *layout_here(tokens, cache.max_len, self.shard_block))
     return tokens.merge(*super().prior_over_scope(mu_q, cache, part, tokens))
 

@@ -213,6 +213,8 @@ CHECKS = {"layer": lambda: layer(False), "layer_tied": lambda: layer(True),
           # The 4-bit cache: contiguous and block-cyclic shards, the GPU kernels interpreted.
           "int4_layer": lambda: layer(False, kv_dtype="int4", t=512),
           "int4_model": lambda: model(kv_dtype="int4", cache_len=256),
+          "int4_resa_model": lambda: model("resa", "resa_mesh", lam=0.7, kv_dtype="int4",
+                                           cache_len=256),
           "int4_cyclic_layer_gpu_kernels": lambda: layer(False, "gpu", block=32, kv_dtype="int4",
                                                          t=512)}
 
