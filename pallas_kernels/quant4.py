@@ -201,6 +201,22 @@ def write_grouped_keys(buf: GroupedKeys, positions, new, *, capacity: int | None
   return GroupedKeys(main, residual, full.astype(jnp.int32))
 
 
+def grouped_keys_written_whole(k, valid, residual_dtype, group: int = GROUP) -> GroupedKeys:
+  """Keys written all at once, [B, KV, T, d] (T whole groups), as a buffer with no group open
+  (residual_group T / G: past the end). valid [B, T]: the slots a query reads; the others (a
+  context's padding) take their group's smallest valid entry, so they widen no range."""
+  b, kvh, t, d = k.shape
+  if t % group:
+    raise ValueError(f"int4 keys: {t} slots are not whole groups of {group}")
+  kf = k.astype(jnp.float32)
+  ok = valid[:, None, :, None]
+  lo = jnp.where(ok, kf, jnp.inf).reshape(b, kvh, t // group, group, d).min(axis=3)
+  fill = jnp.repeat(jnp.where(jnp.isfinite(lo), lo, 0.0), group, axis=2)  # [B, KV, T, d]
+  return GroupedKeys(quantize(jnp.where(ok, kf, fill), group, axis=2),
+                     jnp.zeros((b, kvh, group, d), residual_dtype),
+                     jnp.full((b,), t // group, jnp.int32))
+
+
 def slice_grouped_keys(buf: GroupedKeys, start, size: int) -> GroupedKeys:
   """Slots start .. start + size of the keys (start may be traced; both whole groups) as a
   buffer of their own: codes, scales and zero points sliced, the residual group renumbered (a

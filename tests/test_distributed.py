@@ -15,7 +15,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.mark.parametrize("name", ["ring_causal", "ring_full", "star_phase2", "star_one_block",
                                   "star_two_blocks", "ring_end_to_end", "star_blocks",
-                                  "star_vs_transformers", "star_two_blocks_in_rows"])
+                                  "star_vs_transformers", "star_two_blocks_in_rows",
+                                  "four_bit"])
 def test_on_eight_devices(name, request):
   run_on_eight_devices("tests.helpers.distributed_checks", name, request)
 

@@ -5,8 +5,8 @@ Every registered per-layer method (tiny random model, fp32, GQA 6/2, one device,
 tokens) either runs with the cache in 4 bits, every layer's keys grouped along tokens and values
 per token (about a third of the fp32 bytes here), the prompt's last logits and the teacher-forced
 NLL of 4 decode steps within a stated tolerance of the same run in the model's dtype; or states
-an `int4_refusal` and is refused with it, in one line, before anything runs (the mesh methods
-too, on one device; mesh ReAttention and RESA over it store it).
+an `int4_refusal` and is refused with it, in one line, before anything runs. Every method over a
+mesh stores it (here on one device).
 
 Tolerances: a 4-bit group rounds each value by at most half a step, 1/30 of its group's range
 (values: a token's 8 channels here, head_dim 8; keys: a channel over 32 tokens, or whole while
@@ -69,27 +69,21 @@ def test_a_4_bit_cache_of_a_real_shape_holds_under_two_fifths_of_bf16s_bytes():
   assert made("int4") / made("bfloat16") == pytest.approx(0.375 + 32 / 32768 / 2, rel=1e-3)
 
 
-# Mesh methods that store 4 bits (tests/test_reattention_mesh.py: as one device, on 8 devices).
-MESH_STORES = ("reattention_mesh", "resa_mesh")
-
-
 @pytest.mark.parametrize("name", [n for n in names() if n not in LAYER])
-def test_methods_over_a_mesh_store_a_4_bit_cache_or_refuse_it_in_one_line(tiny, name):
-  from jax_longctx.model.decoder import new_cache
-  cfg, _ = tiny
-  method = get(name)
-  if name in MESH_STORES:
-    from tests.helpers.reattention_mesh_checks import HP
-    assert not method.int4_refusal
-    method = (get(name, **HP) if name == "reattention_mesh"
-              else get(name, base_args=tuple(HP.items())))
-    cache = new_cache(cfg, method, 1, 64, "int4", chunk=HP["chunk"])
-    assert any(isinstance(x, quant4.GroupedKeys)
-               for x in jax.tree.leaves(cache, is_leaf=quant4.is_int4))
-    return
-  assert method.int4_refusal
-  with pytest.raises(MethodError, match=f"^{name} cannot store a 4-bit cache .*: "):
-    new_cache(cfg, method, 1, 64, "int4")
+def test_every_method_over_a_mesh_stores_a_4_bit_cache(tiny, name):
+  """On one device, as the per-layer methods above (on 8 devices: tests/test_reattention_mesh.py
+  and tests/test_distributed.py)."""
+  from tests.test_kv_quant import _mesh_method
+  cfg, params = tiny
+  method = _mesh_method(name)
+  assert not method.int4_refusal
+  want_last, want_nll, _ = _run(params, cfg, method, None)
+  last, nll, cache = _run(params, cfg, method, "int4")
+  np.testing.assert_allclose(last, want_last, atol=LOGIT_ATOL, rtol=0, err_msg=name)
+  np.testing.assert_allclose(nll, want_nll, atol=0, rtol=NLL_RTOL, err_msg=name)
+  assert not np.array_equal(last, want_last), f"{name}: the 4-bit run read whole keys"
+  assert any(isinstance(x, quant4.GroupedKeys)
+             for x in jax.tree.leaves(cache.state, is_leaf=quant4.is_int4)), name
 
 
 @pytest.mark.parametrize("name", ["full", "reattention"])

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax_longctx.core.config import LlamaConfig
 from jax_longctx.core.options import DEFAULT as DEFAULT_OPTIONS
 from jax_longctx.core.options import RunOptions
-from jax_longctx.ops.cache import INT4
+from jax_longctx.ops.cache import is_int4_dtype
 from jax_longctx.ops.mesh_attention import merge_across
 from jax_longctx.methods.hparams import (Budget, MethodError, args_per_method, check_fields,
                                          field_types, parse_method_args, resolve_budget)
@@ -311,7 +311,7 @@ _KINDS = {"all": lambda cls: True, "layer": lambda cls: not cls.splits_tokens,
 def check_cache_dtype(method: Method, dtype) -> None:
   """Refuses, in one line, a cache dtype the method cannot store (kv_dtype "int4" where it
   states an `int4_refusal`); every road that makes a method's cache asks this first."""
-  if isinstance(dtype, str) and dtype == INT4 and method.int4_refusal:
+  if is_int4_dtype(dtype) and method.int4_refusal:
     raise MethodError(f"{method.name} cannot store a 4-bit cache (kv_dtype int4): "
                       f"{method.int4_refusal}")
 

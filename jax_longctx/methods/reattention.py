@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import pallas_kernels
 from pallas_kernels import quant4
 from jax_longctx.ops.attention import attention
-from jax_longctx.ops.cache import INT4, KVCache, load, per_row
+from jax_longctx.ops.cache import KVCache, is_int4_dtype, load, per_row
 from jax_longctx.methods.base import AttnContext, Method, MethodError, TokenShards, register
 from jax_longctx.methods.reattention_scope import (Scope, ballots, candidates, scope_from_votes,
                                                    select_scope, step_bounds, voters)
@@ -203,14 +203,17 @@ class MeshReAttention(ReAttention):
       raise MethodError(f"shard_block={self.shard_block} must be 0 (contiguous shards) or a "
                         f"multiple of the chunk ({self.chunk}): a step's tokens must lie in one "
                         "device's block")
-    if _is_int4(dtype) and self.shard_block % quant4.GROUP:
+    if is_int4_dtype(dtype) and self.shard_block % quant4.GROUP:
       raise MethodError(f"shard_block={self.shard_block} must be a multiple of the 4-bit "
                         f"cache's key group ({quant4.GROUP}): a group must lie in one block")
     return super().init_state(cfg, batch, max_len, dtype, chunk)
 
   def cache_unit(self, shards: int, kv_dtype=None) -> int:
-    block = max(self.shard_block, 1)  # whole blocks on every device, whole key groups in 4 bits
-    return shards * (math.lcm(block, quant4.GROUP) if _is_int4(kv_dtype) else block)
+    # Whole blocks on every device; in 4 bits whole key groups too (one device rounds its
+    # slots up to whole groups itself).
+    block = max(self.shard_block, 1)
+    grouped = is_int4_dtype(kv_dtype) and shards > 1
+    return shards * (math.lcm(block, quant4.GROUP) if grouped else block)
 
   def write(self, state: KVCache, k, v, ctx: AttnContext) -> KVCache:
     layout, p = layout_here(ctx.tokens, state.max_len, self.shard_block)
@@ -251,6 +254,3 @@ class MeshReAttention(ReAttention):
     out, lse = ctx.tokens.merge(out, lse)
     return out.astype(q.dtype), lse
 
-
-def _is_int4(dtype) -> bool:
-  return isinstance(dtype, str) and dtype == INT4  # a numpy dtype equals the string "int4" (int32)

@@ -27,12 +27,13 @@ import jax.numpy as jnp
 from flax import struct
 
 import pallas_kernels
+from pallas_kernels import quant4
 from jax_longctx.core.axes import HEADS, ROWS, TOKENS, axes
 from jax_longctx.core.rope import apply_rope
 from jax_longctx.methods.base import AttnContext, Method, MethodError, register
 from jax_longctx.methods.chunk_cache import ChunkCache
 from jax_longctx.ops.attention import attention, merge_attention
-from jax_longctx.ops.cache import stored_as
+from jax_longctx.ops.cache import is_int4_dtype, stored_as
 from jax_longctx.ops.mesh_attention import ring_attention
 
 
@@ -96,8 +97,7 @@ class _ContextEncoded(Method):
   splits_tokens = True
   encodes_context = True
   needs_instruction = True  # the query, read apart from the context
-  int4_refusal = ("encodes its context in blocks over the mesh's ctx axis, which the 4-bit cache "
-                  "does not take")
+  int4_refusal = ""  # the context quantized once encoded (context_in_four_bits)
 
   def init_state(self, cfg, batch, max_len, dtype, chunk):
     raise MethodError(f"{self.name!r} encodes its context in blocks (run/context_encoding.py), "
@@ -156,11 +156,25 @@ class RingAttention(_ContextEncoded):
 
 def _context_kv(k, v, ctx: AttnContext) -> ContextKV:
   """A forward's rows as a layer's context: keys after RoPE, [B, KV, T, d], stored as the run
-  stores its cache (RunOptions.kv_dtype)."""
+  stores its cache (RunOptions.kv_dtype; a 4-bit cache's keys group along tokens, across the
+  rows of a device: kept whole here, quantized once the context is assembled)."""
   dtype = ctx.options.cache_dtype(k.dtype)
+  dtype = k.dtype if is_int4_dtype(dtype) else dtype
   return ContextKV(stored_as(jnp.swapaxes(k, 1, 2), dtype),
                    stored_as(jnp.swapaxes(v, 1, 2).astype(k.dtype), dtype),
                    jnp.where(ctx.valid, ctx.q_pos, -1))
+
+
+def context_in_four_bits(c: ContextKV) -> ContextKV:
+  """A device's context, assembled in the model's dtype, as the 4-bit cache stores it (quant4,
+  KIVI's layout): keys per channel over groups of 32 tokens, none left open (a context is
+  written once), values per token; its slots padded to whole groups (pos -1: never read)."""
+  g = quant4.GROUP
+  pad = -c.k.shape[2] % g
+  widen = lambda a: jnp.pad(a, ((0, 0), (0, 0), (0, pad), (0, 0)))  # noqa: E731
+  k, v, pos = widen(c.k), widen(c.v), jnp.pad(c.pos, ((0, 0), (0, pad)), constant_values=-1)
+  return ContextKV(quant4.grouped_keys_written_whole(k, pos >= 0, k.dtype),
+                   quant4.quantize(v, min(g, v.shape[-1])), pos)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -44,16 +44,23 @@ from pallas_kernels.quant import (Quantized, dequantize, offset_rows, split_offs
                                   zeros_like_storage)
 from pallas_kernels.route import Route
 
-__all__ = ["Cache", "INT4", "KVCache", "Quantized", "holds_8_bit", "load", "per_row", "stored",
+__all__ = ["Cache", "INT4", "is_int4_dtype", "KVCache", "Quantized", "holds_8_bit", "load",
+           "per_row", "stored",
            "stored_as", "float_dtype", "weighted_sum", "set_key_offset", "split_offset", "zeros"]
 
-INT4 = "int4"  # the 4-bit cache's kv_dtype (quant4.py's layout; KVCache only)
+INT4 = "int4"  # the 4-bit cache's kv_dtype (quant4.py's layout)
+
+
+def is_int4_dtype(dtype) -> bool:
+  """Whether a cache dtype is the 4-bit cache's (a numpy dtype compares equal to the string
+  "int4", numpy's name for int32: only the string names it)."""
+  return isinstance(dtype, str) and dtype == INT4
 
 
 def zeros(shape, dtype, *, offset_heads_axis: int | None = None):
   """An empty K or V buffer [..., d] stored as `dtype` (a float dtype or an 8-bit one).
   offset_heads_axis: for keys cached before RoPE, the buffer's KV-head axis (module doc)."""
-  if isinstance(dtype, str) and dtype == INT4:
+  if is_int4_dtype(dtype):
     raise ValueError("a 4-bit K/V buffer is made by KVCache.zeros (its keys are grouped along "
                      "tokens), for a method that stores_int4")
   return zeros_like_storage(shape, dtype, offset_heads_axis)
@@ -172,7 +179,7 @@ class KVCache:
     "int4": slots then rounded up to whole key groups); keys_before_rope: the keys are cached
     before RoPE (an 8-bit buffer then holds their offset: module doc; 4-bit keys need none,
     their groups' zero points take a common part out)."""
-    if isinstance(dtype, str) and dtype == INT4:
+    if is_int4_dtype(dtype):
       g = quant4.GROUP
       shape = (batch, cfg.num_kv_heads, -(-max_len // g) * g, cfg.head_dim)
       # values over groups of 32 channels (KIVI's), or of a head's all where it has fewer

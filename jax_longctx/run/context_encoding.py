@@ -27,9 +27,9 @@ from jax_longctx.core.mesh import axis_size
 from jax_longctx.core.options import DEFAULT, RunOptions
 from jax_longctx.methods.base import Method, check_cache_dtype
 from jax_longctx.methods.chunk_cache import ChunkCache
-from jax_longctx.methods.star import ContextKV, Layout, Phase2State
+from jax_longctx.methods.star import ContextKV, Layout, Phase2State, context_in_four_bits
 from jax_longctx.model import device_view, forward
-from jax_longctx.ops.cache import Cache, per_row
+from jax_longctx.ops.cache import Cache, is_int4_dtype, per_row
 from jax_longctx.run.chunked_prefill import padded
 from jax_longctx.run.instructed import INSTRUCTION_ROUND, encode_appended
 from jax_longctx.run.sharding import mesh_step
@@ -106,6 +106,8 @@ def encode_blocks(params, tok, pos, ok, offset, lengths, *, cfg: LlamaConfig, me
                for s in rows.state]  # pos -1 past the context's end
   local_cfg = device_view(cfg, options)[0]
   dtype = options.cache_dtype(cfg.jnp_dtype)
+  if is_int4_dtype(dtype):  # the query's and generated tokens (a few hundred) stay whole
+    context, dtype = [context_in_four_bits(c) for c in context], cfg.jnp_dtype
   state = tuple(Phase2State(c, ChunkCache.empty(local_cfg, b, room, room, dtype))
                 for c in context)
   return Cache(lengths, state, 0)

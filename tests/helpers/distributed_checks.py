@@ -133,6 +133,34 @@ def star_blocks():
   assert np.max(np.abs(np.asarray(logits) - want_logits)) > 1e-3
 
 
+def four_bit():
+  """The 4-bit cache (each device's context quantized once encoded: quant4's layout) on 8
+  devices: Star with blocks of 32 tokens (a device's context whole key groups) gives one
+  device's logits and tokens (the same groups); Star and ring come within the 4-bit cache's
+  tolerance of their runs in the model's dtype (tests/test_kv_int4.py's) and differ from them."""
+  cfg, params = _tiny()
+  rng = np.random.default_rng(2)
+  contexts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (37, 50)]
+  queries = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (5, 3)]
+
+  def run(name, n_dev, kv_dtype, **settings):
+    from jax_longctx.methods import get
+    from jax_longctx.run.driver import generate
+    out = generate(params, cfg, contexts, get(name, **settings), max_new_tokens=4,
+                   instructions=queries, options=RunOptions(mesh=f"ctx={n_dev}", kv_dtype=kv_dtype))
+    return out.tokens, np.asarray(out.logits)
+
+  rows, logits = run("star", N, "int4", block_size=32)
+  one_rows, one_logits = run("star", 1, "int4", block_size=32)
+  np.testing.assert_allclose(logits, one_logits, atol=1e-4, rtol=0)
+  assert rows == one_rows
+  for name, settings in (("star", dict(block_size=32)), ("ring", {})):
+    _, whole = run(name, N, None, **settings)
+    _, four = run(name, N, "int4", **settings)
+    np.testing.assert_allclose(four, whole, atol=0.04, rtol=0, err_msg=name)
+    assert not np.array_equal(four, whole), f"{name}: the 4-bit run read whole keys"
+
+
 def star_vs_transformers():
   """Star with blocks of 8 and an anchor of 5 (7 blocks over 8 devices; then 4 devices, two
   blocks each) equals Star written over transformers' Llama (tests/helpers/hf_reference.hf_star) for
@@ -167,7 +195,8 @@ CHECKS = {"ring_causal": functools.partial(ring, True), "ring_full": functools.p
           "star_two_blocks": functools.partial(end_to_end, "star", 32),
           "star_two_blocks_in_rows": functools.partial(end_to_end, "star", 32,
                                                        shared_anchor=False),
-          "ring_end_to_end": functools.partial(end_to_end, "ring"), "star_blocks": star_blocks}
+          "ring_end_to_end": functools.partial(end_to_end, "ring"), "star_blocks": star_blocks,
+          "four_bit": four_bit}
 
 if __name__ == "__main__":
   assert len(jax.devices()) >= N, f"needs {N} devices, got {len(jax.devices())}"
