@@ -253,4 +253,3 @@ class MeshReAttention(ReAttention):
     out, lse = super().attend_scope(q, self.here(state, ctx.tokens), part, ctx)
     out, lse = ctx.tokens.merge(out, lse)
     return out.astype(q.dtype), lse
-

@@ -137,6 +137,30 @@ def test_grouped_keys_quantize_each_group_once_it_fills_and_keep_the_rest_whole(
     quant4.zeros_grouped_keys((1, 1, 40, d), jnp.bfloat16)
 
 
+def test_keys_written_whole_take_their_ranges_from_the_valid_slots_alone():
+  """A context written at once (Star's): no group left open, and its padding slots (set huge
+  here) change no code, scale or zero point of the valid ones: every group with a valid slot
+  quantizes as its valid slots alone would (a wholly padded group: any range)."""
+  b, kvh, t, d = 2, 2, 96, 16
+  rng = np.random.default_rng(3)
+  keys = rng.normal(size=(b, kvh, t, d)).astype(np.float32)
+  valid = np.arange(t)[None, :] < np.array([[70], [33]])  # [B, T]
+  padded = np.where(valid[:, None, :, None], keys, 1e4)
+  got = quant4.grouped_keys_written_whole(jnp.asarray(padded), jnp.asarray(valid), jnp.bfloat16)
+  assert got.residual_group.tolist() == [t // G] * b
+  read = np.asarray(quant4.load_grouped_keys(got))
+  for row, n in enumerate((70, 33)):
+    for start in range(0, n, G):
+      end = min(start + G, n)
+      group = keys[row, :, start:end]
+      step = (group.max(axis=1) - group.min(axis=1)) / 15  # [KV, d]
+      err = np.abs(read[row, :, start:end] - group)
+      assert np.all(err <= step[:, None, :] / 2 + 1e-5), (row, start, float(err.max()))
+  with pytest.raises(ValueError, match="not whole groups"):
+    quant4.grouped_keys_written_whole(jnp.zeros((1, 1, 40, d)), jnp.ones((1, 40), bool),
+                                      jnp.bfloat16)
+
+
 def test_products_over_codes_equal_the_dequantize_first_definitions():
   """quant4_products folds key scales into the query per group (and zero points into one dot
   product per group): equal, within fp32 rounding, to the same products over the dequantized
