@@ -31,12 +31,11 @@ from pallas_kernels.decode import split_merge
 
 SQ = gpu.SQ
 
-# Programs a GPU core the key splits aim for: twice the other split-K kernels'. A program's
-# registers (152 a thread) allow 3 a core, and at 2 the grid of a batch-1 step (8 KV heads x 32
-# splits on an H200) left each core's schedulers with 0.56 eligible warps (Nsight Compute: the
-# kernel bound by latency at a third of HBM's rate); at 32K keys on an H200 the 8B shape's
-# kernel took 0.100 ms at 32 splits and 0.070 ms at 64 (BENCHMARKS.md).
-PROGRAMS_PER_CORE = 4
+# Programs a GPU core the key splits aim for: the other split-K kernels' 2. The kernel alone
+# (8B attention shape, batch 1, 32K keys, H200) ran 0.100 ms at 2 a core and 0.070 ms at 4, but
+# in the model's decode step, timed in one run, 4 a core (66 splits) took 6.69 ms a step at 32K
+# against 2's 6.21 (10.44 / 10.39 ms at 128K; 132 splits 6.48 / 10.21): BENCHMARKS.md.
+PROGRAMS_PER_CORE = 2
 
 # x | MAGIC, read as the float type, is BIAS + x exactly for 0 <= x < 16 (the float's last
 # mantissa bits count by one there): a code becomes a float by an or and a subtraction, not by
