@@ -36,6 +36,15 @@ import numpy as np
 
 LEVELS = 16  # codes 0..15
 GROUP = 32  # KIVI's group, the one measured
+# The dtype scales and zero points are stored in. KIVI stores fp16: 160 bytes a token, KV head
+# and layer at d 128 (codes 128) where fp32 takes 192, and 3.5M tokens of the 3B shape with
+# ReAttention decoded on one H200 where fp32 held 3M. But the decode kernel as written read
+# fp16 scales 21% slower at 128K keys (0.245 against 0.203 ms; the 8B's decode step 11.80
+# against 10.36 ms, H200, one run: BENCHMARKS.md), so fp32 stays until its value scales are
+# laid out for coalesced loads. Either way the codes are computed against the stored (rounded)
+# scale and zero point (`as_stored`), so the rounding moves the grid, not the codes' meaning.
+# Changing it changes results: run_settings names it in an int4 record's entry.
+SCALE_DTYPE = jnp.float32
 
 
 def pack(codes: jax.Array) -> jax.Array:
@@ -64,7 +73,7 @@ def _check_axis(x, group: int, axis: int) -> int:
                    meta_fields=["axis", "group"])
 @dataclasses.dataclass(frozen=True)
 class Int4:
-  """codes uint8 [..., d // 2] (packed); scale, zero fp32 with the shape of x but `axis`
+  """codes uint8 [..., d // 2] (packed); scale, zero (SCALE_DTYPE) with the shape of x but `axis`
   divided by `group`: x ~= code * scale + zero, one (scale, zero) per group along `axis`."""
 
   codes: jax.Array
@@ -78,26 +87,37 @@ class Int4:
     return (*self.codes.shape[:-1], 2 * self.codes.shape[-1])
 
 
+def as_stored(scale, zero):
+  """fp32 scales and zero points as they are stored: rounded to SCALE_DTYPE and back (a scale
+  that rounds to 0, a group of range under 2^-24 * 15: 1, its codes all 0)."""
+  f32 = jnp.float32
+  scale = scale.astype(SCALE_DTYPE).astype(f32)
+  return jnp.where(scale > 0, scale, 1.0), zero.astype(SCALE_DTYPE).astype(f32)
+
+
 def quantize(x, group: int = GROUP, axis: int = -1) -> Int4:
   """x [..., d] -> Int4 over groups of `group` entries along `axis` (-1: each row's channels,
-  values; the token axis: each channel over tokens, keys), each group's own min and max."""
+  values; the token axis: each channel over tokens, keys), each group's own min and max, the
+  codes against the stored (SCALE_DTYPE) scale and zero point."""
   axis = _check_axis(x, group, axis)
   xf = x.astype(jnp.float32)
   n = x.shape[axis]
   grouped = xf.reshape(*x.shape[:axis], n // group, group, *x.shape[axis + 1:])
   lo = grouped.min(axis + 1, keepdims=True)
   width = grouped.max(axis + 1, keepdims=True) - lo
-  scale = jnp.where(width > 0, width / (LEVELS - 1), 1.0)  # a flat group: scale 1, codes 0
-  codes = jnp.clip(jnp.round((grouped - lo) / scale), 0, LEVELS - 1).astype(jnp.uint8)
-  return Int4(pack(codes.reshape(x.shape)), scale.squeeze(axis + 1), lo.squeeze(axis + 1),
-              axis, group)
+  scale, zero = as_stored(jnp.where(width > 0, width / (LEVELS - 1), 1.0), lo)
+  codes = jnp.clip(jnp.round((grouped - zero) / scale), 0, LEVELS - 1).astype(jnp.uint8)
+  return Int4(pack(codes.reshape(x.shape)), scale.squeeze(axis + 1).astype(SCALE_DTYPE),
+              zero.squeeze(axis + 1).astype(SCALE_DTYPE), axis, group)
 
 
 def dequantize(x: Int4, dtype=jnp.float32) -> jax.Array:
   """Int4 -> code * scale + zero in `dtype` (computed in fp32)."""
   def spread(a):  # one entry per group -> one per element along the axis
     return jnp.repeat(a, x.group, axis=x.axis)
-  return (unpack(x.codes).astype(jnp.float32) * spread(x.scale) + spread(x.zero)).astype(dtype)
+  f32 = jnp.float32
+  return (unpack(x.codes).astype(f32) * spread(x.scale).astype(f32)
+          + spread(x.zero).astype(f32)).astype(dtype)
 
 
 def per_row(fn: Callable, *xs):
@@ -116,8 +136,8 @@ def zeros_values(shape, group: int = GROUP) -> Int4:
   if shape[-1] % group or shape[-1] % 2:
     raise ValueError(f"int4 values: {shape[-1]} channels are not whole groups of {group}")
   grouped = (*shape[:-1], shape[-1] // group)
-  return Int4(jnp.zeros((*shape[:-1], shape[-1] // 2), jnp.uint8), jnp.ones(grouped, jnp.float32),
-              jnp.zeros(grouped, jnp.float32), len(shape) - 1, group)
+  return Int4(jnp.zeros((*shape[:-1], shape[-1] // 2), jnp.uint8), jnp.ones(grouped, SCALE_DTYPE),
+              jnp.zeros(grouped, SCALE_DTYPE), len(shape) - 1, group)
 
 
 def nbytes(x) -> int:
@@ -151,8 +171,9 @@ def zeros_grouped_keys(shape, dtype, group: int = GROUP) -> GroupedKeys:
   b, kvh, t, d = shape
   if t % group:
     raise ValueError(f"int4 keys: {t} slots are not whole groups of {group}")
-  main = Int4(jnp.zeros((b, kvh, t, d // 2), jnp.uint8), jnp.ones((b, kvh, t // group, d),
-              jnp.float32), jnp.zeros((b, kvh, t // group, d), jnp.float32), 2, group)
+  groups = (b, kvh, t // group, d)
+  main = Int4(jnp.zeros((b, kvh, t, d // 2), jnp.uint8), jnp.ones(groups, SCALE_DTYPE),
+              jnp.zeros(groups, SCALE_DTYPE), 2, group)
   return GroupedKeys(main, jnp.zeros((b, kvh, group, d), dtype), jnp.zeros((b,), jnp.int32))
 
 
@@ -238,7 +259,8 @@ def load_grouped_keys(buf: GroupedKeys, dtype=jnp.float32) -> jax.Array:
   b, kvh, t, d = buf.shape
   g = buf.main.group
   codes = unpack(buf.main.codes).astype(jnp.float32).reshape(b, kvh, t // g, g, d)
-  keys = codes * buf.main.scale[:, :, :, None] + buf.main.zero[:, :, :, None]
+  scale, zero = (a.astype(jnp.float32)[:, :, :, None] for a in (buf.main.scale, buf.main.zero))
+  keys = codes * scale + zero
   is_open = jnp.arange(t // g) == buf.residual_group[:, None]  # [B, T / G]
   keys = jnp.where(is_open[:, None, :, None, None],
                    buf.residual.astype(jnp.float32)[:, :, None], keys)
@@ -270,8 +292,8 @@ def rows_of_grouped_keys(fn: Callable, buf: GroupedKeys) -> jax.Array:
   ids = jnp.arange(b * kvh * t, dtype=jnp.int32).reshape(b, kvh, t, 1)
   taken = fn(ids)[..., 0]  # [..., n]: which (sequence, head, slot) each row is
   seq_head, slot = taken // t, taken % t
-  def of_group(a):  # [B, KV, T / G, d] -> the rows' groups' entries [..., n, d]
-    return a.reshape(-1, d)[seq_head * (t // g) + slot // g]
+  def of_group(a):  # [B, KV, T / G, d] -> the rows' groups' entries [..., n, d] fp32
+    return a.reshape(-1, d)[seq_head * (t // g) + slot // g].astype(jnp.float32)
   rows = unpack(fn(buf.main.codes)).astype(jnp.float32) * of_group(buf.main.scale)
   rows = rows + of_group(buf.main.zero)
   in_residual = slot // g == buf.residual_group[seq_head // kvh]

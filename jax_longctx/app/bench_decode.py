@@ -65,15 +65,17 @@ def is_shape(model: str) -> bool:
 def bytes_per_token(cfg, ctx: int, batch: int, kv_dtype: str | None = None) -> tuple[int, int]:
   """(weight bytes read per decode step, KV bytes read per step): the weights in their dtype,
   the cache in it too or, 8-bit, a byte a value and an fp32 scale per (token, KV head), or,
-  4-bit, half a byte a value and an fp32 scale and zero point per 32 values (quant4.py)."""
+  4-bit, half a byte a value and a scale and zero point per group of values (quant4.py)."""
   import numpy as np
+  from pallas_kernels import quant4
   item = np.dtype(cfg.jnp_dtype).itemsize
   weights = cfg.num_params() - cfg.vocab_size * cfg.hidden_size  # embedding: one row per token
   if cfg.tie_word_embeddings:
     weights += cfg.vocab_size * cfg.hidden_size  # ... unless it is also the output head
   rows = 2 * cfg.num_layers * batch * cfg.num_kv_heads * ctx  # K and V rows of head_dim values
-  per_row = {None: item * cfg.head_dim, "int4": cfg.head_dim // 2 + cfg.head_dim // 4}.get(
-      kv_dtype, cfg.head_dim + 4)
+  int4_row = cfg.head_dim // 2 + (
+      cfg.head_dim * 2 * np.dtype(quant4.SCALE_DTYPE).itemsize // quant4.GROUP)
+  per_row = {None: item * cfg.head_dim, "int4": int4_row}.get(kv_dtype, cfg.head_dim + 4)
   return item * weights, rows * per_row
 
 

@@ -13,7 +13,8 @@ per (sequence, kv head) does all of it where the buffers lie (input_output_alias
     `main` (codes, scale, zero) and the residual is cleared for the next group;
   - the new value row is quantized per token over its channel groups and stored at its slot.
 
-The arithmetic is quant4.quantize's, in fp32: IEEE division and rounding to nearest even (PTX
+The arithmetic is quant4.quantize's, in fp32 (scales and zero points rounded as stored, the codes
+computed against them): IEEE division and rounding to nearest even (PTX
 div.rn and cvt.rni on the GPU: Triton's own division is approximate and it lowers no rounding).
 Interpreted, every entry equals the jnp write's; on an H200 the scales came out within one ulp
 of the jnp write as XLA compiles it (1.2e-7 relative; zero points and residual equal) and 48
@@ -113,11 +114,17 @@ def _codes(x, lo, scale, native: bool):
 
 
 def _quantize(x, axis: int, native: bool):
-  """quant4.quantize of x fp32 over `axis` -> (codes fp32 0..15, scale, zero) (reduced axis
-  kept, size 1)."""
+  """quant4.quantize of x fp32 over `axis` -> (codes fp32 0..15, scale, zero as stored)
+  (reduced axis kept, size 1)."""
   lo = jnp.min(x, axis=axis, keepdims=True)
-  scale = _scale(jnp.max(x, axis=axis, keepdims=True) - lo, native)
-  return _codes(x, lo, scale, native), scale, lo
+  return _quantized_range(x, lo, jnp.max(x, axis=axis, keepdims=True), native)
+
+
+def _quantized_range(x, lo, hi, native: bool):
+  """x's codes against the group of range [lo, hi], with its scale and zero point as stored
+  (quant4.as_stored: rounded to the stored dtype; the codes are computed against them)."""
+  scale, zero = quant4.as_stored(_scale(hi - lo, native), lo)
+  return _codes(x, zero, scale, native), scale, zero
 
 
 def _pack(lo_codes, hi_codes):
@@ -156,8 +163,8 @@ def _write(meta, k_new, v_new, kc, ka, kz, kres, vc, vs, vz, *, group, value_gro
           for c, x in zip((0, half), new_key))
       kc_ref[pl.ds(rg * g, g), :] = _pack(c1, c2)
       for c, a, z in ((0, a1, z1), (half, a2, z2)):
-        ka_ref[pl.ds(rg, 1), pl.ds(c, half)] = a
-        kz_ref[pl.ds(rg, 1), pl.ds(c, half)] = z
+        ka_ref[pl.ds(rg, 1), pl.ds(c, half)] = a.astype(ka_ref.dtype)
+        kz_ref[pl.ds(rg, 1), pl.ds(c, half)] = z.astype(kz_ref.dtype)
         kres_ref[:, pl.ds(c, half)] = jnp.zeros((g, half), kres_ref.dtype)
 
     @pl.when(valid)
@@ -167,18 +174,20 @@ def _write(meta, k_new, v_new, kc, ka, kz, kres, vc, vs, vz, *, group, value_gro
                            native) for c in (0, half)]
         codes = [p[0].reshape(1, half) for p in parts]
         for i, (_, a, z) in enumerate(parts):
-          vs_ref[pl.ds(pos, 1), pl.ds(i * per_half, per_half)] = a.reshape(1, per_half)
-          vz_ref[pl.ds(pos, 1), pl.ds(i * per_half, per_half)] = z.reshape(1, per_half)
+          vs_ref[pl.ds(pos, 1), pl.ds(i * per_half, per_half)] = (
+              a.reshape(1, per_half).astype(vs_ref.dtype))
+          vz_ref[pl.ds(pos, 1), pl.ds(i * per_half, per_half)] = (
+              z.reshape(1, per_half).astype(vz_ref.dtype))
       else:  # one group of all d channels, over both halves
         x = [vn_ref[pl.ds(c, half)].astype(jnp.float32).reshape(1, half) for c in (0, half)]
         lo = jnp.minimum(jnp.min(x[0], axis=1, keepdims=True), jnp.min(x[1], axis=1,
                                                                         keepdims=True))
         hi = jnp.maximum(jnp.max(x[0], axis=1, keepdims=True), jnp.max(x[1], axis=1,
                                                                         keepdims=True))
-        scale = _scale(hi - lo, native)
-        codes = [_codes(xi, lo, scale, native) for xi in x]
-        vs_ref[pl.ds(pos, 1), :] = scale
-        vz_ref[pl.ds(pos, 1), :] = lo
+        (c1, scale, zero), (c2, _, _) = (_quantized_range(xi, lo, hi, native) for xi in x)
+        codes = [c1, c2]
+        vs_ref[pl.ds(pos, 1), :] = scale.astype(vs_ref.dtype)
+        vz_ref[pl.ds(pos, 1), :] = zero.astype(vz_ref.dtype)
       vc_ref[pl.ds(pos, 1), :] = _pack(*codes)
 
   def whole(rows, cols):  # one (batch, kv head)'s [rows, cols] of a [B, KV, rows, cols] buffer
