@@ -74,8 +74,8 @@ def star_phase2():
 
 def _tiny():
   from jax_longctx.model import random_params
-  from tests.conftest import TINY_LLAMA3, tiny_config
-  cfg = tiny_config(**TINY_LLAMA3)  # GQA: 6 query heads over 2 kv heads
+  from tests.conftest import TINY_LLAMA3, mesh_config
+  cfg = mesh_config(**TINY_LLAMA3)  # GQA: 6 query heads over 2 kv heads
   return cfg, random_params(cfg, seed=1)
 
 

@@ -18,7 +18,7 @@ from jax_longctx.methods.reattention_scope import Scope
 from jax_longctx.core.options import RunOptions
 from jax_longctx.core.rope import inv_freq
 from pallas_kernels import Route, quant4
-from tests.conftest import TINY_LLAMA3, tiny_config
+from tests.conftest import TINY_LLAMA3, mesh_config
 from tests.helpers import check_main
 
 N = 8
@@ -60,7 +60,7 @@ def layer(tied: bool, backend: str = "reference", block: int = 0, kv_dtype=jnp.f
   kv_dtype "int4" (t 512, block 0 or 32: whole key groups a shard): the 4-bit cache, its newest
   key group on every device, each full group in its shard: the same as one device's 4-bit
   cache, group for group."""
-  cfg = tiny_config(**TINY_LLAMA3)
+  cfg = mesh_config(**TINY_LLAMA3)
   one = get("reattention", **HP)
   mesh_method = get("reattention_mesh", shard_block=block, **HP)
   options = RunOptions(route=Route(backend=backend))
@@ -134,7 +134,7 @@ def model(one_name="reattention", mesh_name="reattention_mesh", kv_dtype=None, c
   from jax_longctx.run.chunked_prefill import prefill_step
   from jax_longctx.run.generation import prefill, teacher_forced_nll
   from jax_longctx.model import random_params
-  cfg = tiny_config(**TINY_LLAMA3)
+  cfg = mesh_config(**TINY_LLAMA3)
   params = random_params(cfg, seed=1)
   rng = np.random.default_rng(0)
   prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (93, 52)]
@@ -178,7 +178,7 @@ def errors():
   groups), and blocks that would split a prefill chunk or a key group, are refused in one line."""
   from jax_longctx.core.errors import LongctxError
   from jax_longctx.run.generation import prefill
-  cfg = tiny_config(**TINY_LLAMA3)
+  cfg = mesh_config(**TINY_LLAMA3)
   for block, cache_len, kv_dtype, message in [
       (0, 100, None, "cache_len=100 is not a multiple of 8, the unit 'reattention_mesh' splits"),
       (8, 96, None, "cache_len=96 is not a multiple of 64, the unit 'reattention_mesh' splits"),

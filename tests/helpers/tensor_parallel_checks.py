@@ -47,7 +47,7 @@ from jax_longctx.run import chunked_prefill, sharding
 from jax_longctx.run import generation as gen
 from jax_longctx.run.driver import generate
 from jax_longctx.run.key_smoothing import smooth_keys
-from tests.conftest import tiny_config
+from tests.conftest import mesh_config
 from tests.test_methods import CACHE_LEN, _apart, _method, _prompts
 from tests.helpers import check_main
 
@@ -63,7 +63,7 @@ NEW = 4
 
 
 def _model(name: str):
-  cfg = tiny_config(**MODELS[name], max_position_embeddings=CACHE_LEN)
+  cfg = mesh_config(**MODELS[name], max_position_embeddings=CACHE_LEN)
   return cfg, random_params(cfg, seed=1)
 
 
@@ -341,7 +341,7 @@ def fused():
     assert plain.tokens == both.tokens == one.tokens, mesh
   # every decode switch (benchmarks/decode.py --run-option / --kernel-option) per shard, the GPU
   # kernels interpreted (a width of 64: the add + norm kernel takes powers of two): the same tokens
-  cfg = tiny_config(**MODELS["gqa"], hidden_size=64, max_position_embeddings=CACHE_LEN)
+  cfg = mesh_config(**MODELS["gqa"], hidden_size=64, max_position_embeddings=CACHE_LEN)
   params = random_params(cfg, seed=1)
   one = generate(fuse_projections(params), cfg, docs, get("full"), max_new_tokens=5)
   switches = RunOptions(prefill_chunk=8, mesh="data=2,model=4", route=pallas_kernels.Route(

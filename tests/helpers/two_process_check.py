@@ -20,8 +20,8 @@ def run(out_file, method="star"):
   from jax_longctx.methods import get
   from jax_longctx.run.driver import generate
   from jax_longctx.model import random_params
-  from tests.conftest import TINY_LLAMA3, tiny_config
-  cfg = tiny_config(**TINY_LLAMA3)
+  from tests.conftest import TINY_LLAMA3, mesh_config
+  cfg = mesh_config(**TINY_LLAMA3)
   params = jax.device_get(random_params(cfg, seed=1))  # host copies: replicated inputs
   rng = np.random.default_rng(2)
   contexts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (45, 30)]
