@@ -89,7 +89,7 @@ class Int4:
 
 def as_stored(scale, zero):
   """fp32 scales and zero points as they are stored: rounded to SCALE_DTYPE and back (a scale
-  that rounds to 0, a group of range under 2^-24 * 15: 1, its codes all 0)."""
+  that rounds to 0, a range too small for that dtype: 1, the group's codes all 0)."""
   f32 = jnp.float32
   scale = scale.astype(SCALE_DTYPE).astype(f32)
   return jnp.where(scale > 0, scale, 1.0), zero.astype(SCALE_DTYPE).astype(f32)
