@@ -21,7 +21,8 @@ where, to keep CI short (each mesh compiles every step anew):
   with budgets given as fractions of the cache: `qwen`, `nine`;
 - the cache in 8 bits (int8 for every method, fp8 for two) on (2, 2) against one device with
   the same cache dtype, and mesh ReAttention's on (ctx 2, model 2): `quantized`; in 4 bits
-  (every method that stores it) likewise: `quantized_int4`; the HLO check below with an int8
+  (every method that stores it) likewise: `quantized_int4`, and the mesh methods below over it:
+  `mesh_methods_int4`; the HLO check below with an int8
   cache: `hlo_no_cache_gather_int8`;
 - the mesh methods, Star and ring on (ctx 2, model 4), mesh ReAttention and RESA on it on
   (ctx 4, model 2), against ctx alone: `mesh_methods`;
@@ -210,26 +211,38 @@ def smoothed():
     same_state(runs[0].cache.state, runs[1].cache.state, f"{name} smoothed int8")
 
 
-def mesh_methods():
+def mesh_methods(kv_dtype=None):
   """star, ring, reattention_mesh and resa_mesh with the heads over `model` too: the tokens and
   logits of the context axis alone (which tests/test_distributed.py and test_reattention_mesh.py
-  check against one device). Each method on one of two layouts (each compiles anew)."""
+  check against one device), the cache stored as kv_dtype on both. Each method on one of two
+  layouts (each compiles anew). In 4 bits every shard and Star block holds whole key groups of
+  32: a cache of 128 (32 a shard over ctx 4), Star's blocks of 32."""
   cfg, params = _model("gqa")
   rng = np.random.default_rng(5)
   contexts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (37, 30)]
   queries = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (5, 3)]
   settings = dict(n_global=2, n_local=8, span=2, clip=3, top_k=2, chunk=4)
-  entries = [((2, 4), get("star", block_size=8)), ((2, 4), get("ring")),
+  four_bit = kv_dtype == "int4"
+  cache_len = 128 if four_bit else 64
+  entries = [((2, 4), get("star", block_size=32 if four_bit else 8)), ((2, 4), get("ring")),
              ((4, 2), get("reattention_mesh", **settings)),
              ((4, 2), get("resa_mesh", base_args=tuple(settings.items()), lam=0.7))]
   for (ctx, model), m in entries:
-    want = generate(params, cfg, contexts, m, instructions=queries, max_new_tokens=5,
-                    cache_len=64, options=RunOptions(mesh=f"ctx={ctx}"))
-    got = generate(params, cfg, contexts, m, instructions=queries, max_new_tokens=5,
-                   cache_len=64, options=RunOptions(mesh=f"ctx={ctx},model={model}"))
-    assert got.tokens == want.tokens, (m.name, ctx, model, got.tokens, want.tokens)
-    if got.cache is not None:
-      same_state(want.cache.state, got.cache.state, f"{m.name} ctx={ctx} model={model}")
+    runs = [generate(params, cfg, contexts, m, instructions=queries, max_new_tokens=5,
+                     cache_len=cache_len, options=RunOptions(mesh=mesh, kv_dtype=kv_dtype))
+            for mesh in (f"ctx={ctx}", f"ctx={ctx},model={model}")]
+    what = f"{m.name} ctx={ctx} model={model} {kv_dtype or ''}"
+    assert runs[1].tokens == runs[0].tokens, (what, runs[1].tokens, runs[0].tokens)
+    if runs[1].cache is not None:
+      same_state(runs[0].cache.state, runs[1].cache.state, what)
+      codes = [x for x in jax.tree.leaves(runs[1].cache.state) if x.dtype == jnp.uint8]
+      assert bool(codes) == four_bit, what  # the run stored what it was asked to
+
+
+def mesh_methods_int4():
+  """mesh_methods over the 4-bit cache: its codes, scales, zero points and residual split with
+  the heads over `model` as with the tokens over `ctx`."""
+  mesh_methods("int4")
 
 
 _SHAPE = re.compile(r"(\w+)\[([\d,]*)\]")
@@ -379,6 +392,7 @@ CHECKS = {"tpu_export": tpu_export, "all_methods": all_methods,
           "mesh_methods": mesh_methods, "hlo_no_cache_gather": hlo_no_cache_gather,
           "errors": errors, "fused": fused,
           "quantized": quantized, "quantized_int4": quantized_int4,
+          "mesh_methods_int4": mesh_methods_int4,
           "hlo_no_cache_gather_int8": lambda: hlo_no_cache_gather("int8"),
           "smoothed": smoothed}
 
