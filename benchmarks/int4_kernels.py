@@ -13,14 +13,14 @@ the dequantized cache. write: the one-token write kernel against the jnp write o
 query heads over 8 KV heads, d 128, batch 1) over 32K / 128K / 1M keys, back-to-back calls
 (bench_measure.timed), each with the bytes the cache holds over its time beside the device's
 copy bandwidth measured in the same run.
-tiles: the kernel's keys a step (whole key groups), warps and key splits at 32K and 128K keys.
+tiles: the kernel's default tiling and TILE_SWEEP's (keys a step, warps, key splits, stages) at
+32K and 128K keys.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import itertools
 import sys
 
 import jax
@@ -167,21 +167,28 @@ def time_decode(reps, bw):
   return recs
 
 
+# The tilings time_tiles sweeps beside the kernel's default: (keys a step, warps, programs a GPU
+# core the key splits aim for, pipeline stages), around the default (one group, one warp, 8 a
+# core) and the earlier 4-warp forms. 256 keys a step left out: slower at 32K on an H200 (0.110
+# ms against 0.070-0.100) and over a minute to compile each.
+TILE_SWEEP = ((32, 1, 4, 3), (32, 1, 8, 2), (32, 1, 8, 4), (32, 1, 16, 3), (32, 2, 8, 3),
+              (64, 1, 4, 3), (64, 1, 8, 3), (64, 1, 16, 3), (64, 2, 4, 2), (64, 2, 4, 3),
+              (64, 2, 4, 4), (64, 2, 8, 3), (128, 2, 4, 3), (128, 2, 8, 3), (128, 4, 2, 3))
+
+
 def time_tiles(reps, bw):
-  """The kernel's keys a step (whole groups), warps and key splits (gpu.split_plan's count at
-  the kernel's PROGRAMS_PER_CORE, and 2x / 4x it), 3 stages. 256 keys a step left out: slower at
-  32K on an H200 (0.110 ms against 0.070-0.100) and over a minute to compile each."""
+  """The kernel's default tiling, then TILE_SWEEP's, over one int4 cache a key count."""
   import jax.numpy as jnp
-  from pallas_kernels.attention import int4_decode
   from pallas_kernels.gpu import Tiling, split_plan
   recs = []
   for t in SIZES["tiles"]:
     pos = jnp.asarray([t - 6])
     q, k, v = _cache(8, 1, t, "int4")
-    for bk, warps, more in itertools.product((64, 128), (2, 4), (1, 2, 4)):
-      splits = split_plan(KV, t, bk, None, int4_decode.PROGRAMS_PER_CORE)[1] * more
-      tl = Tiling(block_keys=bk, num_warps=warps, num_stages=3, key_splits=splits)
-      rec = {"keys": t, "block_keys": bk, "warps": warps, "stages": 3, "key_splits": splits}
+    for bk, warps, per_core, stages in ((None,) * 4,) + TILE_SWEEP:
+      tl = None if bk is None else Tiling(block_keys=bk, num_warps=warps, num_stages=stages,
+                                          key_splits=split_plan(KV, t, bk, None, per_core)[1])
+      rec = {"keys": t, "tiling": "default" if tl is None else {
+          "block_keys": bk, "warps": warps, "stages": stages, "key_splits": tl.key_splits}}
       try:
         recs.append(_timed_record(rec, _decode_fn(pos, _route(True), tl), (q, k, v),
                                   _nbytes(k, v), reps, bw))

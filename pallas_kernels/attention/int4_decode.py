@@ -1,8 +1,8 @@
 """Decode attention reading a 4-bit cache's tiles (quant4: KIVI's layout), split-K, on the GPU.
 
 The cache is read as stored, never copied: per program (batch x kv head, row block, key split,
-as flash_attention's decode) a few key groups of G tokens a step (Tiling.block_keys, default 4
-groups), each group's codes unpacked in registers (`nibbles`), its per-channel scales folded
+as flash_attention's decode) whole key groups of G tokens a step (Tiling.block_keys, default one
+group), each group's codes unpacked in registers (`nibbles`), its per-channel scales folded
 into the query (q . (a c + z) = (q a) . c + q . z, quant4_products.key_scores) and its zero
 points' share q . z taken from one fused reduction XLA computes for every group before the
 call; the values dequantized in registers piece by piece (`dequantize`: their token's scale and
@@ -31,11 +31,16 @@ from pallas_kernels.decode import split_merge
 
 SQ = gpu.SQ
 
-# Programs a GPU core the key splits aim for: the other split-K kernels' 2. The kernel alone
-# (8B attention shape, batch 1, 32K keys, H200) ran 0.100 ms at 2 a core and 0.070 ms at 4, but
-# in the model's decode step, timed in one run, 4 a core (66 splits) took 6.69 ms a step at 32K
-# against 2's 6.21 (10.44 / 10.39 ms at 128K; 132 splits 6.48 / 10.21): BENCHMARKS.md.
-PROGRAMS_PER_CORE = 2
+# The default tiling, from a sweep of the kernel alone (8B attention shape, batch 1, H200;
+# BENCHMARKS.md): one key group (32 keys) a step on one warp, ~8 programs a GPU core (132 key
+# splits a sequence at 8 KV heads): 0.115 ms at 128K keys where 4 groups a step on 4 warps at 2
+# a core took 0.203 (bf16's kernel 0.144, int8's 0.107 in the same run); the 8B's decode step at
+# 128K 7.78 ms against 10.40. A one-warp program holds the whole row block, so the layout changes
+# between its products stay within a warp, and many small programs hide each other's latency
+# (the profile: latency at low occupancy, not HBM, held the 4-warp form).
+BLOCK_GROUPS = 1
+NUM_WARPS = 1
+PROGRAMS_PER_CORE = 8
 
 # x | MAGIC, read as the float type, is BIAS + x exactly for 0 <= x < 16 (the float's last
 # mantissa bits count by one there): a code becomes a float by an or and a subtraction, not by
@@ -107,15 +112,15 @@ def attention(q, k: quant4.GroupedKeys, v: quant4.Int4, *, causal: bool, q_offse
               scale: float, variant, merge_kernel: bool, tiling: gpu.Tiling | None = None):
   """flash_attention for one query token over a 4-bit cache [B, KV, T, d] (BHTD) -> (out
   [B, 1, H, d] in q's dtype, lse [B, 1, H] fp32). q_offset, kv_len: [B] int32. tiling:
-  block_keys the keys a loop step reads (whole key groups; default 4 groups), key_splits,
+  block_keys the keys a loop step reads (whole key groups; default BLOCK_GROUPS), key_splits,
   num_warps, num_stages as flash_attention's."""
   b, _, h, d = q.shape
   _, kvh, t, _ = k.shape
   g = k.main.group
   rows = h // kvh
   bm = max(16, layout.next_pow2(rows))
-  tl = (tiling or gpu.Tiling()).pick(block_rows=bm, block_keys=min(4 * g, t), num_warps=4,
-                                     num_stages=3, prefetch=False)
+  tl = (tiling or gpu.Tiling()).pick(block_rows=bm, block_keys=min(BLOCK_GROUPS * g, t),
+                                     num_warps=NUM_WARPS, num_stages=3, prefetch=False)
   if tl.block_rows != bm or tl.block_keys % g:
     raise ValueError(f"int4 decode: {tl.block_rows} rows a block ({bm}: the group's query "
                      f"heads) and {tl.block_keys} keys a step (whole groups of {g}) asked")

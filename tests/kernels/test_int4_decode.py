@@ -39,7 +39,7 @@ def _cache(rng, b, kvh, t, d, lengths, dtype=jnp.bfloat16):
 
 
 @pytest.mark.parametrize("h,kvh,d,t,tiling,merge", [
-    (8, 2, 64, 256, None, True),  # GQA 4, 4 groups a step, one split a sequence
+    (8, 2, 64, 256, None, True),  # GQA 4, the default tiling (one group a step)
     (3, 3, 128, 224, Tiling(block_keys=96, key_splits=3), False),  # MHA; steps past T; jnp merge
     (4, 1, 32, 160, Tiling(block_keys=32, key_splits=4), True),  # 16-byte value pieces
 ])
