@@ -57,10 +57,12 @@ def softmax_scratch(bm: int, d: int):
           pltpu.VMEM((bm, d), jnp.float32)]
 
 
-def attention_call(kernel, grid_spec, out_rows_shape, interpret):
-  """pallas_call of an attention kernel writing (out fp32 [..., d], lse fp32 [..., 1]) per row."""
+def attention_call(kernel, grid_spec, out_rows_shape, interpret, name: str | None = None):
+  """pallas_call of an attention kernel writing (out fp32 [..., d], lse fp32 [..., 1]) per row;
+  name: the kernel's in the lowered module (else its function's)."""
   *lead, d = out_rows_shape
   return pl.pallas_call(
       kernel, grid_spec=grid_spec, interpret=interpret, compiler_params=compiler_params(),
+      name=name,
       out_shape=[jax.ShapeDtypeStruct((*lead, d), jnp.float32),
                  jax.ShapeDtypeStruct((*lead, 1), jnp.float32)])
