@@ -5,12 +5,12 @@ and whether they are read as they are, read with fp16 products, or first copied 
 queries' dtype (whole, or a segment of keys at a time) so the bf16 kernels run. What is left
 in the lowerings is how each reads the format (scales beside the tiles), not which path runs.
 
-A 4-bit cache (quant4.py) is read here too: one-token decode on the GPU reads its tiles
-(`four_bit_tiles`, attention/int4_decode.py) where the run enables it; every other call reads
-a copy in the queries' dtype made first (`four_bit_copies`: one layer's keys or values a call;
-top-k past `topk_dequantize_bytes`, a segment of whole key groups at a time:
-`four_bit_topk_segment`), or, for attention over gathered keys, the gathered rows alone
-(`four_bit_gathered`).
+A 4-bit cache (quant4.py) is read here too: one-token decode on the GPU and on the TPU reads
+its tiles (`four_bit_tiles`: attention/int4_decode.py, attention/int4_decode_tpu.py) where the
+run enables it; every other call reads a copy in the queries' dtype made first
+(`four_bit_copies`: one layer's keys or values a call; top-k past `topk_dequantize_bytes`, a
+segment of whole key groups at a time: `four_bit_topk_segment`), or, for attention over
+gathered keys, the gathered rows alone (`four_bit_gathered`).
 
 Each decision reads the call's variant and the run's KernelOptions (pallas_kernels/options.py
 says what was measured for each): a native GPU is the only place a copy or fp16 products pay.
@@ -118,19 +118,24 @@ def lse_with_key_offset(lse, q, offset, scale: float):
 
 
 def four_bit_tiles(q, k, v, variant, options: KernelOptions = DEFAULT) -> bool:
-  """Whether flash_attention reads a 4-bit cache's tiles (attention/int4_decode.py): on the GPU
-  variant where KernelOptions.int4_decode_kernel enables it, for one-token decode (q [B, 1, H,
-  d]) in bf16, fp16 or fp32 over keys grouped along tokens and values along channels, each
-  value piece (min(value group, d / 2) channels) within one group and at least a tensor-core
-  product's 16 wide."""
-  if not (options.int4_decode_kernel and variant.kind == "gpu" and q.shape[1] == 1):
+  """Whether flash_attention reads a 4-bit cache's tiles: one-token decode (q [B, 1, H, d])
+  over keys grouped along tokens and values along channels where KernelOptions.int4_decode_kernel
+  enables it, on the GPU variant (attention/int4_decode.py: q in bf16, fp16 or fp32, each value
+  piece (min(value group, d / 2) channels) within one group and at least a tensor-core
+  product's 16 wide) or the TPU one (attention/int4_decode_tpu.py: q in bf16 or fp32, TPUs
+  having no fp16 arithmetic; key groups of a multiple of 32 tokens, a uint8 block's sublane
+  tile, since it reads the residual group's value codes as a block of one group)."""
+  if not (options.int4_decode_kernel and variant.kind in ("gpu", "tpu") and q.shape[1] == 1):
     return False
-  if not (isinstance(k, quant4.GroupedKeys) and isinstance(v, quant4.Int4)):
+  if not (isinstance(k, quant4.GroupedKeys) and isinstance(v, quant4.Int4)
+          and v.axis == v.codes.ndim - 1):
     return False
+  if variant.kind == "tpu":
+    return q.dtype in (jnp.bfloat16, jnp.float32) and k.main.group % 32 == 0
   d, vg = q.shape[-1], v.group
   w = min(vg, d // 2)
   return (q.dtype in (jnp.bfloat16, jnp.float16, jnp.float32) and w >= 16 and (d // 2) % w == 0
-          and vg % w == 0 and v.axis == v.codes.ndim - 1 and k.main.group >= 16)
+          and vg % w == 0 and k.main.group >= 16)
 
 
 def four_bit_topk_segment(q, k, options: KernelOptions, keys: int) -> int:
@@ -177,3 +182,18 @@ def four_bit_gathered(k, v, indices, valid, dtype, kv_layout: str):
       rows.append(quant.per_row(take, x))
   entries = jnp.broadcast_to(jnp.arange(indices.shape[2], dtype=jnp.int32), indices.shape)
   return rows[0], rows[1], entries, inside if valid is None else valid & inside
+
+
+def four_bit_scores(q, k, variant, options: KernelOptions, top_k: int, *, tiled: bool,
+                    max_rows: int, max_k: int) -> bool:
+  """Whether topk_scores scores 4-bit keys by the kernel reading their codes (topk/
+  int4_scores.py) for the few-row selection (topk_blocks' pick kernel): on the GPU variant where
+  KernelOptions.int4_topk_scores enables it, no tiling asked, at most `max_rows` query rows a KV
+  head and `max_k` picks, keys grouped along tokens in groups and halves of d at least a
+  tensor-core product's 16 wide."""
+  if not (options.int4_topk_scores and variant.kind == "gpu" and isinstance(k, quant4.GroupedKeys)):
+    return False
+  b, lq, h, d = q.shape
+  return (not tiled and options.topk_few_rows == "blocks" and options.topk_selection == "exact"
+          and lq * (h // k.shape[1]) <= max_rows and top_k <= max_k and d % 32 == 0
+          and k.main.group >= 16 and q.dtype in (jnp.bfloat16, jnp.float16, jnp.float32))

@@ -27,7 +27,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import gpu, layout, quant, tpu
-from pallas_kernels.attention import int4_decode, mgpu_flash
+from pallas_kernels.attention import int4_decode, int4_decode_tpu, mgpu_flash
 from pallas_kernels import online_softmax as osm
 from pallas_kernels import read, reference
 from pallas_kernels.decode import split_merge
@@ -50,13 +50,8 @@ def flash_attention(q, k, v, *, causal: bool = True, q_offset=0, kv_len=None,
   d = q.shape[-1]
   scale = float(scale) if scale is not None else 1.0 / math.sqrt(d)
   if read.four_bit_tiles(q, k, v, route.variant(), route.kernels):
-    if kv_layout != "BHTD":
-      raise ValueError("a 4-bit cache is laid out [B, KV, T, d] (kv_layout='BHTD')")
-    b = q.shape[0]
-    return int4_decode.attention(
-        q, k, v, causal=causal, q_offset=layout.per_batch(q_offset, b, 0),
-        kv_len=layout.per_batch(kv_len, b, k.shape[2]), scale=scale, variant=route.variant(),
-        merge_kernel=route.kernels.decode_merge_kernel, tiling=tiling)
+    return _four_bit_decode(q, k, v, causal=causal, q_offset=q_offset, kv_len=kv_len,
+                            scale=scale, kv_layout=kv_layout, route=route, tiling=tiling)
   k, v = read.four_bit_copies(q.dtype, k, v)
   # Keys stored less an offset (pre-RoPE caches): the kernels score them as stored, which
   # lowers each query row's scores alike; only the LSE needs it back.
@@ -64,6 +59,23 @@ def flash_attention(q, k, v, *, causal: bool = True, q_offset=0, kv_len=None,
   out, lse = _attention(q, k, v, causal=causal, q_offset=q_offset, kv_len=kv_len, scale=scale,
                         kv_layout=kv_layout, route=route, use_cudnn=use_cudnn, tiling=tiling)
   return out, read.lse_with_key_offset(lse, q, key_offset, scale)
+
+
+def _four_bit_decode(q, k, v, *, causal, q_offset, kv_len, scale: float, kv_layout: str,
+                     route: Route, tiling):
+  """flash_attention's one-token decode on the kernel reading the 4-bit tiles of the variant:
+  int4_decode (GPU, split-K) or int4_decode_tpu (tiling.block_keys: its keys a step)."""
+  if kv_layout != "BHTD":
+    raise ValueError("a 4-bit cache is laid out [B, KV, T, d] (kv_layout='BHTD')")
+  b, variant = q.shape[0], route.variant()
+  per_seq = dict(q_offset=layout.per_batch(q_offset, b, 0),
+                 kv_len=layout.per_batch(kv_len, b, k.shape[2]))
+  if variant.kind == "tpu":
+    return int4_decode_tpu.attention(q, k, v, causal=causal, scale=scale, variant=variant,
+                                     block=tiling and tiling.block_keys, **per_seq)
+  return int4_decode.attention(q, k, v, causal=causal, scale=scale, variant=variant,
+                               merge_kernel=route.kernels.decode_merge_kernel, tiling=tiling,
+                               **per_seq)
 
 
 def _attention(q, k, v, *, causal, q_offset, kv_len, scale: float, kv_layout: str, route: Route,

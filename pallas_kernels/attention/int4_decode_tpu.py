@@ -1,0 +1,220 @@
+"""Decode attention reading a 4-bit cache's tiles (quant4: KIVI's layout) on a TPU (Mosaic).
+
+The TPU form of attention/int4_decode.py: flash_attention's one-token decode over keys
+`quant4.GroupedKeys` and values `quant4.Int4` laid out [B, KV, T, d], read as stored, never
+copied in the queries' dtype. Its speed has not been measured: no TPU was available. It is
+checked in Pallas TPU interpret mode on a CPU against the reference over the dequantized cache,
+and lowered to Mosaic by exporting for TPU on a CPU (tests/kernels/test_int4_decode_tpu.py).
+
+The structure is flash._tpu's: per (sequence x KV head) one row block of the group's query
+heads, key blocks of whole groups on the innermost (sequential) grid axis, the online-softmax
+state in VMEM scratch. A step:
+- unpacks the block's key and value codes (uint8 [bk, d / 2]; byte j holds channel j in its low
+  nibble and j + d / 2 in its high one) by a mask and a shift on int32, each nibble's half
+  stored at its channels of a VMEM tile [bk, d], so every later operation sees channels in order;
+- folds each group's key scales into the query (quant4_products.key_scores: q . (a c + z) =
+  (q a) . c + q . z): the block's groups' folded query rows q a_g (fp32; under bf16 queries two
+  bf16 terms) are stacked into one operand [groups x rows, d] multiplied by the block's codes in
+  one MXU product (fp32 accumulation), and each key takes its own group's rows of it, plus its
+  group's zero points' share q . z_g, summed in fp32;
+- dequantizes the value tile (each token's scale and zero point over its groups of channels, in
+  fp32, rounded to q's dtype as the copy route rounds them) and folds scores and values into the
+  softmax state (online_softmax.update).
+Each sequence's residual group (the newest, still open, kept whole) is folded in at the first
+step from `residual` and its slots' value rows (blocks of one group, indexed by the prefetched
+group number); the main blocks mask its slots. A key block past a sequence's last visible key
+maps to that last block, so the pipeline fetches nothing new for it.
+
+Layouts stay as stored: on a TPU a reshape that changes an array's last two axes is a copy, so
+the codes keep their d / 2 lanes (the whole axis, which Mosaic's block rule allows) and the
+value scales their d / 32 (whole, but sparse on lanes: a layout question for the format on
+TPU, not measured).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels import layout, quant4, tpu
+from pallas_kernels import online_softmax as osm
+
+SQ = pl.squeezed
+KERNEL_NAME = "int4_decode_tpu"  # the Mosaic call's kernel_name in a lowered module
+
+# The folded query rows stacked a step: groups x rows. Decode has few rows a KV head (GQA 4: 8
+# once padded to a sublane tile), so a product per key group of 32 would leave the MXU mostly
+# idle and load its weights once a group; stacked, 16 groups x 8 rows make one 128-row operand,
+# the MXU's tile on v5e (v6e's is 256), and a step one product (the entries of other groups'
+# rows are computed and dropped). Hence 512 keys a step at up to 8 rows, 8 groups (256 keys,
+# the fewest whose scale rows fill a sublane tile) above. A 512-key step reads about 96 KB of
+# codes and scales a KV head, enough to spread a grid step's fixed cost; larger blocks would
+# only stack more rows. VMEM: about 2.5 MB a step by our count (inputs double-buffered, the
+# value scales padded to 128 lanes). Not timed on a TPU.
+STACKED_ROWS = 128
+MIN_GROUPS = 8
+
+
+def block_keys(rows: int, t: int, g: int, asked: int | None = None) -> int:
+  """Keys a step for `rows` query rows (padded) over T keys in groups of g: the stacked fold's
+  choice above, or `asked` (whole blocks of MIN_GROUPS groups), at most T (then the whole
+  axis, which the block rule allows)."""
+  if asked is None:
+    asked = max(MIN_GROUPS, STACKED_ROWS // rows) * g
+  elif asked <= 0 or asked % (MIN_GROUPS * g):
+    raise ValueError(f"int4 decode (TPU): {asked} keys a step are not whole blocks of "
+                     f"{MIN_GROUPS} groups of {g}")
+  return min(asked, t)
+
+
+def attention(q, k: quant4.GroupedKeys, v: quant4.Int4, *, causal: bool, q_offset, kv_len,
+              scale: float, variant, block: int | None = None):
+  """flash_attention for one query token over a 4-bit cache [B, KV, T, d] (BHTD) -> (out
+  [B, 1, H, d] in q's dtype, lse [B, 1, H] fp32). q_offset, kv_len: [B] int32. block: keys a
+  step (None: block_keys' choice)."""
+  b, _, h, d = q.shape
+  _, kvh, t, _ = k.shape
+  g = k.main.group
+  rows = h // kvh
+  bm = layout.round_up(rows, 8)  # a sublane tile
+  bk = block_keys(bm, t, g, block)
+  meta = jnp.stack([q_offset, kv_len, k.residual_group], axis=1).astype(jnp.int32)
+  out, lse = _tpu(meta.reshape(-1), layout.q_rows(q, kvh, bm), k.main.codes, k.main.scale,
+                  k.main.zero, k.residual, v.codes, v.scale, v.zero, bk=bk, causal=causal,
+                  scale=scale, value_group=v.group, interpret=variant.interpret_arg())
+  return (layout.from_rows(out, 1, h).astype(q.dtype), layout.from_rows(lse[..., 0], 1, h))
+
+
+def _unpacked(codes_ref, buf):
+  """uint8 codes [n, d / 2] -> codes [n, d] in buf's dtype (exact: 0..15), written to buf (a
+  VMEM tile) by halves: the low nibbles are channels 0 .. d / 2 - 1, the high ones the rest."""
+  half = codes_ref.shape[-1]
+  x = codes_ref[...].astype(jnp.int32)
+  buf[:, :half] = (x & 15).astype(jnp.float32).astype(buf.dtype)
+  buf[:, half:] = (x >> 4).astype(jnp.float32).astype(buf.dtype)
+  return buf[...]
+
+
+def _products(folded, codes):
+  """folded rows [n, d] fp32 times the codes [bk, d] (exact in their dtype) -> [n, bk] fp32.
+  Under bf16 the rows go to the MXU as two bf16 terms (hi + lo: 16 significant bits), where one
+  would round q a to 8 and a key group's scores with it (outlier channels make scores of tens,
+  which bf16 moves by tenths of a logit: the copy route's error, which the fold is to avoid)."""
+  if codes.dtype != jnp.bfloat16:
+    return osm.scores(folded.astype(codes.dtype), codes, None)
+  hi = folded.astype(jnp.bfloat16)
+  lo = (folded - hi.astype(jnp.float32)).astype(jnp.bfloat16)
+  return osm.scores(hi, codes, None) + osm.scores(lo, codes, None)
+
+
+def _values(codes_ref, scale_ref, zero_ref, buf, first, kv_len, dtype, value_group: int):
+  """A value tile [n, d] of slots first.. in `dtype`: codes * scale + zero in fp32 with each
+  token's (scale, zero) of each group of `value_group` channels ([n, d / value_group]), rows at
+  and past kv_len 0 (stale or, past T, undefined: 0 x NaN would spread)."""
+  codes = _unpacked(codes_ref, buf)  # [n, d] fp32
+  n, d = codes.shape
+  group = tpu.div(lax.broadcasted_iota(jnp.int32, (1, d), 1), value_group)  # each channel's
+
+  def spread(ref):  # [n, d / value_group] -> [n, d]: each channel its group's column
+    cols = ref[...]
+    out = cols[:, :1]
+    for j in range(1, d // value_group):
+      out = jnp.where(group == j, cols[:, j:j + 1], out)
+    return out
+
+  vals = codes * spread(scale_ref) + spread(zero_ref)
+  live = first + lax.broadcasted_iota(jnp.int32, (n, 1), 0) < kv_len
+  return jnp.where(live, vals, 0.0).astype(dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("bk", "causal", "scale", "value_group",
+                                             "interpret"))
+def _tpu(meta, qr, kc, ka, kz, kres, vc, vs, vz, *, bk, causal, scale, value_group, interpret):
+  """(out [B, KV, bm, d], lse [B, KV, bm, 1]) fp32. meta [B * 3]: each sequence's query
+  position, keys and residual group; qr [B, KV, bm, d] (rows padded to a sublane tile)."""
+  from jax.experimental.pallas import tpu as pltpu
+  b, kvh, bm, d = qr.shape
+  t, g = kc.shape[2], kres.shape[2]
+  half, groups = d // 2, bk // g
+  nk = pl.cdiv(t, bk)
+  product = qr.dtype  # the MXU's operand dtype: codes exact in it, values rounded to it
+  f32 = jnp.float32
+
+  def seq(bh, meta):  # (query position, keys, residual group, last visible key + 1) of bh's row
+    bi = tpu.div(bh, kvh)
+    q_off, kv_len, res = meta[3 * bi], meta[3 * bi + 1], meta[3 * bi + 2]
+    return q_off, kv_len, res, jnp.minimum(kv_len, q_off + 1) if causal else kv_len
+
+  def visible(idx, q_off, kv_len):
+    ok = idx < kv_len
+    return ok & (idx <= q_off) if causal else ok
+
+  def kernel(meta_ref, q_ref, kc_ref, ka_ref, kz_ref, kr_ref, vc_ref, vs_ref, vz_ref, rc_ref,
+             rs_ref, rz_ref, o_ref, lse_ref, m_s, l_s, acc_s, k_buf, v_buf):
+    j = pl.program_id(2)
+    q_off, kv_len, res, end = seq(pl.program_id(0), meta_ref)
+
+    def fold(s, v):
+      m_s[...], l_s[...], acc_s[...] = osm.update(m_s[...], l_s[...], acc_s[...], s, v)
+
+    @pl.when(j == 0)
+    def _():
+      m_s[...], l_s[...], acc_s[...] = osm.init(bm, d)
+      first = res * g
+
+      @pl.when((res >= 0) & (first < end))  # the residual group holds a visible key
+      def _():
+        idx = first + lax.broadcasted_iota(jnp.int32, (1, g), 1)
+        s = osm.scores(q_ref[...], kr_ref[...].astype(product), scale)  # its keys whole
+        fold(jnp.where(visible(idx, q_off, kv_len), s, osm.NEG_INF),
+             _values(rc_ref, rs_ref, rz_ref, v_buf.at[pl.ds(0, g)], first, kv_len, product,
+                     value_group))
+
+    @pl.when(j * bk < end)
+    def _():
+      qs = q_ref[...].astype(f32) * scale  # [bm, d]
+      a, z = ka_ref[...], kz_ref[...]  # [groups, d] fp32
+      folded = (qs[None] * a[:, None, :]).reshape(groups * bm, d)
+      stacked = _products(folded, _unpacked(kc_ref, k_buf))  # [groups x bm, bk]
+      lane = lax.broadcasted_iota(jnp.int32, (1, bk), 1)
+      own = tpu.div(lane, g)  # each key's group in the block
+      s = functools.reduce(jnp.add, [
+          jnp.where(own == i, stacked[i * bm:(i + 1) * bm]
+                    + jnp.sum(qs * z[i:i + 1], axis=1, keepdims=True), 0.0)
+          for i in range(groups)])  # [bm, bk]: each key its own group's rows, + q . z_g
+      ok = visible(j * bk + lane, q_off, kv_len) & (j * groups + own != res)
+      fold(jnp.where(ok, s, osm.NEG_INF),
+           _values(vc_ref, vs_ref, vz_ref, v_buf, j * bk, kv_len, product, value_group))
+
+    @pl.when(j == nk - 1)
+    def _():
+      o_ref[...], lse_ref[...] = osm.finish(m_s[...], l_s[...], acc_s[...])
+
+  def block_of(bh, j, meta):  # key block j, or the last holding a visible key (no new fetch)
+    end = seq(bh, meta)[3]
+    return jnp.minimum(j, jnp.maximum(tpu.div(end + bk - 1, bk) - 1, 0))
+
+  def residual_of(bh, j, meta):  # the residual group (clamped: past T there is none to read)
+    return jnp.clip(seq(bh, meta)[2], 0, t // g - 1)
+
+  def spec(shape, index):  # a [B, KV, ...] input's block of `shape` at (bh's, index(bh, j))
+    return pl.BlockSpec((SQ, SQ, *shape),
+                        lambda bh, r, j, meta: (*tpu.batch_head(bh, kvh), index(bh, j, meta), 0))
+
+  first = lambda *_: 0  # noqa: E731  (inputs of one block a sequence and KV head)
+  nv = d // value_group
+  grid_spec = pltpu.PrefetchScalarGridSpec(
+      num_scalar_prefetch=1, grid=(b * kvh, 1, nk),
+      in_specs=[spec((bm, d), first), spec((bk, half), block_of), spec((groups, d), block_of),
+                spec((groups, d), block_of), spec((g, d), first), spec((bk, half), block_of),
+                spec((bk, nv), block_of), spec((bk, nv), block_of), spec((g, half), residual_of),
+                spec((g, nv), residual_of), spec((g, nv), residual_of)],
+      out_specs=[spec((bm, d), first), spec((bm, 1), first)],
+      scratch_shapes=[*tpu.softmax_scratch(bm, d), pltpu.VMEM((bk, d), product),
+                      pltpu.VMEM((bk, d), f32)])
+  return tpu.attention_call(kernel, grid_spec, qr.shape, interpret, name=KERNEL_NAME)(
+      meta, qr, kc, ka, kz, kres, vc, vs, vz, vc, vs, vz)
