@@ -129,16 +129,16 @@ def _decode_fn(pos, route, tiling=None):
 @contextlib.contextmanager
 def _jnp_unpack(on: bool):
   """A diagnostic: the kernel with its codes unpacked by Triton's lowering of jnp (the CPU
-  interpreter's path) instead of the PTX (int4_decode._NIBBLES_PTX); compiled apart."""
-  from pallas_kernels.attention import int4_decode
-  saved = int4_decode._PTX_CONSTANTS
+  interpreter's path) instead of the PTX (nibbles.py); compiled apart."""
+  from pallas_kernels import nibbles
+  saved = nibbles.PTX_CONSTANTS
   if on:
-    int4_decode._PTX_CONSTANTS = {}
+    nibbles.PTX_CONSTANTS = {}
   jax.clear_caches()
   try:
     yield
   finally:
-    int4_decode._PTX_CONSTANTS = saved
+    nibbles.PTX_CONSTANTS = saved
     jax.clear_caches()
 
 

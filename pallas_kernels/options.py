@@ -111,6 +111,11 @@ class KernelOptions:
   # 1.301 ms at 32K / 128K / 1M keys against the copy route's 0.131 / 0.469 / 3.477 (bf16 K/V:
   # 0.076 / 0.197 / 1.425), so on.
   int4_decode_kernel: bool = True
+  # A decode step's top-k (few query rows: topk_blocks) over 4-bit keys on the GPU: their scores
+  # from one kernel reading the codes as stored (topk/int4_scores.py) instead of a copy of the
+  # keys in the queries' dtype made first (in segments past topk_dequantize_bytes), which writes
+  # and reads back 2 bytes a channel and key where the codes hold half a byte.
+  int4_topk_scores: bool = True
 
   def __post_init__(self):
     for field in ("prefill_impl", "topk_impl"):

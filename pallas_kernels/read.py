@@ -7,10 +7,11 @@ in the lowerings is how each reads the format (scales beside the tiles), not whi
 
 A 4-bit cache (quant4.py) is read here too: one-token decode on the GPU and on the TPU reads
 its tiles (`four_bit_tiles`: attention/int4_decode.py, attention/int4_decode_tpu.py) where the
-run enables it; every other call reads a copy in the queries' dtype made first
-(`four_bit_copies`: one layer's keys or values a call; top-k past `topk_dequantize_bytes`, a
-segment of whole key groups at a time: `four_bit_topk_segment`), or, for attention over
-gathered keys, the gathered rows alone (`four_bit_gathered`).
+run enables it, and so does a decode step's top-k on the GPU (`four_bit_scores`: topk/
+int4_scores.py scores the codes for topk_blocks' pick); every other call reads a copy in the
+queries' dtype made first (`four_bit_copies`: one layer's keys or values a call; top-k past
+`topk_dequantize_bytes`, a segment of whole key groups at a time: `four_bit_topk_segment`), or,
+for attention over gathered keys, the gathered rows alone (`four_bit_gathered`).
 
 Each decision reads the call's variant and the run's KernelOptions (pallas_kernels/options.py
 says what was measured for each): a native GPU is the only place a copy or fp16 products pay.

@@ -159,11 +159,18 @@ def test_a_4_bit_cache_takes_its_declaration_and_a_row_of_it_is_that_rows():
   assert one.k.residual_group.shape == (1,)
 
 
-def test_decode_through_the_4_bit_tiles_kernel_scores_what_the_reference_route_scores():
-  """Full attention's decode steps on the GPU variant (interpreted) read the 4-bit cache through
-  attention/int4_decode.py (a head dim of 64: value pieces the kernel takes; the tiny model's 8
-  are below them): two prompts of different lengths, each step's NLL as the reference route's
-  over the dequantized cache, within fp32's summation order."""
+@pytest.mark.parametrize("name,hparams,reader", [
+    ("full", {}, "four_bit_tiles"),  # attention/int4_decode.py reads the tiles
+    ("reattention", dict(n_global=8, n_local=16, span=8, top_k=2, clip=4, chunk=16),
+     "four_bit_scores"),  # and its top-k scores the codes (topk/int4_scores.py)
+])
+def test_decode_through_the_4_bit_kernels_scores_what_the_reference_route_scores(name, hparams,
+                                                                                 reader):
+  """Decode steps on the GPU variant (interpreted) read the 4-bit cache through the kernels that
+  read its codes (a head dim of 64: value pieces the decode kernel takes; the tiny model's 8 are
+  below them): full attention's through attention/int4_decode.py, ReAttention's selection
+  through topk/int4_scores.py; two prompts of different lengths, each step's NLL as the
+  reference route's over the dequantized cache, within fp32's summation order."""
   from jax_longctx.core.options import RunOptions
   from jax_longctx.model import random_params
   from jax_longctx.run import generation as gen
@@ -175,25 +182,28 @@ def test_decode_through_the_4_bit_tiles_kernel_scores_what_the_reference_route_s
   params = random_params(cfg, seed=4)
   prompts = _prompts(cfg, (40, 29), seed=5)  # one group and an open residual; one still open
   targets = jnp.asarray(np.random.default_rng(6).integers(0, cfg.vocab_size, (2, 6)), jnp.int32)
+  method = get(name, **hparams)
   calls = []
-  tiles = read.four_bit_tiles
+  predicate = getattr(read, reader)
 
-  def counted(q, k, v, variant, options=None):
-    calls.append(tiles(q, k, v, variant, options))
-    return calls[-1]
+  def counted(q, *args, **kw):
+    answer = predicate(q, *args, **kw)
+    if q.shape[1] == 1:  # a decode step's call (a prefill chunk's many rows take the copy)
+      calls.append(answer)
+    return answer
 
   def nll(route):
     options = RunOptions(prefill_chunk=16, kv_dtype="int4", route=route)
-    cache, last = gen.prefill(params, cfg, prompts, get("full"), cache_len=96, decode_room=6,
+    cache, last = gen.prefill(params, cfg, prompts, method, cache_len=96, decode_room=6,
                               options=options)
     return np.asarray(gen.teacher_forced_nll(params, cache, last, targets, cfg=cfg,
-                                             method=get("full"), options=options)[0])
+                                             method=method, options=options)[0])
 
   with pytest.MonkeyPatch.context() as patch:
-    patch.setattr(read, "four_bit_tiles", counted)
+    patch.setattr(read, reader, counted)
     got = nll(Route(backend="gpu", prefill_kernel=False, decode_kernel=True,
                     cache_write_backend="gpu"))  # and int4_write's kernel writes each token
-  assert calls and all(calls), calls  # every decode step's attention read the tiles
+  assert calls and all(calls), calls  # every decode step read the codes
   np.testing.assert_allclose(got, nll(Route(backend="reference")), rtol=1e-4, atol=1e-5)
 
 

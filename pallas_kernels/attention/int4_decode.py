@@ -2,7 +2,7 @@
 
 The cache is read as stored, never copied: per program (batch x kv head, row block, key split,
 as flash_attention's decode) whole key groups of G tokens a step (Tiling.block_keys, default one
-group), each group's codes unpacked in registers (`nibbles`), its per-channel scales folded
+group), each group's codes unpacked in registers (nibbles.py), its per-channel scales folded
 into the query (q . (a c + z) = (q a) . c + q . z, quant4_products.key_scores) and its zero
 points' share q . z taken from one fused reduction XLA computes for every group before the
 call; the values dequantized in registers piece by piece (`dequantize`: their token's scale and
@@ -26,6 +26,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import gpu, layout, quant4
+from pallas_kernels import nibbles as unpack
 from pallas_kernels import online_softmax as osm
 from pallas_kernels.decode import split_merge
 
@@ -42,66 +43,16 @@ BLOCK_GROUPS = 1
 NUM_WARPS = 1
 PROGRAMS_PER_CORE = 8
 
-# x | MAGIC, read as the float type, is BIAS + x exactly for 0 <= x < 16 (the float's last
-# mantissa bits count by one there): a code becomes a float by an or and a subtraction, not by
-# the conversion unit (two conversions a value for uint8 -> bf16, the bound of the 8-bit tiles).
-_MAGIC = {jnp.dtype(jnp.bfloat16): (jnp.uint16, 0x4300, 128.0),
-          jnp.dtype(jnp.float16): (jnp.uint16, 0x6400, 1024.0),
-          jnp.dtype(jnp.float32): (jnp.uint32, 0x4B000000, 8388608.0)}
-
-# The same on a CUDA GPU in PTX, four bytes a register: byte permutes spread the bytes over
-# 16-bit lanes ({shifts}: by 4 for the high nibbles), one lop3 a lane pair ors a nibble into MAGIC
-# ((a & b) | c: 0xEA), one packed fma subtracts BIAS: 3 instructions a pair of low codes, 4 a
-# pair of high ones (a shift first), where Triton's lowering of `nibbles`' jnp takes 4-6 a code.
-# {magic}, {one}, {neg_bias}: 16-bit patterns in both lanes; {t}: f16x2 or bf16x2. Low and high
-# nibbles come from two calls (JAX's Triton lowering takes one result an inline asm).
-_NIBBLES_PTX = """{{
-.reg .b32 p0, p1, mask, magic, one, neg;
-mov.b32 mask, 0x000F000F;
-mov.b32 magic, {magic};
-mov.b32 one, {one};
-mov.b32 neg, {neg_bias};
-prmt.b32 p0, $2, 0, 0x5140;
-prmt.b32 p1, $2, 0, 0x7362;
-{shifts}lop3.b32 $0, p0, mask, magic, 0xEA;
-lop3.b32 $1, p1, mask, magic, 0xEA;
-fma.rn.{t} $0, $0, one, neg;
-fma.rn.{t} $1, $1, one, neg;
-}}"""
-_PTX_CONSTANTS = {jnp.dtype(jnp.bfloat16): dict(magic="0x43004300", one="0x3F803F80",
-                                                neg_bias="0xC300C300", t="bf16x2"),
-                  jnp.dtype(jnp.float16): dict(magic="0x64006400", one="0x3C003C00",
-                                               neg_bias="0xE400E400", t="f16x2")}
-
-
-def nibbles(packed, dtype, native_gpu: bool = False):
-  """uint8 [n, w] -> (low, high) codes [n, w] in `dtype` (exact). native_gpu: a Triton kernel
-  compiled for CUDA, where 16-bit floats come by `_NIBBLES_PTX`."""
-  dtype = jnp.dtype(dtype)
-  if native_gpu and dtype in _PTX_CONSTANTS:
-    from jax.experimental.pallas import triton as pltriton
-    out = jax.ShapeDtypeStruct(packed.shape, dtype)
-    return tuple(pltriton.elementwise_inline_asm(
-        _NIBBLES_PTX.format(shifts=shifts, **_PTX_CONSTANTS[dtype]), args=[packed],
-        constraints="=r,=r,r", pack=4, result_shape_dtypes=[out])[0]
-        for shifts in ("", "shr.b32 p0, p0, 4;\nshr.b32 p1, p1, 4;\n"))
-  uint, magic, bias = _MAGIC[dtype]
-  wide = packed.astype(uint)
-  def as_float(bits):
-    return lax.bitcast_convert_type(bits | uint(magic), dtype) - jnp.asarray(bias, dtype)
-  return as_float(wide & uint(15)), as_float(wide >> uint(4))
-
-
 def dequantize(codes, scale, zero, native_gpu: bool = False):
   """codes [n, w] in a 16-bit float (exact), scale and zero [n] fp32 (one a row) -> codes *
   scale + zero [n, w] in codes' dtype: scale and zero rounded to it, then one fma a value
   rounded once (native_gpu: one packed fma a pair of values, by PTX, as the codes' unpacking)."""
   dtype = codes.dtype
   s, z = (jnp.broadcast_to(x.astype(dtype)[:, None], codes.shape) for x in (scale, zero))
-  if native_gpu and dtype in _PTX_CONSTANTS:
+  if native_gpu and dtype in unpack.PTX_CONSTANTS:
     from jax.experimental.pallas import triton as pltriton
     return pltriton.elementwise_inline_asm(
-        f"fma.rn.{_PTX_CONSTANTS[dtype]['t']} $0, $1, $2, $3;", args=[codes, s, z],
+        f"fma.rn.{unpack.PTX_CONSTANTS[dtype]['t']} $0, $1, $2, $3;", args=[codes, s, z],
         constraints="=r,r,r,r", pack=2,
         result_shape_dtypes=[jax.ShapeDtypeStruct(codes.shape, dtype)])[0]
   f32 = jnp.float32
@@ -206,7 +157,7 @@ def _gpu(meta, qr, kc, ka, zero_scores, kres, vc, vs, vz, *, span, splits, parts
       accs = [acc * alpha for acc in accs]
       for (at, _), p in zip(tiles, ps):
         p = p.astype(value_dtype)
-        codes = {c: nibbles(vc_ref[at, pl.ds(c, w)], value_dtype, native)
+        codes = {c: unpack.nibbles(vc_ref[at, pl.ds(c, w)], value_dtype, native)
                  for c in range(0, half, w)}
         for i, (c, nib, ch) in enumerate(pieces):
           j = ch // value_group
@@ -219,7 +170,7 @@ def _gpu(meta, qr, kc, ka, zero_scores, kres, vc, vs, vz, *, span, splits, parts
       its scales folded into the query and its zero points' share added."""
       grp = first // g
       a1, a2 = (ka_ref[grp, pl.ds(c, half)][None, :] for c in (0, half))  # [1, d / 2]
-      lo, hi = nibbles(kc_ref[pl.ds(first, g), :], key_dtype, native)  # [G, d / 2]
+      lo, hi = unpack.nibbles(kc_ref[pl.ds(first, g), :], key_dtype, native)  # [G, d / 2]
       s = (dot((q1s * a1).astype(key_dtype), lo, ((1,), (1,)))
            + dot((q2s * a2).astype(key_dtype), hi, ((1,), (1,))))
       return s + qz_ref[rows, grp][:, None]

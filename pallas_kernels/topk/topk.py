@@ -53,13 +53,19 @@ def topk_scores(q, k, top_k: int, *, scale: float | None = None, valid_len=None,
   if segment and route.variant().kind != "reference":  # the reference scores one whole copy
     if kv_layout != "BHTD":
       raise ValueError("a 4-bit cache is laid out [B, KV, T, d] (kv_layout='BHTD')")
-    if segment < k.shape[2]:
-      b, t = q.shape[0], k.shape[2]
-      if not 1 <= top_k <= t:
-        raise ValueError(f"top_k={top_k} must be between 1 and the number of keys ({t})")
-      hi = layout.per_batch(valid_len, b, t) - layout.per_batch(exclude_suffix, b, 0)
-      return _segmented_copy(q, k, top_k, segment, layout.per_batch(exclude_prefix, b, 0), hi,
-                             scale=scale, kv_layout=kv_layout, route=route, tiling=tiling)
+    b, t = q.shape[0], k.shape[2]
+    if not 1 <= top_k <= t:
+      raise ValueError(f"top_k={top_k} must be between 1 and the number of keys ({t})")
+    lo = layout.per_batch(exclude_prefix, b, 0)
+    hi = layout.per_batch(valid_len, b, t) - layout.per_batch(exclude_suffix, b, 0)
+    if read.four_bit_scores(q, k, route.variant(), route.kernels, top_k, tiled=tiling is not None,
+                            max_rows=topk_blocks.MAX_ROWS, max_k=topk_blocks.PICK_MAX_K):
+      return topk_blocks.topk_scores(q, k, top_k, lo, hi, kv_layout=kv_layout, pick="kernel",
+                                     scale=None if scale is None or float(scale) == 1.0 else scale,
+                                     interpret=route.variant().interpret_arg())
+    if segment < t:
+      return _segmented_copy(q, k, top_k, segment, lo, hi, scale=scale, kv_layout=kv_layout,
+                             route=route, tiling=tiling)
   k, = read.four_bit_copies(q.dtype, k)
   b, lq, h, kvh, t, d = layout.check_qk(q, k, kv_layout)
   quantized = layout.check_kv(k, k)

@@ -29,7 +29,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels import gpu, layout, reference
+from pallas_kernels import gpu, layout, quant4, reference
+from pallas_kernels.topk import int4_scores
 
 NEG_INF = float("-inf")
 BIG_INDEX = 2**31 - 1
@@ -118,18 +119,23 @@ def pick_from_blocks(q, k, top_k: int, lo, hi, *, scale=None, kv_layout: str = "
   picks the k best by (score desc, index asc), each by k passes of a max and a min index in
   registers, where the jnp graph runs a sort, a gather and a CUB top-k as separate kernels. The
   candidate bounds are applied in the maxima's reduction and in the kernel, so the scores are
-  read as the product wrote them. Returns (values fp32, indices int32) [B, Lq, KV, G, top_k];
-  a hole (fewer than top_k candidates) is -inf with an arbitrary index."""
+  read as the product wrote them; 4-bit keys (quant4.GroupedKeys, kv_layout "BHTD") are scored
+  by int4_scores' kernel from their codes. Returns (values fp32, indices int32) [B, Lq, KV, G,
+  top_k]; a hole (fewer than top_k candidates) is -inf with an arbitrary index."""
   b, lq, h, d = q.shape
-  kh, key_scale = reference.key_parts(k, q.dtype, kv_layout)  # 8-bit: values and scales
-  kvh, t = kh.shape[1], kh.shape[2]
+  if isinstance(k, quant4.GroupedKeys):  # 4-bit keys: scored from their codes as stored
+    kvh, t = k.shape[1], k.shape[2]
+    s = int4_scores.scores(q, k, scale=scale, interpret=interpret)
+  else:
+    kh, key_scale = reference.key_parts(k, q.dtype, kv_layout)  # 8-bit: values and scales
+    kvh, t = kh.shape[1], kh.shape[2]
+    qg = q.reshape(b, lq, kvh, h // kvh, d)
+    s = jnp.einsum("bqkgd,bktd->bkqgt", qg, kh, preferred_element_type=jnp.float32)
+    if key_scale is not None:  # each key's scale on its column (XLA fuses it into the product)
+      s = s * key_scale[:, :, None, None, :]
+    s = (s if scale is None else s * scale).reshape(b, kvh, lq * (h // kvh), t)
   g = h // kvh
   rows = lq * g
-  qg = q.reshape(b, lq, kvh, g, d)
-  s = jnp.einsum("bqkgd,bktd->bkqgt", qg, kh, preferred_element_type=jnp.float32)
-  if key_scale is not None:  # each key's scale on its column (XLA fuses it into the product)
-    s = s * key_scale[:, :, None, None, :]
-  s = (s if scale is None else s * scale).reshape(b, kvh, rows, t)
   block = min(block or block_size(top_k), layout.next_pow2(t))
   top_k = min(top_k, t)
   n_blocks = -(-t // block)

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import KernelOptions, Route, Tiling, flash_attention, quant4, read
+from pallas_kernels import KernelOptions, Route, Tiling, flash_attention, nibbles, quant4, read
 from pallas_kernels.attention import int4_decode
 from tests.kernels.cuda_lowering import cuda_text
 from tests.kernels.inputs import normal, with_outliers
@@ -90,7 +90,7 @@ def test_the_kernel_serves_one_token_decode_on_the_gpu_variant_where_enabled():
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
 def test_nibbles_give_every_code_exactly(dtype):
   byte = jnp.arange(256, dtype=jnp.uint8).reshape(16, 16)
-  low, high = int4_decode.nibbles(byte, dtype)
+  low, high = nibbles.nibbles(byte, dtype)
   assert low.dtype == dtype and high.dtype == dtype
   np.testing.assert_array_equal(np.asarray(low, np.float32), np.arange(256).reshape(16, 16) % 16)
   np.testing.assert_array_equal(np.asarray(high, np.float32),
