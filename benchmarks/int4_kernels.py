@@ -13,6 +13,8 @@ the dequantized cache. write: the one-token write kernel against the jnp write o
 query heads over 8 KV heads, d 128, batch 1) over 32K / 128K / 1M keys, back-to-back calls
 (bench_measure.timed), each with the bytes the cache holds over its time beside the device's
 copy bandwidth measured in the same run.
+scores: a decode step's top-4 over 4-bit keys, the kernel scoring their codes against the copy
+route, at 128K and 2M keys.
 tiles: the kernel's default tiling and TILE_SWEEP's (keys a step, warps, key splits, stages) at
 32K and 128K keys.
 """
@@ -30,7 +32,8 @@ from benchmarks.quant_kernels import _err, _nbytes, _timed_record
 
 H, KV, D = 32, 8, 128
 BACKEND = "auto"  # --smoke: "gpu", the kernels interpreted on CPU
-SIZES = dict(check=1000, decode=(32768, 131072, 1048576), tiles=(32768, 131072))
+SIZES = dict(check=1000, decode=(32768, 131072, 1048576), tiles=(32768, 131072),
+             scores=(131072, 2097152))
 
 
 def _cache(seed, b, t, dtype, open_tokens: int = 5):
@@ -199,27 +202,56 @@ def time_tiles(reps, bw):
   return recs
 
 
+def time_scores(reps, bw):
+  """A decode step's top-4 over 4-bit keys (topk_scores, one query token): the kernel scoring the
+  codes (topk/int4_scores.py) against the copy route (KernelOptions.int4_topk_scores off: the
+  keys copied to bf16 first, in segments past topk_dequantize_bytes); `bytes` the keys' codes,
+  scales and zero points; `differing_rows`: query rows whose 4 indices differ between them."""
+  import jax.numpy as jnp
+  import numpy as np
+  from pallas_kernels import KernelOptions, Route, topk_scores
+  recs = []
+  for t in SIZES["scores"]:
+    pos = jnp.asarray([t - 6])
+    q, k, _ = _cache(6, 1, t, "int4")
+    read = k.main.codes.nbytes + k.main.scale.nbytes + k.main.zero.nbytes
+    picked = {}
+    for route in ("scores", "copy"):
+      r = Route(backend=BACKEND, kernels=KernelOptions(int4_topk_scores=route == "scores"))
+      fn = jax.jit(lambda q, k, r=r: topk_scores(q, k, 4, scale=1.0, valid_len=pos + 1,
+                                                 kv_layout="BHTD", route=r))
+      picked[route] = np.sort(np.asarray(fn(q, k)[1]), axis=-1)
+      recs.append(_timed_record({"case": "decode_topk", "keys": t, "route": route}, fn, (q, k),
+                                read, reps, bw))
+      _progress(recs[-1])
+    recs[-1]["differing_rows"] = int(np.sum(np.any(picked["scores"] != picked["copy"], -1)))
+    del q, k
+  return recs
+
+
 def main() -> None:
   global H, KV, D, BACKEND
   p = argparse.ArgumentParser(description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--out", required=True)
   p.add_argument("--reps", type=int, default=20)
-  p.add_argument("--only", default="", help="comma list of cases (check, write, decode, tiles)")
+  p.add_argument("--only", default="", help="comma list of cases (check, write, decode, tiles, "
+                 "scores)")
   p.add_argument("--keys", default="", help="comma list of key counts for decode and tiles "
                  "(default: 32768,131072,1048576 and 32768,131072)")
   p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU, kernels interpreted")
   args = p.parse_args()
   if args.keys:
     keys = tuple(int(n) for n in args.keys.split(","))
-    SIZES.update(decode=keys, tiles=keys)
+    SIZES.update(decode=keys, tiles=keys, scores=keys)
   if args.smoke:
     H, KV, D = 8, 2, 64
-    SIZES.update(check=256, decode=(512,), tiles=(512,))
+    SIZES.update(check=256, decode=(512,), tiles=(512,), scores=(512,))
     BACKEND, args.reps = "gpu", 1
   bw = 1.0 if args.smoke else copy_bandwidth()
   cases = {"check": check, "write": check_write, "decode": lambda: time_decode(args.reps, bw),
-           "tiles": lambda: time_tiles(args.reps, bw)}
+           "tiles": lambda: time_tiles(args.reps, bw),
+           "scores": lambda: time_scores(args.reps, bw)}
   failed = run_cases_to_json(cases, args.out, {**device_facts(), "copy_bw": bw,
                                                "heads": f"{H}/{KV}", "head_dim": D}, args.only)
   sys.exit(1 if failed else 0)
