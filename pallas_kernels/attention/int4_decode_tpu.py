@@ -8,7 +8,7 @@ and lowered to Mosaic by exporting for TPU on a CPU (tests/kernels/test_int4_dec
 
 The structure is flash._tpu's: per (sequence x KV head) one row block of the group's query
 heads, key blocks of whole groups on the innermost (sequential) grid axis, the online-softmax
-state in VMEM scratch. A step:
+state in VMEM scratch. A step (its key half shared with topk/int4_scores_tpu.py: tpu_int4.py):
 - unpacks the block's key and value codes (uint8 [bk, d / 2]; byte j holds channel j in its low
   nibble and j + d / 2 in its high one) by a mask and a shift on int32, each nibble's half
   stored at its channels of a VMEM tile [bk, d], so every later operation sees channels in order;
@@ -40,35 +40,21 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels import layout, quant4, tpu
+from pallas_kernels import layout, quant4, tpu, tpu_int4
 from pallas_kernels import online_softmax as osm
 
 SQ = pl.squeezed
 KERNEL_NAME = "int4_decode_tpu"  # the Mosaic call's kernel_name in a lowered module
 
-# The folded query rows stacked a step: groups x rows. Decode has few rows a KV head (GQA 4: 8
-# once padded to a sublane tile), so a product per key group of 32 would leave the MXU mostly
-# idle and load its weights once a group; stacked, 16 groups x 8 rows make one 128-row operand,
-# the MXU's tile on v5e (v6e's is 256), and a step one product (the entries of other groups'
-# rows are computed and dropped). Hence 512 keys a step at up to 8 rows, 8 groups (256 keys,
-# the fewest whose scale rows fill a sublane tile) above. A 512-key step reads about 96 KB of
-# codes and scales a KV head, enough to spread a grid step's fixed cost; larger blocks would
-# only stack more rows. VMEM: about 2.5 MB a step by our count (inputs double-buffered, the
-# value scales padded to 128 lanes). Not timed on a TPU.
-STACKED_ROWS = 128
-MIN_GROUPS = 8
+# Keys a step: tpu_int4's stacked fold (512 at up to 8 rows, 256 above). VMEM: about 2.5 MB a
+# step by our count (inputs double-buffered, the value scales padded to 128 lanes).
+MIN_GROUPS = tpu_int4.MIN_GROUPS
 
 
 def block_keys(rows: int, t: int, g: int, asked: int | None = None) -> int:
-  """Keys a step for `rows` query rows (padded) over T keys in groups of g: the stacked fold's
-  choice above, or `asked` (whole blocks of MIN_GROUPS groups), at most T (then the whole
-  axis, which the block rule allows)."""
-  if asked is None:
-    asked = max(MIN_GROUPS, STACKED_ROWS // rows) * g
-  elif asked <= 0 or asked % (MIN_GROUPS * g):
-    raise ValueError(f"int4 decode (TPU): {asked} keys a step are not whole blocks of "
-                     f"{MIN_GROUPS} groups of {g}")
-  return min(asked, t)
+  """Keys a step (tpu_int4.block_keys) for `rows` query rows (padded) over T keys in groups of
+  g; asked: whole blocks of MIN_GROUPS groups."""
+  return tpu_int4.block_keys(rows, t, g, asked, name="int4 decode")
 
 
 def attention(q, k: quant4.GroupedKeys, v: quant4.Int4, *, causal: bool, q_offset, kv_len,
@@ -89,33 +75,11 @@ def attention(q, k: quant4.GroupedKeys, v: quant4.Int4, *, causal: bool, q_offse
   return (layout.from_rows(out, 1, h).astype(q.dtype), layout.from_rows(lse[..., 0], 1, h))
 
 
-def _unpacked(codes_ref, buf):
-  """uint8 codes [n, d / 2] -> codes [n, d] in buf's dtype (exact: 0..15), written to buf (a
-  VMEM tile) by halves: the low nibbles are channels 0 .. d / 2 - 1, the high ones the rest."""
-  half = codes_ref.shape[-1]
-  x = codes_ref[...].astype(jnp.int32)
-  buf[:, :half] = (x & 15).astype(jnp.float32).astype(buf.dtype)
-  buf[:, half:] = (x >> 4).astype(jnp.float32).astype(buf.dtype)
-  return buf[...]
-
-
-def _products(folded, codes):
-  """folded rows [n, d] fp32 times the codes [bk, d] (exact in their dtype) -> [n, bk] fp32.
-  Under bf16 the rows go to the MXU as two bf16 terms (hi + lo: 16 significant bits), where one
-  would round q a to 8 and a key group's scores with it (outlier channels make scores of tens,
-  which bf16 moves by tenths of a logit: the copy route's error, which the fold is to avoid)."""
-  if codes.dtype != jnp.bfloat16:
-    return osm.scores(folded.astype(codes.dtype), codes, None)
-  hi = folded.astype(jnp.bfloat16)
-  lo = (folded - hi.astype(jnp.float32)).astype(jnp.bfloat16)
-  return osm.scores(hi, codes, None) + osm.scores(lo, codes, None)
-
-
 def _values(codes_ref, scale_ref, zero_ref, buf, first, kv_len, dtype, value_group: int):
   """A value tile [n, d] of slots first.. in `dtype`: codes * scale + zero in fp32 with each
   token's (scale, zero) of each group of `value_group` channels ([n, d / value_group]), rows at
   and past kv_len 0 (stale or, past T, undefined: 0 x NaN would spread)."""
-  codes = _unpacked(codes_ref, buf)  # [n, d] fp32
+  codes = tpu_int4.unpacked(codes_ref, buf)  # [n, d] fp32
   n, d = codes.shape
   group = tpu.div(lax.broadcasted_iota(jnp.int32, (1, d), 1), value_group)  # each channel's
 
@@ -177,15 +141,9 @@ def _tpu(meta, qr, kc, ka, kz, kres, vc, vs, vz, *, bk, causal, scale, value_gro
     @pl.when(j * bk < end)
     def _():
       qs = q_ref[...].astype(f32) * scale  # [bm, d]
-      a, z = ka_ref[...], kz_ref[...]  # [groups, d] fp32
-      folded = (qs[None] * a[:, None, :]).reshape(groups * bm, d)
-      stacked = _products(folded, _unpacked(kc_ref, k_buf))  # [groups x bm, bk]
+      s = tpu_int4.key_scores(qs, ka_ref[...], kz_ref[...], kc_ref, k_buf, g)  # [bm, bk]
       lane = lax.broadcasted_iota(jnp.int32, (1, bk), 1)
       own = tpu.div(lane, g)  # each key's group in the block
-      s = functools.reduce(jnp.add, [
-          jnp.where(own == i, stacked[i * bm:(i + 1) * bm]
-                    + jnp.sum(qs * z[i:i + 1], axis=1, keepdims=True), 0.0)
-          for i in range(groups)])  # [bm, bk]: each key its own group's rows, + q . z_g
       ok = visible(j * bk + lane, q_off, kv_len) & (j * groups + own != res)
       fold(jnp.where(ok, s, osm.NEG_INF),
            _values(vc_ref, vs_ref, vz_ref, v_buf, j * bk, kv_len, product, value_group))
