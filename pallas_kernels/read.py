@@ -7,8 +7,9 @@ in the lowerings is how each reads the format (scales beside the tiles), not whi
 
 A 4-bit cache (quant4.py) is read here too: one-token decode on the GPU and on the TPU reads
 its tiles (`four_bit_tiles`: attention/int4_decode.py, attention/int4_decode_tpu.py) where the
-run enables it, and so does a decode step's top-k on the GPU (`four_bit_scores`: topk/
-int4_scores.py scores the codes for topk_blocks' pick); every other call reads a copy in the
+run enables it, and so does a decode step's top-k on the GPU and on the TPU (`four_bit_scores`:
+topk/int4_scores.py, topk/int4_scores_tpu.py score the codes for topk_blocks' pick, the kernel
+on the GPU, the jnp one on the TPU); every other call reads a copy in the
 queries' dtype made first (`four_bit_copies`: one layer's keys or values a call; top-k past
 `topk_dequantize_bytes`, a segment of whole key groups at a time: `four_bit_topk_segment`), or,
 for attention over gathered keys, the gathered rows alone (`four_bit_gathered`).
@@ -187,14 +188,21 @@ def four_bit_gathered(k, v, indices, valid, dtype, kv_layout: str):
 
 def four_bit_scores(q, k, variant, options: KernelOptions, top_k: int, *, tiled: bool,
                     max_rows: int, max_k: int) -> bool:
-  """Whether topk_scores scores 4-bit keys by the kernel reading their codes (topk/
-  int4_scores.py) for the few-row selection (topk_blocks' pick kernel): on the GPU variant where
-  KernelOptions.int4_topk_scores enables it, no tiling asked, at most `max_rows` query rows a KV
-  head and `max_k` picks, keys grouped along tokens in groups and halves of d at least a
-  tensor-core product's 16 wide."""
-  if not (options.int4_topk_scores and variant.kind == "gpu" and isinstance(k, quant4.GroupedKeys)):
+  """Whether topk_scores scores 4-bit keys by the kernel reading their codes for the few-row
+  selection where KernelOptions.int4_topk_scores enables it: no tiling asked, at most `max_rows`
+  query rows a KV head and `max_k` picks, keys grouped along tokens. On the GPU variant
+  (topk/int4_scores.py, then topk_blocks' pick kernel) groups and halves of d at least a
+  tensor-core product's 16 wide; on the TPU one (topk/int4_scores_tpu.py, then topk_blocks'
+  jnp pick) q in bf16 or fp32 (no fp16 arithmetic) and key groups of a multiple of 32 tokens
+  (a uint8 block's sublane tile), as four_bit_tiles'."""
+  if not (options.int4_topk_scores and variant.kind in ("gpu", "tpu")
+          and isinstance(k, quant4.GroupedKeys)):
     return False
   b, lq, h, d = q.shape
-  return (not tiled and options.topk_few_rows == "blocks" and options.topk_selection == "exact"
-          and lq * (h // k.shape[1]) <= max_rows and top_k <= max_k and d % 32 == 0
-          and k.main.group >= 16 and q.dtype in (jnp.bfloat16, jnp.float16, jnp.float32))
+  if not (not tiled and options.topk_few_rows == "blocks" and options.topk_selection == "exact"
+          and lq * (h // k.shape[1]) <= max_rows and top_k <= max_k):
+    return False
+  if variant.kind == "tpu":
+    return q.dtype in (jnp.bfloat16, jnp.float32) and k.main.group % 32 == 0
+  return (d % 32 == 0 and k.main.group >= 16
+          and q.dtype in (jnp.bfloat16, jnp.float16, jnp.float32))

@@ -1,4 +1,4 @@
-"""A decode step's top-k scores over 4-bit keys, read as stored (GPU).
+"""A decode step's top-k scores over 4-bit keys, read as stored (GPU; int4_scores_tpu.py: TPU).
 
 The few-row top-k (topk_blocks: a decode step's query rows) keeps every score, [B, KV, rows, T]
 fp32, and selects from their block maxima. Over a 4-bit cache its scores came from a copy of
@@ -48,10 +48,17 @@ def scores(q, k: quant4.GroupedKeys, *, scale: float | None, interpret) -> jax.A
   per_program = max(n for n in range(1, min(BLOCK_GROUPS, groups) + 1) if groups % n == 0)
   s = _gpu(qr, k.main.codes, k.main.scale, zero_scores, scale=scale, group=g,
            per_program=per_program, interpret=interpret)
-  # the residual group's slots: its keys whole
+  return with_residual(s, qs, k)
+
+
+def with_residual(s, qs, k: quant4.GroupedKeys):
+  """The scores s [B, KV, rows, T] fp32 with each sequence's residual group's slots scored from
+  its keys whole (qs [B, KV, rows, d] fp32: the query rows times the scale), in jnp: the
+  kernels (this GPU one, int4_scores_tpu's) score every slot from the codes."""
+  g = k.main.group
   whole = jnp.einsum("bkrd,bkjd->bjkr", qs, k.residual.astype(jnp.float32))  # [B, G, KV, rows]
   slots = k.residual_group[:, None] * g + jnp.arange(g)  # [B, G]; past T: dropped
-  return s.at[jnp.arange(b)[:, None], :, :, slots].set(whole, mode="drop")
+  return s.at[jnp.arange(s.shape[0])[:, None], :, :, slots].set(whole, mode="drop")
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "group", "per_program", "interpret"))

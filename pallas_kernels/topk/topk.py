@@ -60,7 +60,9 @@ def topk_scores(q, k, top_k: int, *, scale: float | None = None, valid_len=None,
     hi = layout.per_batch(valid_len, b, t) - layout.per_batch(exclude_suffix, b, 0)
     if read.four_bit_scores(q, k, route.variant(), route.kernels, top_k, tiled=tiling is not None,
                             max_rows=topk_blocks.MAX_ROWS, max_k=topk_blocks.PICK_MAX_K):
-      return topk_blocks.topk_scores(q, k, top_k, lo, hi, kv_layout=kv_layout, pick="kernel",
+      # the TPU selects in jnp over its kernel's scores (pick_from_blocks is a Triton kernel)
+      pick = "jnp" if route.variant().kind == "tpu" else "kernel"
+      return topk_blocks.topk_scores(q, k, top_k, lo, hi, kv_layout=kv_layout, pick=pick,
                                      scale=None if scale is None or float(scale) == 1.0 else scale,
                                      interpret=route.variant().interpret_arg())
     if segment < t:

@@ -30,7 +30,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import gpu, layout, quant4, reference
-from pallas_kernels.topk import int4_scores
+from pallas_kernels.topk import int4_scores, int4_scores_tpu
 
 NEG_INF = float("-inf")
 BIG_INDEX = 2**31 - 1
@@ -102,7 +102,7 @@ def topk_scores(q, k, top_k: int, lo, hi, *, scale=None, kv_layout: str = "BTHD"
     v, i = pick_from_blocks(q, k, top_k, lo, hi, scale=scale, kv_layout=kv_layout, block=block,
                             interpret=interpret)
   else:
-    s = reference.key_scores(q, k, kv_layout, scale)  # [B, Lq, KV, G, T] fp32
+    s = _jnp_pick_scores(q, k, kv_layout, scale, interpret)  # [B, Lq, KV, G, T] fp32
     t = s.shape[-1]
     key = jnp.arange(t, dtype=jnp.int32)
     ok = (key >= lo[:, None]) & (key < hi[:, None])  # [B, T]
@@ -110,6 +110,18 @@ def topk_scores(q, k, top_k: int, lo, hi, *, scale=None, kv_layout: str = "BTHD"
     v, i = top_k_by_blocks(s, top_k, min(block or block_size(top_k), layout.next_pow2(t)))
   i = jnp.where(v == NEG_INF, -1, i)
   return v.reshape(b, lq, h, top_k), i.reshape(b, lq, h, top_k).astype(jnp.int32)
+
+
+def _jnp_pick_scores(q, k, kv_layout: str, scale, interpret):
+  """The jnp pick's scores [B, Lq, KV, G, T] fp32: 4-bit keys (quant4.GroupedKeys, which reach
+  it on the TPU variant: read.four_bit_scores) by int4_scores_tpu's kernel from their codes,
+  others by XLA's product."""
+  if not isinstance(k, quant4.GroupedKeys):
+    return reference.key_scores(q, k, kv_layout, scale)
+  b, lq, h, _ = q.shape
+  kvh, t = k.shape[1], k.shape[2]
+  s = int4_scores_tpu.scores(q, k, scale=scale, interpret=interpret)  # [B, KV, Lq x G, T]
+  return s.reshape(b, kvh, lq, h // kvh, t).transpose(0, 2, 1, 3, 4)
 
 
 def pick_from_blocks(q, k, top_k: int, lo, hi, *, scale=None, kv_layout: str = "BTHD",

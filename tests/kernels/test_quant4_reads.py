@@ -97,7 +97,9 @@ def test_topk_past_its_copy_cap_scores_segments_of_whole_key_groups(cache, monke
   monkeypatch.setattr(read, "COPY_SEGMENT_MIN", 32)
   per_key = B * KV * D * 4  # fp32 queries
   assert read.four_bit_topk_segment(_q(1), keys, KernelOptions(), T) == T  # fits: one copy
-  capped = KernelOptions(topk_dequantize_bytes=40 * per_key)
+  # int4_topk_scores off: decode's rows would take the kernel over the codes (no copy), and
+  # the residual keys' f32[B, KV, 32, D] and its fori_loop's scan would pass the check below
+  capped = KernelOptions(topk_dequantize_bytes=40 * per_key, int4_topk_scores=False)
   assert read.four_bit_topk_segment(_q(1), keys, capped, T) == 32  # 3 segments of one group
   assert read.four_bit_topk_segment(_q(1), kd, capped, T) == 0  # not 4-bit keys
   kw = dict(valid_len=jnp.asarray([96, 75]), exclude_prefix=jnp.asarray([0, 3]),
