@@ -17,12 +17,13 @@ scores: a decode step's top-4 over 4-bit keys, the kernel scoring their codes ag
 route, at 128K and 2M keys.
 tiles: the kernel's default tiling and TILE_SWEEP's (keys a step, warps, key splits, stages) at
 32K and 128K keys.
+--formats: the 4-bit formats the cases run over (quant4.FORMATS; default int4).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
+import itertools
 import sys
 
 import jax
@@ -34,11 +35,13 @@ H, KV, D = 32, 8, 128
 BACKEND = "auto"  # --smoke: "gpu", the kernels interpreted on CPU
 SIZES = dict(check=1000, decode=(32768, 131072, 1048576), tiles=(32768, 131072),
              scores=(131072, 2097152))
+FORMATS = ("int4",)  # --formats: the 4-bit formats (quant4.FORMATS) each case runs over
 
 
 def _cache(seed, b, t, dtype, open_tokens: int = 5):
-  """(q [b, 1, H, D] bf16, k, v) in `dtype`: bfloat16, int8, or int4 (quant4.GroupedKeys with
-  its last group open, `open_tokens` short of full, and quant4.Int4 values)."""
+  """(q [b, 1, H, D] bf16, k, v) in `dtype`: bfloat16, int8, or a 4-bit format (quant4.FORMATS:
+  quant4.GroupedKeys with its last group open, `open_tokens` short of full, and quant4.Int4
+  values)."""
   import jax.numpy as jnp
   from pallas_kernels import quant, quant4
   keys = jax.random.split(jax.random.key(seed), 3)
@@ -48,14 +51,15 @@ def _cache(seed, b, t, dtype, open_tokens: int = 5):
   v = jax.random.normal(keys[2], (b, KV, t, D), jnp.float32)
   if dtype == "bfloat16":
     return q, k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
-  if dtype != "int4":
+  if dtype not in quant4.FORMATS:
     return q, quant.quantize(k, dtype), quant.quantize(v, dtype)
-  g = quant4.GROUP
+  fmt = quant4.format_of(dtype)
+  g, sd = fmt.group, fmt.scale_dtype
   last = (t - open_tokens) // g
-  grouped = quant4.GroupedKeys(quant4.quantize(k, g, axis=2),
+  grouped = quant4.GroupedKeys(quant4.quantize(k, g, axis=2, scale_dtype=sd),
                                k[:, :, last * g:(last + 1) * g].astype(jnp.bfloat16),
                                jnp.full((b,), last, jnp.int32))
-  return q, grouped, quant4.quantize(v, min(g, D))
+  return q, grouped, quant4.quantize(v, min(g, D), scale_dtype=sd)
 
 
 def _route(tiles: bool):
@@ -66,17 +70,19 @@ def _route(tiles: bool):
 def check():
   import jax.numpy as jnp
   from pallas_kernels import Route, flash_attention, quant4
-  t = SIZES["check"] // 32 * 32
-  q, k, v = _cache(1, 2, t, "int4", open_tokens=11)
-  pos = jnp.asarray([t - 12, t // 3])  # the second sequence's keys stop inside main's groups
-  kw = dict(causal=True, q_offset=pos, kv_len=pos + 1, kv_layout="BHTD")
-  ref = flash_attention(q.astype(jnp.float32), quant4.load(k, jnp.float32),
-                        quant4.dequantize(v, jnp.float32), route=Route(backend="reference"), **kw)
   recs = []
-  for name, tiles in (("kernel", True), ("copy", False)):
-    got = flash_attention(q, k, v, route=_route(tiles), **kw)
-    recs.append({"check": "decode", "route": name, "out_err": _err(got[0], ref[0]),
-                 "lse_err": _err(got[1], ref[1])})
+  for fmt in FORMATS:
+    t = SIZES["check"] // 128 * 128
+    q, k, v = _cache(1, 2, t, fmt, open_tokens=11)
+    pos = jnp.asarray([t - 12, t // 3])  # the second sequence's keys stop inside main's groups
+    kw = dict(causal=True, q_offset=pos, kv_len=pos + 1, kv_layout="BHTD")
+    ref = flash_attention(q.astype(jnp.float32), quant4.load(k, jnp.float32),
+                          quant4.dequantize(v, jnp.float32), route=Route(backend="reference"),
+                          **kw)
+    for name, tiles in (("kernel", True), ("copy", False)):
+      got = flash_attention(q, k, v, route=_route(tiles), **kw)
+      recs.append({"check": "decode", "dtype": fmt, "route": name,
+                   "out_err": _err(got[0], ref[0]), "lse_err": _err(got[1], ref[1])})
   return recs
 
 
@@ -89,9 +95,19 @@ def check_write(steps: int = 40):
   import numpy as np
   from jax_longctx.ops.cache import KVCache
   from pallas_kernels import Route, quant4
-  t = SIZES["check"] // 32 * 32
-  cache = KVCache(quant4.zeros_grouped_keys((2, KV, t, D), jnp.bfloat16),
-                  quant4.zeros_values((2, KV, t, D), min(quant4.GROUP, D)))
+  return [rec for name in FORMATS for rec in _check_write(name, steps)]
+
+
+def _check_write(name, steps):
+  import jax.numpy as jnp
+  import numpy as np
+  from jax_longctx.ops.cache import KVCache
+  from pallas_kernels import Route, quant4
+  fmt = quant4.format_of(name)
+  t = SIZES["check"] // 128 * 128
+  cache = KVCache(quant4.zeros_grouped_keys((2, KV, t, D), jnp.bfloat16, fmt.group,
+                                            fmt.scale_dtype),
+                  quant4.zeros_values((2, KV, t, D), min(fmt.group, D), fmt.scale_dtype))
   rng = jax.random.split(jax.random.key(3), 2 * steps + 1)
   prompt = jax.random.normal(rng[0], (2, t // 2, KV, D), jnp.float32).at[..., :4].multiply(30)
   lengths = jnp.asarray([31, t // 2 - 9])
@@ -114,10 +130,11 @@ def check_write(steps: int = 40):
     if a.dtype == np.uint8:  # packed codes: compared code by code
       a, b = (np.asarray(quant4.unpack(x)).astype(np.int32) for x in (a, b))
     diff = np.abs(a.astype(np.float64) - b.astype(np.float64))
-    recs.append({"check": "write", "leaf": jax.tree_util.keystr(path), "steps": steps,
+    recs.append({"check": "write", "dtype": name, "leaf": jax.tree_util.keystr(path),
+                 "steps": steps,
                  "entries": a.size, "differing": int(np.sum(a != b)),
                  "max_abs_diff": float(diff.max()),
-                 "max_rel_diff": float((diff / np.maximum(np.abs(b), 1e-30)).max())})
+                 "max_rel_diff": float((diff / np.maximum(np.abs(b.astype(np.float64)), 1e-30)).max())})
   return recs
 
 
@@ -127,22 +144,6 @@ def _decode_fn(pos, route, tiling=None):
   return jax.jit(lambda q, k, v: flash_attention(q, k, v, causal=True, q_offset=pos,
                                                  kv_len=pos + 1, kv_layout="BHTD", route=route,
                                                  tiling=tiling))
-
-
-@contextlib.contextmanager
-def _jnp_unpack(on: bool):
-  """A diagnostic: the kernel with its codes unpacked by Triton's lowering of jnp (the CPU
-  interpreter's path) instead of the PTX (nibbles.py); compiled apart."""
-  from pallas_kernels import nibbles
-  saved = nibbles.PTX_CONSTANTS
-  if on:
-    nibbles.PTX_CONSTANTS = {}
-  jax.clear_caches()
-  try:
-    yield
-  finally:
-    nibbles.PTX_CONSTANTS = saved
-    jax.clear_caches()
 
 
 def _progress(rec):
@@ -155,14 +156,13 @@ def time_decode(reps, bw):
   recs = []
   for t in SIZES["decode"]:
     pos = jnp.asarray([t - 6])
-    for dtype, route in (("bfloat16", "kernel"), ("int8", "kernel"), ("int4", "copy"),
-                         ("int4", "tiles"), ("int4", "tiles_jnp_unpack")):
+    for dtype, route in (("bfloat16", "kernel"), ("int8", "kernel"), (FORMATS[0], "copy"),
+                         *((fmt, "tiles") for fmt in FORMATS)):
       q, k, v = _cache(4, 1, t, dtype)
       rec = {"kernel": "decode_attention", "keys": t, "dtype": dtype, "route": route}
       try:
-        with _jnp_unpack(route == "tiles_jnp_unpack"):
-          recs.append(_timed_record(rec, _decode_fn(pos, _route(route.startswith("tiles"))),
-                                    (q, k, v), _nbytes(k, v), reps, bw))
+        recs.append(_timed_record(rec, _decode_fn(pos, _route(route == "tiles")), (q, k, v),
+                                  _nbytes(k, v), reps, bw))
       except Exception as e:  # noqa: BLE001 - a route out of memory at 1M is a result
         recs.append({**rec, "error": str(e)[:300]})
       _progress(recs[-1])
@@ -180,17 +180,20 @@ TILE_SWEEP = ((32, 1, 4, 3), (32, 1, 8, 2), (32, 1, 8, 4), (32, 1, 16, 3), (32, 
 
 
 def time_tiles(reps, bw):
-  """The kernel's default tiling, then TILE_SWEEP's, over one int4 cache a key count."""
+  """The kernel's default tiling, then TILE_SWEEP's, over one 4-bit cache a key count and
+  format."""
   import jax.numpy as jnp
   from pallas_kernels.gpu import Tiling, split_plan
   recs = []
-  for t in SIZES["tiles"]:
+  for t, fmt in itertools.product(SIZES["tiles"], FORMATS):
     pos = jnp.asarray([t - 6])
-    q, k, v = _cache(8, 1, t, "int4")
+    q, k, v = _cache(8, 1, t, fmt)
     for bk, warps, per_core, stages in ((None,) * 4,) + TILE_SWEEP:
+      if bk is not None and bk % k.main.group:
+        continue
       tl = None if bk is None else Tiling(block_keys=bk, num_warps=warps, num_stages=stages,
                                           key_splits=split_plan(KV, t, bk, None, per_core)[1])
-      rec = {"keys": t, "tiling": "default" if tl is None else {
+      rec = {"keys": t, "dtype": fmt, "tiling": "default" if tl is None else {
           "block_keys": bk, "warps": warps, "stages": stages, "key_splits": tl.key_splits}}
       try:
         recs.append(_timed_record(rec, _decode_fn(pos, _route(True), tl), (q, k, v),
@@ -211,9 +214,9 @@ def time_scores(reps, bw):
   import numpy as np
   from pallas_kernels import KernelOptions, Route, topk_scores
   recs = []
-  for t in SIZES["scores"]:
+  for t, fmt in itertools.product(SIZES["scores"], FORMATS):
     pos = jnp.asarray([t - 6])
-    q, k, _ = _cache(6, 1, t, "int4")
+    q, k, _ = _cache(6, 1, t, fmt)
     read = k.main.codes.nbytes + k.main.scale.nbytes + k.main.zero.nbytes
     picked = {}
     for route in ("scores", "copy"):
@@ -221,7 +224,8 @@ def time_scores(reps, bw):
       fn = jax.jit(lambda q, k, r=r: topk_scores(q, k, 4, scale=1.0, valid_len=pos + 1,
                                                  kv_layout="BHTD", route=r))
       picked[route] = np.sort(np.asarray(fn(q, k)[1]), axis=-1)
-      recs.append(_timed_record({"case": "decode_topk", "keys": t, "route": route}, fn, (q, k),
+      recs.append(_timed_record({"case": "decode_topk", "keys": t, "dtype": fmt, "route": route},
+                                fn, (q, k),
                                 read, reps, bw))
       _progress(recs[-1])
     recs[-1]["differing_rows"] = int(np.sum(np.any(picked["scores"] != picked["copy"], -1)))
@@ -230,7 +234,7 @@ def time_scores(reps, bw):
 
 
 def main() -> None:
-  global H, KV, D, BACKEND
+  global H, KV, D, BACKEND, FORMATS
   p = argparse.ArgumentParser(description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--out", required=True)
@@ -239,8 +243,11 @@ def main() -> None:
                  "scores)")
   p.add_argument("--keys", default="", help="comma list of key counts for decode and tiles "
                  "(default: 32768,131072,1048576 and 32768,131072)")
+  p.add_argument("--formats", default="int4", help="comma list of 4-bit formats "
+                 "(quant4.FORMATS: int4, int4_fp16, int4_g64_fp16)")
   p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU, kernels interpreted")
   args = p.parse_args()
+  FORMATS = tuple(args.formats.split(","))
   if args.keys:
     keys = tuple(int(n) for n in args.keys.split(","))
     SIZES.update(decode=keys, tiles=keys, scores=keys)

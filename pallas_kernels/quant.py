@@ -44,9 +44,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import quant4
+
 # The stored dtypes of a KV cache: the model's own dtype (no scales), one of the 8-bit ones, or
-# "int4" (quant4.py's layout, made by jax_longctx's KVCache alone).
-KV_DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn", "int8", "int4")
+# a 4-bit format, "int4" and the others of quant4.FORMATS (made by jax_longctx's KVCache alone).
+KV_DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn", "int8", *quant4.FORMATS)
 EIGHT_BIT = ("float8_e4m3fn", "int8")
 _QMAX = {"int8": 127.0, "float8_e4m3fn": 448.0}
 

@@ -35,16 +35,42 @@ import jax.numpy as jnp
 import numpy as np
 
 LEVELS = 16  # codes 0..15
-GROUP = 32  # KIVI's group, the one measured
-# The dtype scales and zero points are stored in. KIVI stores fp16: 160 bytes a token, KV head
-# and layer at d 128 (codes 128) where fp32 takes 192, and 3.5M tokens of the 3B shape with
-# ReAttention decoded on one H200 where fp32 held 3M. But the decode kernel as written read
-# fp16 scales 21% slower at 128K keys (0.245 against 0.203 ms; the 8B's decode step 11.80
-# against 10.36 ms, H200, one run: BENCHMARKS.md), so fp32 stays until its value scales are
-# laid out for coalesced loads. Either way the codes are computed against the stored (rounded)
-# scale and zero point (`as_stored`), so the rounding moves the grid, not the codes' meaning.
-# Changing it changes results: run_settings names it in an int4 record's entry.
-SCALE_DTYPE = jnp.float32
+GROUP = 32  # KIVI's group, the one measured first
+
+
+@dataclasses.dataclass(frozen=True)
+class Format:
+  """A 4-bit cache's layout, named by its kv_dtype (FORMATS): keys per channel over `group`
+  tokens, values per token over `group` channels (or a head's all where it has fewer), their
+  scales and zero points stored in `scale_dtype`. Either way the codes are computed against the
+  stored (rounded) scale and zero point (`as_stored`), so the rounding moves the grid, not the
+  codes' meaning."""
+
+  group: int = GROUP
+  scale_dtype: str = "float32"
+
+  def row_bytes(self, d: int) -> int:
+    """Bytes a token's key and value rows take in one KV head at head dim d (codes, scales
+    and zero points; keys' scales counted per token: a group's pair over its `group` tokens)."""
+    pair = 2 * np.dtype(self.scale_dtype).itemsize
+    value_groups = d // min(self.group, d)
+    return d + d * pair // self.group + value_groups * pair
+
+
+# The 4-bit cache's kv_dtype names. "int4": KIVI's groups of 32 with fp32 scales (192 bytes a
+# token, KV head and layer at d 128), whose quality was measured on Qwen2.5-Coder-1.5B at 16K /
+# 32K (docs/CLAIMS.md). "int4_fp16": KIVI's own storage, scales in fp16 (160 bytes). The
+# compact "int4_g64_fp16": groups of 64, fp16 scales (144 bytes), which holds the 3B shape's 4M
+# tokens on one H200 (BENCHMARKS.md); KIVI (arXiv 2402.02750) ablates groups of 32 to 128.
+FORMATS = {"int4": Format(32, "float32"), "int4_fp16": Format(32, "float16"),
+           "int4_g64_fp16": Format(64, "float16")}
+
+
+def format_of(name: str) -> Format:
+  """The 4-bit format a kv_dtype names (one of FORMATS)."""
+  if name not in FORMATS:
+    raise ValueError(f"{name!r} is not a 4-bit cache format ({', '.join(FORMATS)})")
+  return FORMATS[name]
 
 
 def pack(codes: jax.Array) -> jax.Array:
@@ -73,8 +99,8 @@ def _check_axis(x, group: int, axis: int) -> int:
                    meta_fields=["axis", "group"])
 @dataclasses.dataclass(frozen=True)
 class Int4:
-  """codes uint8 [..., d // 2] (packed); scale, zero (SCALE_DTYPE) with the shape of x but `axis`
-  divided by `group`: x ~= code * scale + zero, one (scale, zero) per group along `axis`."""
+  """codes uint8 [..., d // 2] (packed); scale, zero (fp32 or fp16: Format.scale_dtype) with the
+  shape of x but `axis` divided by `group`: x ~= code * scale + zero, one (scale, zero) per group along `axis`."""
 
   codes: jax.Array
   scale: jax.Array
@@ -87,28 +113,28 @@ class Int4:
     return (*self.codes.shape[:-1], 2 * self.codes.shape[-1])
 
 
-def as_stored(scale, zero):
-  """fp32 scales and zero points as they are stored: rounded to SCALE_DTYPE and back (a scale
-  that rounds to 0, a range too small for that dtype: 1, the group's codes all 0)."""
+def as_stored(scale, zero, dtype=jnp.float32):
+  """fp32 scales and zero points as they are stored: rounded to `dtype` and back (a scale that
+  rounds to 0, a range too small for that dtype: 1, the group's codes all 0)."""
   f32 = jnp.float32
-  scale = scale.astype(SCALE_DTYPE).astype(f32)
-  return jnp.where(scale > 0, scale, 1.0), zero.astype(SCALE_DTYPE).astype(f32)
+  scale = scale.astype(dtype).astype(f32)
+  return jnp.where(scale > 0, scale, 1.0), zero.astype(dtype).astype(f32)
 
 
-def quantize(x, group: int = GROUP, axis: int = -1) -> Int4:
+def quantize(x, group: int = GROUP, axis: int = -1, scale_dtype=jnp.float32) -> Int4:
   """x [..., d] -> Int4 over groups of `group` entries along `axis` (-1: each row's channels,
   values; the token axis: each channel over tokens, keys), each group's own min and max, the
-  codes against the stored (SCALE_DTYPE) scale and zero point."""
+  codes against the stored (`scale_dtype`) scale and zero point."""
   axis = _check_axis(x, group, axis)
   xf = x.astype(jnp.float32)
   n = x.shape[axis]
   grouped = xf.reshape(*x.shape[:axis], n // group, group, *x.shape[axis + 1:])
   lo = grouped.min(axis + 1, keepdims=True)
   width = grouped.max(axis + 1, keepdims=True) - lo
-  scale, zero = as_stored(jnp.where(width > 0, width / (LEVELS - 1), 1.0), lo)
+  scale, zero = as_stored(jnp.where(width > 0, width / (LEVELS - 1), 1.0), lo, scale_dtype)
   codes = jnp.clip(jnp.round((grouped - zero) / scale), 0, LEVELS - 1).astype(jnp.uint8)
-  return Int4(pack(codes.reshape(x.shape)), scale.squeeze(axis + 1).astype(SCALE_DTYPE),
-              zero.squeeze(axis + 1).astype(SCALE_DTYPE), axis, group)
+  return Int4(pack(codes.reshape(x.shape)), scale.squeeze(axis + 1).astype(scale_dtype),
+              zero.squeeze(axis + 1).astype(scale_dtype), axis, group)
 
 
 def dequantize(x: Int4, dtype=jnp.float32) -> jax.Array:
@@ -131,13 +157,13 @@ def per_row(fn: Callable, *xs):
               xs[0].axis, xs[0].group)
 
 
-def zeros_values(shape, group: int = GROUP) -> Int4:
+def zeros_values(shape, group: int = GROUP, scale_dtype=jnp.float32) -> Int4:
   """An empty value buffer of `shape` [..., d]: each row over groups of `group` channels."""
   if shape[-1] % group or shape[-1] % 2:
     raise ValueError(f"int4 values: {shape[-1]} channels are not whole groups of {group}")
   grouped = (*shape[:-1], shape[-1] // group)
-  return Int4(jnp.zeros((*shape[:-1], shape[-1] // 2), jnp.uint8), jnp.ones(grouped, SCALE_DTYPE),
-              jnp.zeros(grouped, SCALE_DTYPE), len(shape) - 1, group)
+  return Int4(jnp.zeros((*shape[:-1], shape[-1] // 2), jnp.uint8), jnp.ones(grouped, scale_dtype),
+              jnp.zeros(grouped, scale_dtype), len(shape) - 1, group)
 
 
 def nbytes(x) -> int:
@@ -166,14 +192,14 @@ class GroupedKeys:
     return self.main.shape
 
 
-def zeros_grouped_keys(shape, dtype, group: int = GROUP) -> GroupedKeys:
+def zeros_grouped_keys(shape, dtype, group: int = GROUP, scale_dtype=jnp.float32) -> GroupedKeys:
   """An empty key buffer of `shape` [B, KV, T, d]; dtype: the residual's (the model's)."""
   b, kvh, t, d = shape
   if t % group:
     raise ValueError(f"int4 keys: {t} slots are not whole groups of {group}")
   groups = (b, kvh, t // group, d)
-  main = Int4(jnp.zeros((b, kvh, t, d // 2), jnp.uint8), jnp.ones(groups, SCALE_DTYPE),
-              jnp.zeros(groups, SCALE_DTYPE), 2, group)
+  main = Int4(jnp.zeros((b, kvh, t, d // 2), jnp.uint8), jnp.ones(groups, scale_dtype),
+              jnp.zeros(groups, scale_dtype), 2, group)
   return GroupedKeys(main, jnp.zeros((b, kvh, group, d), dtype), jnp.zeros((b,), jnp.int32))
 
 
@@ -202,7 +228,7 @@ def write_grouped_keys(buf: GroupedKeys, positions, new, *, capacity: int | None
   seq = jnp.zeros((b, kvh, span, d), jnp.float32).at[:, :, :g].set(buf.residual)
   seq = seq.at[rows, :, jnp.where(valid, positions - start[:, None], span)].set(
       new.astype(jnp.float32), mode="drop")  # [B, KV, span, d]
-  q = quantize(seq, g, axis=2)
+  q = quantize(seq, g, axis=2, scale_dtype=buf.main.scale.dtype)
   full = jnp.where(wrote, length // g, buf.residual_group)  # [B] groups written whole
   groups = buf.residual_group[:, None] + jnp.arange(span // g)  # [B, span / G]
   done = (groups < full[:, None]) & wrote[:, None]
@@ -222,7 +248,8 @@ def write_grouped_keys(buf: GroupedKeys, positions, new, *, capacity: int | None
   return GroupedKeys(main, residual, full.astype(jnp.int32))
 
 
-def grouped_keys_written_whole(k, valid, residual_dtype, group: int = GROUP) -> GroupedKeys:
+def grouped_keys_written_whole(k, valid, residual_dtype, group: int = GROUP,
+                               scale_dtype=jnp.float32) -> GroupedKeys:
   """Keys written all at once, [B, KV, T, d] (T whole groups), as a buffer with no group open
   (residual_group T / G: past the end). valid [B, T]: the slots a query reads; the others (a
   context's padding) take their group's smallest valid entry, so they widen no range."""
@@ -233,7 +260,7 @@ def grouped_keys_written_whole(k, valid, residual_dtype, group: int = GROUP) -> 
   ok = valid[:, None, :, None]
   lo = jnp.where(ok, kf, jnp.inf).reshape(b, kvh, t // group, group, d).min(axis=3)
   fill = jnp.repeat(jnp.where(jnp.isfinite(lo), lo, 0.0), group, axis=2)  # [B, KV, T, d]
-  return GroupedKeys(quantize(jnp.where(ok, kf, fill), group, axis=2),
+  return GroupedKeys(quantize(jnp.where(ok, kf, fill), group, axis=2, scale_dtype=scale_dtype),
                      jnp.zeros((b, kvh, group, d), residual_dtype),
                      jnp.full((b,), t // group, jnp.int32))
 

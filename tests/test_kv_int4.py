@@ -58,15 +58,19 @@ def test_every_method_stores_a_4_bit_cache_or_refuses_it_in_one_line(tiny, name)
   assert all(x.codes.dtype == jnp.uint8 for x in [k.main for k in keys] + values)
 
 
-def test_a_4_bit_cache_of_a_real_shape_holds_under_two_fifths_of_bf16s_bytes():
+@pytest.mark.parametrize("fmt,ratio", [("int4", 0.375), ("int4_fp16", 0.3125),
+                                       ("int4_g64_fp16", 0.28125)])
+def test_a_4_bit_cache_of_a_real_shape_holds_what_its_format_states(fmt, ratio):
   """Codes are half a byte a value; fp32 scales and zero points a quarter more (one pair per
-  32 values); the residual group is 32 tokens a sequence whole."""
+  32 values), fp16 ones an eighth, fp16 ones per 64 values a sixteenth; the residual group is
+  a group of tokens a sequence whole."""
   from tests.conftest import tiny_config
   cfg = tiny_config(num_heads=32, num_kv_heads=8, head_dim=128, dtype="bfloat16")
   def made(dtype):
     shapes = jax.eval_shape(lambda: KVCache.zeros(cfg, 2, 32768, dtype))
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
-  assert made("int4") / made("bfloat16") == pytest.approx(0.375 + 32 / 32768 / 2, rel=1e-3)
+  g = quant4.format_of(fmt).group
+  assert made(fmt) / made("bfloat16") == pytest.approx(ratio + g / 32768 / 2, rel=1e-3)
 
 
 @pytest.mark.parametrize("name", [n for n in names() if n not in LAYER])
@@ -159,13 +163,14 @@ def test_a_4_bit_cache_takes_its_declaration_and_a_row_of_it_is_that_rows():
   assert one.k.residual_group.shape == (1,)
 
 
-@pytest.mark.parametrize("name,hparams,reader", [
-    ("full", {}, "four_bit_tiles"),  # attention/int4_decode.py reads the tiles
+@pytest.mark.parametrize("name,hparams,reader,fmt", [
+    ("full", {}, "four_bit_tiles", "int4"),  # attention/int4_decode.py reads the tiles
     ("reattention", dict(n_global=8, n_local=16, span=8, top_k=2, clip=4, chunk=16),
-     "four_bit_scores"),  # and its top-k scores the codes (topk/int4_scores.py)
+     "four_bit_scores", "int4"),  # and its top-k scores the codes (topk/int4_scores.py)
+    ("full", {}, "four_bit_tiles", "int4_g64_fp16"),  # the compact format
 ])
 def test_decode_through_the_4_bit_kernels_scores_what_the_reference_route_scores(name, hparams,
-                                                                                 reader):
+                                                                                 reader, fmt):
   """Decode steps on the GPU variant (interpreted) read the 4-bit cache through the kernels that
   read its codes (a head dim of 64: value pieces the decode kernel takes; the tiny model's 8 are
   below them): full attention's through attention/int4_decode.py, ReAttention's selection
@@ -180,7 +185,8 @@ def test_decode_through_the_4_bit_kernels_scores_what_the_reference_route_scores
   cfg = tiny_config(num_layers=2, hidden_size=128, num_heads=4, head_dim=64,
                     max_position_embeddings=128)
   params = random_params(cfg, seed=4)
-  prompts = _prompts(cfg, (40, 29), seed=5)  # one group and an open residual; one still open
+  g = quant4.format_of(fmt).group
+  prompts = _prompts(cfg, (g + 8, 29), seed=5)  # a group and an open residual; one still open
   targets = jnp.asarray(np.random.default_rng(6).integers(0, cfg.vocab_size, (2, 6)), jnp.int32)
   method = get(name, **hparams)
   calls = []
@@ -193,8 +199,8 @@ def test_decode_through_the_4_bit_kernels_scores_what_the_reference_route_scores
     return answer
 
   def nll(route):
-    options = RunOptions(prefill_chunk=16, kv_dtype="int4", route=route)
-    cache, last = gen.prefill(params, cfg, prompts, method, cache_len=96, decode_room=6,
+    options = RunOptions(prefill_chunk=16, kv_dtype=fmt, route=route)
+    cache, last = gen.prefill(params, cfg, prompts, method, cache_len=128, decode_room=6,
                               options=options)
     return np.asarray(gen.teacher_forced_nll(params, cache, last, targets, cfg=cfg,
                                              method=method, options=options)[0])

@@ -164,7 +164,8 @@ def load(name_or_path: str = "default", dtype=None, serving: bool = False, mesh=
   kv_dtype: how every run stores its KV cache (None: the model's dtype; "int8" or
   "float8_e4m3fn": 8 bits with a scale per token and KV head, about half of bf16's bytes;
   "int4": KIVI's 4-bit layout, about 0.375 of bf16's bytes, for the methods that only append
-  (Method.int4_refusal says why the others cannot).
+  (Method.int4_refusal says why the others cannot); "int4_fp16" / "int4_g64_fp16": the same
+  with fp16 scales (0.31) and groups of 64 (0.28): pallas_kernels/quant4.py's FORMATS).
   smooth_keys: calibrate per-channel key smoothing on 1K tokens of held-out prose (random ids
   for a model without a tokenizer; run/key_smoothing.py): exact for every score, it evens out
   the key channels an 8-bit cache quantizes (Qwen2.5-Coder-1.5B, int8: NLL +0.28% -> +0.01%),

@@ -61,7 +61,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
   p.add_argument("--meshes", default="none",
                  help="';'-separated device meshes, e.g. 'none;model=2;data=2' (none: one device)")
   p.add_argument("--kv-dtypes", default="none",
-                 help="';'-separated cache dtypes: none (the model's), int8, float8_e4m3fn, int4")
+                 help="';'-separated cache dtypes: none (the model's), int8, float8_e4m3fn, int4 "
+                      "(or int4_fp16, int4_g64_fp16)")
   p.add_argument("--kernel-option", action="append", default=[], metavar="LABEL.KEY=VALUE",
                  help="a KernelOptions field for one method label's runs, e.g. "
                       "blocks.topk_few_rows=kernel with --methods blocks:reattention (default: the "

@@ -73,9 +73,10 @@ def bytes_per_token(cfg, ctx: int, batch: int, kv_dtype: str | None = None) -> t
   if cfg.tie_word_embeddings:
     weights += cfg.vocab_size * cfg.hidden_size  # ... unless it is also the output head
   rows = 2 * cfg.num_layers * batch * cfg.num_kv_heads * ctx  # K and V rows of head_dim values
-  int4_row = cfg.head_dim // 2 + (
-      cfg.head_dim * 2 * np.dtype(quant4.SCALE_DTYPE).itemsize // quant4.GROUP)
-  per_row = {None: item * cfg.head_dim, "int4": int4_row}.get(kv_dtype, cfg.head_dim + 4)
+  if kv_dtype in quant4.FORMATS:  # a K or a V row: half of a token's in one KV head
+    per_row = quant4.format_of(kv_dtype).row_bytes(cfg.head_dim) // 2
+  else:
+    per_row = item * cfg.head_dim if kv_dtype is None else cfg.head_dim + 4
   return item * weights, rows * per_row
 
 

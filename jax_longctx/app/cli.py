@@ -79,7 +79,8 @@ _SMOOTH_HELP = ("with an 8-bit cache, quantize the keys and values as the model 
 _KV_HELP = ("how the KV cache is stored: the model's dtype (default), int8 / float8_e4m3fn "
             "(8 bits with a scale per token and KV head, about half the bytes), or int4 (KIVI's "
             "4 bits: keys per channel over 32 tokens, values per token over 32 channels, about "
-            "0.375 of bf16's bytes; the methods that only append: `jax-longctx methods`)")
+            "0.375 of bf16's bytes; the methods that only append: `jax-longctx methods`); "
+            "int4_fp16 stores its scales in fp16 (0.31), int4_g64_fp16 groups 64 (0.28)")
 _MODEL_HELP = ("a bundled model: 'default' (SmolLM2-135M-Instruct), 'qwen2.5-coder-0.5b' or "
                "'qwen2.5-coder-1.5b' (32K window); or a converted checkpoint, an HF directory or "
                "a GGUF file")

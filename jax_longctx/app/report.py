@@ -14,8 +14,9 @@ from jax_longctx.app.gap_stats import (LEVEL, RESAMPLES, nll_by_seed, paired_gap
 from jax_longctx.app.tasks.ruler import LEFT_OUT_NOTE, PREFIX as RULER
 from jax_longctx.app.tasks.ruler_suite import NAMES as RULER_TASKS
 from pallas_kernels.quant import EIGHT_BIT
+from pallas_kernels.quant4 import FORMATS
 
-QUANTIZED = (*EIGHT_BIT, "int4")  # the cache dtypes a sweep compares with the model's
+QUANTIZED = (*EIGHT_BIT, *FORMATS)  # the cache dtypes a sweep compares with the model's
 
 
 def _mean(xs):

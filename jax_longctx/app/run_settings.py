@@ -29,7 +29,6 @@ import jax
 import numpy as np
 
 from jax_longctx.core.errors import LongctxError
-from pallas_kernels import quant4
 from pallas_kernels.quant import EIGHT_BIT
 
 VERSION = 1
@@ -105,15 +104,12 @@ def entry_settings(task, method, kv_dtype: str, length: int, cache_len: int,
   """What one method at one length runs with. An 8-bit cache's entry also names its top-k
   route (KernelOptions.topk_eight_bit) even when it is the default: the default changed from
   "dequantize" to "auto", and records made under the old one must not be resumed as new. A
-  4-bit cache's names the dtype its scales and zero points are stored in where it is not fp32
-  (quant4.SCALE_DTYPE)."""
+  4-bit cache's format (its group and scales' dtype) is its kv_dtype's name (quant4.FORMATS)."""
   entry = {"task": task.name, "task_options": task_options(task),
            "method": type(method).__name__, "hparams": method.hparams(),
            "kv_dtype": kv_dtype, "length": length, "cache_len": cache_len}
   if kv_dtype in EIGHT_BIT:
     entry["topk_eight_bit"] = options.route.kernels.topk_eight_bit
-  if kv_dtype == "int4" and np.dtype(quant4.SCALE_DTYPE) != np.float32:  # fp32: every record's
-    entry["int4_scales"] = np.dtype(quant4.SCALE_DTYPE).name  # before the dtype could change
   return plain(entry)
 
 

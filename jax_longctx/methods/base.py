@@ -312,7 +312,7 @@ def check_cache_dtype(method: Method, dtype) -> None:
   """Refuses, in one line, a cache dtype the method cannot store (kv_dtype "int4" where it
   states an `int4_refusal`); every road that makes a method's cache asks this first."""
   if is_int4_dtype(dtype) and method.int4_refusal:
-    raise MethodError(f"{method.name} cannot store a 4-bit cache (kv_dtype int4): "
+    raise MethodError(f"{method.name} cannot store a 4-bit cache (kv_dtype {dtype}): "
                       f"{method.int4_refusal}")
 
 

@@ -203,9 +203,10 @@ class MeshReAttention(ReAttention):
       raise MethodError(f"shard_block={self.shard_block} must be 0 (contiguous shards) or a "
                         f"multiple of the chunk ({self.chunk}): a step's tokens must lie in one "
                         "device's block")
-    if is_int4_dtype(dtype) and self.shard_block % quant4.GROUP:
+    g = quant4.format_of(dtype).group if is_int4_dtype(dtype) else 1
+    if self.shard_block % g:
       raise MethodError(f"shard_block={self.shard_block} must be a multiple of the 4-bit "
-                        f"cache's key group ({quant4.GROUP}): a group must lie in one block")
+                        f"cache's key group ({g}): a group must lie in one block")
     return super().init_state(cfg, batch, max_len, dtype, chunk)
 
   def cache_unit(self, shards: int, kv_dtype=None) -> int:
@@ -213,11 +214,11 @@ class MeshReAttention(ReAttention):
     # slots up to whole groups itself).
     block = max(self.shard_block, 1)
     grouped = is_int4_dtype(kv_dtype) and shards > 1
-    return shards * (math.lcm(block, quant4.GROUP) if grouped else block)
+    return shards * (math.lcm(block, quant4.format_of(kv_dtype).group) if grouped else block)
 
   def write(self, state: KVCache, k, v, ctx: AttnContext) -> KVCache:
     layout, p = layout_here(ctx.tokens, state.max_len, self.shard_block)
-    g = quant4.GROUP
+    g = state.k.main.group if isinstance(state.k, quant4.GroupedKeys) else 1
     # Another shard's tokens go to slot t, which the write drops (a negative index would wrap).
     return state.write_shard(ctx.q_pos, layout.slot(ctx.q_pos, p), k, v,
                              capacity=state.max_len * layout.n_dev,
@@ -230,7 +231,7 @@ class MeshReAttention(ReAttention):
     if not isinstance(state.k, quant4.GroupedKeys):
       return state
     layout, p = layout_here(tokens, state.max_len, self.shard_block)
-    return state.shard_view(layout.slot(state.k.residual_group * quant4.GROUP, p))
+    return state.shard_view(layout.slot(state.k.residual_group * state.k.main.group, p))
 
   def scope(self, state: KVCache, q, ctx: AttnContext) -> Scope:
     state = self.here(state, ctx.tokens)

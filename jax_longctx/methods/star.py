@@ -165,16 +165,18 @@ def _context_kv(k, v, ctx: AttnContext) -> ContextKV:
                    jnp.where(ctx.valid, ctx.q_pos, -1))
 
 
-def context_in_four_bits(c: ContextKV) -> ContextKV:
-  """A device's context, assembled in the model's dtype, as the 4-bit cache stores it (quant4,
-  KIVI's layout): keys per channel over groups of 32 tokens, none left open (a context is
-  written once), values per token; its slots padded to whole groups (pos -1: never read)."""
-  g = quant4.GROUP
+def context_in_four_bits(c: ContextKV, kv_dtype: str) -> ContextKV:
+  """A device's context, assembled in the model's dtype, as the 4-bit cache of format
+  `kv_dtype` stores it (quant4, KIVI's layout): keys per channel over groups of tokens, none
+  left open (a context is written once), values per token; its slots padded to whole groups
+  (pos -1: never read)."""
+  fmt = quant4.format_of(kv_dtype)
+  g = fmt.group
   pad = -c.k.shape[2] % g
   widen = lambda a: jnp.pad(a, ((0, 0), (0, 0), (0, pad), (0, 0)))  # noqa: E731
   k, v, pos = widen(c.k), widen(c.v), jnp.pad(c.pos, ((0, 0), (0, pad)), constant_values=-1)
-  return ContextKV(quant4.grouped_keys_written_whole(k, pos >= 0, k.dtype),
-                   quant4.quantize(v, min(g, v.shape[-1])), pos)
+  return ContextKV(quant4.grouped_keys_written_whole(k, pos >= 0, k.dtype, g, fmt.scale_dtype),
+                   quant4.quantize(v, min(g, v.shape[-1]), scale_dtype=fmt.scale_dtype), pos)
 
 
 @dataclasses.dataclass(frozen=True)

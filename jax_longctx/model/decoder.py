@@ -389,8 +389,8 @@ def new_cache(cfg: LlamaConfig, method: Method, batch: int, max_len: int, dtype=
               chunk: int | None = None) -> Cache:
   """An empty cache; `chunk` is the longest step that will be fed (default: max_len). dtype: how
   its keys and values are stored (default the model's; "int8" / "float8_e4m3fn": 8 bits with a
-  scale per token and KV head; "int4": KIVI's 4-bit layout, for a method with no
-  `int4_refusal`; ops/cache.py)."""
+  scale per token and KV head; "int4" (or another of quant4.FORMATS): KIVI's 4-bit
+  layout, for a method with no `int4_refusal`; ops/cache.py)."""
   dtype = cfg.jnp_dtype if dtype is None else dtype
   check_cache_dtype(method, dtype)
   chunk = max_len if chunk is None else chunk

@@ -11,7 +11,7 @@ default) or in 8 bits with a scale per (token, KV head) (`pallas_kernels.quant.Q
 and `per_row` moves rows with their scales; `load` gives the values back in a compute dtype
 where a jnp path needs them (the kernels read the 8-bit rows and scales themselves).
 
-In 4 bits (`RunOptions.kv_dtype="int4"`, pallas_kernels/quant4.py, KIVI's layout) values are
+In 4 bits (`RunOptions.kv_dtype="int4"` or another of quant4.FORMATS, KIVI's layout) values are
 stored per token over groups of channels and keys per channel over groups of tokens, each
 sequence's newest key group whole until it fills. A key group shares one range, so a 4-bit cache
 only appends: `KVCache` alone makes one, for the methods with no `int4_refusal`; new rows of
@@ -48,13 +48,13 @@ __all__ = ["Cache", "INT4", "is_int4_dtype", "KVCache", "Quantized", "holds_8_bi
            "per_row", "stored",
            "stored_as", "float_dtype", "weighted_sum", "set_key_offset", "split_offset", "zeros"]
 
-INT4 = "int4"  # the 4-bit cache's kv_dtype (quant4.py's layout)
+INT4 = "int4"  # the 4-bit cache's default kv_dtype (quant4.FORMATS names the others)
 
 
 def is_int4_dtype(dtype) -> bool:
-  """Whether a cache dtype is the 4-bit cache's (a numpy dtype compares equal to the string
-  "int4", numpy's name for int32: only the string names it)."""
-  return isinstance(dtype, str) and dtype == INT4
+  """Whether a cache dtype is one of the 4-bit cache's formats (a numpy dtype compares equal to
+  the string "int4", numpy's name for int32: only the string names it)."""
+  return isinstance(dtype, str) and dtype in quant4.FORMATS
 
 
 def zeros(shape, dtype, *, offset_heads_axis: int | None = None):
@@ -72,7 +72,7 @@ def stored(x, like, heads_axis: int | None = None):
   if isinstance(like, quant4.GroupedKeys):
     raise TypeError("stored: 4-bit keys are written by KVCache.write (groups along tokens)")
   if isinstance(like, quant4.Int4):
-    return quant4.quantize(x, like.group)
+    return quant4.quantize(x, like.group, scale_dtype=like.scale.dtype)
   return store_like(x, like, heads_axis)
 
 
@@ -176,15 +176,16 @@ class KVCache:
   def zeros(cls, cfg: LlamaConfig, batch: int, max_len: int, dtype,
             keys_before_rope: bool = False) -> "KVCache":
     """dtype: how keys and values are stored (a float dtype, "int8" / "float8_e4m3fn", or
-    "int4": slots then rounded up to whole key groups); keys_before_rope: the keys are cached
+    a 4-bit format, quant4.FORMATS: slots then rounded up to whole key groups); keys_before_rope: the keys are cached
     before RoPE (an 8-bit buffer then holds their offset: module doc; 4-bit keys need none,
     their groups' zero points take a common part out)."""
     if is_int4_dtype(dtype):
-      g = quant4.GROUP
+      fmt = quant4.format_of(dtype)
+      g = fmt.group
       shape = (batch, cfg.num_kv_heads, -(-max_len // g) * g, cfg.head_dim)
-      # values over groups of 32 channels (KIVI's), or of a head's all where it has fewer
-      return cls(quant4.zeros_grouped_keys(shape, cfg.jnp_dtype, g),
-                 quant4.zeros_values(shape, min(g, cfg.head_dim)))
+      # values over groups of g channels (KIVI's), or of a head's all where it has fewer
+      return cls(quant4.zeros_grouped_keys(shape, cfg.jnp_dtype, g, fmt.scale_dtype),
+                 quant4.zeros_values(shape, min(g, cfg.head_dim), fmt.scale_dtype))
     shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
     return cls(zeros(shape, dtype, offset_heads_axis=1 if keys_before_rope else None),
                zeros(shape, dtype))

@@ -107,7 +107,7 @@ def encode_blocks(params, tok, pos, ok, offset, lengths, *, cfg: LlamaConfig, me
   local_cfg = device_view(cfg, options)[0]
   dtype = options.cache_dtype(cfg.jnp_dtype)
   if is_int4_dtype(dtype):  # the query's and generated tokens (a few hundred) stay whole
-    context, dtype = [context_in_four_bits(c) for c in context], cfg.jnp_dtype
+    context, dtype = [context_in_four_bits(c, dtype) for c in context], cfg.jnp_dtype
   state = tuple(Phase2State(c, ChunkCache.empty(local_cfg, b, room, room, dtype))
                 for c in context)
   return Cache(lengths, state, 0)

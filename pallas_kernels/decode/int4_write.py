@@ -113,17 +113,17 @@ def _codes(x, lo, scale, native: bool):
   return jnp.clip(_rint(ratio, native), 0.0, quant4.LEVELS - 1.0)
 
 
-def _quantize(x, axis: int, native: bool):
-  """quant4.quantize of x fp32 over `axis` -> (codes fp32 0..15, scale, zero as stored)
-  (reduced axis kept, size 1)."""
+def _quantize(x, axis: int, native: bool, dtype):
+  """quant4.quantize of x fp32 over `axis` -> (codes fp32 0..15, scale, zero as stored in
+  `dtype`) (reduced axis kept, size 1)."""
   lo = jnp.min(x, axis=axis, keepdims=True)
-  return _quantized_range(x, lo, jnp.max(x, axis=axis, keepdims=True), native)
+  return _quantized_range(x, lo, jnp.max(x, axis=axis, keepdims=True), native, dtype)
 
 
-def _quantized_range(x, lo, hi, native: bool):
+def _quantized_range(x, lo, hi, native: bool, dtype):
   """x's codes against the group of range [lo, hi], with its scale and zero point as stored
-  (quant4.as_stored: rounded to the stored dtype; the codes are computed against them)."""
-  scale, zero = quant4.as_stored(_scale(hi - lo, native), lo)
+  (quant4.as_stored: rounded to `dtype`; the codes are computed against them)."""
+  scale, zero = quant4.as_stored(_scale(hi - lo, native), lo, dtype)
   return _codes(x, zero, scale, native), scale, zero
 
 
@@ -159,7 +159,8 @@ def _write(meta, k_new, v_new, kc, ka, kz, kres, vc, vs, vz, *, group, value_gro
     def _():  # the group is full: to main, quantized per channel over its tokens; the residual
       at = jax.lax.broadcasted_iota(jnp.int32, (g, 1), 0) == slot  # cleared for the next group
       (c1, a1, z1), (c2, a2, z2) = (
-          _quantize(jnp.where(at, x, kres_in[:, pl.ds(c, half)].astype(jnp.float32)), 0, native)
+          _quantize(jnp.where(at, x, kres_in[:, pl.ds(c, half)].astype(jnp.float32)), 0, native,
+                    ka_ref.dtype)
           for c, x in zip((0, half), new_key))
       kc_ref[pl.ds(rg * g, g), :] = _pack(c1, c2)
       for c, a, z in ((0, a1, z1), (half, a2, z2)):
@@ -171,7 +172,7 @@ def _write(meta, k_new, v_new, kc, ka, kz, kres, vc, vs, vz, *, group, value_gro
     def _():
       if value_group <= half:  # groups within each half: [d / 2] -> [groups, gv]
         parts = [_quantize(vn_ref[pl.ds(c, half)].astype(jnp.float32).reshape(per_half, gv), 1,
-                           native) for c in (0, half)]
+                           native, vs_ref.dtype) for c in (0, half)]
         codes = [p[0].reshape(1, half) for p in parts]
         for i, (_, a, z) in enumerate(parts):
           vs_ref[pl.ds(pos, 1), pl.ds(i * per_half, per_half)] = (
@@ -184,7 +185,8 @@ def _write(meta, k_new, v_new, kc, ka, kz, kres, vc, vs, vz, *, group, value_gro
                                                                         keepdims=True))
         hi = jnp.maximum(jnp.max(x[0], axis=1, keepdims=True), jnp.max(x[1], axis=1,
                                                                         keepdims=True))
-        (c1, scale, zero), (c2, _, _) = (_quantized_range(xi, lo, hi, native) for xi in x)
+        (c1, scale, zero), (c2, _, _) = (_quantized_range(xi, lo, hi, native, vs_ref.dtype)
+                                               for xi in x)
         codes = [c1, c2]
         vs_ref[pl.ds(pos, 1), :] = scale.astype(vs_ref.dtype)
         vz_ref[pl.ds(pos, 1), :] = zero.astype(vz_ref.dtype)

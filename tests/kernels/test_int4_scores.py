@@ -26,15 +26,17 @@ REFERENCE = Route(backend="reference")
 T, D = 192, 64
 
 
-@pytest.fixture(scope="module")
-def keys():
-  """GroupedKeys [3, 2, T, D] written up to 171, 128 and T tokens (the first's last group open)."""
+@pytest.fixture(scope="module", params=["int4", "int4_g64_fp16"])
+def keys(request):
+  """GroupedKeys [3, 2, T, D] written up to 171, 128 and T tokens (the first's last group open),
+  in KIVI's groups of 32 with fp32 scales or the compact format (groups of 64, fp16 scales)."""
+  fmt = quant4.format_of(request.param)
   rng = np.random.default_rng(11)
   lengths = [T - 21, 128, T]
   pos = np.stack([np.where(np.arange(T) < n, np.arange(T), T) for n in lengths])
   k = with_outliers(rng, normal(rng, (3, T, 2, D)))
-  return quant4.write_grouped_keys(quant4.zeros_grouped_keys((3, 2, T, D), jnp.float32),
-                                   jnp.asarray(pos, jnp.int32), k), jnp.asarray(lengths)
+  empty = quant4.zeros_grouped_keys((3, 2, T, D), jnp.float32, fmt.group, fmt.scale_dtype)
+  return quant4.write_grouped_keys(empty, jnp.asarray(pos, jnp.int32), k), jnp.asarray(lengths)
 
 
 def _want(q, keys):

@@ -8,7 +8,8 @@ arithmetic is quant4.quantize's in fp32 (IEEE division, rounding to nearest even
 with outlier channels; sequences at different points of their groups (one closing a group on
 the first step, one mid-group, one starting a group) and one not written (its position past
 the cache); head dims 128 (value groups within each half of the channels), 64 (one a half)
-and 32 (one group over both halves).
+and 32 (one group over both halves); KIVI's groups of 32 with fp32 scales and the compact
+format (groups of 64, fp16 scales).
 """
 
 import jax
@@ -32,13 +33,15 @@ def _assert_same(got: KVCache, want: KVCache, step: int):
         f"step {step}: {jax.tree_util.keystr(path)} differs")
 
 
-@pytest.mark.parametrize("d", [128, 64, 32])
-def test_one_token_writes_equal_the_jnp_write_step_after_step(d):
+@pytest.mark.parametrize("d,fmt", [(128, "int4"), (64, "int4"), (32, "int4"),
+                                   (128, "int4_g64_fp16")])
+def test_one_token_writes_equal_the_jnp_write_step_after_step(d, fmt):
   rng = np.random.default_rng(d)
-  b, kvh, t, steps = 4, 2, 128, 36
+  g, scales = quant4.format_of(fmt).group, quant4.format_of(fmt).scale_dtype
+  b, kvh, t, steps = 4, 2, 192, 36 * g // 32
   lengths = np.array([31, 45, 64, 10])  # closes a group; mid-group; opens one; not written
-  cache = KVCache(quant4.zeros_grouped_keys((b, kvh, t, d), jnp.bfloat16),
-                  quant4.zeros_values((b, kvh, t, d), min(quant4.GROUP, d)))
+  cache = KVCache(quant4.zeros_grouped_keys((b, kvh, t, d), jnp.bfloat16, g, scales),
+                  quant4.zeros_values((b, kvh, t, d), min(g, d), scales))
   prompt = with_outliers(rng, normal(rng, (b, 64, kvh, d)))
   valid = jnp.asarray(np.arange(64)[None] < lengths[:, None])
   cache = cache.write(jnp.broadcast_to(jnp.arange(64), (b, 64)), prompt, prompt * 0.5,
@@ -58,7 +61,7 @@ def test_one_token_writes_equal_the_jnp_write_step_after_step(d):
     got = jax.block_until_ready(step(got, pos, k, v, KERNEL))
     _assert_same(got, want, i)
   groups = np.asarray(got.k.residual_group)  # every written row's moved on; the other's not
-  assert (groups[:3] > lengths[:3] // 32).all() and groups[3] == lengths[3] // 32
+  assert (groups[:3] > lengths[:3] // g).all() and groups[3] == lengths[3] // g
 
 
 def test_write_kernel_lowers_to_triton_with_its_buffers_aliased():

@@ -42,26 +42,28 @@ def test_packing_round_trips_and_pairs_rotate_half_channels():
     quant4.pack(jnp.zeros((3, 5), jnp.uint8))
 
 
+@pytest.mark.parametrize("scale_dtype", [jnp.float32, jnp.float16])
 @pytest.mark.parametrize("axis", [2, -1])  # keys: per channel over tokens; values: per token
-def test_each_group_is_within_half_a_step_and_hits_its_ends(axis):
+def test_each_group_is_within_half_a_step_and_hits_its_ends(axis, scale_dtype):
   x = np.asarray(_keys(2))
-  q = quant4.quantize(jnp.asarray(x), axis=axis)
+  q = quant4.quantize(jnp.asarray(x), axis=axis, scale_dtype=scale_dtype)
   assert q.shape == x.shape and q.axis == axis % 4
   want = list(x.shape)
   want[axis] //= G
   assert q.scale.shape == q.zero.shape == tuple(want)
-  assert q.scale.dtype == q.zero.dtype == quant4.SCALE_DTYPE
+  assert q.scale.dtype == q.zero.dtype == scale_dtype
   back = np.asarray(quant4.dequantize(q))
   a = axis % 4
   xg, bg = _grouped(x, a), _grouped(back, a)
   lo, hi = xg.min(a + 1, keepdims=True), xg.max(a + 1, keepdims=True)
-  # the stored zero point and scale are rounded to SCALE_DTYPE (fp16's half ulp: 2^-11 relative
+  # the stored zero point and scale are rounded to scale_dtype (fp16's half ulp: 2^-11 relative
   # bounds fp32's), the codes computed against them: half a step, plus the zero point's rounding
   ulp = 2.0 ** -11 * (np.abs(lo) + (hi - lo))
   assert np.all(np.abs(bg - xg) <= (hi - lo) / 30 + ulp + 1e-5 * np.abs(x).max())
   assert np.all(np.abs(bg.min(a + 1, keepdims=True) - lo) <= ulp + 1e-5)  # level 0 and 15:
   assert np.all(np.abs(bg.max(a + 1, keepdims=True) - hi) <= ulp + 1e-4)  # no level wasted
-  jitted = jax.jit(lambda y: quant4.quantize(y, axis=axis))(jnp.asarray(x))
+  jitted = jax.jit(lambda y: quant4.quantize(y, axis=axis, scale_dtype=scale_dtype))(
+      jnp.asarray(x))
   np.testing.assert_array_equal(np.asarray(jitted.codes), np.asarray(q.codes))
 
 
@@ -93,9 +95,26 @@ def test_row_ops_move_values_and_refuse_token_grouped_keys():
     quant4.per_row(lambda a: a[:, :, slots], keys)
   # a 128-channel row: 64 bytes of codes, 4 groups of (scale, zero) a value row, one (scale,
   # zero) a channel per 32 key rows: 96 bytes a row either way (fp32 scales), 37.5% of bf16
-  pair = 2 * np.dtype(quant4.SCALE_DTYPE).itemsize
+  pair = 2 * np.dtype(values.scale.dtype).itemsize
   assert quant4.nbytes(values) == B * KV * T * (64 + 4 * pair)
   assert quant4.nbytes(keys) == B * KV * T * 64 + B * KV * (T // G) * D * pair
+
+
+@pytest.mark.parametrize("name", list(quant4.FORMATS))
+def test_each_format_stores_the_bytes_it_states(name):
+  """A format's buffers (keys grouped along tokens, values per token) hold Format.row_bytes a
+  token and KV head, scales in its dtype: 192 / 160 / 144 bytes at d 128."""
+  fmt = quant4.format_of(name)
+  shape = (B, KV, 2 * fmt.group, D)
+  keys = quant4.zeros_grouped_keys(shape, jnp.bfloat16, fmt.group, fmt.scale_dtype)
+  values = quant4.zeros_values(shape, fmt.group, fmt.scale_dtype)
+  assert keys.main.scale.dtype == values.zero.dtype == jnp.dtype(fmt.scale_dtype)
+  stored = quant4.nbytes(keys.main) + quant4.nbytes(values)
+  assert stored == B * KV * shape[2] * fmt.row_bytes(D)
+  assert {n: quant4.format_of(n).row_bytes(128) for n in quant4.FORMATS} == {
+      "int4": 192, "int4_fp16": 160, "int4_g64_fp16": 144}
+  with pytest.raises(ValueError, match="not a 4-bit cache format"):
+    quant4.format_of("int3")
 
 
 def _expected_keys(keys, length):
