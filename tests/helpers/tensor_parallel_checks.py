@@ -39,11 +39,13 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels
+from pallas_kernels import quant4
 
 from jax_longctx.core.mesh import MeshError, make_mesh
 from jax_longctx.core.options import RunOptions
 from jax_longctx.methods import get, names
 from jax_longctx.model import fuse_placed, fuse_projections, place, random_params
+from jax_longctx.ops.cache import is_int4_dtype
 from jax_longctx.run import chunked_prefill, sharding
 from jax_longctx.run import generation as gen
 from jax_longctx.run.driver import generate
@@ -211,23 +213,26 @@ def smoothed():
     same_state(runs[0].cache.state, runs[1].cache.state, f"{name} smoothed int8")
 
 
-def mesh_methods(kv_dtype=None):
-  """star, ring, reattention_mesh and resa_mesh with the heads over `model` too: the tokens and
-  logits of the context axis alone (which tests/test_distributed.py and test_reattention_mesh.py
-  check against one device), the cache stored as kv_dtype on both. Each method on one of two
-  layouts (each compiles anew). In 4 bits every shard and Star block holds whole key groups of
-  32: a cache of 128 (32 a shard over ctx 4), Star's blocks of 32."""
+def mesh_methods(kv_dtype=None, only=None):
+  """star, ring, reattention_mesh and resa_mesh (or the `only` of them) with the heads over
+  `model` too: the tokens and logits of the context axis alone (which tests/test_distributed.py
+  and test_reattention_mesh.py check against one device), the cache stored as kv_dtype on both.
+  Each method on one of two layouts (each compiles anew). In 4 bits every shard and Star block
+  holds whole key groups of G: a cache of 4 G (G a shard over ctx 4), Star's blocks of G."""
   cfg, params = _model("gqa")
   rng = np.random.default_rng(5)
   contexts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (37, 30)]
   queries = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (5, 3)]
   settings = dict(n_global=2, n_local=8, span=2, clip=3, top_k=2, chunk=4)
-  four_bit = kv_dtype == "int4"
-  cache_len = 128 if four_bit else 64
-  entries = [((2, 4), get("star", block_size=32 if four_bit else 8)), ((2, 4), get("ring")),
+  four_bit = is_int4_dtype(kv_dtype)
+  group = quant4.format_of(kv_dtype).group if four_bit else 8
+  cache_len = 4 * group if four_bit else 64
+  entries = [((2, 4), get("star", block_size=group)), ((2, 4), get("ring")),
              ((4, 2), get("reattention_mesh", **settings)),
              ((4, 2), get("resa_mesh", base_args=tuple(settings.items()), lam=0.7))]
   for (ctx, model), m in entries:
+    if only is not None and m.name not in only:
+      continue
     runs = [generate(params, cfg, contexts, m, instructions=queries, max_new_tokens=5,
                      cache_len=cache_len, options=RunOptions(mesh=mesh, kv_dtype=kv_dtype))
             for mesh in (f"ctx={ctx}", f"ctx={ctx},model={model}")]
@@ -241,8 +246,10 @@ def mesh_methods(kv_dtype=None):
 
 def mesh_methods_int4():
   """mesh_methods over the 4-bit cache: its codes, scales, zero points and residual split with
-  the heads over `model` as with the tokens over `ctx`."""
+  the heads over `model` as with the tokens over `ctx`; mesh ReAttention in the compact format
+  too (groups of 64, fp16 scales)."""
   mesh_methods("int4")
+  mesh_methods("int4_g64_fp16", only=("reattention_mesh",))
 
 
 _SHAPE = re.compile(r"(\w+)\[([\d,]*)\]")
