@@ -28,7 +28,9 @@ intervals over the predictions about +-0.25%): int8 +0.31%; int4 row +278%; KIVI
 +sink +0.23%, pre-RoPE keys +0.21%; KIVI G=128 +0.89%, pre-RoPE +0.45%; KVQuant calibrated
 uniform +0.62%, +sink +0.30%, +sink +out +0.53%, +out alone +0.21%, +sink +nuq -0.07%, all four
 -0.11%, all four on post-RoPE keys -0.02%; keys alone KIVI-32 +0.10%, KVQuant +0.12%; values
-alone tok32 +0.07%, KVQuant's +0.06%.
+alone tok32 +0.07%, KVQuant's +0.06%. Again 2026-11-28 (--variants kivi-32,chan64/tok64,
+chan64-pre/tok64): KIVI G=32 +0.27% [+0.04, +0.51], G=64 -0.03% [-0.28, +0.23], G=64 pre-RoPE
+keys +0.11% [-0.12, +0.34] (docs/results/kv_quant/qwen2.5-coder-1.5b/int4_designs_proxy_g64.json).
 """
 
 from __future__ import annotations
