@@ -253,8 +253,8 @@ def compare(out: str, base_dir: str) -> list[str]:
   from jax_longctx.app.gap_stats import LEVEL, nll_by_seed, paired_relative
   from pallas_kernels.quant import EIGHT_BIT, KV_DTYPES
   model_dtypes = set(KV_DTYPES) - set(EIGHT_BIT)
-  mine, base = ([json.loads(line) for line in open(os.path.join(d, "results.jsonl"))]
-                for d in (out, base_dir))
+  from jax_longctx.app.records import load_results
+  mine, base = (load_results(d, repair=False) for d in (out, base_dir))
   lines = []
   for r in sorted({(r["method"], r["length"], r["kv_dtype"]) for r in mine
                   if r["task"] == "ppl" and r["kv_dtype"].startswith("int4")}):
@@ -298,7 +298,8 @@ def main(argv=None) -> int:
   else:
     with mock.patch.object(quant, "quantize", int4_quantize(args.levels)):
       rc = cli.main(run)
-  relabel(os.path.join(args.out, "results.jsonl"), label)
+  from jax_longctx.app.records import unpack_results
+  relabel(unpack_results(args.out), label)
   if args.base:
     compare(args.out, args.base)
   return rc

@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 
+from jax_longctx.app.records import read_records, results_file
 from jax_longctx.app.gap_stats import nll_by_seed, paired_gap, pooled_ppl
 from jax_longctx.app.report import effective_stride, stride_counts
 
@@ -36,7 +37,7 @@ def table(sweep: str, lengths: list[str], decode: str) -> str:
   ms = _decode_ms(decode)
   cells, labels, thresholds = {}, [], {}
   for length in lengths:
-    recs = _lines(os.path.join(sweep, length, "results.jsonl"))
+    recs = read_records(results_file(os.path.join(sweep, length)), repair=False)
     strides = stride_counts(recs)
     for n in sorted({r["length"] for r in recs}):
       full, base = nll_by_seed(recs, "full", n), nll_by_seed(recs, BASELINE, n)

@@ -20,7 +20,7 @@ import os
 import numpy as np
 
 from jax_longctx.app.gap_stats import LEVEL, RESAMPLES, nll_by_seed, paired_relative
-from jax_longctx.app.records import load_results
+from jax_longctx.app.records import PACKED, RESULTS, load_results
 from jax_longctx.app.report import answers_compared
 
 
@@ -28,7 +28,7 @@ def _sweeps(root: str) -> dict[str, list[dict]]:
   """{path of a sweep's folder below root: its records}."""
   out = {}
   for folder, _, files in os.walk(root):
-    if "results.jsonl" in files:
+    if RESULTS in files or PACKED in files:
       out[os.path.relpath(folder, root)] = load_results(folder, repair=False)
   return out
 

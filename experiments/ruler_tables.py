@@ -74,7 +74,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-from jax_longctx.app.eval import RESULTS, load_results
+from jax_longctx.app.eval import RESULTS, load_results, unpack_results
 from jax_longctx.app.report import write_report
 from jax_longctx.app.tasks.ruler_suite import NAMES
 
@@ -227,6 +227,7 @@ def unite(out_dir: str, sources: list[str], wanted=lambda src, rec: True) -> int
         merged.setdefault(_key(r), r)
   if len(merged) > before:
     os.makedirs(out_dir, exist_ok=True)
+    unpack_results(out_dir)  # a packed sweep's records become the plain file written here
     tmp = os.path.join(out_dir, RESULTS + ".tmp")
     with open(tmp, "w") as f:
       f.write("".join(json.dumps(r) + "\n" for r in merged.values()))

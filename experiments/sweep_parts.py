@@ -18,7 +18,7 @@ import json
 import os
 import shutil
 
-from jax_longctx.app.eval import RESULTS, load_results
+from jax_longctx.app.eval import RESULTS, load_results, unpack_results
 from jax_longctx.app.report import write_report
 
 
@@ -53,7 +53,7 @@ def merge(out_dir: str, n: int, baselines: list[str] | None) -> tuple[int, bool]
                                       for r in load_results(os.path.join(parts, lab))]:
     merged.setdefault(_key(rec), rec)
   records = list(merged.values())
-  _write(records, os.path.join(out_dir, RESULTS))
+  _write(records, unpack_results(out_dir))
   write_report(records, out_dir, baselines)
   count = collections.Counter((r["method"], r["length"]) for r in records)
   complete = bool(labels) and all(

@@ -310,6 +310,13 @@ def test_report_rebuilds_the_summary(capsys, tmp_path):
   assert cli.main(["report", str(tmp_path / "none")]) == 2
   assert _only_line(capsys) == (f"jax-longctx: error: report: {tmp_path}/none/results.jsonl: No "
                                 "such file or directory")
+  # --pack keeps the records compressed; a report reads them packed as they were
+  assert cli.main(["report", str(tmp_path), "--pack"]) == 0
+  assert not (tmp_path / "results.jsonl").exists() and (tmp_path / "results.jsonl.gz").exists()
+  (tmp_path / "summary.md").unlink()
+  assert cli.main(["report", str(tmp_path)]) == 0
+  assert f"wrote {tmp_path}/summary.md (4 records)" in capsys.readouterr().out
+  assert (tmp_path / "summary.md").read_text() == summary
 
 
 def test_help_is_for_users_and_shows_every_default(capsys):

@@ -65,6 +65,30 @@ def test_a_record_cut_short_is_dropped_and_cut_from_the_file(tmp_path, capsys, t
                      f"an interrupted write ({len(tail)} bytes); its sample runs again")
 
 
+def test_packed_records_read_as_they_were_and_a_rerun_unpacks_them(tmp_path):
+  """A finished sweep's records packed (results.jsonl.gz) load as the plain file did; a rerun
+  into the directory (writable_results) unpacks them first, so new records append to them; a
+  file ending in a record cut short is not packed."""
+  from jax_longctx.app import records
+  good = _REC % 0 + _REC % 1
+  (tmp_path / "results.jsonl").write_text(good)
+  packed = records.pack_results(str(tmp_path))
+  assert packed.endswith("results.jsonl.gz") and not (tmp_path / "results.jsonl").exists()
+  assert [r["seed"] for r in eval_lib.load_results(str(tmp_path))] == [0, 1]
+  again = tmp_path / "again"
+  again.mkdir()
+  (again / "results.jsonl").write_text(good)
+  assert open(records.pack_results(str(again)), "rb").read() == open(packed, "rb").read()
+  path = eval_lib.writable_results(str(tmp_path))
+  assert not (tmp_path / "results.jsonl.gz").exists()
+  eval_lib.append_record(path, json.loads(_REC % 2))
+  assert [r["seed"] for r in eval_lib.load_results(str(tmp_path))] == [0, 1, 2]
+  (tmp_path / "results.jsonl").write_text(good + '{"task": "pa')
+  with pytest.raises(EvalError, match="cut short"):
+    records.pack_results(str(tmp_path))
+  assert (tmp_path / "results.jsonl").exists() and not (tmp_path / "results.jsonl.gz").exists()
+
+
 def test_a_corrupt_line_before_the_last_stays_an_error(tmp_path):
   (tmp_path / "results.jsonl").write_text(_REC % 0 + '{"task": "pa\n' + _REC % 1 + '{"ta')
   with pytest.raises(EvalError, match="line 2 is corrupt"):

@@ -41,7 +41,7 @@ from jax_longctx.app import calibration_store, gap_stats
 from jax_longctx.app.calibration_report import write_calibration_report
 from jax_longctx.app import tasks as tasks_lib
 from jax_longctx.run.generation import prefill, teacher_forced_nll
-from jax_longctx.app.eval import RESULTS, load_results
+from jax_longctx.app.eval import load_results, unpack_results
 from jax_longctx.methods import get
 from jax_longctx.methods.refreshkv import CALIBRATION_THRESHOLDS, RefreshKV
 from jax_longctx.core.progress import progress
@@ -254,7 +254,7 @@ def calibrate_refreshkv(lm, *, lengths=(16384,), texts: int = 24,
           if any((n, s, lab) not in done for lab in labels)]
   if out_dir:
     os.makedirs(out_dir, exist_ok=True)
-  sink = open(os.path.join(out_dir, RESULTS), "a") if out_dir else None
+  sink = open(unpack_results(out_dir), "a") if out_dir else None
   try:
     for length, seed in progress(todo, desc="calibrating refreshkv"):
       sample = task.make(lm.tokenizer, length, None, seed)

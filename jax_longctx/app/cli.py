@@ -222,6 +222,9 @@ def _add_files(sub) -> None:
   r.add_argument("--baseline", action="append", default=None, metavar="LABEL",
                  help="a method label to measure perplexity gaps against; repeat for several "
                       "(default: every label containing 'snap')")
+  r.add_argument("--pack", action="store_true",
+                 help="then keep each sweep's records compressed (results.jsonl.gz; every "
+                      "reader takes it, a rerun into the directory unpacks it)")
 
 
 def _add_listings(sub) -> None:

@@ -190,7 +190,7 @@ def cmd_report(args) -> int:
   from jax_longctx.app import report
 
   baselines = [x for label in args.baseline or [] for x in ("--baseline", label)]
-  return report.main([*args.dirs, *baselines])
+  return report.main([*args.dirs, *baselines, *(["--pack"] if args.pack else [])])
 
 
 def cmd_methods(args) -> int:

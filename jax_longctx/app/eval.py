@@ -43,7 +43,7 @@ from jax_longctx.core.options import DEFAULT, RunOptions
 from jax_longctx.core.progress import progress
 # Scripts read and write records through this module's names (load_results, read_records).
 from jax_longctx.app.records import (RESULTS, EvalError, append_record, load_results,  # noqa: F401
-                                     read_records, record_key, stored_expected,
+                                     read_records, record_key, stored_expected, unpack_results,
                                      writable_results)
 from jax_longctx.app.report import write_report
 

@@ -284,21 +284,29 @@ def write_report(records: list[dict], out_dir: str, baselines: list[str] | None 
 
 
 def main(argv=None) -> int:
-  """Rewrites summary.md and the plots of finished sweeps from their results.jsonl:
-      python -m jax_longctx.app.report DIR [DIR ...] [--baseline LABEL ...]"""
+  """Rewrites summary.md and the plots of finished sweeps from their records (results.jsonl,
+  or results.jsonl.gz packed), then with --pack keeps the records packed:
+      python -m jax_longctx.app.report DIR [DIR ...] [--baseline LABEL ...] [--pack]"""
   import argparse
-  import json
+
+  from jax_longctx.app.records import pack_results, read_records, results_file
 
   p = argparse.ArgumentParser(prog="python -m jax_longctx.app.report", description=main.__doc__)
   p.add_argument("dirs", nargs="+", help="sweep directories holding results.jsonl")
   p.add_argument("--baseline", action="append", default=None,
                  help="a label to measure gaps against (default: every label containing 'snap')")
+  p.add_argument("--pack", action="store_true",
+                 help="then compress each sweep's results.jsonl to results.jsonl.gz (a finished "
+                      "sweep kept small; every reader takes it, a rerun unpacks it)")
   args = p.parse_args(argv)
   for d in args.dirs:
-    with open(os.path.join(d, "results.jsonl")) as f:
-      records = [json.loads(line) for line in f if line.strip()]
+    path = results_file(d)
+    open(path, "rb").close()  # none there: the OSError the command line reports in one line
+    records = read_records(path, repair=False)
     write_report(records, d, args.baseline)
     print(f"wrote {d}/summary.md ({len(records)} records)")
+    if args.pack and not os.path.exists(os.path.join(d, "results.jsonl.gz")):
+      print(f"packed {pack_results(d)}")
   return 0
 
 
