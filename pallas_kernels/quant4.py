@@ -42,8 +42,8 @@ GROUP = 32  # KIVI's group, the one measured first
 class Format:
   """A 4-bit cache's layout, named by its kv_dtype (FORMATS): keys per channel over `group`
   tokens, values per token over `group` channels (or a head's all where it has fewer), their
-  scales and zero points stored in `scale_dtype`. Either way the codes are computed against the
-  stored (rounded) scale and zero point (`as_stored`), so the rounding moves the grid, not the
+  scales and zero points stored in `scale_dtype`. In any dtype the codes are computed against
+  the stored (rounded) scale and zero point (`as_stored`), so the rounding moves the grid, not the
   codes' meaning."""
 
   group: int = GROUP
@@ -102,7 +102,8 @@ def _check_axis(x, group: int, axis: int) -> int:
 @dataclasses.dataclass(frozen=True)
 class Int4:
   """codes uint8 [..., d // 2] (packed); scale, zero (fp32 or fp16: Format.scale_dtype) with the
-  shape of x but `axis` divided by `group`: x ~= code * scale + zero, one (scale, zero) per group along `axis`."""
+  shape of x but `axis` divided by `group`: x ~= code * scale + zero, one (scale, zero) per
+  group along `axis`."""
 
   codes: jax.Array
   scale: jax.Array
