@@ -129,12 +129,13 @@ def _check_write(name, steps):
     a, b = np.asarray(a), np.asarray(b)
     if a.dtype == np.uint8:  # packed codes: compared code by code
       a, b = (np.asarray(quant4.unpack(x)).astype(np.int32) for x in (a, b))
-    diff = np.abs(a.astype(np.float64) - b.astype(np.float64))
+    a, b = a.astype(np.float64), b.astype(np.float64)
+    diff = np.abs(a - b)
     recs.append({"check": "write", "dtype": name, "leaf": jax.tree_util.keystr(path),
                  "steps": steps,
                  "entries": a.size, "differing": int(np.sum(a != b)),
                  "max_abs_diff": float(diff.max()),
-                 "max_rel_diff": float((diff / np.maximum(np.abs(b.astype(np.float64)), 1e-30)).max())})
+                 "max_rel_diff": float((diff / np.maximum(np.abs(b), 1e-30)).max())})
   return recs
 
 
