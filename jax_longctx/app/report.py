@@ -289,7 +289,7 @@ def main(argv=None) -> int:
       python -m jax_longctx.app.report DIR [DIR ...] [--baseline LABEL ...] [--pack]"""
   import argparse
 
-  from jax_longctx.app.records import pack_results, read_records, results_file
+  from jax_longctx.app.records import PACKED, pack_results, read_records, results_file
 
   p = argparse.ArgumentParser(prog="python -m jax_longctx.app.report", description=main.__doc__)
   p.add_argument("dirs", nargs="+", help="sweep directories holding results.jsonl")
@@ -305,7 +305,7 @@ def main(argv=None) -> int:
     records = read_records(path, repair=False)
     write_report(records, d, args.baseline)
     print(f"wrote {d}/summary.md ({len(records)} records)")
-    if args.pack and not os.path.exists(os.path.join(d, "results.jsonl.gz")):
+    if args.pack and not os.path.exists(os.path.join(d, PACKED)):
       print(f"packed {pack_results(d)}")
   return 0
 
