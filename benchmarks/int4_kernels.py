@@ -90,11 +90,7 @@ def check_write(steps: int = 40):
   """The one-token write kernel (decode/int4_write.py) against the jnp write, step after step
   from a prompt of 2 sequences (one closing a group at the first step): the stored leaves'
   differing entries (codes, scales, zero points, residual), which the kernel is built to
-  make none."""
-  import jax.numpy as jnp
-  import numpy as np
-  from jax_longctx.ops.cache import KVCache
-  from pallas_kernels import Route, quant4
+  make none; for each of FORMATS."""
   return [rec for name in FORMATS for rec in _check_write(name, steps)]
 
 
