@@ -27,6 +27,20 @@ from pallas_kernels import layout, quant, quant4
 from pallas_kernels.options import DEFAULT, KernelOptions
 
 
+def kernel_queries(q, k, variant):
+  """The queries a kernel multiplies with float keys stored in another dtype (an fp32 model's
+  bf16 cache, `--kv-dtype bfloat16`): on the GPU and TPU variants cast to the keys' dtype, since
+  their products take one operand dtype (Triton refuses f32 x bf16), so the products run as
+  that dtype's model runs them, accumulated in fp32, with no copy of the cache. The jnp
+  reference promotes instead; an 8- or 4-bit cache (its tiles converted to the queries' dtype
+  in the kernels) and keys of q's dtype keep q."""
+  if variant.kind == "reference" or quant.is_quantized(k) or quant4.is_int4(k):
+    return q
+  if k.dtype == q.dtype or not jnp.issubdtype(k.dtype, jnp.floating):
+    return q
+  return q.astype(k.dtype)
+
+
 def cudnn_reads(k) -> bool:
   """Whether cuDNN's attention can take these keys: never 8-bit ones (it takes no scales)."""
   return not quant.is_quantized(k)

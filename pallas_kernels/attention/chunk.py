@@ -131,6 +131,10 @@ def chunk_attention(q, k_cache, v_cache, k_chunk, v_chunk, q_offset, *, kv_layou
   dtype is bf16/fp16; else the flash-attention kernel (or the jnp reference off-GPU). A quantized
   cache (k/v_cache Quantized, k/v_chunk arrays or Quantized) runs the flash-attention kernel.
   """
+  if (q_kernel := read.kernel_queries(q, k_cache, route.variant())) is not q:
+    out, lse = chunk_attention(q_kernel, k_cache, v_cache, k_chunk, v_chunk, q_offset,
+                               kv_layout=kv_layout, scale=scale, route=route, use_cudnn=use_cudnn)
+    return out.astype(q.dtype), lse
   b, c, _, d = q.shape
   scale = float(scale) if scale is not None else d ** -0.5
   q_off = layout.per_batch(q_offset, b, 0)

@@ -47,6 +47,11 @@ def flash_attention(q, k, v, *, causal: bool = True, q_offset=0, kv_len=None,
   Mosaic kernel is not preferred: route.kernels.mosaic_before_cudnn, or tiling.impl="mosaic"
   asked for). route: the run's kernel route (`Route`: its variant and `KernelOptions`).
   """
+  if (q_kernel := read.kernel_queries(q, k, route.variant())) is not q:
+    out, lse = flash_attention(q_kernel, k, v, causal=causal, q_offset=q_offset, kv_len=kv_len,
+                               scale=scale, kv_layout=kv_layout, route=route, use_cudnn=use_cudnn,
+                               tiling=tiling)
+    return out.astype(q.dtype), lse
   d = q.shape[-1]
   scale = float(scale) if scale is not None else 1.0 / math.sqrt(d)
   if read.four_bit_tiles(q, k, v, route.variant(), route.kernels):

@@ -58,6 +58,11 @@ def gathered_attention(q, k, v, indices, valid=None, *, scale: float | None = No
   variant; decode_q_in_kernel, decode_merge_kernel as for flash_attention's decode). Returns (out
   [B, Lq, H, d], lse [B, Lq, H] fp32); a row with no valid key gives (0, -inf).
   """
+  if (q_kernel := read.kernel_queries(q, k, route.variant())) is not q:
+    out, lse = gathered_attention(q_kernel, k, v, indices, valid, scale=scale, kv_layout=kv_layout,
+                                  key_rope_freqs=key_rope_freqs, key_positions=key_positions,
+                                  extent=extent, route=route, tiling=tiling)
+    return out.astype(q.dtype), lse
   k, v, indices, valid = read.four_bit_gathered(k, v, indices, valid, q.dtype, kv_layout)
   b, lq, h, kvh, t, d = layout.check_qk(q, k, kv_layout)
   quantized = layout.check_kv(k, v)

@@ -49,6 +49,10 @@ def topk_scores(q, k, top_k: int, *, scale: float | None = None, valid_len=None,
   run's kernel route (its variant; `KernelOptions.topk_impl`, `topk_selection` for the GPU / TPU
   kernels, the reference always selects exactly).
   """
+  if (q_kernel := read.kernel_queries(q, k, route.variant())) is not q:
+    return topk_scores(q_kernel, k, top_k, scale=scale, valid_len=valid_len,
+                       exclude_prefix=exclude_prefix, exclude_suffix=exclude_suffix,
+                       kv_layout=kv_layout, route=route, tiling=tiling)
   segment = read.four_bit_topk_segment(q, k, route.kernels, k.shape[2])
   if segment and route.variant().kind != "reference":  # the reference scores one whole copy
     if kv_layout != "BHTD":
