@@ -55,6 +55,14 @@ class KernelOptions:
   # was correct and no faster (the 8B step at 128K 7.408 against 7.383 ms; BENCHMARKS.md "int8
   # converted to fp16 by PTX"); an earlier form, 16-bit integer arithmetic, ran slower (removed).
   int8_fp16_products: bool = False
+  # One-token decode (flash_attention) over int8 keys: q . k on the int8 matrix units, the
+  # queries quantized per row as the keys are (int8 x int8 -> int32, exact; then the key's and
+  # the row's scales), the values still converted tile by tile. The int8 decode kernel is bound
+  # by its cores, not HBM (Nsight Compute on an H200: 65% SM busy, 67.5% of DRAM; BENCHMARKS.md),
+  # and this drops the keys' conversion, half its per-key instructions. Off until a device
+  # measures its speed and its quality; the reference computes the same products in jnp
+  # (reference.product_scores), so a CPU run with it on scores as the kernels would.
+  decode_int8_products: bool = False
   # What topk_scores' GPU / TPU kernels do with each score tile. "exact" keeps the running top-k.
   # "max_only" is a benchmark diagnostic whose results are meaningless: it keeps only each row's
   # running max (in its top slot; the indices are not kept), so it times the kernel without its

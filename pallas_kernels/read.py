@@ -85,6 +85,13 @@ def dequantize_first(q, k_cache, variant, options: KernelOptions = DEFAULT) -> b
                                copies=2)
 
 
+def decode_products(q, k, options: KernelOptions = DEFAULT) -> bool:
+  """Whether one-token attention (q [B, 1, H, d]) over int8 keys multiplies them as stored, the
+  queries quantized per row (KernelOptions.decode_int8_products), on every variant."""
+  return (options.decode_int8_products and q.shape[1] == 1 and quant.is_quantized(k)
+          and k.dtype == jnp.int8)
+
+
 def fp16_products(q, k, options: KernelOptions = DEFAULT) -> bool:
   """Whether the GPU flash kernel multiplies bf16 queries by 8-bit K/V tiles in fp16
   (KernelOptions.fp8_fp16_products / int8_fp16_products); k: the key values' array (a float

@@ -97,11 +97,16 @@ def _in_model_dtype(x, dtype):
   return quant.dequantize(x, dtype) if quant.is_quantized(x) else x
 
 
-def flash_attention(q, k, v, *, causal, q_offset, kv_len, scale, kv_layout="BTHD"):
+def flash_attention(q, k, v, *, causal, q_offset, kv_len, scale, kv_layout="BTHD",
+                    products=False):
   """Softmax attention; query i of sequence b sits at position q_offset[b] + i; keys < kv_len[b].
-  Quantized k, v are dequantized to q's dtype first (the definition the kernels match)."""
-  k, v = _in_model_dtype(k, q.dtype), _in_model_dtype(v, q.dtype)
-  s = grouped_scores(q, k, kv_layout, scale)
+  Quantized k, v are dequantized to q's dtype first (the definition the kernels match); with
+  `products`, quantized keys score as the 8-bit products do (`product_scores`)."""
+  if products and isinstance(k, quant.Quantized):
+    s = product_scores(q, k, kv_layout, scale)
+  else:
+    s = grouped_scores(q, _in_model_dtype(k, q.dtype), kv_layout, scale)
+  v = _in_model_dtype(v, q.dtype)
   lq, t = s.shape[1], s.shape[-1]
   k_pos = jnp.arange(t)
   ok = k_pos[None, None, :] < kv_len[:, None, None]  # [B, 1, T]

@@ -101,9 +101,10 @@ def _attention(q, k, v, *, causal, q_offset, kv_len, scale: float, kv_layout: st
                  and q.dtype in (jnp.bfloat16, jnp.float16) and read.cudnn_reads(k))
   q_off = layout.per_batch(q_offset, b, 0)
   kv_len = layout.per_batch(kv_len, b, t)
+  eight_bit_q = read.decode_products(q, k, options)
   if variant.kind == "reference":
     return reference.flash_attention(q, k, v, causal=causal, q_offset=q_off, kv_len=kv_len,
-                                     scale=scale, kv_layout=kv_layout)
+                                     scale=scale, kv_layout=kv_layout, products=eight_bit_q)
   if use_cudnn:
     return _cudnn(q, k, v, causal=causal, kv_len=kv_len, scale=scale)
   if mosaic is not None:
@@ -125,6 +126,10 @@ def _attention(q, k, v, *, causal, q_offset, kv_len, scale: float, kv_layout: st
   rows_padded = layout.round_up(rows, bm)
   q_in_kernel = options.decode_q_in_kernel and variant.kind == "gpu" and lq == 1 and rows < bm
   qr = layout.q_rows(q, kvh, rows if q_in_kernel else rows_padded)
+  q_scale = None
+  if eight_bit_q:  # the queries as int8 rows and their scales [B, KV, rows, 1]
+    quantized_q = quant.quantize(qr, jnp.int8)
+    qr, q_scale = quantized_q.values, quantized_q.scale
   meta = jnp.stack([q_off, kv_len], axis=1)  # [B, 2]
   if variant.kind == "gpu":
     kk, vv = (layout.pad_keys(x, kv_layout, bk) for x in (k, v))
@@ -134,16 +139,18 @@ def _attention(q, k, v, *, causal, q_offset, kv_len, scale: float, kv_layout: st
     merge_kernel = options.decode_merge_kernel and lq == 1
     (kk, ks), (vv, vs) = layout.parts(kk), layout.parts(vv)
     fp16 = read.fp16_products(q, kk, options)
-    outs, lses = _gpu(qr, kk, vv, meta, ks, vs, group=h // kvh, span=span, splits=splits,
-                      parts=split_merge.parts(splits, merge_kernel), causal=causal,
-                      scale=scale, kv_layout=kv_layout, tiling=tl,
-                      products=jnp.float16 if fp16 else None, interpret=variant.interpret_arg())
+    outs, lses = _gpu(qr, kk, vv, meta, ks, vs, q_scale, group=h // kvh, span=span,
+                      splits=splits, parts=split_merge.parts(splits, merge_kernel),
+                      causal=causal, scale=scale, kv_layout=kv_layout, tiling=tl,
+                      products=jnp.float16 if fp16 else q.dtype,
+                      interpret=variant.interpret_arg())
     out, lse = split_merge.merge(outs, lses, splits=splits, rows=rows, dtype=q.dtype,
                                  kernel=merge_kernel, interpret=variant.interpret_arg())
   else:
     (kh, ks), (vh, vs) = (layout.parts(layout.heads_first(x, kv_layout)) for x in (k, v))
-    out, lse = _tpu(qr, kh, vh, meta, *tpu.scale_rows(ks, vs), group=h // kvh, bm=bm, bk=bk,
-                    causal=causal, scale=scale, interpret=variant.interpret_arg())
+    out, lse = _tpu(qr, kh, vh, meta, *tpu.scale_rows(ks, vs), q_scale, group=h // kvh, bm=bm,
+                    bk=bk, causal=causal, scale=scale, values=q.dtype,
+                    interpret=variant.interpret_arg())
     lse = lse[..., 0]
   out = layout.from_rows(out, lq, h).astype(q.dtype)
   return out, layout.from_rows(lse, lq, h)
@@ -182,31 +189,37 @@ def _row_positions(first_row, bm: int, group: int, q_off):
 @functools.partial(jax.jit, static_argnames=("group", "span", "splits", "parts", "causal",
                                              "scale", "kv_layout", "tiling", "interpret",
                                              "products"))
-def _gpu(qr, k, v, meta, k_scale=None, v_scale=None, *, group, span, splits, causal, scale,
-         kv_layout, tiling, interpret, parts=None, products=None):
+def _gpu(qr, k, v, meta, k_scale=None, v_scale=None, q_scale=None, *, group, span, splits,
+         causal, scale, kv_layout, tiling, interpret, parts=None, products=None):
   """Per-split (out, lse) [B, KV, parts, R_padded, d | 1] fp32; parts (default splits) may
   exceed splits (split_merge's power of two), entries past splits left unwritten. qr may hold
   fewer rows than a block (KernelOptions.decode_q_in_kernel): they are repeated to fill it, and the output
   rows past them (padding) hold copies of theirs. k_scale, v_scale: with 8-bit k, v, their
   scales ([B, T, KV] or [B, KV, T] as the keys): each tile is converted in registers, to
   `products` (KernelOptions.fp8_fp16_products, int8_fp16_products) or else q's dtype, as q
-  is."""
+  is. q_scale [B, KV, rows, 1] (KernelOptions.decode_int8_products): qr holds int8 rows whose
+  products with the int8 keys' tiles run as they are stored (int32), scaled after; only the
+  values are converted, to `products`."""
   b, kvh, rq, d = qr.shape
   parts = parts or splits
   bm, bk = tiling.block_rows, tiling.block_keys
   rp = layout.round_up(rq, bm)
   t = k.shape[1 if kv_layout == "BTHD" else 2]
   quantized = k_scale is not None
+  eight_bit_q = q_scale is not None
   products = products or qr.dtype
 
-  def load_q(q_ref):
+  def load_q(q_ref, dtype):
     if rq >= bm:
-      return q_ref[...].astype(products)
+      return q_ref[...].astype(dtype)
     rows = lax.broadcasted_iota(jnp.int32, (bm,), 0) % rq  # the real rows, repeated
-    return q_ref[rows, :].astype(products)
+    return q_ref[rows, :].astype(dtype)
 
   def kernel(meta_ref, q_ref, k_ref, v_ref, *refs):
-    ks_ref, vs_ref, o_ref, lse_ref = refs if quantized else (None, None, *refs)
+    if eight_bit_q:
+      ks_ref, vs_ref, qs_ref, o_ref, lse_ref = refs
+    else:
+      ks_ref, vs_ref, o_ref, lse_ref = refs if quantized else (None, None, *refs)
     q_off, kv_len = meta_ref[0], meta_ref[1]
     first_row = pl.program_id(1) * bm
     start0 = pl.program_id(2) * span
@@ -214,7 +227,8 @@ def _gpu(qr, k, v, meta, k_scale=None, v_scale=None, *, group, span, splits, cau
     end = jnp.minimum(start0 + span, kv_len)
     if causal:
       end = jnp.minimum(end, q_off + (first_row + bm - 1) // group + 1)
-    q = load_q(q_ref)
+    q = load_q(q_ref, jnp.int8 if eight_bit_q else products)
+    row_scale = load_q(qs_ref, jnp.float32) * scale if eight_bit_q else None  # [bm, 1]
 
     def load(j):
       tile = gpu.key_tile(start0 + j * bk, bk, t)[0]
@@ -227,9 +241,11 @@ def _gpu(qr, k, v, meta, k_scale=None, v_scale=None, *, group, span, splits, cau
       ok = (idx >= nominal) & (idx < kv_len)
       if causal:
         ok = ok & (idx <= q_pos)
-      (kt, ks), (vt, vs) = (osm.converted(x, sc, products, native_gpu=not interpret)
-                            for x, sc in (kv[::2], kv[1::2]))
-      s = jnp.where(ok, osm.scores(q, kt, scale, ks), osm.NEG_INF)
+      (kt, ks), (vt, vs) = (osm.converted(x, sc, dtype, native_gpu=not interpret)
+                            for x, sc, dtype in ((*kv[::2], q.dtype), (*kv[1::2], products)))
+      s = (osm.scores(q, kt, None, ks) * row_scale if eight_bit_q
+           else osm.scores(q, kt, scale, ks))
+      s = jnp.where(ok, s, osm.NEG_INF)
       return osm.update(*carry, s, vt, vs)
 
     n_tiles = jnp.clip(pl.cdiv(end - start0, bk), 0, span // bk)
@@ -240,6 +256,8 @@ def _gpu(qr, k, v, meta, k_scale=None, v_scale=None, *, group, span, splits, cau
   index = lambda bh, r, s: (bh // kvh, bh % kvh, s, r, 0)  # noqa: E731
   keys = gpu.whole_keys_spec(kv_layout, t, d, kvh)
   scales = [gpu.whole_scales_spec(kv_layout, t, kvh)] * 2 if quantized else []
+  if eight_bit_q:
+    scales.append(gpu.row_spec(kvh, min(bm, rq), 1))
   return gpu.pallas_call(
       kernel, interpret, num_warps=tiling.num_warps, num_stages=tiling.num_stages,
       grid=(b * kvh, rp // bm, splits),
@@ -249,20 +267,31 @@ def _gpu(qr, k, v, meta, k_scale=None, v_scale=None, *, group, span, splits, cau
                  pl.BlockSpec((SQ, SQ, SQ, bm, 1), index)],
       out_shape=[jax.ShapeDtypeStruct((b, kvh, parts, rp, d), jnp.float32),
                  jax.ShapeDtypeStruct((b, kvh, parts, rp, 1), jnp.float32)],
-  )(meta, qr, k, v, *([k_scale, v_scale] if quantized else []))
+  )(meta, qr, k, v, *([k_scale, v_scale] if quantized else []),
+    *([q_scale] if eight_bit_q else []))
 
 
-@functools.partial(jax.jit, static_argnames=("group", "bm", "bk", "causal", "scale", "interpret"))
-def _tpu(qr, k, v, meta, k_scale=None, v_scale=None, *, group, bm, bk, causal, scale, interpret):
-  """k, v [B, KV, T, d]; with 8-bit k, v their scales as rows [B, KV, 1, T] (tpu.scale_rows)."""
+@functools.partial(jax.jit, static_argnames=("group", "bm", "bk", "causal", "scale", "values",
+                                             "interpret"))
+def _tpu(qr, k, v, meta, k_scale=None, v_scale=None, q_scale=None, *, group, bm, bk, causal,
+         scale, interpret, values=None):
+  """k, v [B, KV, T, d]; with 8-bit k, v their scales as rows [B, KV, 1, T] (tpu.scale_rows).
+  q_scale [B, KV, R_padded, 1]: qr holds int8 rows multiplied with the int8 keys as stored on
+  the MXU (KernelOptions.decode_int8_products), scaled after; values: the dtype the value
+  tiles convert to (default q's)."""
   from jax.experimental.pallas import tpu as pltpu
   b, kvh, rp, d = qr.shape
   t = k.shape[2]
   nk = pl.cdiv(t, bk)
   quantized = k_scale is not None
+  eight_bit_q = q_scale is not None
+  values = values or qr.dtype
 
   def kernel(meta_ref, q_ref, k_ref, v_ref, *refs):
-    ks_ref, vs_ref, o_ref, lse_ref, m_s, l_s, acc_s = refs if quantized else (None, None, *refs)
+    if eight_bit_q:
+      ks_ref, vs_ref, qs_ref, o_ref, lse_ref, m_s, l_s, acc_s = refs
+    else:
+      ks_ref, vs_ref, o_ref, lse_ref, m_s, l_s, acc_s = refs if quantized else (None, None, *refs)
     bi, j = tpu.div(pl.program_id(0), kvh), pl.program_id(2)
     q_off, kv_len = meta_ref[2 * bi], meta_ref[2 * bi + 1]
     first_row = pl.program_id(1) * bm
@@ -288,8 +317,12 @@ def _tpu(qr, k, v, meta, k_scale=None, v_scale=None, *, group, bm, bk, causal, s
       if quantized:
         cols = j * bk + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
         ks, vs = ks_ref[...], jnp.where(cols < kv_len, vs_ref[...], 0.0)
-      (kt, ks), (vt, vs) = osm.converted(k_ref[...], ks, qr.dtype), osm.converted(v, vs, qr.dtype)
-      s = jnp.where(ok, osm.scores(q_ref[...], kt, scale, ks), osm.NEG_INF)
+      (kt, ks), (vt, vs) = osm.converted(k_ref[...], ks, qr.dtype), osm.converted(v, vs, values)
+      if eight_bit_q:
+        s = osm.scores(q_ref[...], kt, None, ks) * (qs_ref[...] * scale)
+      else:
+        s = osm.scores(q_ref[...], kt, scale, ks)
+      s = jnp.where(ok, s, osm.NEG_INF)
       m_s[...], l_s[...], acc_s[...] = osm.update(m_s[...], l_s[...], acc_s[...], s, vt, vs)
 
     @pl.when(j == nk - 1)
@@ -300,10 +333,13 @@ def _tpu(qr, k, v, meta, k_scale=None, v_scale=None, *, group, bm, bk, causal, s
   key = pl.BlockSpec((SQ, SQ, bk, d), lambda bh, r, j, meta: (*tpu.batch_head(bh, kvh), j, 0))
   scales = [pl.BlockSpec((SQ, SQ, 1, bk), lambda bh, r, j, meta: (*tpu.batch_head(bh, kvh), 0, j))
             ] * 2 if quantized else []
+  if eight_bit_q:
+    scales.append(pl.BlockSpec((SQ, SQ, bm, 1), row))
   grid_spec = pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=1, grid=(b * kvh, rp // bm, nk),
       in_specs=[pl.BlockSpec((SQ, SQ, bm, d), row), key, key, *scales],
       out_specs=[pl.BlockSpec((SQ, SQ, bm, d), row), pl.BlockSpec((SQ, SQ, bm, 1), row)],
       scratch_shapes=tpu.softmax_scratch(bm, d))
   return tpu.attention_call(kernel, grid_spec, qr.shape, interpret)(
-      meta.reshape(-1), qr, k, v, *([k_scale, v_scale] if quantized else []))
+      meta.reshape(-1), qr, k, v, *([k_scale, v_scale] if quantized else []),
+      *([q_scale] if eight_bit_q else []))
