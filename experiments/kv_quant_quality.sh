@@ -4,7 +4,8 @@
 # perplexity of the last 256 tokens of SAMPLES (100) texts, and passkey / niah_multikey (20
 # samples, chat template), at LENGTHS (16k,32k). One cache size for every length (one compile per
 # dtype). Results resume; a cut-off part runs on where it stopped.
-#   experiments/kv_quant_quality.sh MODEL OUT [PARTS]   PARTS: "ppl passkey" (default), niah_multikey
+#   experiments/kv_quant_quality.sh MODEL OUT [PARTS]   PARTS: "ppl passkey" (default), niah_multikey,
+#   ruler (RULER's 11 tasks, 50 samples a task: LENGTHS=4k KV_DTYPES=bfloat16,int4 ... ruler)
 # KV_DTYPES (default bfloat16,int8,float8_e4m3fn; int4 the 4-bit cache): the cache dtypes; an
 # 8-bit one loads the model with key smoothing (run/key_smoothing.py) unless SMOOTH=off. METHOD (full) and METHOD_ARGS (e.g.
 # "--method-arg reattention.n_local=16384 --method-arg reattention.clip=511", the paper's split
@@ -28,6 +29,7 @@ for part in $parts; do
            --out "$out/ppl" ;;
     passkey|niah_multikey) "${cli[@]}" --task "$part" --chat --samples "${SAMPLES:-20}" \
            --out "$out/$part" ;;
-    *) echo "unknown part $part (ppl | passkey | niah_multikey)" >&2; exit 2 ;;
+    ruler) "${cli[@]}" --task ruler --chat --samples "${SAMPLES:-50}" --out "$out/ruler" ;;
+    *) echo "unknown part $part (ppl | passkey | niah_multikey | ruler)" >&2; exit 2 ;;
   esac
 done
