@@ -119,6 +119,12 @@ class KernelOptions:
   # 1.301 ms at 32K / 128K / 1M keys against the copy route's 0.131 / 0.469 / 3.477 (bf16 K/V:
   # 0.076 / 0.197 / 1.425), so on.
   int4_decode_kernel: bool = True
+  # A prefill chunk (flash_attention with many query rows, chunk_attention) over a 4-bit cache on
+  # the GPU: the kernel dequantizing its tiles in registers (attention/int4_chunk.py) instead of
+  # a copy of the layer's keys and values in the queries' dtype made first, whose transient is
+  # 2 bytes a channel and token (the 3B shape at 4M tokens: 17 GB a layer). Off until a device
+  # times it against the copy route (0.94-0.98x bf16's prefill on an H200).
+  int4_chunk_kernel: bool = False
   # A decode step's top-k (few query rows: topk_blocks) over 4-bit keys on the GPU: their scores
   # from one kernel reading the codes as stored (topk/int4_scores.py) instead of a copy of the
   # keys in the queries' dtype made first (in segments past topk_dequantize_bytes), which writes

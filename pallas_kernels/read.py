@@ -9,7 +9,8 @@ A 4-bit cache (quant4.py) is read here too: one-token decode on the GPU and on t
 its tiles (`four_bit_tiles`: attention/int4_decode.py, attention/int4_decode_tpu.py) where the
 run enables it, and so does a decode step's top-k on the GPU and on the TPU (`four_bit_scores`:
 topk/int4_scores.py, topk/int4_scores_tpu.py score the codes for topk_blocks' pick, the kernel
-on the GPU, the jnp one on the TPU); every other call reads a copy in the
+on the GPU, the jnp one on the TPU), and a prefill chunk on the GPU where the run asks for it
+(`four_bit_chunk_tiles`: attention/int4_chunk.py); every other call reads a copy in the
 queries' dtype made first (`four_bit_copies`: one layer's keys or values a call; top-k past
 `topk_dequantize_bytes`, a segment of whole key groups at a time: `four_bit_topk_segment`), or,
 for attention over gathered keys, the gathered rows alone (`four_bit_gathered`).
@@ -155,10 +156,29 @@ def four_bit_tiles(q, k, v, variant, options: KernelOptions = DEFAULT) -> bool:
     return False
   if variant.kind == "tpu":
     return q.dtype in (jnp.bfloat16, jnp.float32) and k.main.group % 32 == 0
+  return _gpu_reads_four_bit(q, v, k.main.group)
+
+
+def _gpu_reads_four_bit(q, v, key_group: int) -> bool:
+  """The GPU 4-bit kernels' shapes: q in bf16, fp16 or fp32, each value piece (min(value group,
+  d / 2) channels) within one group and at least a tensor-core product's 16 wide, key groups
+  too."""
   d, vg = q.shape[-1], v.group
   w = min(vg, d // 2)
   return (q.dtype in (jnp.bfloat16, jnp.float16, jnp.float32) and w >= 16 and (d // 2) % w == 0
-          and vg % w == 0 and k.main.group >= 16)
+          and vg % w == 0 and key_group >= 16)
+
+
+def four_bit_chunk_tiles(q, k, v, variant, options: KernelOptions = DEFAULT) -> bool:
+  """Whether a prefill chunk's attention (q [B, Lq > 1, H, d], causal) reads a 4-bit cache's
+  tiles (attention/int4_chunk.py) where KernelOptions.int4_chunk_kernel enables it, on the GPU
+  variant; else it reads a copy in the queries' dtype (four_bit_copies)."""
+  if not (options.int4_chunk_kernel and variant.kind == "gpu" and q.shape[1] > 1):
+    return False
+  if not (isinstance(k, quant4.GroupedKeys) and isinstance(v, quant4.Int4)
+          and v.axis == v.codes.ndim - 1):
+    return False
+  return _gpu_reads_four_bit(q, v, k.main.group)
 
 
 def four_bit_topk_segment(q, k, options: KernelOptions, keys: int) -> int:

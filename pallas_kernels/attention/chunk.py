@@ -138,6 +138,9 @@ def chunk_attention(q, k_cache, v_cache, k_chunk, v_chunk, q_offset, *, kv_layou
   b, c, _, d = q.shape
   scale = float(scale) if scale is not None else d ** -0.5
   q_off = layout.per_batch(q_offset, b, 0)
+  if read.four_bit_chunk_tiles(q, k_cache, v_cache, route.variant(), route.kernels):
+    return flash_attention(q, k_cache, v_cache, causal=True, q_offset=q_off, kv_len=q_off + c,
+                           scale=scale, kv_layout=kv_layout, route=route)
   k_cache, v_cache = read.four_bit_copies(q.dtype, k_cache, v_cache)
   if read.dequantize_first(q, k_cache, route.variant(), route.kernels):
     k_cache, v_cache, k_chunk, v_chunk = (quant.dequantize(x, q.dtype)

@@ -27,7 +27,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import gpu, layout, quant, tpu
-from pallas_kernels.attention import int4_decode, int4_decode_tpu, mgpu_flash
+from pallas_kernels.attention import int4_chunk, int4_decode, int4_decode_tpu, mgpu_flash
 from pallas_kernels import online_softmax as osm
 from pallas_kernels import read, reference
 from pallas_kernels.decode import split_merge
@@ -57,6 +57,13 @@ def flash_attention(q, k, v, *, causal: bool = True, q_offset=0, kv_len=None,
   if read.four_bit_tiles(q, k, v, route.variant(), route.kernels):
     return _four_bit_decode(q, k, v, causal=causal, q_offset=q_offset, kv_len=kv_len,
                             scale=scale, kv_layout=kv_layout, route=route, tiling=tiling)
+  if causal and read.four_bit_chunk_tiles(q, k, v, route.variant(), route.kernels):
+    if kv_layout != "BHTD":
+      raise ValueError("a 4-bit cache is laid out [B, KV, T, d] (kv_layout='BHTD')")
+    b = q.shape[0]
+    return int4_chunk.attention(q, k, v, q_offset=layout.per_batch(q_offset, b, 0),
+                                kv_len=layout.per_batch(kv_len, b, k.shape[2]), scale=scale,
+                                variant=route.variant())
   k, v = read.four_bit_copies(q.dtype, k, v)
   # Keys stored less an offset (pre-RoPE caches): the kernels score them as stored, which
   # lowers each query row's scores alike; only the LSE needs it back.
