@@ -120,7 +120,8 @@ class KernelOptions:
   # 0.076 / 0.197 / 1.425), so on.
   int4_decode_kernel: bool = True
   # A prefill chunk (flash_attention with many query rows, chunk_attention) over a 4-bit cache on
-  # the GPU: the kernel dequantizing its tiles in registers (attention/int4_chunk.py) instead of
+  # the GPU or the TPU: the kernel dequantizing its tiles as it reads them (attention/
+  # int4_chunk.py, int4_chunk_tpu.py) instead of
   # a copy of the layer's keys and values in the queries' dtype made first, whose transient is
   # 2 bytes a channel and token (the 3B shape at 4M tokens: 17 GB a layer). Off until a device
   # times it against the copy route (0.94-0.98x bf16's prefill on an H200).

@@ -9,11 +9,12 @@ A 4-bit cache (quant4.py) is read here too: one-token decode on the GPU and on t
 its tiles (`four_bit_tiles`: attention/int4_decode.py, attention/int4_decode_tpu.py) where the
 run enables it, and so does a decode step's top-k on the GPU and on the TPU (`four_bit_scores`:
 topk/int4_scores.py, topk/int4_scores_tpu.py score the codes for topk_blocks' pick, the kernel
-on the GPU, the jnp one on the TPU), and a prefill chunk on the GPU where the run asks for it
-(`four_bit_chunk_tiles`: attention/int4_chunk.py); every other call reads a copy in the
-queries' dtype made first (`four_bit_copies`: one layer's keys or values a call; top-k past
-`topk_dequantize_bytes`, a segment of whole key groups at a time: `four_bit_topk_segment`), or,
-for attention over gathered keys, the gathered rows alone (`four_bit_gathered`).
+on the GPU, the jnp one on the TPU), and a prefill chunk on the GPU and the TPU where the run
+asks for it (`four_bit_chunk_tiles`: attention/int4_chunk.py, attention/int4_chunk_tpu.py);
+every other call reads a copy in the queries' dtype made first (`four_bit_copies`: one
+layer's keys or values a call; top-k past `topk_dequantize_bytes`, a segment of whole key
+groups at a time: `four_bit_topk_segment`), or, for attention over gathered keys, the gathered
+rows alone (`four_bit_gathered`).
 
 Each decision reads the call's variant and the run's KernelOptions (pallas_kernels/options.py
 says what was measured for each): a native GPU is the only place a copy or fp16 products pay.
@@ -171,13 +172,16 @@ def _gpu_reads_four_bit(q, v, key_group: int) -> bool:
 
 def four_bit_chunk_tiles(q, k, v, variant, options: KernelOptions = DEFAULT) -> bool:
   """Whether a prefill chunk's attention (q [B, Lq > 1, H, d], causal) reads a 4-bit cache's
-  tiles (attention/int4_chunk.py) where KernelOptions.int4_chunk_kernel enables it, on the GPU
-  variant; else it reads a copy in the queries' dtype (four_bit_copies)."""
-  if not (options.int4_chunk_kernel and variant.kind == "gpu" and q.shape[1] > 1):
+  tiles where KernelOptions.int4_chunk_kernel enables it, on the GPU variant
+  (attention/int4_chunk.py) or the TPU one (attention/int4_chunk_tpu.py: four_bit_tiles' TPU
+  shapes); else it reads a copy in the queries' dtype (four_bit_copies)."""
+  if not (options.int4_chunk_kernel and variant.kind in ("gpu", "tpu") and q.shape[1] > 1):
     return False
   if not (isinstance(k, quant4.GroupedKeys) and isinstance(v, quant4.Int4)
           and v.axis == v.codes.ndim - 1):
     return False
+  if variant.kind == "tpu":
+    return q.dtype in (jnp.bfloat16, jnp.float32) and k.main.group % 32 == 0
   return _gpu_reads_four_bit(q, v, k.main.group)
 
 

@@ -27,7 +27,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import gpu, layout, quant, tpu
-from pallas_kernels.attention import int4_chunk, int4_decode, int4_decode_tpu, mgpu_flash
+from pallas_kernels.attention import int4_chunk, int4_chunk_tpu, int4_decode, int4_decode_tpu
+from pallas_kernels.attention import mgpu_flash
 from pallas_kernels import online_softmax as osm
 from pallas_kernels import read, reference
 from pallas_kernels.decode import split_merge
@@ -60,10 +61,11 @@ def flash_attention(q, k, v, *, causal: bool = True, q_offset=0, kv_len=None,
   if causal and read.four_bit_chunk_tiles(q, k, v, route.variant(), route.kernels):
     if kv_layout != "BHTD":
       raise ValueError("a 4-bit cache is laid out [B, KV, T, d] (kv_layout='BHTD')")
-    b = q.shape[0]
-    return int4_chunk.attention(q, k, v, q_offset=layout.per_batch(q_offset, b, 0),
-                                kv_len=layout.per_batch(kv_len, b, k.shape[2]), scale=scale,
-                                variant=route.variant())
+    b, variant = q.shape[0], route.variant()
+    kernel = int4_chunk_tpu if variant.kind == "tpu" else int4_chunk
+    return kernel.attention(q, k, v, q_offset=layout.per_batch(q_offset, b, 0),
+                            kv_len=layout.per_batch(kv_len, b, k.shape[2]), scale=scale,
+                            variant=variant)
   k, v = read.four_bit_copies(q.dtype, k, v)
   # Keys stored less an offset (pre-RoPE caches): the kernels score them as stored, which
   # lowers each query row's scores alike; only the LSE needs it back.

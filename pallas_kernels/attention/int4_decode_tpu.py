@@ -75,7 +75,7 @@ def attention(q, k: quant4.GroupedKeys, v: quant4.Int4, *, causal: bool, q_offse
   return (layout.from_rows(out, 1, h).astype(q.dtype), layout.from_rows(lse[..., 0], 1, h))
 
 
-def _values(codes_ref, scale_ref, zero_ref, buf, first, kv_len, dtype, value_group: int):
+def value_tile(codes_ref, scale_ref, zero_ref, buf, first, kv_len, dtype, value_group: int):
   """A value tile [n, d] of slots first.. in `dtype`: codes * scale + zero in fp32 with each
   token's (scale, zero) of each group of `value_group` channels ([n, d / value_group]), rows at
   and past kv_len 0 (stale or, past T, undefined: 0 x NaN would spread)."""
@@ -95,15 +95,83 @@ def _values(codes_ref, scale_ref, zero_ref, buf, first, kv_len, dtype, value_gro
   return jnp.where(live, vals, 0.0).astype(dtype)
 
 
+def start_with_residual(state, q_ref, kr_ref, value_refs, v_buf, *, res, end, kv_len, scale,
+                        value_group: int, visible):
+  """A kernel's first key step: the softmax state (VMEM refs m, l, acc) reset, then the residual
+  group `res` (its keys kr_ref whole, its value rows value_refs: codes, scales, zero points)
+  folded in where it holds a key below `end`; visible(idx [1, G]) masks its slots per row."""
+  m_s, l_s, acc_s = state
+  m_s[...], l_s[...], acc_s[...] = osm.init(*acc_s.shape)
+  g = kr_ref.shape[0]
+  product = q_ref.dtype
+  first = res * g
+
+  @pl.when((res >= 0) & (first < end))  # the residual group holds a visible key
+  def _():
+    idx = first + lax.broadcasted_iota(jnp.int32, (1, g), 1)
+    s = osm.scores(q_ref[...], kr_ref[...].astype(product), scale)  # its keys whole
+    v = value_tile(*value_refs, v_buf.at[pl.ds(0, g)], first, kv_len, product, value_group)
+    m_s[...], l_s[...], acc_s[...] = osm.update(m_s[...], l_s[...], acc_s[...],
+                                                jnp.where(visible(idx), s, osm.NEG_INF), v)
+
+
+def key_block_maps(bounds, bk: int, g: int, t: int):
+  """(block_of, residual_of) index maps (bh, r, j, meta) of a 4-bit attention kernel's key
+  blocks, from bounds(bh, r, meta) -> (last visible key + 1, residual group): key block j, or
+  the last holding a visible key (so the pipeline fetches nothing new), and the residual group
+  (clamped: past T there is none to read)."""
+  def block_of(bh, r, j, meta):
+    end = bounds(bh, r, meta)[0]
+    return jnp.minimum(j, jnp.maximum(tpu.div(end + bk - 1, bk) - 1, 0))
+
+  def residual_of(bh, r, j, meta):
+    return jnp.clip(bounds(bh, r, meta)[1], 0, t // g - 1)
+  return block_of, residual_of
+
+
+def fold_key_block(state, s, ok, value_refs, v_buf, first, kv_len, dtype, value_group: int):
+  """Scores s [bm, bk] of the key block at slot `first` where ok (-inf elsewhere) and its value
+  rows (value_refs: codes, scales, zero points; value_tile in `dtype`) into the softmax state
+  (VMEM refs m, l, acc)."""
+  m_s, l_s, acc_s = state
+  v = value_tile(*value_refs, v_buf, first, kv_len, dtype, value_group)
+  m_s[...], l_s[...], acc_s[...] = osm.update(m_s[...], l_s[...], acc_s[...],
+                                              jnp.where(ok, s, osm.NEG_INF), v)
+
+
+def cache_grid_spec(b, kvh, row_blocks, nk, *, bm, bk, g, d, value_group, rows, block_of,
+                    residual_of, key_buffer):
+  """The grid (b x kvh, row_blocks, nk key blocks) and blocks of a 4-bit attention kernel's
+  inputs (qr, kc, ka, kz, kres, vc, vs, vz, and vc, vs, vz again for the residual group's value
+  rows) and outputs, indexed by rows / block_of / residual_of (bh, r, j, meta), with scratch:
+  the softmax state, a key tile [bk, d] in `key_buffer` and a value tile in fp32."""
+  from jax.experimental.pallas import tpu as pltpu
+  half, groups, nv = d // 2, bk // g, d // value_group
+
+  def spec(shape, index):  # a [B, KV, ...] input's block of `shape` at (bh's, index(...))
+    return pl.BlockSpec((SQ, SQ, *shape), lambda bh, r, j, meta: (*tpu.batch_head(bh, kvh),
+                                                                   index(bh, r, j, meta), 0))
+
+  first = lambda *_: 0  # noqa: E731  (inputs of one block a sequence and KV head)
+  return pltpu.PrefetchScalarGridSpec(
+      num_scalar_prefetch=1, grid=(b * kvh, row_blocks, nk),
+      in_specs=[spec((bm, d), rows), spec((bk, half), block_of), spec((groups, d), block_of),
+                spec((groups, d), block_of), spec((g, d), first), spec((bk, half), block_of),
+                spec((bk, nv), block_of), spec((bk, nv), block_of), spec((g, half), residual_of),
+                spec((g, nv), residual_of), spec((g, nv), residual_of)],
+      out_specs=[spec((bm, d), rows), spec((bm, 1), rows)],
+      scratch_shapes=[*tpu.softmax_scratch(bm, d), pltpu.VMEM((bk, d), key_buffer),
+                      pltpu.VMEM((bk, d), jnp.float32)])
+
+
 @functools.partial(jax.jit, static_argnames=("bk", "causal", "scale", "value_group",
                                              "interpret"))
 def _tpu(meta, qr, kc, ka, kz, kres, vc, vs, vz, *, bk, causal, scale, value_group, interpret):
   """(out [B, KV, bm, d], lse [B, KV, bm, 1]) fp32. meta [B * 3]: each sequence's query
   position, keys and residual group; qr [B, KV, bm, d] (rows padded to a sublane tile)."""
-  from jax.experimental.pallas import tpu as pltpu
   b, kvh, bm, d = qr.shape
   t, g = kc.shape[2], kres.shape[2]
-  half, groups = d // 2, bk // g
+  groups = bk // g
   nk = pl.cdiv(t, bk)
   product = qr.dtype  # the MXU's operand dtype: codes exact in it, values rounded to it
   f32 = jnp.float32
@@ -122,21 +190,11 @@ def _tpu(meta, qr, kc, ka, kz, kres, vc, vs, vz, *, bk, causal, scale, value_gro
     j = pl.program_id(2)
     q_off, kv_len, res, end = seq(pl.program_id(0), meta_ref)
 
-    def fold(s, v):
-      m_s[...], l_s[...], acc_s[...] = osm.update(m_s[...], l_s[...], acc_s[...], s, v)
-
     @pl.when(j == 0)
     def _():
-      m_s[...], l_s[...], acc_s[...] = osm.init(bm, d)
-      first = res * g
-
-      @pl.when((res >= 0) & (first < end))  # the residual group holds a visible key
-      def _():
-        idx = first + lax.broadcasted_iota(jnp.int32, (1, g), 1)
-        s = osm.scores(q_ref[...], kr_ref[...].astype(product), scale)  # its keys whole
-        fold(jnp.where(visible(idx, q_off, kv_len), s, osm.NEG_INF),
-             _values(rc_ref, rs_ref, rz_ref, v_buf.at[pl.ds(0, g)], first, kv_len, product,
-                     value_group))
+      start_with_residual((m_s, l_s, acc_s), q_ref, kr_ref, (rc_ref, rs_ref, rz_ref), v_buf,
+                          res=res, end=end, kv_len=kv_len, scale=scale, value_group=value_group,
+                          visible=lambda idx: visible(idx, q_off, kv_len))
 
     @pl.when(j * bk < end)
     def _():
@@ -145,34 +203,16 @@ def _tpu(meta, qr, kc, ka, kz, kres, vc, vs, vz, *, bk, causal, scale, value_gro
       lane = lax.broadcasted_iota(jnp.int32, (1, bk), 1)
       own = tpu.div(lane, g)  # each key's group in the block
       ok = visible(j * bk + lane, q_off, kv_len) & (j * groups + own != res)
-      fold(jnp.where(ok, s, osm.NEG_INF),
-           _values(vc_ref, vs_ref, vz_ref, v_buf, j * bk, kv_len, product, value_group))
+      fold_key_block((m_s, l_s, acc_s), s, ok, (vc_ref, vs_ref, vz_ref), v_buf, j * bk, kv_len,
+                     product, value_group)
 
     @pl.when(j == nk - 1)
     def _():
       o_ref[...], lse_ref[...] = osm.finish(m_s[...], l_s[...], acc_s[...])
 
-  def block_of(bh, j, meta):  # key block j, or the last holding a visible key (no new fetch)
-    end = seq(bh, meta)[3]
-    return jnp.minimum(j, jnp.maximum(tpu.div(end + bk - 1, bk) - 1, 0))
-
-  def residual_of(bh, j, meta):  # the residual group (clamped: past T there is none to read)
-    return jnp.clip(seq(bh, meta)[2], 0, t // g - 1)
-
-  def spec(shape, index):  # a [B, KV, ...] input's block of `shape` at (bh's, index(bh, j))
-    return pl.BlockSpec((SQ, SQ, *shape),
-                        lambda bh, r, j, meta: (*tpu.batch_head(bh, kvh), index(bh, j, meta), 0))
-
-  first = lambda *_: 0  # noqa: E731  (inputs of one block a sequence and KV head)
-  nv = d // value_group
-  grid_spec = pltpu.PrefetchScalarGridSpec(
-      num_scalar_prefetch=1, grid=(b * kvh, 1, nk),
-      in_specs=[spec((bm, d), first), spec((bk, half), block_of), spec((groups, d), block_of),
-                spec((groups, d), block_of), spec((g, d), first), spec((bk, half), block_of),
-                spec((bk, nv), block_of), spec((bk, nv), block_of), spec((g, half), residual_of),
-                spec((g, nv), residual_of), spec((g, nv), residual_of)],
-      out_specs=[spec((bm, d), first), spec((bm, 1), first)],
-      scratch_shapes=[*tpu.softmax_scratch(bm, d), pltpu.VMEM((bk, d), product),
-                      pltpu.VMEM((bk, d), f32)])
+  block_of, residual_of = key_block_maps(lambda bh, r, meta: seq(bh, meta)[3:1:-1], bk, g, t)
+  grid_spec = cache_grid_spec(b, kvh, 1, nk, bm=bm, bk=bk, g=g, d=d, value_group=value_group,
+                              rows=lambda *_: 0, block_of=block_of, residual_of=residual_of,
+                              key_buffer=product)
   return tpu.attention_call(kernel, grid_spec, qr.shape, interpret, name=KERNEL_NAME)(
       meta, qr, kc, ka, kz, kres, vc, vs, vz, vc, vs, vz)

@@ -1,7 +1,8 @@
 """A prefill chunk's attention reading a 4-bit cache's tiles (pallas_kernels/attention/
 int4_chunk.py, KernelOptions.int4_chunk_kernel): interpreted on CPU against the copy route it
 replaces (read.four_bit_copies: the cache dequantized to the queries' dtype, then the
-reference), and lowered to Triton for CUDA.
+reference); the GPU kernel lowered to Triton for CUDA, the TPU one (int4_chunk_tpu.py) exported
+for TPU.
 
 The kernel dequantizes each tile in fp32 and rounds it once to the queries' dtype, as the copy
 does, so they differ only by summation order and the probabilities' rounding: fp32 queries
@@ -16,7 +17,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import KernelOptions, Route, chunk_attention, flash_attention, quant4, read
-from pallas_kernels.attention import int4_chunk
+from pallas_kernels.attention import int4_chunk, int4_chunk_tpu
 from pallas_kernels.backend import Variant
 from tests.kernels.cuda_lowering import cuda_text
 from tests.kernels.inputs import normal
@@ -26,9 +27,12 @@ KERNEL = Route(backend="gpu", kernels=KernelOptions(int4_chunk_kernel=True))
 REFERENCE = Route(backend="reference")
 
 
-@pytest.mark.parametrize("h,kvh,d,t,fmt", [(8, 2, 64, 256, "int4"), (3, 3, 128, 192, "int4"),
-                                           (8, 2, 128, 256, "int4_g64_fp16")])
-def test_chunk_over_4_bit_tiles_matches_the_copy_route(h, kvh, d, t, fmt):
+@pytest.mark.parametrize("variant,h,kvh,d,t,fmt", [
+    ("gpu", 8, 2, 64, 256, "int4"), ("gpu", 3, 3, 128, 192, "int4"),
+    ("gpu", 8, 2, 128, 256, "int4_g64_fp16"),
+    ("tpu", 8, 2, 128, 512, "int4"),  # two key blocks of 8 groups
+    ("tpu", 3, 3, 128, 192, "int4_g64_fp16")])  # one block, the whole key axis
+def test_chunk_over_4_bit_tiles_matches_the_copy_route(variant, h, kvh, d, t, fmt):
   rng = np.random.default_rng(d + t)
   c = 24
   ends = [t - 21, 128, 70]  # an open residual; a group's edge; a chunk past its keys' end
@@ -37,7 +41,8 @@ def test_chunk_over_4_bit_tiles_matches_the_copy_route(h, kvh, d, t, fmt):
   for dtype in (jnp.float32, jnp.bfloat16):
     q = normal(rng, (3, c, h, d), dtype)
     kw = dict(causal=True, q_offset=q_off, kv_len=q_off + c, kv_layout="BHTD")
-    got = jax.block_until_ready(flash_attention(q, keys, values, route=KERNEL, **kw))
+    got = jax.block_until_ready(flash_attention(q, keys, values, **kw, route=Route(
+        backend=variant, kernels=KERNEL.kernels)))
     copy = flash_attention(q, keys, values, route=REFERENCE, **kw)
     assert got[0].dtype == dtype and got[0].shape == q.shape
     errors = [_error(got[i], copy[i]) for i in (0, 1)]
@@ -67,17 +72,24 @@ def test_chunk_attention_takes_the_kernel_without_a_copy(monkeypatch):
                                        KERNEL.kernels)  # decode has its own kernel
 
 
-def test_the_kernel_lowers_for_cuda():
-  """The nibbles' unpacking, the gathered scale rows and the products lowered for an H200, at
-  the 8B's attention shape and a 512-token chunk."""
+def _abstract_cache(b, kvh, t, d, g):
+  """(keys, values) of a 4-bit cache as shapes: KIVI's groups of g, fp32 scales."""
   S = jax.ShapeDtypeStruct
-  b, kvh, t, d, g = 1, 8, 4096, 128, 32
   k = quant4.GroupedKeys(quant4.Int4(S((b, kvh, t, d // 2), jnp.uint8),
                                      S((b, kvh, t // g, d), jnp.float32),
                                      S((b, kvh, t // g, d), jnp.float32), axis=2, group=g),
                          S((b, kvh, g, d), jnp.bfloat16), S((b,), jnp.int32))
-  v = quant4.Int4(S((b, kvh, t, d // 2), jnp.uint8), S((b, kvh, t, d // 32), jnp.float32),
-                  S((b, kvh, t, d // 32), jnp.float32), axis=3, group=32)
+  v = quant4.Int4(S((b, kvh, t, d // 2), jnp.uint8), S((b, kvh, t, d // g), jnp.float32),
+                  S((b, kvh, t, d // g), jnp.float32), axis=3, group=g)
+  return k, v
+
+
+def test_the_kernel_lowers_for_cuda():
+  """The nibbles' unpacking, the gathered scale rows and the products lowered for an H200, at
+  the 8B's attention shape and a 512-token chunk."""
+  S = jax.ShapeDtypeStruct
+  b, d = 1, 128
+  k, v = _abstract_cache(b, 8, 4096, d, 32)
   ints = S((b,), jnp.int32)
 
   def f(q, k, v, off, kv_len):
@@ -85,3 +97,20 @@ def test_the_kernel_lowers_for_cuda():
                                 variant=Variant("gpu", False))  # compiled, not interpreted
 
   assert "triton" in cuda_text(f, S((b, 512, 32, d), jnp.bfloat16), k, v, ints, ints).lower()
+
+
+def test_the_tpu_kernel_exports():
+  """The TPU kernel through the real Pallas-to-Mosaic lowering on this CPU (a 512-token chunk
+  of the 8B's attention shape)."""
+  from tests.helpers.tpu_export import export_for_tpu
+  S = jax.ShapeDtypeStruct
+  b, d = 1, 128
+  k, v = _abstract_cache(b, 8, 4096, d, 32)
+  ints = S((b,), jnp.int32)
+
+  def f(q, k, v, off, kv_len):
+    return flash_attention(q, k, v, causal=True, q_offset=off, kv_len=kv_len, kv_layout="BHTD",
+                           route=Route(kernels=KERNEL.kernels))
+
+  module = export_for_tpu(f, S((b, 512, 32, d), jnp.bfloat16), k, v, ints, ints).mlir_module()
+  assert int4_chunk_tpu.KERNEL_NAME in module
