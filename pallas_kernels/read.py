@@ -150,24 +150,26 @@ def four_bit_tiles(q, k, v, variant, options: KernelOptions = DEFAULT) -> bool:
   product's 16 wide) or the TPU one (attention/int4_decode_tpu.py: q in bf16 or fp32, TPUs
   having no fp16 arithmetic; key groups of a multiple of 32 tokens, a uint8 block's sublane
   tile, since it reads the residual group's value codes as a block of one group)."""
-  if not (options.int4_decode_kernel and variant.kind in ("gpu", "tpu") and q.shape[1] == 1):
+  return (options.int4_decode_kernel and q.shape[1] == 1
+          and _kernels_read_four_bit(q, k, v, variant))
+
+
+def _kernels_read_four_bit(q, k, v, variant) -> bool:
+  """The 4-bit attention kernels' shapes (decode's and a chunk's alike): keys grouped along
+  tokens, values along channels, on the GPU (q in bf16, fp16 or fp32, each value piece
+  (min(value group, d / 2) channels) within one group and at least a tensor-core product's 16
+  wide, key groups too) or the TPU (q in bf16 or fp32; key groups of a multiple of 32 tokens)."""
+  if variant.kind not in ("gpu", "tpu"):
     return False
   if not (isinstance(k, quant4.GroupedKeys) and isinstance(v, quant4.Int4)
           and v.axis == v.codes.ndim - 1):
     return False
   if variant.kind == "tpu":
     return q.dtype in (jnp.bfloat16, jnp.float32) and k.main.group % 32 == 0
-  return _gpu_reads_four_bit(q, v, k.main.group)
-
-
-def _gpu_reads_four_bit(q, v, key_group: int) -> bool:
-  """The GPU 4-bit kernels' shapes: q in bf16, fp16 or fp32, each value piece (min(value group,
-  d / 2) channels) within one group and at least a tensor-core product's 16 wide, key groups
-  too."""
   d, vg = q.shape[-1], v.group
   w = min(vg, d // 2)
   return (q.dtype in (jnp.bfloat16, jnp.float16, jnp.float32) and w >= 16 and (d // 2) % w == 0
-          and vg % w == 0 and key_group >= 16)
+          and vg % w == 0 and k.main.group >= 16)
 
 
 def four_bit_chunk_tiles(q, k, v, variant, options: KernelOptions = DEFAULT) -> bool:
@@ -175,14 +177,8 @@ def four_bit_chunk_tiles(q, k, v, variant, options: KernelOptions = DEFAULT) -> 
   tiles where KernelOptions.int4_chunk_kernel enables it, on the GPU variant
   (attention/int4_chunk.py) or the TPU one (attention/int4_chunk_tpu.py: four_bit_tiles' TPU
   shapes); else it reads a copy in the queries' dtype (four_bit_copies)."""
-  if not (options.int4_chunk_kernel and variant.kind in ("gpu", "tpu") and q.shape[1] > 1):
-    return False
-  if not (isinstance(k, quant4.GroupedKeys) and isinstance(v, quant4.Int4)
-          and v.axis == v.codes.ndim - 1):
-    return False
-  if variant.kind == "tpu":
-    return q.dtype in (jnp.bfloat16, jnp.float32) and k.main.group % 32 == 0
-  return _gpu_reads_four_bit(q, v, k.main.group)
+  return (options.int4_chunk_kernel and q.shape[1] > 1
+          and _kernels_read_four_bit(q, k, v, variant))
 
 
 def four_bit_topk_segment(q, k, options: KernelOptions, keys: int) -> int:
