@@ -15,6 +15,10 @@ query heads over 8 KV heads, d 128, batch 1) over 32K / 128K / 1M keys, back-to-
 copy bandwidth measured in the same run.
 scores: a decode step's top-4 over 4-bit keys, the kernel scoring their codes against the copy
 route, at 128K and 2M keys.
+chunk: a 4096-query prefill chunk (chunk_attention, as full attention's prefill runs it) at
+offsets 28K and 124K over bf16, int8 and the 4-bit cache, the last read by the tile kernel
+(attention/int4_chunk.py, KernelOptions.int4_chunk_kernel: "tiles") and through its bf16 copy
+("copy"); first the kernel's largest error against the copy route at a 1K offset.
 tiles: the kernel's default tiling and TILE_SWEEP's (keys a step, warps, key splits, stages) at
 32K and 128K keys.
 --formats: the 4-bit formats the cases run over (quant4.FORMATS; default int4).
@@ -34,7 +38,7 @@ from benchmarks.quant_kernels import _err, _nbytes, _timed_record
 H, KV, D = 32, 8, 128
 BACKEND = "auto"  # --smoke: "gpu", the kernels interpreted on CPU
 SIZES = dict(check=1000, decode=(32768, 131072, 1048576), tiles=(32768, 131072),
-             scores=(131072, 2097152))
+             scores=(131072, 2097152), chunk=4096, offsets=(28672, 126976))
 FORMATS = ("int4",)  # --formats: the 4-bit formats (quant4.FORMATS) each case runs over
 
 
@@ -62,9 +66,9 @@ def _cache(seed, b, t, dtype, open_tokens: int = 5):
   return q, grouped, quant4.quantize(v, min(g, D), scale_dtype=sd)
 
 
-def _route(tiles: bool):
+def _route(tiles: bool, option: str = "int4_decode_kernel"):
   from pallas_kernels import KernelOptions, Route
-  return Route(backend=BACKEND, kernels=KernelOptions(int4_decode_kernel=tiles))
+  return Route(backend=BACKEND, kernels=KernelOptions(**{option: tiles}))
 
 
 def check():
@@ -230,6 +234,54 @@ def time_scores(reps, bw):
   return recs
 
 
+def _chunk_inputs(off, dtype):
+  """(q [1, C, H, D] bf16, cache keys and values over off + C slots in `dtype`, the chunk's own
+  keys and values [1, C, KV, D] bf16), C = SIZES["chunk"]."""
+  import jax.numpy as jnp
+  c = SIZES["chunk"]
+  _, k, v = _cache(11, 1, off + c, dtype)
+  keys = jax.random.split(jax.random.key(12), 3)
+  q, kc, vc = (jax.random.normal(key, (1, c, n, D), jnp.float32).astype(jnp.bfloat16)
+               for key, n in zip(keys, (H, KV, KV)))
+  return q, k, v, kc, vc
+
+
+def _chunk_fn(off, route):
+  import jax.numpy as jnp
+  from pallas_kernels import chunk_attention
+  return jax.jit(lambda q, k, v, kc, vc: chunk_attention(q, k, v, kc, vc, jnp.asarray([off]),
+                                                         kv_layout="BHTD", route=route))
+
+
+def time_chunk(reps):
+  """The prefill chunk over the 4-bit cache's tiles against its copy route and the bf16 / int8
+  caches (module docstring); `tflops` counts the chunk's causal products."""
+  import numpy as np
+  from benchmarks.common import median_time
+  recs = []
+  for fmt in FORMATS:
+    off = SIZES["check"]
+    args = _chunk_inputs(off, fmt)
+    copy = _chunk_fn(off, _route(False, "int4_chunk_kernel"))(*args)
+    got = _chunk_fn(off, _route(True, "int4_chunk_kernel"))(*args)
+    largest = float(np.max(np.abs(np.asarray(copy[0], np.float32))))
+    recs.append({"check": "chunk", "dtype": fmt, "offset": off, "largest_out": largest,
+                 "out_err": _err(got[0], copy[0]), "lse_err": _err(got[1], copy[1])})
+    _progress(recs[-1])
+  c = SIZES["chunk"]
+  for off in SIZES["offsets"]:
+    for dtype, route in (("bfloat16", "kernel"), ("int8", "kernel"),
+                         *((fmt, r) for fmt in FORMATS for r in ("copy", "tiles"))):
+      args = _chunk_inputs(off, dtype)
+      fn = _chunk_fn(off, _route(route == "tiles", "int4_chunk_kernel"))
+      med, _ = median_time(lambda: jax.block_until_ready(fn(*args)), warmup=2, reps=reps)
+      recs.append({"kernel": "prefill_chunk", "offset": off, "dtype": dtype, "route": route,
+                   "ms": med * 1e3, "tflops": 4 * c * H * D * (off + c / 2) / med / 1e12})
+      _progress(recs[-1])
+      del args
+  return recs
+
+
 def main() -> None:
   global H, KV, D, BACKEND, FORMATS
   p = argparse.ArgumentParser(description=__doc__,
@@ -237,7 +289,7 @@ def main() -> None:
   p.add_argument("--out", required=True)
   p.add_argument("--reps", type=int, default=20)
   p.add_argument("--only", default="", help="comma list of cases (check, write, decode, tiles, "
-                 "scores)")
+                 "scores, chunk)")
   p.add_argument("--keys", default="", help="comma list of key counts for decode and tiles "
                  "(default: 32768,131072,1048576 and 32768,131072)")
   p.add_argument("--formats", default="int4", help="comma list of 4-bit formats "
@@ -250,12 +302,14 @@ def main() -> None:
     SIZES.update(decode=keys, tiles=keys, scores=keys)
   if args.smoke:
     H, KV, D = 8, 2, 64
-    SIZES.update(check=256, decode=(512,), tiles=(512,), scores=(512,))
+    SIZES.update(check=256, decode=(512,), tiles=(512,), scores=(512,), chunk=64,
+                 offsets=(192,))
     BACKEND, args.reps = "gpu", 1
   bw = 1.0 if args.smoke else copy_bandwidth()
   cases = {"check": check, "write": check_write, "decode": lambda: time_decode(args.reps, bw),
            "tiles": lambda: time_tiles(args.reps, bw),
-           "scores": lambda: time_scores(args.reps, bw)}
+           "scores": lambda: time_scores(args.reps, bw),
+           "chunk": lambda: time_chunk(args.reps)}
   failed = run_cases_to_json(cases, args.out, {**device_facts(), "copy_bw": bw,
                                                "heads": f"{H}/{KV}", "head_dim": D}, args.only)
   sys.exit(1 if failed else 0)

@@ -21,7 +21,8 @@ the device's copy bandwidth measured in the same run; a 4096-query prefill chunk
 and 124K (chunk_attention, as full attention's prefill runs it: over an 8-bit cache its
 dequantized copy and the bf16 kernel, KernelOptions.prefill_dequantize_bytes) and a 512-query top-4 over 32K /
 128K keys. `decode_products`: 8-bit decode attention with its products in bf16 against fp16
-(KernelOptions.fp8_fp16_products, int8_fp16_products), error and time.
+(KernelOptions.fp8_fp16_products, int8_fp16_products) and, for int8, int8 x int8 products with
+the query rows quantized (decode_int8_products), error and time.
 """
 
 from __future__ import annotations
@@ -176,7 +177,8 @@ def time_decode_products(reps, bw):
   import jax
   import jax.numpy as jnp
   from pallas_kernels import KernelOptions, Route, flash_attention
-  variants = {"int8": {"q_dtype": {}, "fp16": {"int8_fp16_products": True}},
+  variants = {"int8": {"q_dtype": {}, "fp16": {"int8_fp16_products": True},
+                       "int8": {"decode_int8_products": True}},
               "float8_e4m3fn": {"q_dtype": {"fp8_fp16_products": False}, "fp16": {}}}
   recs = []
   t = SIZES["check"]
