@@ -58,11 +58,15 @@ class KernelOptions:
   # One-token decode (flash_attention) over int8 keys: q . k on the int8 matrix units, the
   # queries quantized per row as the keys are (int8 x int8 -> int32, exact; then the key's and
   # the row's scales), the values still converted tile by tile. The int8 decode kernel is bound
-  # by its cores, not HBM (Nsight Compute on an H200: 65% SM busy, 67.5% of DRAM; BENCHMARKS.md),
-  # and this drops the keys' conversion, half its per-key instructions. Off until a device
-  # measures its speed and its quality; the reference computes the same products in jnp
-  # (reference.product_scores), so a CPU run with it on scores as the kernels would.
-  decode_int8_products: bool = False
+  # by its cores, not HBM (Nsight Compute on an H200: 65% SM busy, 67.5% of DRAM), and this
+  # drops the keys' conversion. None (auto, the default): on where the GPU's Triton kernel runs
+  # natively, off elsewhere (the reference, the TPU kernel: unmeasured; interpreted kernels), so
+  # the CPU's numbers are the dequantize route's; True / False everywhere (the reference computes
+  # the same products in jnp, reference.product_scores). On an H200 (BENCHMARKS.md "int8 decode
+  # on the int8 products"): the 8B's step 7.586 -> 7.294 ms at 128K, 5.375 -> 5.426 at 32K; 14
+  # sequences at 128K 51.3 -> 45.8 ms; Qwen2.5-Coder-1.5B pooled NLL +0.031% / +0.024% at 16K /
+  # 32K against the dequantize route (100 texts).
+  decode_int8_products: bool | None = None
   # What topk_scores' GPU / TPU kernels do with each score tile. "exact" keeps the running top-k.
   # "max_only" is a benchmark diagnostic whose results are meaningless: it keeps only each row's
   # running max (in its top slot; the indices are not kept), so it times the kernel without its
@@ -123,8 +127,10 @@ class KernelOptions:
   # the GPU or the TPU: the kernel dequantizing its tiles as it reads them (attention/
   # int4_chunk.py, int4_chunk_tpu.py) instead of
   # a copy of the layer's keys and values in the queries' dtype made first, whose transient is
-  # 2 bytes a channel and token (the 3B shape at 4M tokens: 17 GB a layer). Off until a device
-  # times it against the copy route (0.94-0.98x bf16's prefill on an H200).
+  # 2 bytes a channel and token (the 3B shape at 4M tokens: 17 GB a layer). Off: on an H200 it
+  # ran a 4096-query chunk at ~100 TFLOP/s against the copy route's ~600 (5.7-5.9x slower; the
+  # 8B's prefill 9,694 / 2,912 tok/s at 32K / 128K against 24,325 / 12,042; BENCHMARKS.md "The
+  # 4-bit prefill chunk kernel"), so it serves only where the copy's memory is short.
   int4_chunk_kernel: bool = False
   # A decode step's top-k (few query rows: topk_blocks) over 4-bit keys on the GPU: their scores
   # from one kernel reading the codes as stored (topk/int4_scores.py) instead of a copy of the

@@ -87,11 +87,14 @@ def dequantize_first(q, k_cache, variant, options: KernelOptions = DEFAULT) -> b
                                copies=2)
 
 
-def decode_products(q, k, options: KernelOptions = DEFAULT) -> bool:
+def decode_products(q, k, variant, options: KernelOptions = DEFAULT) -> bool:
   """Whether one-token attention (q [B, 1, H, d]) over int8 keys multiplies them as stored, the
-  queries quantized per row (KernelOptions.decode_int8_products), on every variant."""
-  return (options.decode_int8_products and q.shape[1] == 1 and quant.is_quantized(k)
-          and k.dtype == jnp.int8)
+  queries quantized per row (KernelOptions.decode_int8_products: asked, or by default where the
+  GPU's kernel runs natively)."""
+  asked = options.decode_int8_products
+  if asked is None:
+    asked = variant.kind == "gpu" and not variant.interpret
+  return asked and q.shape[1] == 1 and quant.is_quantized(k) and k.dtype == jnp.int8
 
 
 def fp16_products(q, k, options: KernelOptions = DEFAULT) -> bool:

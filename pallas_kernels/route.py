@@ -81,11 +81,11 @@ class Route:
     NVIDIA GPUs, where its split-K decode variant reads only the slots below each sequence's
     length (H200, 8B shape: decode 5.70 -> 5.47 ms at 32K with fused projections,
     BENCHMARKS.md). Not on TPU: unmeasured. Also wherever KernelOptions.decode_int8_products is
-    asked: its products are flash_attention's (every variant, the reference included), which
-    the jnp decode path would drop."""
+    asked (True): its products are flash_attention's (every variant, the reference included),
+    which the jnp decode path would drop."""
     if self.decode_kernel is not None:
       return self.decode_kernel
-    return self.on_gpu or self.kernels.decode_int8_products
+    return self.on_gpu or self.kernels.decode_int8_products is True
 
   def replace(self, **kw) -> "Route":
     return dataclasses.replace(self, **kw)

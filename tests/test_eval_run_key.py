@@ -118,12 +118,13 @@ def test_one_plan_of_several_cache_dtypes_resumes(tiny_text_lm, tmp_path, calls)
   assert [r["run"]["entry"]["kv_dtype"] for r in recs] == ["int8", "float32"]
 
 
-@pytest.mark.parametrize("kv_dtype,key,value", [("int8", "topk_eight_bit", "auto")])
+@pytest.mark.parametrize("kv_dtype,key,value", [("int8", "topk_eight_bit", "auto"),
+                                                ("int8", "decode_int8_products", "auto")])
 def test_records_of_a_quantized_cache_name_what_changed_its_numbers(  # noqa: F811
     tiny_text_lm, tmp_path, calls, kv_dtype, key, value):  # noqa: F811
-  """An 8-bit cache's records name KernelOptions.topk_eight_bit even at its default: records
-  made before the default became "auto" are refused, not resumed as new. (A 4-bit cache's
-  format is its kv_dtype's name.)"""
+  """An 8-bit cache's records name KernelOptions.topk_eight_bit (an int8 cache's also
+  decode_int8_products) even at its default: records made before the default became "auto"
+  are refused, not resumed as new. (A 4-bit cache's format is its kv_dtype's name.)"""
   specs = MethodSpec.per_kv_dtype(MethodSpec.parse("full", []), [kv_dtype, "float32"])
   recs = run_sweep(tiny_text_lm, "passkey", specs, [LENGTH], [0.5], 1, str(tmp_path))
   assert [r["run"]["entry"].get(key) for r in recs] == [value, None]

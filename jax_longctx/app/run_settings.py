@@ -103,13 +103,18 @@ def entry_settings(task, method, kv_dtype: str, length: int, cache_len: int,
                    options) -> dict:
   """What one method at one length runs with. An 8-bit cache's entry also names its top-k
   route (KernelOptions.topk_eight_bit) even when it is the default: the default changed from
-  "dequantize" to "auto", and records made under the old one must not be resumed as new. A
-  4-bit cache's format (its group and scales' dtype) is its kv_dtype's name (quant4.FORMATS)."""
+  "dequantize" to "auto", and records made under the old one must not be resumed as new; an
+  int8 cache's its decode products (decode_int8_products) for the same reason (the default
+  changed from off to auto: on the GPU's kernel). A 4-bit cache's format (its group and
+  scales' dtype) is its kv_dtype's name (quant4.FORMATS)."""
   entry = {"task": task.name, "task_options": task_options(task),
            "method": type(method).__name__, "hparams": method.hparams(),
            "kv_dtype": kv_dtype, "length": length, "cache_len": cache_len}
   if kv_dtype in EIGHT_BIT:
     entry["topk_eight_bit"] = options.route.kernels.topk_eight_bit
+  if kv_dtype == "int8":
+    products = options.route.kernels.decode_int8_products
+    entry["decode_int8_products"] = "auto" if products is None else products
   return plain(entry)
 
 

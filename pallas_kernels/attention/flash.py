@@ -110,7 +110,7 @@ def _attention(q, k, v, *, causal, q_offset, kv_len, scale: float, kv_layout: st
                  and q.dtype in (jnp.bfloat16, jnp.float16) and read.cudnn_reads(k))
   q_off = layout.per_batch(q_offset, b, 0)
   kv_len = layout.per_batch(kv_len, b, t)
-  eight_bit_q = read.decode_products(q, k, options)
+  eight_bit_q = read.decode_products(q, k, variant, options)
   if variant.kind == "reference":
     return reference.flash_attention(q, k, v, causal=causal, q_offset=q_off, kv_len=kv_len,
                                      scale=scale, kv_layout=kv_layout, products=eight_bit_q)

@@ -2,15 +2,17 @@
 the queries quantized per row, q . k as int8 x int8 -> int32, then the key's and the row's
 scales. Each kernel variant against the reference computing the same products in jnp, the
 option seen to act (it moves the outputs from the dequantize-first ones, by the queries'
-rounding only), and the GPU kernel lowered for CUDA, where the int8 dot is Triton's."""
+rounding only), its default (on for the native GPU kernel only), and the GPU kernel lowered
+for CUDA, where the int8 dot is Triton's."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import KernelOptions, Route, flash_attention, quant, read
+from pallas_kernels import KernelOptions, Route, backend, flash_attention, quant, read
 from pallas_kernels.attention import flash as fa_module
+from pallas_kernels.backend import Variant
 from pallas_kernels.gpu import Tiling
 from tests.kernels.cuda_lowering import cuda_text
 from tests.kernels.inputs import keys_shape, normal, with_outliers
@@ -74,12 +76,46 @@ def test_the_products_are_the_reference_definition_and_act():
 
 def test_only_int8_one_token_decode_takes_the_products():
   q, k, v = _inputs(jnp.bfloat16, "BHTD")
-  assert read.decode_products(q, k, PRODUCTS)
-  assert not read.decode_products(q, k, KernelOptions())
-  assert not read.decode_products(jnp.concatenate([q, q], axis=1), k, PRODUCTS)  # a chunk
+  native = Variant("gpu", False)
+  assert read.decode_products(q, k, native, PRODUCTS)
+  assert not read.decode_products(q, k, native, KernelOptions(decode_int8_products=False))
+  assert not read.decode_products(jnp.concatenate([q, q], axis=1), k, native, PRODUCTS)  # a chunk
   assert not read.decode_products(q, quant.quantize(k.values.astype(jnp.float32),
-                                                    jnp.float8_e4m3fn), PRODUCTS)
-  assert not read.decode_products(q, quant.dequantize(k, jnp.bfloat16), PRODUCTS)
+                                                    jnp.float8_e4m3fn), native, PRODUCTS)
+  assert not read.decode_products(q, quant.dequantize(k, jnp.bfloat16), native, PRODUCTS)
+
+
+def test_by_default_only_the_native_gpu_kernel_takes_the_products():
+  """None (the default): the products where the GPU's Triton kernel runs natively (measured
+  there), the dequantize route on the reference, the TPU kernel and interpreted kernels; asked
+  (True), every variant."""
+  q, k, v = _inputs(jnp.bfloat16, "BHTD")
+  auto = KernelOptions()
+  assert auto.decode_int8_products is None
+  assert read.decode_products(q, k, Variant("gpu", False), auto)
+  for other in (Variant("gpu", True), Variant("tpu", False), Variant("tpu", True),
+                Variant("reference", False)):
+    assert not read.decode_products(q, k, other, auto), other
+    assert read.decode_products(q, k, other, PRODUCTS), other
+  assert not Route(backend="reference").fused_decode  # the CPU's jnp decode path, as before
+  assert Route(backend="reference", kernels=PRODUCTS).fused_decode
+
+
+def test_the_default_route_on_a_gpu_lowers_the_int8_query_rows(monkeypatch):
+  """Lowered for CUDA as the native GPU variant, the default options feed the kernel int8 query
+  rows [B, KV, rows, d]; with the option off, none."""
+  monkeypatch.setattr(backend, "resolve", lambda _: Variant("gpu", False))
+  S = jax.ShapeDtypeStruct
+  q = S((B, 1, H, D), jnp.bfloat16)
+  kv = quant.Quantized(S((B, KV, 1024, D), jnp.int8), S((B, KV, 1024, 1), jnp.float32))
+  per_seq = S((B,), jnp.int32)
+  rows = f"tensor<{B}x{KV}x{H // KV}x{D}xi8>"
+  for options, want in ((KernelOptions(), True),
+                        (KernelOptions(decode_int8_products=False), False)):
+    def decode(q, k, v, q_offset, kv_len, options=options):
+      return flash_attention(q, k, v, causal=True, q_offset=q_offset, kv_len=kv_len,
+                             kv_layout="BHTD", route=Route(kernels=options))
+    assert (rows in cuda_text(decode, q, kv, kv, per_seq, per_seq)) == want, options
 
 
 def test_the_gpu_kernel_lowers_for_cuda_with_int8_queries():
