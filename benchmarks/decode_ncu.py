@@ -13,7 +13,8 @@ shape (32 query heads over 8 KV heads, d 128), batch 1, --keys keys. On the GPU 
 (the inputs' generation too) and reported nothing in 400 s. Each dtype's kernel runs --calls
 times after its compile, so the report holds each kernel --calls times; quant_kernels.py times
 the same calls without the profiler. `--dtypes int4`: the kernel reading the 4-bit tiles
-(int4_decode; its cache as benchmarks/int4_kernels.py builds it), timed there.
+(int4_decode; its cache as benchmarks/int4_kernels.py builds it), timed there. `--kernel-option KEY=VALUE` (repeatable): the calls under those KernelOptions (e.g.
+`decode_row_groups=true`), so two invocations profile a kernel with and without an option.
 """
 
 from __future__ import annotations
@@ -31,17 +32,20 @@ def main():
   p.add_argument("--keys", type=int, default=1 << 20)
   p.add_argument("--calls", type=int, default=2)
   p.add_argument("--dtypes", default="bfloat16,int8,float8_e4m3fn")
+  p.add_argument("--kernel-option", action="append", default=[], metavar="KEY=VALUE")
   args = p.parse_args()
   import jax
   import jax.numpy as jnp
+  from jax_longctx.app.bench_measure import kernel_options
   from pallas_kernels import Route, flash_attention
+  route = Route(kernels=kernel_options(args.kernel_option))
   t = args.keys
   pos = jnp.asarray([t - 1])
   for dtype in args.dtypes.split(","):
     make = int4_kernels._cache if dtype == "int4" else functools.partial(_inputs, 4)
     q, k, v = jax.block_until_ready(make(1, 1, t, dtype))
     attn = jax.jit(lambda q, k, v: flash_attention(q, k, v, causal=True, q_offset=pos,
-                                                   kv_len=pos + 1, kv_layout="BHTD", route=Route()))
+                                                   kv_len=pos + 1, kv_layout="BHTD", route=route))
     for _ in range(args.calls):
       jax.block_until_ready(attn(q, k, v))
     print(f"{dtype}: {args.calls} calls over {t} keys", file=sys.stderr, flush=True)

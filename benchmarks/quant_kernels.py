@@ -22,7 +22,9 @@ and 124K (chunk_attention, as full attention's prefill runs it: over an 8-bit ca
 dequantized copy and the bf16 kernel, KernelOptions.prefill_dequantize_bytes) and a 512-query top-4 over 32K /
 128K keys. `decode_products`: 8-bit decode attention with its products in bf16 against fp16
 (KernelOptions.fp8_fp16_products, int8_fp16_products) and, for int8, int8 x int8 products with
-the query rows quantized (decode_int8_products), error and time.
+the query rows quantized (decode_int8_products), error and time; each also with the row block
+holding copies of the query rows over parts of each key tile (decode_row_groups), and bf16 K/V
+with and without them as the anchor.
 """
 
 from __future__ import annotations
@@ -177,12 +179,20 @@ def time_decode_products(reps, bw):
   import jax
   import jax.numpy as jnp
   from pallas_kernels import KernelOptions, Route, flash_attention
+  groups = {"decode_row_groups": True}
   variants = {"int8": {"q_dtype": {}, "fp16": {"int8_fp16_products": True},
-                       "int8": {"decode_int8_products": True}},
-              "float8_e4m3fn": {"q_dtype": {"fp8_fp16_products": False}, "fp16": {}}}
+                       "int8": {"decode_int8_products": True},
+                       "int8_groups": {"decode_int8_products": True, **groups},
+                       "int8_fp16_groups": {"decode_int8_products": True,
+                                            "int8_fp16_products": True, **groups}},
+              "float8_e4m3fn": {"q_dtype": {"fp8_fp16_products": False}, "fp16": {},
+                                "fp16_groups": groups},
+              "bfloat16": {"bf16": {}, "bf16_groups": groups}}
   recs = []
   t = SIZES["check"]
   for dtype, opts in variants.items():
+    if dtype == "bfloat16":
+      continue  # checked against its own reference elsewhere; timed below as the anchor
     q, k, v = _inputs(5, 2, 1, t, dtype)
     pos = jnp.asarray([t - 1, t // 3])
     ref = flash_attention(*_exact(q, k, v), causal=True, q_offset=pos, kv_len=pos + 1,
@@ -201,6 +211,7 @@ def time_decode_products(reps, bw):
             q, k, v, causal=True, q_offset=pos, kv_len=pos + 1, kv_layout="BHTD", route=Route(kernels=o)))
         recs.append(_timed_record({"kernel": "decode_attention", "keys": t, "dtype": dtype,
                                    "products": name}, fn, (q, k, v), _nbytes(k, v), reps, bw))
+        print(recs[-1], file=sys.stderr, flush=True)  # the case's JSON is written at its end
       del q, k, v
   return recs
 

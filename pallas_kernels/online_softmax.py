@@ -8,6 +8,9 @@ probabilities before P V (sum_j p_j s_j v_j); sums and products stay fp32."""
 
 from __future__ import annotations
 
+import functools
+import operator
+
 import jax.numpy as jnp
 from jax import lax
 
@@ -61,14 +64,16 @@ def dequantized(x, scale_col, dtype):
 
 
 def scores(q, kt, scale, key_scale=None):
-  """[rows, d] x [n, d] -> fp32 [rows, n] (times scale when given; times key_scale [1, n], the
-  keys' quantization scales, when given). int8 q and kt multiply into int32 (exact; the TPU
-  MXU's int8 products)."""
-  if q.dtype == jnp.int8:
-    s = lax.dot_general(q, kt, (((1,), (1,)), ((), ())),
-                        preferred_element_type=jnp.int32).astype(jnp.float32)
-  else:
-    s = lax.dot_general(q, kt, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+  """[rows, d] x [n, d] -> fp32 [rows, n] (times scale when given; times key_scale [1, n] or
+  [rows, n], the keys' quantization scales, when given). int8 q and kt multiply into int32
+  (exact; the TPU MXU's int8 products). q and kt may be tuples of as many tiles: the sum of
+  their products (row groups: each q tile zero outside its group's rows), converted once."""
+  pairs = tuple(zip(q, kt)) if isinstance(q, tuple) else ((q, kt),)
+  exact = pairs[0][0].dtype == jnp.int8
+  s = _summed([lax.dot_general(a, b, (((1,), (1,)), ((), ())),
+                               preferred_element_type=jnp.int32 if exact else jnp.float32)
+                for a, b in pairs])
+  s = s.astype(jnp.float32)
   if key_scale is not None:
     return s * (key_scale if scale is None else key_scale * scale)
   return s if scale is None else s * scale
@@ -94,24 +99,34 @@ def init(rows: int, d: int):
           jnp.zeros((rows, d), jnp.float32))
 
 
-def update(m, l, acc, s, vt, value_scale=None):
+def update(m, l, acc, s, vt, value_scale=None, row_group=None):
   """Folds masked scores s [rows, n] (-inf = masked) and values vt [n, d] into the state;
-  value_scale [1, n]: the values' quantization scales (each multiplies its column of p)."""
+  value_scale [1, n] or [rows, n]: the values' quantization scales (each multiplies its entry
+  of p). vt may be a tuple of tiles, one a row group: row r's p multiplies vt[row_group[r]]
+  (row_group [rows, 1] int32)."""
   m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
   m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)  # rows with nothing seen yet stay at zero
   p = jnp.exp(s - m_safe)
   alpha = jnp.exp(m - m_safe)
   l = l * alpha + jnp.sum(p, axis=1, keepdims=True)
   tile_scale = None
-  if value_scale is not None and vt.dtype == jnp.float16:
+  if value_scale is not None and (vt[0] if isinstance(vt, tuple) else vt).dtype == jnp.float16:
     # fp16's range: the scales relative to the tile's largest, which multiplies P.V in fp32, so
     # no p * scale falls among fp16's subnormals (an error of at most 2^-24 of that scale)
     tile_scale = jnp.max(value_scale, axis=1, keepdims=True)
     value_scale = value_scale / tile_scale
   pw = p if value_scale is None else p * value_scale
-  pv = lax.dot_general(pw.astype(vt.dtype), vt, (((1,), (0,)), ((), ())),
-                       preferred_element_type=jnp.float32)
+  tiles = vt if isinstance(vt, tuple) else (vt,)
+  pw = pw.astype(tiles[0].dtype)
+  pv = _summed([lax.dot_general(pw if row_group is None else jnp.where(row_group == i, pw, 0),
+                                x, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+                for i, x in enumerate(tiles)])
   return m_new, l, acc * alpha + (pv if tile_scale is None else pv * tile_scale)
+
+
+def _summed(xs):
+  """xs[0] + xs[1] + ...: no zero added first (a kernel would add it)."""
+  return functools.reduce(operator.add, xs)
 
 
 def finish(m, l, acc):

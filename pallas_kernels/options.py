@@ -67,6 +67,15 @@ class KernelOptions:
   # sequences at 128K 51.3 -> 45.8 ms; Qwen2.5-Coder-1.5B pooled NLL +0.031% / +0.024% at 16K /
   # 32K against the dequantize route (100 texts).
   decode_int8_products: bool | None = None
+  # One-token decode on the GPU kernel with fewer query rows a KV head than its row block (the
+  # 8B: 4 of 16): the block holds copies of the rows, each over its own part of every key tile
+  # (4 parts of 32 keys for the 8B), merged as more key splits, instead of one copy over the
+  # whole tile beside discarded ones, so a score tile's softmax work (scales, exp, sums) runs
+  # once a key per row rather than per block row. Off: on an H200 (BENCHMARKS.md "int8 decode:
+  # the 8B's step profiled") it took the int8 products' attention 2.74 -> 2.64 ms a token in the
+  # 8B's step at 128K (batch 1; level at 32K), but the 14-sequence step at 128K 45.7 -> 52.8 ms;
+  # E4M3 (fp16 products) and bf16 calls ran level or slower (E4M3 at 128K 0.100 -> 0.108 ms).
+  decode_row_groups: bool = False
   # What topk_scores' GPU / TPU kernels do with each score tile. "exact" keeps the running top-k.
   # "max_only" is a benchmark diagnostic whose results are meaningless: it keeps only each row's
   # running max (in its top slot; the indices are not kept), so it times the kernel without its

@@ -109,6 +109,24 @@ def quantize(x, dtype) -> Quantized:
   return Quantized(values, scale.astype(jnp.float32))
 
 
+def kernel_quantize(xf, dtype):
+  """quantize(xf, dtype) of fp32 rows [n, d] as a Pallas kernel computes it (a GPU kernel
+  quantizing its query rows or a decode step's new K/V rows): (values, scale [n, 1] fp32), the
+  same formula, int8's rounding (half to even, as jnp.round) written with floor, which Pallas'
+  Triton lowering has where it has no rounding primitive. Equal to quantize's but where a
+  kernel's fp32 division rounds a quotient across a half."""
+  name = jnp.dtype(dtype).name
+  qmax = _QMAX[name]
+  amax = jnp.max(jnp.abs(xf), axis=-1, keepdims=True)
+  scale = jnp.minimum(jnp.where(amax > 0, amax / qmax, 1.0), np.finfo(np.float32).max / qmax)
+  y = jnp.clip(xf / scale, -qmax, qmax)
+  if name != "int8":
+    return y.astype(dtype), scale
+  up = jnp.floor(y + 0.5)  # half up; a tie to an odd integer goes back down to the even one
+  odd_tie = (up - y == 0.5) & (up - 2.0 * jnp.floor(up * 0.5) == 1.0)
+  return jnp.where(odd_tie, up - 1.0, up).astype(jnp.int32).astype(jnp.int8), scale
+
+
 def dequantize(x, dtype=jnp.float32):
   """Quantized -> values * scale (+ offset) in `dtype` (computed in fp32); an array is only
   cast."""

@@ -97,6 +97,20 @@ def decode_products(q, k, variant, options: KernelOptions = DEFAULT) -> bool:
   return asked and q.shape[1] == 1 and quant.is_quantized(k) and k.dtype == jnp.int8
 
 
+def decode_row_groups(rows: int, lq: int, tiling, variant,
+                      options: KernelOptions = DEFAULT) -> int:
+  """How many copies of its `rows` real query rows (lq = 1, read unpadded: decode_q_in_kernel)
+  the GPU split-K kernel's row block holds, each over its own part of every key tile
+  (KernelOptions.decode_row_groups): the most, a power of two, that fit the block with parts of
+  at least 16 keys (a tensor-core product's least); 1 where it is off or no second copy fits."""
+  if not (options.decode_row_groups and variant.kind == "gpu" and lq == 1):
+    return 1
+  groups, bm, bk = 1, tiling.block_rows, tiling.block_keys
+  while 2 * groups * rows <= bm and bk % (2 * groups) == 0 and bk // (2 * groups) >= 16:
+    groups *= 2
+  return groups
+
+
 def fp16_products(q, k, options: KernelOptions = DEFAULT) -> bool:
   """Whether the GPU flash kernel multiplies bf16 queries by 8-bit K/V tiles in fp16
   (KernelOptions.fp8_fp16_products / int8_fp16_products); k: the key values' array (a float

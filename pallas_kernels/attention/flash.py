@@ -3,15 +3,17 @@
 Query i of sequence b sits at position q_offset[b] + i; keys t < kv_len[b] exist; causal masks
 t > position. GQA rows as in layout.q_rows. GPU: one program per (batch x kv head, row block,
 key split), looping over key tiles up to the causal edge of its rows; decode splits the key axis
-(flash-decoding) and merges the splits' (out, lse) exactly. TPU: key tiles as the innermost grid
-axis with the softmax state in VMEM. On GPU, "auto" hands prefill that cuDNN can express (no query
-offset, BTHD layout, bf16/fp16) to cuDNN, which measured faster (BENCHMARKS.md). On Hopper,
-prefill (bf16/fp16, d 64/128) runs the Mosaic GPU kernel of mgpu_flash.py instead of the
-Triton one (KernelOptions.prefill_impl); decode, fp32 and other GPUs keep the Triton kernel.
+(flash-decoding) and merges the splits' (out, lse) exactly. TPU (flash_tpu.py): key tiles as the
+innermost grid axis with the softmax state in VMEM. On GPU, "auto" hands prefill that cuDNN can
+express (no query offset, BTHD layout, bf16/fp16) to cuDNN, which measured faster
+(BENCHMARKS.md). On Hopper, prefill (bf16/fp16, d 64/128) runs the Mosaic GPU kernel of
+mgpu_flash.py instead of the Triton one (KernelOptions.prefill_impl); decode, fp32 and other
+GPUs keep the Triton kernel.
 
 K and V may come quantized (quant.Quantized: 8-bit values and an fp32 scale per key and head).
 The kernels then read the 8-bit values and the scales, never a dequantized copy: GPU and TPU
-convert each tile to q's dtype in registers and fold the scales into the scores and the
+convert each tile to q's dtype in registers (or multiply int8 keys with query rows the GPU kernel
+quantizes itself: KernelOptions.decode_int8_products) and fold the scales into the scores and the
 probabilities (online_softmax); the Mosaic GPU kernel has the tiles dequantized into shared
 memory (mgpu_flash). cuDNN takes no quantized K/V; TPUs take int8 only (v5e has no FP8).
 """
@@ -28,7 +30,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import gpu, layout, quant, tpu
 from pallas_kernels.attention import int4_chunk, int4_chunk_tpu, int4_decode, int4_decode_tpu
-from pallas_kernels.attention import mgpu_flash
+from pallas_kernels.attention import flash_tpu, mgpu_flash
 from pallas_kernels import online_softmax as osm
 from pallas_kernels import read, reference
 from pallas_kernels.decode import split_merge
@@ -136,7 +138,7 @@ def _attention(q, k, v, *, causal, q_offset, kv_len, scale: float, kv_layout: st
   q_in_kernel = options.decode_q_in_kernel and variant.kind == "gpu" and lq == 1 and rows < bm
   qr = layout.q_rows(q, kvh, rows if q_in_kernel else rows_padded)
   q_scale = None
-  if eight_bit_q:  # the queries as int8 rows and their scales [B, KV, rows, 1]
+  if eight_bit_q and variant.kind != "gpu":  # TPU: int8 rows and their scales [B, KV, rows, 1]
     quantized_q = quant.quantize(qr, jnp.int8)
     qr, q_scale = quantized_q.values, quantized_q.scale
   meta = jnp.stack([q_off, kv_len], axis=1)  # [B, 2]
@@ -148,18 +150,22 @@ def _attention(q, k, v, *, causal, q_offset, kv_len, scale: float, kv_layout: st
     merge_kernel = options.decode_merge_kernel and lq == 1
     (kk, ks), (vv, vs) = layout.parts(kk), layout.parts(vv)
     fp16 = read.fp16_products(q, kk, options)
-    outs, lses = _gpu(qr, kk, vv, meta, ks, vs, q_scale, group=h // kvh, span=span,
-                      splits=splits, parts=split_merge.parts(splits, merge_kernel),
-                      causal=causal, scale=scale, kv_layout=kv_layout, tiling=tl,
-                      products=jnp.float16 if fp16 else q.dtype,
-                      interpret=variant.interpret_arg())
-    out, lse = split_merge.merge(outs, lses, splits=splits, rows=rows, dtype=q.dtype,
+    groups = read.decode_row_groups(rows, lq, tl, variant, options) if q_in_kernel else 1
+    parts = split_merge.parts(splits, merge_kernel)
+    outs, lses = _gpu(qr, kk, vv, meta, ks, vs, group=h // kvh, span=span, splits=splits,
+                      parts=parts, causal=causal, scale=scale, kv_layout=kv_layout, tiling=tl,
+                      products=jnp.float16 if fp16 else q.dtype, int8_rows=eight_bit_q,
+                      interpret=variant.interpret_arg(), row_groups=groups)
+    if groups > 1:  # row (g, r) holds query row r over group g's keys: one more split each
+      outs, lses = (x[:, :, :, :groups * rows].reshape(b, kvh, parts * groups, rows, -1)
+                    for x in (outs, lses))
+    out, lse = split_merge.merge(outs, lses, splits=splits * groups, rows=rows, dtype=q.dtype,
                                  kernel=merge_kernel, interpret=variant.interpret_arg())
   else:
     (kh, ks), (vh, vs) = (layout.parts(layout.heads_first(x, kv_layout)) for x in (k, v))
-    out, lse = _tpu(qr, kh, vh, meta, *tpu.scale_rows(ks, vs), q_scale, group=h // kvh, bm=bm,
-                    bk=bk, causal=causal, scale=scale, values=q.dtype,
-                    interpret=variant.interpret_arg())
+    out, lse = flash_tpu.attention(qr, kh, vh, meta, *tpu.scale_rows(ks, vs), q_scale,
+                                   group=h // kvh, bm=bm, bk=bk, causal=causal, scale=scale,
+                                   values=q.dtype, interpret=variant.interpret_arg())
     lse = lse[..., 0]
   out = layout.from_rows(out, lq, h).astype(q.dtype)
   return out, layout.from_rows(lse, lq, h)
@@ -190,32 +196,35 @@ def _cudnn(q, k, v, *, causal, kv_len, scale):
   return out, lse.astype(jnp.float32)
 
 
-def _row_positions(first_row, bm: int, group: int, q_off):
-  """Positions [bm, 1] of rows first_row.. (row = query * group + head)."""
-  return q_off + tpu.div(first_row + lax.broadcasted_iota(jnp.int32, (bm, 1), 0), group)
-
-
 @functools.partial(jax.jit, static_argnames=("group", "span", "splits", "parts", "causal",
                                              "scale", "kv_layout", "tiling", "interpret",
-                                             "products"))
-def _gpu(qr, k, v, meta, k_scale=None, v_scale=None, q_scale=None, *, group, span, splits,
-         causal, scale, kv_layout, tiling, interpret, parts=None, products=None):
+                                             "products", "int8_rows", "row_groups"))
+def _gpu(qr, k, v, meta, k_scale=None, v_scale=None, *, group, span, splits, causal, scale,
+         kv_layout, tiling, interpret, parts=None, products=None, int8_rows: bool = False,
+         row_groups: int = 1):
   """Per-split (out, lse) [B, KV, parts, R_padded, d | 1] fp32; parts (default splits) may
   exceed splits (split_merge's power of two), entries past splits left unwritten. qr may hold
-  fewer rows than a block (KernelOptions.decode_q_in_kernel): they are repeated to fill it, and the output
-  rows past them (padding) hold copies of theirs. k_scale, v_scale: with 8-bit k, v, their
-  scales ([B, T, KV] or [B, KV, T] as the keys): each tile is converted in registers, to
-  `products` (KernelOptions.fp8_fp16_products, int8_fp16_products) or else q's dtype, as q
-  is. q_scale [B, KV, rows, 1] (KernelOptions.decode_int8_products): qr holds int8 rows whose
-  products with the int8 keys' tiles run as they are stored (int32), scaled after; only the
-  values are converted, to `products`."""
+  fewer rows than a block (KernelOptions.decode_q_in_kernel): they are repeated to fill it, and
+  the output rows past them (padding) hold copies of theirs. k_scale, v_scale: with 8-bit k,
+  v, their scales ([B, T, KV] or [B, KV, T] as the keys): each tile is converted in registers,
+  to `products` (KernelOptions.fp8_fp16_products, int8_fp16_products) or else q's dtype, as q
+  is. int8_rows (KernelOptions.decode_int8_products): each program quantizes its query rows
+  to int8 as quant.quantize does (quant.kernel_quantize: one scale a row, no XLA kernel a
+  call for it) and multiplies them with the int8 keys' tiles as stored (int32), scaled after;
+  only the values are converted, to `products`.
+
+  row_groups > 1 (one-token decode, qr holding fewer rows than a block: read.decode_row_groups):
+  the block holds row_groups copies of the rq rows, and copy g takes the g-th of row_groups
+  equal parts of each key tile, so each row's softmax runs over bk / row_groups keys a tile
+  where one copy would run over bk (the rows past one copy otherwise compute discarded copies
+  of it). Row g * rq + r's (out, lse) is then query row r's over group g's keys, which the
+  caller merges as one more split."""
   b, kvh, rq, d = qr.shape
   parts = parts or splits
   bm, bk = tiling.block_rows, tiling.block_keys
   rp = layout.round_up(rq, bm)
   t = k.shape[1 if kv_layout == "BTHD" else 2]
   quantized = k_scale is not None
-  eight_bit_q = q_scale is not None
   products = products or qr.dtype
 
   def load_q(q_ref, dtype):
@@ -224,49 +233,91 @@ def _gpu(qr, k, v, meta, k_scale=None, v_scale=None, q_scale=None, *, group, spa
     rows = lax.broadcasted_iota(jnp.int32, (bm,), 0) % rq  # the real rows, repeated
     return q_ref[rows, :].astype(dtype)
 
+  g = row_groups
+  n = bk // g  # keys a row group takes of each tile
+
+  def converted(x, sc, dtype):
+    if not isinstance(x, tuple):
+      return osm.converted(x, sc, dtype, native_gpu=not interpret)
+    tiles = [osm.converted(tile, sc, dtype, native_gpu=not interpret) for tile in x]
+    return tuple(tile for tile, _ in tiles), tiles[0][1]
+
   def kernel(meta_ref, q_ref, k_ref, v_ref, *refs):
-    if eight_bit_q:
-      ks_ref, vs_ref, qs_ref, o_ref, lse_ref = refs
-    else:
-      ks_ref, vs_ref, o_ref, lse_ref = refs if quantized else (None, None, *refs)
+    ks_ref, vs_ref, o_ref, lse_ref = refs if quantized else (None, None, *refs)
     q_off, kv_len = meta_ref[0], meta_ref[1]
     first_row = pl.program_id(1) * bm
     start0 = pl.program_id(2) * span
-    q_pos = _row_positions(first_row, bm, group, q_off)
+    row_group = None
+    if g > 1:  # one query row a copy's row (lq = 1); the rows past g copies see no key
+      rows = lax.broadcasted_iota(jnp.int32, (bm, 1), 0)
+      row_group = rows // rq
+      q_pos = q_off + rows % rq // group
+    else:
+      q_pos = flash_tpu.row_positions(first_row, bm, group, q_off)
     end = jnp.minimum(start0 + span, kv_len)
     if causal:
       end = jnp.minimum(end, q_off + (first_row + bm - 1) // group + 1)
-    q = load_q(q_ref, jnp.int8 if eight_bit_q else products)
-    row_scale = load_q(qs_ref, jnp.float32) * scale if eight_bit_q else None  # [bm, 1]
+    row_scale = None
+    if int8_rows:
+      q, row_scale = quant.kernel_quantize(load_q(q_ref, jnp.float32), jnp.int8)
+      row_scale = row_scale * scale  # [bm, 1]
+    else:
+      q = load_q(q_ref, products)
+    q_dtype = q.dtype
+    if g > 1:  # copy i's rows against group i's keys, zero elsewhere
+      q = tuple(jnp.where(row_group == i, q, jnp.zeros((), q.dtype)) for i in range(g))
+
+    def tile_keys(nominal):
+      """The clamped tile's first key and its keys' indices ([1, bk]; [bm, n] by row group)."""
+      if g == 1:
+        tile, idx = gpu.key_tile(nominal, bk, t)
+        return tile.start, idx
+      start = jnp.minimum(nominal, t - bk)
+      group_first = start + jnp.minimum(row_group, g - 1) * n
+      return start, group_first + lax.broadcasted_iota(jnp.int32, (1, n), 1)
 
     def load(j):
-      tile = gpu.key_tile(start0 + j * bk, bk, t)[0]
-      scales = (ks_ref[tile], vs_ref[tile]) if quantized else (None, None)
-      return k_ref[tile, :], v_ref[tile, :], *scales
+      start, idx = tile_keys(start0 + j * bk)
+      if g == 1:
+        tile = pl.ds(start, bk)
+        scales = (ks_ref[tile], vs_ref[tile]) if quantized else (None, None)
+        return k_ref[tile, :], v_ref[tile, :], *scales
+      scales = (ks_ref[idx], vs_ref[idx]) if quantized else (None, None)  # [bm, n] each
+      return (*(tuple(x_ref[pl.ds(start + i * n, n), :] for i in range(g))
+                for x_ref in (k_ref, v_ref)), *scales)
 
-    def step(j, kv, carry):
-      nominal = start0 + j * bk
-      idx = gpu.key_tile(nominal, bk, t)[1]
-      ok = (idx >= nominal) & (idx < kv_len)
-      if causal:
-        ok = ok & (idx <= q_pos)
-      (kt, ks), (vt, vs) = (osm.converted(x, sc, dtype, native_gpu=not interpret)
-                            for x, sc, dtype in ((*kv[::2], q.dtype), (*kv[1::2], products)))
-      s = (osm.scores(q, kt, None, ks) * row_scale if eight_bit_q
+    def step(j, kv, carry, masked=True):
+      (kt, ks), (vt, vs) = (converted(x, sc, dtype)
+                            for x, sc, dtype in ((*kv[::2], q_dtype), (*kv[1::2], products)))
+      s = (osm.scores(q, kt, None, ks) * row_scale if int8_rows
            else osm.scores(q, kt, scale, ks))
-      s = jnp.where(ok, s, osm.NEG_INF)
-      return osm.update(*carry, s, vt, vs)
+      if masked:
+        nominal = start0 + j * bk
+        idx = tile_keys(nominal)[1]
+        ok = (idx >= nominal) & (idx < kv_len)
+        if causal:
+          ok = ok & (idx <= q_pos)
+        if g > 1:
+          ok = ok & (row_group < g)
+        s = jnp.where(ok, s, osm.NEG_INF)
+      return osm.update(*carry, s, vt, vs, row_group)
 
     n_tiles = jnp.clip(pl.cdiv(end - start0, bk), 0, span // bk)
-    out, lse = osm.finish(*gpu.tile_loop(0, n_tiles, load, step, osm.init(bm, d), tiling.prefetch))
+    # Tiles whole below every row's causal edge, the sequence's length and the buffer's end need
+    # no mask (a decode step's all but its last): the first loop leaves out its compares and
+    # selects, a third of the score tile's instructions. The rows past the real ones (discarded)
+    # may see keys there that their own mask would hide.
+    unmasked_end = jnp.minimum(jnp.minimum(kv_len, q_off + 1) if causal else kv_len, t)
+    n_whole = jnp.clip((unmasked_end - start0) // bk, 0, n_tiles)
+    state = gpu.tile_loop(0, n_whole, load, functools.partial(step, masked=False),
+                          osm.init(bm, d), tiling.prefetch)
+    out, lse = osm.finish(*gpu.tile_loop(n_whole, n_tiles, load, step, state, tiling.prefetch))
     o_ref[...] = out
     lse_ref[...] = lse
 
   index = lambda bh, r, s: (bh // kvh, bh % kvh, s, r, 0)  # noqa: E731
   keys = gpu.whole_keys_spec(kv_layout, t, d, kvh)
   scales = [gpu.whole_scales_spec(kv_layout, t, kvh)] * 2 if quantized else []
-  if eight_bit_q:
-    scales.append(gpu.row_spec(kvh, min(bm, rq), 1))
   return gpu.pallas_call(
       kernel, interpret, num_warps=tiling.num_warps, num_stages=tiling.num_stages,
       grid=(b * kvh, rp // bm, splits),
@@ -276,79 +327,4 @@ def _gpu(qr, k, v, meta, k_scale=None, v_scale=None, q_scale=None, *, group, spa
                  pl.BlockSpec((SQ, SQ, SQ, bm, 1), index)],
       out_shape=[jax.ShapeDtypeStruct((b, kvh, parts, rp, d), jnp.float32),
                  jax.ShapeDtypeStruct((b, kvh, parts, rp, 1), jnp.float32)],
-  )(meta, qr, k, v, *([k_scale, v_scale] if quantized else []),
-    *([q_scale] if eight_bit_q else []))
-
-
-@functools.partial(jax.jit, static_argnames=("group", "bm", "bk", "causal", "scale", "values",
-                                             "interpret"))
-def _tpu(qr, k, v, meta, k_scale=None, v_scale=None, q_scale=None, *, group, bm, bk, causal,
-         scale, interpret, values=None):
-  """k, v [B, KV, T, d]; with 8-bit k, v their scales as rows [B, KV, 1, T] (tpu.scale_rows).
-  q_scale [B, KV, R_padded, 1]: qr holds int8 rows multiplied with the int8 keys as stored on
-  the MXU (KernelOptions.decode_int8_products), scaled after; values: the dtype the value
-  tiles convert to (default q's)."""
-  from jax.experimental.pallas import tpu as pltpu
-  b, kvh, rp, d = qr.shape
-  t = k.shape[2]
-  nk = pl.cdiv(t, bk)
-  quantized = k_scale is not None
-  eight_bit_q = q_scale is not None
-  values = values or qr.dtype
-
-  def kernel(meta_ref, q_ref, k_ref, v_ref, *refs):
-    if eight_bit_q:
-      ks_ref, vs_ref, qs_ref, o_ref, lse_ref, m_s, l_s, acc_s = refs
-    else:
-      ks_ref, vs_ref, o_ref, lse_ref, m_s, l_s, acc_s = refs if quantized else (None, None, *refs)
-    bi, j = tpu.div(pl.program_id(0), kvh), pl.program_id(2)
-    q_off, kv_len = meta_ref[2 * bi], meta_ref[2 * bi + 1]
-    first_row = pl.program_id(1) * bm
-    end = kv_len
-    if causal:
-      end = jnp.minimum(end, q_off + tpu.div(first_row + bm - 1, group) + 1)
-
-    @pl.when(j == 0)
-    def _():
-      m_s[...], l_s[...], acc_s[...] = osm.init(bm, d)
-
-    @pl.when(j * bk < end)
-    def _():
-      idx = j * bk + lax.broadcasted_iota(jnp.int32, (bm, bk), 1)
-      ok = idx < kv_len
-      if causal:
-        ok = ok & (idx <= _row_positions(first_row, bm, group, q_off))
-      # The last tile may run past t: those rows of v (and scales) are undefined and 0 * NaN
-      # would spread.
-      v_rows = j * bk + lax.broadcasted_iota(jnp.int32, (bk, 1), 0)
-      v = jnp.where(v_rows < kv_len, v_ref[...], jnp.zeros((), v_ref.dtype))
-      ks = vs = None
-      if quantized:
-        cols = j * bk + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
-        ks, vs = ks_ref[...], jnp.where(cols < kv_len, vs_ref[...], 0.0)
-      (kt, ks), (vt, vs) = osm.converted(k_ref[...], ks, qr.dtype), osm.converted(v, vs, values)
-      if eight_bit_q:
-        s = osm.scores(q_ref[...], kt, None, ks) * (qs_ref[...] * scale)
-      else:
-        s = osm.scores(q_ref[...], kt, scale, ks)
-      s = jnp.where(ok, s, osm.NEG_INF)
-      m_s[...], l_s[...], acc_s[...] = osm.update(m_s[...], l_s[...], acc_s[...], s, vt, vs)
-
-    @pl.when(j == nk - 1)
-    def _():
-      o_ref[...], lse_ref[...] = osm.finish(m_s[...], l_s[...], acc_s[...])
-
-  row = lambda bh, r, j, meta: (*tpu.batch_head(bh, kvh), r, 0)  # noqa: E731
-  key = pl.BlockSpec((SQ, SQ, bk, d), lambda bh, r, j, meta: (*tpu.batch_head(bh, kvh), j, 0))
-  scales = [pl.BlockSpec((SQ, SQ, 1, bk), lambda bh, r, j, meta: (*tpu.batch_head(bh, kvh), 0, j))
-            ] * 2 if quantized else []
-  if eight_bit_q:
-    scales.append(pl.BlockSpec((SQ, SQ, bm, 1), row))
-  grid_spec = pltpu.PrefetchScalarGridSpec(
-      num_scalar_prefetch=1, grid=(b * kvh, rp // bm, nk),
-      in_specs=[pl.BlockSpec((SQ, SQ, bm, d), row), key, key, *scales],
-      out_specs=[pl.BlockSpec((SQ, SQ, bm, d), row), pl.BlockSpec((SQ, SQ, bm, 1), row)],
-      scratch_shapes=tpu.softmax_scratch(bm, d))
-  return tpu.attention_call(kernel, grid_spec, qr.shape, interpret)(
-      meta.reshape(-1), qr, k, v, *([k_scale, v_scale] if quantized else []),
-      *([q_scale] if eight_bit_q else []))
+  )(meta, qr, k, v, *([k_scale, v_scale] if quantized else []))

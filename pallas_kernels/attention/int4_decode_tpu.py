@@ -6,8 +6,8 @@ copied in the queries' dtype. Its speed has not been measured: no TPU was availa
 checked in Pallas TPU interpret mode on a CPU against the reference over the dequantized cache,
 and lowered to Mosaic by exporting for TPU on a CPU (tests/kernels/test_int4_decode_tpu.py).
 
-The structure is flash._tpu's: per (sequence x KV head) one row block of the group's query
-heads, key blocks of whole groups on the innermost (sequential) grid axis, the online-softmax
+The structure is flash_tpu.attention's: per (sequence x KV head) one row block of the group's
+query heads, key blocks of whole groups on the innermost (sequential) grid axis, the online-softmax
 state in VMEM scratch. A step (its key half shared with topk/int4_scores_tpu.py: tpu_int4.py):
 - unpacks the block's key and value codes (uint8 [bk, d / 2]; byte j holds channel j in its low
   nibble and j + d / 2 in its high one) by a mask and a shift on int32, each nibble's half

@@ -7,8 +7,11 @@ concatenate and a dynamic-update-slice for each of K and V, ~1.1-1.5 us each on 
 and of V at the sequence's own position, into the caches themselves (input_output_aliases), and
 stores nothing where the position is out of range. Other backends run the reference (a scatter).
 
-A quantized cache (quant.Quantized) gets the new rows quantized first (jnp: one scale per row, a
-row alone, less the buffer's key offset if it holds one), then the same in-place write of values and scales, four buffers in one kernel.
+A quantized cache (quant.Quantized) gets the new rows quantized (one scale per row, a row
+alone) by the same kernel (quant.kernel_quantize), which writes values and scales, four buffers
+in place: the jnp quantization it replaces was four more XLA kernels a layer (~0.16 ms of the 8B's
+step on an H200; BENCHMARKS.md "int8 decode: the row quantizations in the kernels"). A buffer
+holding a key offset (key smoothing) has its rows quantized by jnp first, less the offset.
 """
 
 from __future__ import annotations
@@ -50,6 +53,13 @@ def write_one_token(k_cache, v_cache, positions, k_new, v_new, *, route: Route):
   if variant.kind != "gpu":
     return reference(k_cache, v_cache, positions, k_new, v_new)
   pos = positions.astype(jnp.int32).reshape(b, 1)
+  if quantized and k_cache.offset is None and v_cache.offset is None:
+    # the rows as they come; values and scales [B, KV, T, 1] of the caches written as quantized
+    out = _write(pos, (k_new, v_new),
+                 (k_cache.values, v_cache.values, k_cache.scale, v_cache.scale),
+                 interpret=variant.interpret_arg(), quantize=True)
+    return tuple(dataclasses.replace(cache, values=x, scale=s)
+                 for cache, x, s in ((k_cache, out[0], out[2]), (v_cache, out[1], out[3])))
   kn, vn = (quant.store_like(x, cache, heads_axis=1) for x, cache in ((k_new, k_cache),
                                                                        (v_new, v_cache)))
   if not quantized:
@@ -62,30 +72,41 @@ def write_one_token(k_cache, v_cache, positions, k_new, v_new, *, route: Route):
                for cache, x, s in ((k_cache, out[0], out[2]), (v_cache, out[1], out[3])))
 
 
-def _kernel(pos_ref, *refs):
-  n = len(refs) // 3  # rows, the caches as inputs (aliased to the outputs: nothing is read), caches
-  rows, caches = refs[:n], refs[2 * n:]
+def _kernel(pos_ref, *refs, quantize: bool):
+  """refs: the rows, the caches as inputs (aliased to the outputs: nothing is read), the caches;
+  quantize: two float rows (K, V) into four caches (their values, then their scales)."""
+  n = (len(refs) - 2) // 2 if quantize else len(refs) // 3
+  rows, caches = refs[:len(refs) - 2 * n], refs[len(refs) - n:]
   t = caches[0].shape[0]
   pos = pos_ref[0]
   pos = jnp.where(pos < 0, pos + t, pos)  # as the scatter's index normalization
 
   @pl.when((pos >= 0) & (pos < t))
   def _():
+    if quantize:
+      for row, values, scales in zip(rows, caches[:2], caches[2:]):
+        x, scale = quant.kernel_quantize(row[...][None].astype(jnp.float32), values.dtype)
+        values[pl.ds(pos, 1), :] = x
+        scales[pl.ds(pos, 1), :] = scale
+      return
     for row, cache in zip(rows, caches):
       cache[pl.ds(pos, 1), :] = row[...][None]
 
 
-@functools.partial(jax.jit, static_argnames=("interpret",))
-def _write(positions, rows, caches, *, interpret):
-  """rows[i] [B, KV, w] into caches[i] [B, KV, T, w] (K, V; with their scales as w = 1)."""
+@functools.partial(jax.jit, static_argnames=("interpret", "quantize"))
+def _write(positions, rows, caches, *, interpret, quantize: bool = False):
+  """rows[i] [B, KV, w] into caches[i] [B, KV, T, w] (K, V; with their scales as w = 1);
+  quantize: rows (K, V) [B, KV, d] in a float dtype into caches (K values, V values, K scales,
+  V scales), quantized as quant.quantize does."""
   b, kvh, t, _ = caches[0].shape
   cache = [gpu.whole_keys_spec("BHTD", t, x.shape[-1], kvh) for x in caches]
   row = [pl.BlockSpec((SQ, SQ, x.shape[-1]), lambda bh: (bh // kvh, bh % kvh, 0)) for x in rows]
   n = len(caches)
   return gpu.pallas_call(
-      _kernel, interpret, num_warps=1, num_stages=1, grid=(b * kvh,),
+      functools.partial(_kernel, quantize=quantize), interpret, num_warps=1, num_stages=1,
+      grid=(b * kvh,),
       in_specs=[gpu.per_batch_spec(kvh, 1), *row, *cache],
       out_specs=cache,
       out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in caches],
-      input_output_aliases={1 + n + i: i for i in range(n)},
+      input_output_aliases={1 + len(rows) + i: i for i in range(n)},
   )(positions, *rows, *caches)

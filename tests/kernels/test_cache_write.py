@@ -63,18 +63,33 @@ def test_write_into_a_quantized_cache_equals_reference(kv_dtype):
   assert np.array_equal(np.asarray(got[0].scale[2]), np.asarray(k.scale[2]))  # nothing written
 
 
-@pytest.mark.parametrize("quantized", [False, True])
+def test_write_into_a_cache_holding_a_key_offset_equals_reference():
+  """Key smoothing's buffer: the rows less its offset, quantized by jnp first, then written."""
+  rng = np.random.default_rng(4)
+  b, kvh, t, d = 2, 2, 40, 64
+  k = quant.quantize(normal(rng, (b, kvh, t, d)), jnp.int8)
+  k = quant.Quantized(k.values, k.scale, offset=normal(rng, (1, kvh, 1, d)))
+  v = quant.quantize(normal(rng, (b, kvh, t, d)), jnp.int8)
+  kn, vn = (normal(rng, (b, kvh, d), jnp.bfloat16) for _ in range(2))
+  pos = jnp.asarray((3, 39), jnp.int32)
+  got = jax.jit(lambda *a: cache_write.write_one_token(*a, route=Route(backend="gpu")))(k, v, pos,
+                                                                                        kn, vn)
+  ref = cache_write.reference(k, v, pos, kn, vn)
+  for g, r in zip(got, ref):
+    np.testing.assert_array_equal(np.asarray(g.values), np.asarray(r.values))
+    np.testing.assert_array_equal(np.asarray(g.scale), np.asarray(r.scale))
+
+
+@pytest.mark.parametrize("quantized", [None, jnp.int8, jnp.float8_e4m3fn])
 def test_write_kernel_lowers_to_triton(quantized):
   k = jnp.ones((1, 8, 1000, 128), jnp.bfloat16)
   row = jnp.ones((1, 8, 128), jnp.bfloat16)
-  if quantized:  # values and scales: four buffers written in place by one kernel
-    k, row = quant.quantize(k, jnp.int8), quant.quantize(row, jnp.int8)
-    rows = (row.values, row.values, row.scale, row.scale)
+  rows, caches = (row, row), (k, k)
+  if quantized:  # quantized in the kernel; values and scales: four buffers written in place
+    k = quant.quantize(k, quantized)
     caches = (k.values, k.values, k.scale, k.scale)
-  else:
-    rows, caches = (row, row), (k, k)
 
   def call(pos, rows, caches):
-    return cache_write._write(pos, rows, caches, interpret=False)
+    return cache_write._write(pos, rows, caches, interpret=False, quantize=bool(quantized))
   text = cuda_text(call, jnp.zeros((1, 1), jnp.int32), rows, caches)
   assert "triton" in text and text.count("#stablehlo.output_operand_alias<") == len(caches)

@@ -101,40 +101,56 @@ def test_by_default_only_the_native_gpu_kernel_takes_the_products():
   assert Route(backend="reference", kernels=PRODUCTS).fused_decode
 
 
-def test_the_default_route_on_a_gpu_lowers_the_int8_query_rows(monkeypatch):
-  """Lowered for CUDA as the native GPU variant, the default options feed the kernel int8 query
-  rows [B, KV, rows, d]; with the option off, none."""
+def test_the_default_route_on_a_gpu_runs_int8_products(monkeypatch):
+  """Traced as the native GPU variant, the default options give the kernel an int8 x int8 ->
+  int32 product (its query rows quantized inside it); with the option off, none."""
   monkeypatch.setattr(backend, "resolve", lambda _: Variant("gpu", False))
   S = jax.ShapeDtypeStruct
   q = S((B, 1, H, D), jnp.bfloat16)
   kv = quant.Quantized(S((B, KV, 1024, D), jnp.int8), S((B, KV, 1024, 1), jnp.float32))
   per_seq = S((B,), jnp.int32)
-  rows = f"tensor<{B}x{KV}x{H // KV}x{D}xi8>"
   for options, want in ((KernelOptions(), True),
                         (KernelOptions(decode_int8_products=False), False)):
     def decode(q, k, v, q_offset, kv_len, options=options):
       return flash_attention(q, k, v, causal=True, q_offset=q_offset, kv_len=kv_len,
                              kv_layout="BHTD", route=Route(kernels=options))
-    assert (rows in cuda_text(decode, q, kv, kv, per_seq, per_seq)) == want, options
+    text = str(jax.make_jaxpr(decode)(q, kv, kv, per_seq, per_seq))
+    assert ("preferred_element_type=int32" in text) == want, options
 
 
-def test_the_gpu_kernel_lowers_for_cuda_with_int8_queries():
-  """Triton's int8 x int8 -> int32 dot and the row scales' block, lowered for an H200."""
+@pytest.mark.parametrize("row_groups", [1, 4])
+def test_the_gpu_kernel_lowers_for_cuda_with_int8_queries(row_groups):
+  """Triton's int8 x int8 -> int32 dot after the rows' quantization in the kernel, lowered for
+  an H200."""
   b, kvh, t, d = 1, 8, 4096, 128
   tl = Tiling().pick(block_rows=16, block_keys=128, num_warps=4, num_stages=3, prefetch=False)
   span, splits = fa_module.gpu.split_plan(kvh, t, 128, 8)
   S = jax.ShapeDtypeStruct
 
-  def flash(qr, k, v, meta, ks, vs, qs):
-    return fa_module._gpu(qr, k, v, meta, ks, vs, qs, group=4, span=span, splits=splits,
+  def flash(qr, k, v, meta, ks, vs):
+    return fa_module._gpu(qr, k, v, meta, ks, vs, group=4, span=span, splits=splits,
                           causal=True, scale=0.088, kv_layout="BHTD", tiling=tl, interpret=False,
-                          products=jnp.bfloat16)
+                          products=jnp.bfloat16, int8_rows=True, row_groups=row_groups)
 
-  args = (S((b, kvh, 4, d), jnp.int8), S((b, kvh, t, d), jnp.int8), S((b, kvh, t, d), jnp.int8),
-          S((b, 2), jnp.int32), S((b, kvh, t), jnp.float32), S((b, kvh, t), jnp.float32),
-          S((b, kvh, 4, 1), jnp.float32))
+  args = (S((b, kvh, 4, d), jnp.bfloat16), S((b, kvh, t, d), jnp.int8),
+          S((b, kvh, t, d), jnp.int8), S((b, 2), jnp.int32), S((b, kvh, t), jnp.float32),
+          S((b, kvh, t), jnp.float32))
   text = cuda_text(flash, *args)
   assert "triton" in text.lower()
+
+
+@pytest.mark.parametrize("dtype", [jnp.int8, jnp.float8_e4m3fn])
+def test_the_kernels_row_quantization_is_quantize(dtype):
+  """quant.kernel_quantize (int8's rounding from floor), jitted as the interpreter runs it,
+  equals quant.quantize on random rows with halves and zeros among them."""
+  rng = np.random.default_rng(3)
+  x = normal(rng, (64, D), jnp.float32) * 3.0
+  x = x.at[0].set(0.0).at[1, :4].set(jnp.asarray([127.0, 0.5, -1.5, 2.5]))
+  values, scale = jax.jit(quant.kernel_quantize, static_argnums=1)(x, dtype)
+  want = quant.quantize(x, dtype)
+  np.testing.assert_array_equal(np.asarray(values, np.float32),
+                                np.asarray(want.values, np.float32))
+  np.testing.assert_array_equal(scale, want.scale)
 
 
 def test_the_tpu_kernel_exports_with_int8_queries():
