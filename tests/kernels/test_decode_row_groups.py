@@ -3,7 +3,7 @@ over its own part of every key tile (KernelOptions.decode_row_groups), merged as
 splits: the same attention as one copy over whole tiles, for 8-bit and bf16 caches, both
 layouts, GQA groups that fill the block 4x, 2x (with rows left over) and 8x (one query head a
 KV head), the int8 products, fp16 products of the values, the jnp merge and the merge kernel.
-Interpreted on the CPU; then lowered for CUDA."""
+Interpreted on the CPU (lowered for CUDA: test_decode_products)."""
 
 import jax
 import jax.numpy as jnp
@@ -11,10 +11,8 @@ import numpy as np
 import pytest
 
 from pallas_kernels import KernelOptions, Route, flash_attention, quant, read
-from pallas_kernels.attention import flash as fa_module
 from pallas_kernels.backend import Variant
 from pallas_kernels.gpu import Tiling
-from tests.kernels.cuda_lowering import cuda_text
 from tests.kernels.inputs import keys_shape, normal, with_outliers
 
 B, T, D = 2, 517, 128  # a ragged key axis: the last tile clamped
@@ -72,21 +70,3 @@ def test_the_groups_fill_the_block():
   assert read.decode_row_groups(4, 1, tiling, Variant("tpu", False), on) == 1
   assert read.decode_row_groups(4, 1, tiling, gpu, KernelOptions()) == 1  # off by default
 
-
-def test_the_grouped_kernel_lowers_for_cuda():
-  """The key parts' loads, the gathered scales and the grouped products lowered for an H200
-  (the int8 products: test_decode_products)."""
-  b, kvh, t, d = 1, 8, 4096, 128
-  tl = Tiling().pick(block_rows=16, block_keys=128, num_warps=4, num_stages=3, prefetch=False)
-  span, splits = fa_module.gpu.split_plan(kvh, t, 128, 8)
-  S = jax.ShapeDtypeStruct
-
-  def flash(qr, k, v, meta, ks, vs):
-    return fa_module._gpu(qr, k, v, meta, ks, vs, group=4, span=span, splits=splits,
-                          causal=True, scale=0.088, kv_layout="BHTD", tiling=tl,
-                          interpret=False, products=jnp.bfloat16, row_groups=4)
-
-  args = [S((b, kvh, 4, d), jnp.bfloat16), S((b, kvh, t, d), jnp.int8),
-          S((b, kvh, t, d), jnp.int8), S((b, 2), jnp.int32), S((b, kvh, t), jnp.float32),
-          S((b, kvh, t), jnp.float32)]
-  assert "triton" in cuda_text(flash, *args).lower()

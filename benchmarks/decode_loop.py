@@ -1,0 +1,112 @@
+"""One-token decode attention timed inside one jitted loop: kernel variants (KernelOptions,
+Tiling) over int8 and bf16 K/V, Llama-3.1-8B's attention shape (32 query / 8 KV heads, d 128),
+batch 1, with no dispatch floor (back-to-back calls from the host, as quant_kernels.py times
+them, sit near ~0.07 ms a call at 32K keys).
+
+    python -m benchmarks.decode_loop --variants '{"default": {}, "groups":
+        {"options": {"decode_row_groups": true}}, "splits49": {"tiling": {"key_splits": 49}}}' \
+        --keys 32768,131072 --out $OUT/loop.jsonl
+    python -m benchmarks.decode_loop --smoke --out /tmp/loop.jsonl          # CPU, tiny
+
+Each loop step runs flash_attention as full attention's decode does (causal, the query at the
+last position, BHTD) and feeds its output back into the query scaled by 1e-30 (a dependency, no
+change), so a step's time is the attention call's kernels (split-K and merge) and that one small
+fusion. `--label` names the tree in the records: run the same command with the previous commit's
+kernels first on the path (`git archive REV pallas_kernels | tar -x -C /tmp/before` then
+`PYTHONPATH=/tmp/before:.`) for a before / after in one machine. A variant may name `"dtype"`
+to run over that cache only. One JSON record a line: us a call (median of --reps loops of
+--steps calls), the K/V bytes over that time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+H, KV, D = 32, 8, 128
+
+
+def _inputs(t: int, dtype: str):
+  import jax
+  import jax.numpy as jnp
+  from pallas_kernels import quant
+  keys = jax.random.split(jax.random.key(4), 3)
+  q = jax.random.normal(keys[0], (1, 1, H, D), jnp.float32).astype(jnp.bfloat16)
+  k = jax.random.normal(keys[1], (1, KV, t, D), jnp.float32).at[..., :4].multiply(30.0)
+  v = jax.random.normal(keys[2], (1, KV, t, D), jnp.float32)
+  if dtype == "bfloat16":
+    return q, k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
+  return q, quant.quantize(k, dtype), quant.quantize(v, dtype)
+
+
+def time_variant(q, k, v, spec: dict, *, steps: int, reps: int, backend: str) -> float:
+  """Median seconds of one attention call in a loop of `steps` calls."""
+  import jax
+  import jax.numpy as jnp
+  from pallas_kernels import KernelOptions, Route, flash_attention
+  from pallas_kernels.gpu import Tiling
+  route = Route(backend=backend, kernels=KernelOptions(**spec.get("options", {})))
+  tiling = Tiling(**spec["tiling"]) if spec.get("tiling") else None
+  pos = jnp.asarray([k.shape[2] - 1])
+
+  @jax.jit
+  def loop(q, k, v):
+    def body(_, q):
+      out, _ = flash_attention(q, k, v, causal=True, q_offset=pos, kv_len=pos + 1,
+                               kv_layout="BHTD", route=route, tiling=tiling)
+      return q + out * jnp.asarray(1e-30, q.dtype)
+    return jax.lax.fori_loop(0, steps, body, q)
+
+  for _ in range(2):
+    jax.block_until_ready(loop(q, k, v))
+  times = []
+  for _ in range(reps):
+    start = time.perf_counter()
+    jax.block_until_ready(loop(q, k, v))
+    times.append(time.perf_counter() - start)
+  return statistics.median(times) / steps
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--variants", default='{"default": {}}',
+                 help='JSON: name -> {"options": {...}, "tiling": {...}, "dtype": ...}')
+  p.add_argument("--keys", default="32768,131072")
+  p.add_argument("--dtypes", default="int8,bfloat16")
+  p.add_argument("--label", default="this tree")
+  p.add_argument("--steps", type=int, default=64)
+  p.add_argument("--reps", type=int, default=7)
+  p.add_argument("--out", required=True, help="JSONL file the records are appended to")
+  p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU, kernels interpreted")
+  args = p.parse_args()
+  import jax
+  from benchmarks.common import device_facts
+  variants = json.loads(args.variants)
+  keys = [256] if args.smoke else [int(x) for x in args.keys.split(",")]
+  steps, reps = (2, 1) if args.smoke else (args.steps, args.reps)
+  facts = device_facts()
+  with open(args.out, "a") as out:
+    for t in keys:
+      for dtype in args.dtypes.split(","):
+        q, k, v = jax.block_until_ready(_inputs(t, dtype))
+        nbytes = sum(a.nbytes for a in jax.tree.leaves((k, v)))
+        for name, spec in variants.items():
+          if spec.get("dtype", dtype) != dtype:
+            continue
+          rec = {"tree": args.label, "keys": t, "dtype": dtype, "variant": name, "spec": spec}
+          try:
+            sec = time_variant(q, k, v, spec, steps=steps, reps=reps,
+                               backend="gpu" if args.smoke else "auto")
+            rec.update(us=round(sec * 1e6, 2), tb_s=round(nbytes / sec / 1e12, 3))
+          except Exception as e:  # noqa: BLE001 - a variant that does not compile is a result
+            rec["error"] = str(e)[:300]
+          rec.update(facts)
+          print(json.dumps(rec), flush=True)
+          out.write(json.dumps(rec) + "\n")
+        del q, k, v
+
+
+if __name__ == "__main__":
+  main()

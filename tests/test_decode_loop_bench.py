@@ -1,0 +1,19 @@
+"""benchmarks/decode_loop.py on CPU: a variant's loop runs the interpreted GPU kernel and times
+it; a variant naming another cache is left out; records carry the variant and the tree."""
+
+import json
+import subprocess
+import sys
+
+
+def test_smoke_writes_one_record_per_variant_and_cache(tmp_path):
+  out = tmp_path / "loop.jsonl"
+  variants = {"default": {}, "groups": {"options": {"decode_row_groups": True}},
+              "bf16_only": {"dtype": "bfloat16"}}
+  subprocess.run([sys.executable, "-m", "benchmarks.decode_loop", "--smoke", "--label", "before",
+                  "--variants", json.dumps(variants), "--out", str(out)], check=True)
+  recs = [json.loads(line) for line in out.read_text().splitlines()]
+  assert [(r["dtype"], r["variant"]) for r in recs] == [
+      ("int8", "default"), ("int8", "groups"), ("bfloat16", "default"),
+      ("bfloat16", "groups"), ("bfloat16", "bf16_only")]
+  assert all(r["us"] > 0 and r["tree"] == "before" and "error" not in r for r in recs)
