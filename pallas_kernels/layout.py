@@ -8,8 +8,9 @@ query head of the group, as one matrix product.
 from __future__ import annotations
 
 import jax.numpy as jnp
+from jax import lax
 
-from pallas_kernels import quant
+from pallas_kernels import quant, tpu
 
 KV_LAYOUTS = ("BTHD", "BHTD")
 
@@ -88,6 +89,11 @@ def q_rows(q, kvh: int, rows_padded: int):
   g = h // kvh
   rows = q.reshape(b, lq, kvh, g, d).transpose(0, 2, 1, 3, 4).reshape(b, kvh, lq * g, d)
   return jnp.pad(rows, ((0, 0), (0, 0), (0, rows_padded - lq * g), (0, 0)))
+
+
+def row_positions(first_row, bm: int, group: int, q_off):
+  """Positions [bm, 1] of a kernel's rows first_row.. (row = query * group + head: q_rows)."""
+  return q_off + tpu.div(first_row + lax.broadcasted_iota(jnp.int32, (bm, 1), 0), group)
 
 
 def from_rows(x, lq: int, h: int):

@@ -253,7 +253,7 @@ def _gpu(qr, k, v, meta, k_scale=None, v_scale=None, *, group, span, splits, cau
       row_group = rows // rq
       q_pos = q_off + rows % rq // group
     else:
-      q_pos = flash_tpu.row_positions(first_row, bm, group, q_off)
+      q_pos = layout.row_positions(first_row, bm, group, q_off)
     end = jnp.minimum(start0 + span, kv_len)
     if causal:
       end = jnp.minimum(end, q_off + (first_row + bm - 1) // group + 1)
@@ -304,9 +304,9 @@ def _gpu(qr, k, v, meta, k_scale=None, v_scale=None, *, group, span, splits, cau
 
     n_tiles = jnp.clip(pl.cdiv(end - start0, bk), 0, span // bk)
     # Tiles whole below every row's causal edge, the sequence's length and the buffer's end need
-    # no mask (a decode step's all but its last): the first loop leaves out its compares and
-    # selects, a third of the score tile's instructions. The rows past the real ones (discarded)
-    # may see keys there that their own mask would hide.
+    # no mask (a decode step's all but its last): the first loop leaves out the score tile's
+    # index compares and selects. The rows past the real ones (discarded) may see keys there
+    # that their own mask would hide.
     unmasked_end = jnp.minimum(jnp.minimum(kv_len, q_off + 1) if causal else kv_len, t)
     n_whole = jnp.clip((unmasked_end - start0) // bk, 0, n_tiles)
     state = gpu.tile_loop(0, n_whole, load, functools.partial(step, masked=False),

@@ -12,21 +12,16 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels import layout, tpu
 from pallas_kernels import online_softmax as osm
-from pallas_kernels import tpu
 
 SQ = pl.squeezed
 
 
-def row_positions(first_row, bm: int, group: int, q_off):
-  """Positions [bm, 1] of rows first_row.. (row = query * group + head)."""
-  return q_off + tpu.div(first_row + lax.broadcasted_iota(jnp.int32, (bm, 1), 0), group)
-
-
 @functools.partial(jax.jit, static_argnames=("group", "bm", "bk", "causal", "scale", "values",
                                              "interpret"))
-def attention(qr, k, v, meta, k_scale=None, v_scale=None, q_scale=None, *, group, bm, bk, causal,
-         scale, interpret, values=None):
+def attention(qr, k, v, meta, k_scale=None, v_scale=None, q_scale=None, *, group, bm, bk,
+              causal, scale, interpret, values=None):
   """k, v [B, KV, T, d]; with 8-bit k, v their scales as rows [B, KV, 1, T] (tpu.scale_rows).
   q_scale [B, KV, R_padded, 1]: qr holds int8 rows multiplied with the int8 keys as stored on
   the MXU (KernelOptions.decode_int8_products), scaled after; values: the dtype the value
@@ -60,7 +55,7 @@ def attention(qr, k, v, meta, k_scale=None, v_scale=None, q_scale=None, *, group
       idx = j * bk + lax.broadcasted_iota(jnp.int32, (bm, bk), 1)
       ok = idx < kv_len
       if causal:
-        ok = ok & (idx <= row_positions(first_row, bm, group, q_off))
+        ok = ok & (idx <= layout.row_positions(first_row, bm, group, q_off))
       # The last tile may run past t: those rows of v (and scales) are undefined and 0 * NaN
       # would spread.
       v_rows = j * bk + lax.broadcasted_iota(jnp.int32, (bk, 1), 0)
