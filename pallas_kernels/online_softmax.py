@@ -109,15 +109,14 @@ def update(m, l, acc, s, vt, value_scale=None, row_group=None):
   p = jnp.exp(s - m_safe)
   alpha = jnp.exp(m - m_safe)
   l = l * alpha + jnp.sum(p, axis=1, keepdims=True)
+  tiles = vt if isinstance(vt, tuple) else (vt,)
   tile_scale = None
-  if value_scale is not None and (vt[0] if isinstance(vt, tuple) else vt).dtype == jnp.float16:
+  if value_scale is not None and tiles[0].dtype == jnp.float16:
     # fp16's range: the scales relative to the tile's largest, which multiplies P.V in fp32, so
     # no p * scale falls among fp16's subnormals (an error of at most 2^-24 of that scale)
     tile_scale = jnp.max(value_scale, axis=1, keepdims=True)
     value_scale = value_scale / tile_scale
-  pw = p if value_scale is None else p * value_scale
-  tiles = vt if isinstance(vt, tuple) else (vt,)
-  pw = pw.astype(tiles[0].dtype)
+  pw = (p if value_scale is None else p * value_scale).astype(tiles[0].dtype)
   pv = _summed([lax.dot_general(pw if row_group is None else jnp.where(row_group == i, pw, 0),
                                 x, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
                 for i, x in enumerate(tiles)])
