@@ -29,7 +29,7 @@ class Route:
   # Which kernel a call runs where several compute the same thing (KernelOptions).
   kernels: KernelOptions = KernelOptions()
   # Tiling of one-token decode attention on GPU (None: the kernel's own split plan,
-  # gpu.split_plan: about 2 programs per core, ~32 splits of 1024 keys at 32K, batch 1, 8 kv heads).
+  # gpu.split_plan: at most 2 programs per core: 32 splits at batch 1 of 8 kv heads on 132 cores).
   decode_tiling: Tiling | None = None
   # One-token cache writes through decode/cache_write's in-place kernel on this backend ("auto":
   # the kernel on GPU, the scatter elsewhere; "gpu": also interpreted on CPU), or None: XLA's

@@ -53,3 +53,20 @@ def test_decode_tiling_lowers_to_triton(name):
 
   assert "triton" in cuda_text(call, qr, k, k, meta)
 
+
+
+@pytest.mark.parametrize("sequences,want", [(1, 32), (2, 16), (4, 8), (6, 5), (8, 4), (14, 2),
+                                            (40, 1)])
+def test_the_split_plan_fills_one_wave_of_two_programs_a_core(monkeypatch, sequences, want):
+  """The plan on a 132-core GPU (8 KV heads, 128K keys, 128-key tiles): the most splits whose
+  programs fit 2 a core, rounded down (rounded up, 4 sequences took 9 splits, 288 programs,
+  and ran a second wave), at least one, fewer where the span rounds up to whole tiles (33 ->
+  32 at batch 1); at least 4 tiles a split."""
+  from pallas_kernels import backend
+  monkeypatch.setattr(backend, "num_cores", lambda: 132)
+  programs = sequences * 8
+  span, splits = fa_module.gpu.split_plan(programs, 131072, 128, None)
+  assert splits == want and span % 128 == 0 and span * splits >= 131072
+  assert programs * splits <= 2 * 132 or splits == 1
+  assert fa_module.gpu.split_plan(8, 1024, 128, None)[1] == 2  # 1024 keys: 4 tiles a split
+  assert fa_module.gpu.split_plan(programs, 131072, 128, 7)[1] == 7  # asked
