@@ -1,7 +1,8 @@
-"""One-token decode attention timed inside one jitted loop: kernel variants (KernelOptions,
-Tiling) over int8 and bf16 K/V, Llama-3.1-8B's attention shape (32 query / 8 KV heads, d 128),
-batch 1, with no dispatch floor (back-to-back calls from the host, as quant_kernels.py times
-them, sit near ~0.07 ms a call at 32K keys).
+"""One-token decode attention timed inside one jitted loop: kernel variants (KernelOptions, Tiling)
+over int8 and bf16 K/V, Llama-3.1-8B's attention shape (32 query / 8 KV heads, d 128), batch 1 (or
+--batches: e.g. 14, the most int8 sequences of 128K an H200 holds), with no dispatch floor
+(back-to-back calls from the host, as quant_kernels.py times them, sit near ~0.07 ms a call at
+32K keys).
 
     python -m benchmarks.decode_loop --variants '{"default": {}, "groups":
         {"options": {"decode_row_groups": true}}, "splits49": {"tiling": {"key_splits": 49}}}' \
@@ -28,17 +29,22 @@ import time
 H, KV, D = 32, 8, 128
 
 
-def _inputs(t: int, dtype: str):
+def _inputs(t: int, dtype: str, batch: int = 1):
   import jax
   import jax.numpy as jnp
   from pallas_kernels import quant
   keys = jax.random.split(jax.random.key(4), 3)
-  q = jax.random.normal(keys[0], (1, 1, H, D), jnp.float32).astype(jnp.bfloat16)
-  k = jax.random.normal(keys[1], (1, KV, t, D), jnp.float32).at[..., :4].multiply(30.0)
-  v = jax.random.normal(keys[2], (1, KV, t, D), jnp.float32)
-  if dtype == "bfloat16":
-    return q, k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
-  return q, quant.quantize(k, dtype), quant.quantize(v, dtype)
+  q = jax.random.normal(keys[0], (batch, 1, H, D), jnp.float32).astype(jnp.bfloat16)
+
+  def kv(key, outliers):  # one sequence at a time: a batch's fp32 copy need not fit
+    x = jax.random.normal(key, (1, KV, t, D), jnp.float32)
+    x = x.at[..., :4].multiply(30.0) if outliers else x
+    return x.astype(jnp.bfloat16) if dtype == "bfloat16" else quant.quantize(x, dtype)
+
+  k, v = ([kv(jax.random.fold_in(key, i), outliers) for i in range(batch)]
+          for key, outliers in ((keys[1], True), (keys[2], False)))
+  k, v = (jax.tree.map(lambda *xs: jnp.concatenate(xs), *x) for x in (k, v))
+  return q, k, v
 
 
 def time_variant(q, k, v, spec: dict, *, steps: int, reps: int, backend: str) -> float:
@@ -49,7 +55,7 @@ def time_variant(q, k, v, spec: dict, *, steps: int, reps: int, backend: str) ->
   from pallas_kernels.gpu import Tiling
   route = Route(backend=backend, kernels=KernelOptions(**spec.get("options", {})))
   tiling = Tiling(**spec["tiling"]) if spec.get("tiling") else None
-  pos = jnp.asarray([k.shape[2] - 1])
+  pos = jnp.full((q.shape[0],), jax.tree.leaves(k)[0].shape[2] - 1, jnp.int32)
 
   @jax.jit
   def loop(q, k, v):
@@ -75,6 +81,7 @@ def main():
                  help='JSON: name -> {"options": {...}, "tiling": {...}, "dtype": ...}')
   p.add_argument("--keys", default="32768,131072")
   p.add_argument("--dtypes", default="int8,bfloat16")
+  p.add_argument("--batches", default="1", help="sequences a call, e.g. 1,14")
   p.add_argument("--label", default="this tree")
   p.add_argument("--steps", type=int, default=64)
   p.add_argument("--reps", type=int, default=7)
@@ -87,25 +94,27 @@ def main():
   keys = [256] if args.smoke else [int(x) for x in args.keys.split(",")]
   steps, reps = (2, 1) if args.smoke else (args.steps, args.reps)
   facts = device_facts()
+  cells = [(b, t, dtype) for b in map(int, args.batches.split(",")) for t in keys
+           for dtype in args.dtypes.split(",")]
   with open(args.out, "a") as out:
-    for t in keys:
-      for dtype in args.dtypes.split(","):
-        q, k, v = jax.block_until_ready(_inputs(t, dtype))
-        nbytes = sum(a.nbytes for a in jax.tree.leaves((k, v)))
-        for name, spec in variants.items():
-          if spec.get("dtype", dtype) != dtype:
-            continue
-          rec = {"tree": args.label, "keys": t, "dtype": dtype, "variant": name, "spec": spec}
-          try:
-            sec = time_variant(q, k, v, spec, steps=steps, reps=reps,
-                               backend="gpu" if args.smoke else "auto")
-            rec.update(us=round(sec * 1e6, 2), tb_s=round(nbytes / sec / 1e12, 3))
-          except Exception as e:  # noqa: BLE001 - a variant that does not compile is a result
-            rec["error"] = str(e)[:300]
-          rec.update(facts)
-          print(json.dumps(rec), flush=True)
-          out.write(json.dumps(rec) + "\n")
-        del q, k, v
+    for batch, t, dtype in cells:
+      q, k, v = jax.block_until_ready(_inputs(t, dtype, batch))
+      nbytes = sum(a.nbytes for a in jax.tree.leaves((k, v)))
+      for name, spec in variants.items():
+        if spec.get("dtype", dtype) != dtype:
+          continue
+        rec = {"tree": args.label, "batch": batch, "keys": t, "dtype": dtype, "variant": name,
+               "spec": spec}
+        try:
+          sec = time_variant(q, k, v, spec, steps=steps, reps=reps,
+                             backend="gpu" if args.smoke else "auto")
+          rec.update(us=round(sec * 1e6, 2), tb_s=round(nbytes / sec / 1e12, 3))
+        except Exception as e:  # noqa: BLE001 - a variant that does not compile is a result
+          rec["error"] = str(e)[:300]
+        rec.update(facts)
+        print(json.dumps(rec), flush=True)
+        out.write(json.dumps(rec) + "\n")
+      del q, k, v
 
 
 if __name__ == "__main__":

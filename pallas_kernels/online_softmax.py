@@ -110,6 +110,12 @@ def update(m, l, acc, s, vt, value_scale=None, row_group=None):
   alpha = jnp.exp(m - m_safe)
   l = l * alpha + jnp.sum(p, axis=1, keepdims=True)
   tiles = vt if isinstance(vt, tuple) else (vt,)
+  if tiles[0].dtype == jnp.int8:  # values as stored (KernelOptions.decode_int8_values)
+    pq, p_scale = int8_probabilities(p if value_scale is None else p * value_scale)
+    pv = _summed([lax.dot_general(pq if row_group is None else jnp.where(row_group == i, pq, 0),
+                                  x, (((1,), (0,)), ((), ())), preferred_element_type=jnp.int32)
+                  for i, x in enumerate(tiles)])
+    return m_new, l, acc * alpha + pv.astype(jnp.float32) * p_scale
   tile_scale = None
   if value_scale is not None and tiles[0].dtype == jnp.float16:
     # fp16's range: the scales relative to the tile's largest, which multiplies P.V in fp32, so
@@ -121,6 +127,15 @@ def update(m, l, acc, s, vt, value_scale=None, row_group=None):
                                 x, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
                 for i, x in enumerate(tiles)])
   return m_new, l, acc * alpha + (pv if tile_scale is None else pv * tile_scale)
+
+
+def int8_probabilities(pw):
+  """Weights pw [rows, n] >= 0 (p, or p times the values' scales) -> (int8 [rows, n] in
+  0..127, scale [rows, 1] fp32): each row's largest entry to 127, the rest rounded half up on
+  that scale (an entry below 1/254 of its row's largest to 0); a row of zeros stays zero."""
+  top = jnp.max(pw, axis=1, keepdims=True)
+  inv = jnp.where(top > 0, 127.0 / top, 0.0)
+  return jnp.floor(pw * inv + 0.5).astype(jnp.int32).astype(jnp.int8), top * (1.0 / 127.0)
 
 
 def _summed(xs):

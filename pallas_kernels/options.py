@@ -76,6 +76,18 @@ class KernelOptions:
   # 8B's step at 128K (batch 1; level at 32K), but the 14-sequence step at 128K 45.7 -> 52.8 ms;
   # E4M3 (fp16 products) and bf16 calls ran level or slower (E4M3 at 128K 0.100 -> 0.108 ms).
   decode_row_groups: bool = False
+  # One-token decode on the GPU kernel over int8 values: P V on the int8 matrix units too, as
+  # FlashAttention-3's FP8 path puts P in 8 bits (arXiv 2407.08608): each row's p times the
+  # values' scales, quantized per row and tile to 0..127 (one scale a row a tile, the tile's
+  # largest to 127), multiplied by the int8 values as stored (int32, exact), then that scale;
+  # no value converted in registers. The rounding of p moves the outputs (an entry below 1/254
+  # of its row's largest in the tile becomes 0), by design. GPU kernel only (the reference and
+  # the TPU kernel multiply converted values: this option does not act there). Off: on an H200
+  # (BENCHMARKS.md "Key splits rounded down") SmolLM2's pooled NLL at 8K moved +0.008%, and the
+  # kernel at 128K keys ran 7% faster at 14 sequences (3 key splits), level at one, but its
+  # compile took 168-230 registers a thread depending on the shape (2 or 3 programs a core), so
+  # it was level with the default under the split plan at 2 / 4 / 6 / 8 / 14 sequences.
+  decode_int8_values: bool = False
   # What topk_scores' GPU / TPU kernels do with each score tile. "exact" keeps the running top-k.
   # "max_only" is a benchmark diagnostic whose results are meaningless: it keeps only each row's
   # running max (in its top slot; the indices are not kept), so it times the kernel without its

@@ -97,6 +97,14 @@ def decode_products(q, k, variant, options: KernelOptions = DEFAULT) -> bool:
   return asked and q.shape[1] == 1 and quant.is_quantized(k) and k.dtype == jnp.int8
 
 
+def decode_int8_values(q, v, variant, options: KernelOptions = DEFAULT) -> bool:
+  """Whether the GPU split-K kernel's one-token attention (q [B, 1, H, d]) multiplies int8
+  values as stored, its probabilities quantized per row and tile (KernelOptions.
+  decode_int8_values; the GPU kernel only)."""
+  return (options.decode_int8_values and variant.kind == "gpu" and q.shape[1] == 1
+          and quant.is_quantized(v) and v.dtype == jnp.int8)
+
+
 def decode_row_groups(rows: int, lq: int, tiling, variant,
                       options: KernelOptions = DEFAULT) -> int:
   """How many copies of its `rows` real query rows (lq = 1, read unpadded: decode_q_in_kernel)

@@ -17,3 +17,13 @@ def test_smoke_writes_one_record_per_variant_and_cache(tmp_path):
       ("int8", "default"), ("int8", "groups"), ("bfloat16", "default"),
       ("bfloat16", "groups"), ("bfloat16", "bf16_only")]
   assert all(r["us"] > 0 and r["tree"] == "before" and "error" not in r for r in recs)
+
+
+def test_smoke_runs_a_batch_of_sequences(tmp_path):
+  out = tmp_path / "loop.jsonl"
+  subprocess.run([sys.executable, "-m", "benchmarks.decode_loop", "--smoke", "--batches", "3",
+                  "--dtypes", "int8", "--variants",
+                  json.dumps({"values": {"options": {"decode_int8_values": True}}}),
+                  "--out", str(out)], check=True)
+  [rec] = [json.loads(line) for line in out.read_text().splitlines()]
+  assert rec["batch"] == 3 and rec["variant"] == "values" and rec["us"] > 0, rec

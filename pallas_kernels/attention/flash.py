@@ -151,11 +151,13 @@ def _attention(q, k, v, *, causal, q_offset, kv_len, scale: float, kv_layout: st
     (kk, ks), (vv, vs) = layout.parts(kk), layout.parts(vv)
     fp16 = read.fp16_products(q, kk, options)
     groups = read.decode_row_groups(rows, lq, tl, variant, options) if q_in_kernel else 1
+    int8_values = read.decode_int8_values(q, v, variant, options)
     parts = split_merge.parts(splits, merge_kernel)
     outs, lses = _gpu(qr, kk, vv, meta, ks, vs, group=h // kvh, span=span, splits=splits,
                       parts=parts, causal=causal, scale=scale, kv_layout=kv_layout, tiling=tl,
                       products=jnp.float16 if fp16 else q.dtype, int8_rows=eight_bit_q,
-                      interpret=variant.interpret_arg(), row_groups=groups)
+                      int8_values=int8_values, interpret=variant.interpret_arg(),
+                      row_groups=groups)
     if groups > 1:  # row (g, r) holds query row r over group g's keys: one more split each
       outs, lses = (x[:, :, :, :groups * rows].reshape(b, kvh, parts * groups, rows, -1)
                     for x in (outs, lses))
@@ -198,10 +200,11 @@ def _cudnn(q, k, v, *, causal, kv_len, scale):
 
 @functools.partial(jax.jit, static_argnames=("group", "span", "splits", "parts", "causal",
                                              "scale", "kv_layout", "tiling", "interpret",
-                                             "products", "int8_rows", "row_groups"))
+                                             "products", "int8_rows", "int8_values",
+                                             "row_groups"))
 def _gpu(qr, k, v, meta, k_scale=None, v_scale=None, *, group, span, splits, causal, scale,
          kv_layout, tiling, interpret, parts=None, products=None, int8_rows: bool = False,
-         row_groups: int = 1):
+         int8_values: bool = False, row_groups: int = 1):
   """Per-split (out, lse) [B, KV, parts, R_padded, d | 1] fp32; parts (default splits) may
   exceed splits (split_merge's power of two), entries past splits left unwritten. qr may hold
   fewer rows than a block (KernelOptions.decode_q_in_kernel): they are repeated to fill it, and
@@ -211,7 +214,9 @@ def _gpu(qr, k, v, meta, k_scale=None, v_scale=None, *, group, span, splits, cau
   is. int8_rows (KernelOptions.decode_int8_products): each program quantizes its query rows
   to int8 as quant.quantize does (quant.kernel_quantize: one scale a row, no XLA kernel a
   call for it) and multiplies them with the int8 keys' tiles as stored (int32), scaled after;
-  only the values are converted, to `products`.
+  only the values are converted, to `products`. int8_values (KernelOptions.decode_int8_values):
+  the int8 values are not converted either; each tile's probabilities are quantized per row
+  (online_softmax.int8_probabilities) and multiply them as stored.
 
   row_groups > 1 (one-token decode, qr holding fewer rows than a block: read.decode_row_groups):
   the block holds row_groups copies of the rq rows, and copy g takes the g-th of row_groups
@@ -226,6 +231,7 @@ def _gpu(qr, k, v, meta, k_scale=None, v_scale=None, *, group, span, splits, cau
   t = k.shape[1 if kv_layout == "BTHD" else 2]
   quantized = k_scale is not None
   products = products or qr.dtype
+  values = jnp.int8 if int8_values else products
 
   def load_q(q_ref, dtype):
     if rq >= bm:
@@ -288,7 +294,7 @@ def _gpu(qr, k, v, meta, k_scale=None, v_scale=None, *, group, span, splits, cau
 
     def step(j, kv, carry, masked=True):
       (kt, ks), (vt, vs) = (converted(x, sc, dtype)
-                            for x, sc, dtype in ((*kv[::2], q_dtype), (*kv[1::2], products)))
+                            for x, sc, dtype in ((*kv[::2], q_dtype), (*kv[1::2], values)))
       s = (osm.scores(q, kt, None, ks) * row_scale if int8_rows
            else osm.scores(q, kt, scale, ks))
       if masked:

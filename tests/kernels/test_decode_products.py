@@ -118,10 +118,13 @@ def test_the_default_route_on_a_gpu_runs_int8_products(monkeypatch):
     assert ("preferred_element_type=int32" in text) == want, options
 
 
-@pytest.mark.parametrize("int8_rows,row_groups", [(True, 1), (True, 4), (False, 4)])
-def test_the_gpu_kernel_lowers_for_cuda_with_int8_queries(int8_rows, row_groups):
-  """Triton's int8 x int8 -> int32 dot after the rows' quantization in the kernel, and the row
-  groups' key parts, gathered scales and grouped products (test_decode_row_groups), lowered
+@pytest.mark.parametrize("int8_rows,row_groups,int8_values", [(True, 1, False), (True, 4, False),
+                                                               (False, 4, False), (True, 1, True),
+                                                               (True, 4, True)])
+def test_the_gpu_kernel_lowers_for_cuda_with_int8_queries(int8_rows, row_groups, int8_values):
+  """Triton's int8 x int8 -> int32 dot after the rows' quantization in the kernel, the row
+  groups' key parts, gathered scales and grouped products (test_decode_row_groups), and the
+  probabilities' int8 products with the values as stored (test_decode_int8_values), lowered
   for an H200."""
   b, kvh, t, d = 1, 8, 4096, 128
   tl = Tiling().pick(block_rows=16, block_keys=128, num_warps=4, num_stages=3, prefetch=False)
@@ -131,7 +134,8 @@ def test_the_gpu_kernel_lowers_for_cuda_with_int8_queries(int8_rows, row_groups)
   def flash(qr, k, v, meta, ks, vs):
     return fa_module._gpu(qr, k, v, meta, ks, vs, group=4, span=span, splits=splits,
                           causal=True, scale=0.088, kv_layout="BHTD", tiling=tl, interpret=False,
-                          products=jnp.bfloat16, int8_rows=int8_rows, row_groups=row_groups)
+                          products=jnp.bfloat16, int8_rows=int8_rows, row_groups=row_groups,
+                          int8_values=int8_values)
 
   args = (S((b, kvh, 4, d), jnp.bfloat16), S((b, kvh, t, d), jnp.int8),
           S((b, kvh, t, d), jnp.int8), S((b, 2), jnp.int32), S((b, kvh, t), jnp.float32),
