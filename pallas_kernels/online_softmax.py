@@ -112,9 +112,7 @@ def update(m, l, acc, s, vt, value_scale=None, row_group=None):
   tiles = vt if isinstance(vt, tuple) else (vt,)
   if tiles[0].dtype == jnp.int8:  # values as stored (KernelOptions.decode_int8_values)
     pq, p_scale = int8_probabilities(p if value_scale is None else p * value_scale)
-    pv = _summed([lax.dot_general(pq if row_group is None else jnp.where(row_group == i, pq, 0),
-                                  x, (((1,), (0,)), ((), ())), preferred_element_type=jnp.int32)
-                  for i, x in enumerate(tiles)])
+    pv = _weighted_values(pq, tiles, row_group, jnp.int32)
     return m_new, l, acc * alpha + pv.astype(jnp.float32) * p_scale
   tile_scale = None
   if value_scale is not None and tiles[0].dtype == jnp.float16:
@@ -123,10 +121,16 @@ def update(m, l, acc, s, vt, value_scale=None, row_group=None):
     tile_scale = jnp.max(value_scale, axis=1, keepdims=True)
     value_scale = value_scale / tile_scale
   pw = (p if value_scale is None else p * value_scale).astype(tiles[0].dtype)
-  pv = _summed([lax.dot_general(pw if row_group is None else jnp.where(row_group == i, pw, 0),
-                                x, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-                for i, x in enumerate(tiles)])
+  pv = _weighted_values(pw, tiles, row_group, jnp.float32)
   return m_new, l, acc * alpha + (pv if tile_scale is None else pv * tile_scale)
+
+
+def _weighted_values(w, tiles, row_group, accumulate):
+  """w [rows, n] . tiles' [n, d] (row r's weights multiply tiles[row_group[r]] when there are
+  row groups), accumulated in `accumulate`."""
+  return _summed([lax.dot_general(w if row_group is None else jnp.where(row_group == i, w, 0),
+                                  x, (((1,), (0,)), ((), ())), preferred_element_type=accumulate)
+                  for i, x in enumerate(tiles)])
 
 
 def int8_probabilities(pw):
