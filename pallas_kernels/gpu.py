@@ -136,12 +136,13 @@ def split_plan(programs: int, t: int, bk: int, key_splits: int | None, per_core:
   programs * splits is at most per_core programs per GPU core (one wave where a core holds
   per_core of them), with at least 4 tiles per split.
 
-  Rounded down: the int8 split-K decode kernel's programs take 168-230 registers a thread, so
-  a core holds 2 or 3 depending on the compile, and a plan rounded up (9 splits for 4 sequences
-  of 8 KV heads: 288 programs on 132 cores) ran a second, mostly idle wave. On an H200 at 128K
-  keys (BENCHMARKS.md "Key splits rounded down"): int8 at 2 / 4 / 6 / 8 sequences 17% / 20% /
-  19% / 11% less kernel time, bf16 at 2 / 4 sequences 4% / 6%, 14 sequences level; batch 1
-  (32 splits of 8 KV heads: 256 programs, the span rounded to whole tiles) is unchanged."""
+  Rounded down: the int8 split-K decode kernel's programs took 168-230 registers a thread by shape
+  (Nsight Compute, with int8 probabilities), so a core holds 2 or 3, and a plan rounded up (9
+  splits for 4 sequences of 8 KV heads: 288 programs on 132 cores) ran a second, mostly idle wave.
+  On an H200 at 128K keys (BENCHMARKS.md "Key splits rounded down"): int8 at 2 / 4 / 6 / 8
+  sequences 17% / 20% / 19% / 11% less kernel time, bf16 at 2 / 4 sequences 4% / 6%, 14 sequences
+  level; batch 1 (32 splits of 8 KV heads: 256 programs, the span rounded to whole tiles) is
+  unchanged."""
   want = per_core * backend_lib.num_cores() // programs
   splits = key_splits or max(1, min(want, t // (4 * bk)))
   span = layout.round_up(-(-t // splits), bk)
