@@ -16,15 +16,14 @@ fusion. `--label` names the tree in the records: run the same command with the p
 kernels first on the path (`git archive REV pallas_kernels | tar -x -C /tmp/before` then
 `PYTHONPATH=/tmp/before:.`) for a before / after in one machine. A variant may name `"dtype"`
 to run over that cache only. One JSON record a line: us a call (median of --reps loops of
---steps calls), the K/V bytes over that time.
+--steps calls), the K/V bytes over that time; with --check also the call's largest differences
+from the jnp reference computing the same products (`err_out`, `err_lse`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 H, KV, D = 32, 8, 128
 
@@ -49,30 +48,61 @@ def _inputs(t: int, dtype: str, batch: int = 1):
 
 def time_variant(q, k, v, spec: dict, *, steps: int, reps: int, backend: str) -> float:
   """Median seconds of one attention call in a loop of `steps` calls."""
-  import jax
   import jax.numpy as jnp
   from pallas_kernels import KernelOptions, Route, flash_attention
   from pallas_kernels.gpu import Tiling
   route = Route(backend=backend, kernels=KernelOptions(**spec.get("options", {})))
   tiling = Tiling(**spec["tiling"]) if spec.get("tiling") else None
-  pos = jnp.full((q.shape[0],), jax.tree.leaves(k)[0].shape[2] - 1, jnp.int32)
+  pos = jnp.full((q.shape[0],), _keys(k) - 1, jnp.int32)
+
+  def attend(q, k, v):
+    return flash_attention(q, k, v, causal=True, q_offset=pos, kv_len=pos + 1,
+                           kv_layout="BHTD", route=route, tiling=tiling)[0]
+
+  return time_loop(attend, q, k, v, steps=steps, reps=reps)
+
+
+def time_loop(attend, q, k, v, *, steps: int, reps: int, warmup: int = 2) -> float:
+  """Median seconds of one attend(q, k, v) -> out in a jitted loop of `steps` calls, each call's
+  output fed back into the next query scaled by 1e-30 (a dependency, no change)."""
+  import jax
+  import jax.numpy as jnp
+  from jax_longctx.app.bench_measure import median_time
 
   @jax.jit
   def loop(q, k, v):
     def body(_, q):
-      out, _ = flash_attention(q, k, v, causal=True, q_offset=pos, kv_len=pos + 1,
-                               kv_layout="BHTD", route=route, tiling=tiling)
-      return q + out * jnp.asarray(1e-30, q.dtype)
+      return q + attend(q, k, v) * jnp.asarray(1e-30, q.dtype)
     return jax.lax.fori_loop(0, steps, body, q)
 
-  for _ in range(2):
-    jax.block_until_ready(loop(q, k, v))
-  times = []
-  for _ in range(reps):
-    start = time.perf_counter()
-    jax.block_until_ready(loop(q, k, v))
-    times.append(time.perf_counter() - start)
-  return statistics.median(times) / steps
+  sec, _ = median_time(lambda: jax.block_until_ready(loop(q, k, v)), warmup=warmup, reps=reps)
+  return sec / steps
+
+
+def check_variant(q, k, v, spec: dict, *, backend: str) -> dict:
+  """Largest differences of one call's (out, lse) from the jnp reference computing the same
+  products (int8 keys: the queries quantized per row, as both GPU kernels do by default)."""
+  import jax.numpy as jnp
+  from pallas_kernels import KernelOptions, Route, flash_attention, quant
+  from pallas_kernels.gpu import Tiling
+  tiling = Tiling(**spec["tiling"]) if spec.get("tiling") else None
+  pos = jnp.full((q.shape[0],), _keys(k) - 1, jnp.int32)
+
+  def call(route, tiling=None):
+    out, lse = flash_attention(q, k, v, causal=True, q_offset=pos, kv_len=pos + 1,
+                               kv_layout="BHTD", route=route, tiling=tiling)
+    return out.astype(jnp.float32), lse
+
+  got = call(Route(backend=backend, kernels=KernelOptions(**spec.get("options", {}))), tiling)
+  ref = call(Route(backend="reference",
+                   kernels=KernelOptions(decode_int8_products=quant.is_quantized(k))))
+  return {f"err_{name}": float(jnp.max(jnp.abs(a - b)))
+          for name, a, b in zip(("out", "lse"), got, ref)}
+
+
+def _keys(k) -> int:
+  import jax
+  return jax.tree.leaves(k)[0].shape[2]
 
 
 def main():
@@ -87,6 +117,8 @@ def main():
   p.add_argument("--reps", type=int, default=7)
   p.add_argument("--out", required=True, help="JSONL file the records are appended to")
   p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU, kernels interpreted")
+  p.add_argument("--check", action="store_true",
+                 help="also record each variant's largest difference from the jnp reference")
   args = p.parse_args()
   import jax
   from benchmarks.common import device_facts
@@ -106,9 +138,11 @@ def main():
         rec = {"tree": args.label, "batch": batch, "keys": t, "dtype": dtype, "variant": name,
                "spec": spec}
         try:
-          sec = time_variant(q, k, v, spec, steps=steps, reps=reps,
-                             backend="gpu" if args.smoke else "auto")
+          backend = "gpu" if args.smoke else "auto"
+          sec = time_variant(q, k, v, spec, steps=steps, reps=reps, backend=backend)
           rec.update(us=round(sec * 1e6, 2), tb_s=round(nbytes / sec / 1e12, 3))
+          if args.check:
+            rec.update(check_variant(q, k, v, spec, backend=backend))
         except Exception as e:  # noqa: BLE001 - a variant that does not compile is a result
           rec["error"] = str(e)[:300]
         rec.update(facts)

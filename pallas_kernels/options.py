@@ -88,6 +88,16 @@ class KernelOptions:
   # compile took 168-230 registers a thread depending on the shape (2 or 3 programs a core), so
   # it was level with the default under the split plan at 2 / 4 / 6 / 8 / 14 sequences.
   decode_int8_values: bool = False
+  # One-token decode over an int8 cache on a Hopper GPU: "mosaic" runs attention/mgpu_decode.py
+  # (TMA-fed tiles, the products turned around so a KV head's few query rows are WGMMA's N: the
+  # keys multiply as stored, as decode_int8_products does, the values converted in SMEM by the
+  # TMA warpgroup); "triton" the split-K kernel above. Off Hopper, interpreted (unless a call's
+  # Tiling(impl="mosaic") asks), where mgpu_decode cannot take the call (E4M3, more than 16 query
+  # heads a KV head) or the run asks for a Triton-only option above, "triton" runs. On an H200
+  # (BENCHMARKS.md "int8 decode on a Mosaic GPU kernel"): the kernel 1.05-1.18x the Triton one
+  # at 1-14 sequences and 32K-512K keys; the 8B's step 7.285 -> 7.074 ms at 128K, 5.557 -> 5.484
+  # at 32K, 43.36 -> 40.92 ms with 14 sequences; the same products, so on.
+  decode_impl: str = "mosaic"
   # What topk_scores' GPU / TPU kernels do with each score tile. "exact" keeps the running top-k.
   # "max_only" is a benchmark diagnostic whose results are meaningless: it keeps only each row's
   # running max (in its top slot; the indices are not kept), so it times the kernel without its
@@ -160,7 +170,7 @@ class KernelOptions:
   int4_topk_scores: bool = True
 
   def __post_init__(self):
-    for field in ("prefill_impl", "topk_impl"):
+    for field in ("prefill_impl", "topk_impl", "decode_impl"):
       if getattr(self, field) not in IMPLS:
         raise ValueError(f"{field}={getattr(self, field)!r} must be one of {IMPLS}")
     if self.topk_few_rows not in TOPK_FEW_ROWS:

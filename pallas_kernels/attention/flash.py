@@ -30,7 +30,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import gpu, layout, quant, tpu
 from pallas_kernels.attention import int4_chunk, int4_chunk_tpu, int4_decode, int4_decode_tpu
-from pallas_kernels.attention import flash_tpu, mgpu_flash
+from pallas_kernels.attention import flash_tpu, mgpu_decode, mgpu_flash
 from pallas_kernels import online_softmax as osm
 from pallas_kernels import read, reference
 from pallas_kernels.decode import split_merge
@@ -118,6 +118,11 @@ def _attention(q, k, v, *, causal, q_offset, kv_len, scale: float, kv_layout: st
                                      scale=scale, kv_layout=kv_layout, products=eight_bit_q)
   if use_cudnn:
     return _cudnn(q, k, v, causal=causal, kv_len=kv_len, scale=scale)
+  if _mosaic_decode(variant, q, k, v, kv_layout, tiling, options):
+    return mgpu_decode.attention(q, k, v, q_off, kv_len, causal=causal, scale=scale,
+                                 kv_layout=kv_layout, merge_kernel=options.decode_merge_kernel,
+                                 key_splits=tiling and tiling.key_splits,
+                                 interpret=variant.interpret)
   if mosaic is not None:
     return mgpu_flash.mgpu_flash_attention(q, k, v, q_off, kv_len, causal=causal, scale=scale,
                                                kv_layout=kv_layout, config=mosaic,
@@ -188,6 +193,20 @@ def _mosaic_config(variant, q, k, v, kv_layout, tiling, options: KernelOptions =
   if mgpu_flash.unsupported(q, k, v, kv_layout=kv_layout, config=config):
     return None  # e.g. decode (fewer queries than a block), fp32, head dim 256
   return config
+
+
+def _mosaic_decode(variant, q, k, v, kv_layout, tiling, options: KernelOptions) -> bool:
+  """Whether one-token decode runs mgpu_decode (KernelOptions.decode_impl, or a per-call
+  Tiling(impl="mosaic"), where that kernel takes the call) rather than the Triton kernel: not
+  where the run asks what only the Triton kernel does (keys converted rather than multiplied as
+  stored, int8 probabilities, row groups)."""
+  if q.shape[1] != 1 or not gpu.mosaic_asked(variant, tiling, options.decode_impl):
+    return False
+  triton_only = (options.decode_int8_products is False, options.decode_int8_values,
+                 options.decode_row_groups)
+  if any(triton_only):
+    return False
+  return mgpu_decode.unsupported(q, k, v, kv_layout=kv_layout) is None
 
 
 def _cudnn(q, k, v, *, causal, kv_len, scale):

@@ -32,22 +32,29 @@ def parts(splits: int, kernel: bool) -> int:
   return layout.next_pow2(splits) if kernel else splits
 
 
-def merge(outs, lses, *, splits: int, rows: int, dtype, kernel: bool, interpret):
+def merge(outs, lses, *, splits: int, rows: int, dtype, kernel: bool, interpret,
+          rows_minor: bool = False):
   """A split-K decode's partials (outs, lses as merge_splits takes them, `parts(splits,
   kernel)` of them) -> (out [B, KV, R, d], lse [B, KV, R] fp32), by merge_splits (kernel: the
-  real rows, in dtype) or by jnp (every padded row, fp32: the caller drops the padding)."""
+  real rows, in dtype) or by jnp (every padded row, fp32: the caller drops the padding).
+  rows_minor: outs [B, KV, P, d, R] and lses [B, KV, P, R] (the Mosaic decode kernel's)."""
+  if rows_minor and not kernel:
+    outs, lses = jnp.swapaxes(outs, 3, 4), lses[..., None]
   if kernel:
     out, lse = merge_splits(outs, lses, splits=splits, rows=rows, dtype=dtype,
-                            interpret=interpret)
+                            interpret=interpret, rows_minor=rows_minor)
     return out, lse[..., 0]
   return reference.merge_attention(jnp.moveaxis(outs, 2, 0), jnp.moveaxis(lses[..., 0], 2, 0))
 
 
-def merge_splits(outs, lses, *, splits: int, rows: int, dtype, interpret):
+def merge_splits(outs, lses, *, splits: int, rows: int, dtype, interpret,
+                 rows_minor: bool = False):
   """outs [B, KV, P, R_padded, d] fp32, lses [B, KV, P, R_padded, 1] (entries p >= splits are
   garbage) -> (out [B, KV, rows, d] in dtype, lse [B, KV, rows, 1] fp32; (0, -inf) for a row
-  that saw no key)."""
-  return _merge(outs, lses, splits=splits, rows=rows, dtype=jnp.dtype(dtype), interpret=interpret)
+  that saw no key). rows_minor: outs [B, KV, P, d, R_padded], lses [B, KV, P, R_padded], each
+  row's partials read as a strided column (a few KB a row)."""
+  return _merge(outs, lses, splits=splits, rows=rows, dtype=jnp.dtype(dtype), interpret=interpret,
+                rows_minor=rows_minor)
 
 
 def _kernel(o_ref, s_ref, out_ref, lse_ref, *, splits: int):
@@ -66,15 +73,23 @@ def _kernel(o_ref, s_ref, out_ref, lse_ref, *, splits: int):
   lse_ref[...] = jnp.where(seen, m_safe + jnp.log(safe), NEG_INF)
 
 
-@functools.partial(jax.jit, static_argnames=("splits", "rows", "dtype", "interpret"))
-def _merge(outs, lses, *, splits, rows, dtype, interpret):
-  b, kvh, p, _, d = outs.shape
+@functools.partial(jax.jit, static_argnames=("splits", "rows", "dtype", "interpret",
+                                             "rows_minor"))
+def _merge(outs, lses, *, splits, rows, dtype, interpret, rows_minor=False):
+  b, kvh, p = outs.shape[:3]
+  d = outs.shape[3 if rows_minor else 4]
   part = lambda bh, r: (bh // kvh, bh % kvh, 0, r, 0)  # noqa: E731
   row = lambda bh, r: (bh // kvh, bh % kvh, r, 0)  # noqa: E731
+  if rows_minor:
+    lses = lses[..., None, :]  # [B, KV, P, 1, R]
+    in_specs = [pl.BlockSpec((SQ, SQ, p, d, SQ), lambda bh, r: (bh // kvh, bh % kvh, 0, 0, r)),
+                pl.BlockSpec((SQ, SQ, p, 1, SQ), lambda bh, r: (bh // kvh, bh % kvh, 0, 0, r))]
+  else:
+    in_specs = [pl.BlockSpec((SQ, SQ, p, SQ, d), part), pl.BlockSpec((SQ, SQ, p, SQ, 1), part)]
   return gpu.pallas_call(
       functools.partial(_kernel, splits=splits), interpret, num_warps=4, num_stages=1,
       grid=(b * kvh, rows),
-      in_specs=[pl.BlockSpec((SQ, SQ, p, SQ, d), part), pl.BlockSpec((SQ, SQ, p, SQ, 1), part)],
+      in_specs=in_specs,
       out_specs=[pl.BlockSpec((SQ, SQ, 1, d), row), pl.BlockSpec((SQ, SQ, 1, 1), row)],
       out_shape=[jax.ShapeDtypeStruct((b, kvh, rows, d), dtype),
                  jax.ShapeDtypeStruct((b, kvh, rows, 1), jnp.float32)],

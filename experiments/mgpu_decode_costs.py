@@ -1,0 +1,121 @@
+"""Where the Mosaic decode kernel's time goes (attention/mgpu_decode.py): its configs, and variants
+with one stage left out.
+
+    python -m experiments.mgpu_decode_costs --out $OUT/costs.jsonl \
+        [--keys 131072] [--configs 64x3x2x2,128x2x2x1] [--leave-out none,convert,pv,max]
+
+Llama-3.1-8B's attention shape (32 query / 8 KV heads, d 128) over an int8 cache, batch 1, the
+kernel and its merge in a jitted loop (benchmarks/decode_loop.py's measure: µs a call, median of
+--reps loops of --steps calls). Configs are BLOCK_KVxSTAGESxLANDINGxPER_CORE[xa] (DecodeConfig;
+xa: Mosaic's automatic barriers on). Stages left
+out (trace-time patches; every result but `none`'s is wrong, only its time counts):
+  convert     the value tile's conversion into SMEM (by the TMA warpgroup);
+  pv          P^T's store and the O^T += V^T P^T product;
+  max         the column max across the warpgroup (the running max stays as it was);
+  scores      the key product (zeros instead);
+  compute     everything the compute warpgroup does but wait for its tiles and free them.
+No GPU counters are read; a stage's time is the difference of a variant that does it and one
+that leaves it out (the device method's "time variants that leave one stage out").
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks.decode_loop import time_loop
+from jax_longctx.app.bench_measure import device_facts
+from pallas_kernels import quant
+from pallas_kernels.attention import mgpu_decode
+from pallas_kernels.mgpu_common import plgpu
+
+H, KV, D = 32, 8, 128
+
+
+def _waits_only(i, state, *, smem, barriers, cfg, **_):
+  """A step that only waits for the slot's key tile, both scales and the converted value tile,
+  and frees them: the TMA warpgroup's pipeline alone."""
+  slot = jax.lax.rem(i, jnp.int32(cfg.stages))
+  for ready in (barriers.k, barriers.k_scale, barriers.v_scale, barriers.v):
+    plgpu.barrier_wait(ready.at[slot])
+  plgpu.barrier_arrive(barriers.k_free.at[slot])
+  plgpu.barrier_arrive(barriers.v_free.at[slot])
+  return state
+
+
+def _no_scores(self, k_tile, q_smem, *, after_issue):
+  """Scores without the key product: the value tile's dequantization only."""
+  after_issue()
+  return self.layout(jnp.zeros((self.bk, mgpu_decode.ROWS), jnp.float32), plgpu.Layout.WGMMA)
+
+
+@contextlib.contextmanager
+def leaving_out(stage: str):
+  ops, saved = mgpu_decode.DecodeOps, {}
+  patches = {"convert": (mgpu_decode, "_convert", lambda *a, **k: None),
+             "compute": (mgpu_decode, "_step", _waits_only),
+             "scores": (ops, "scores", _no_scores),
+             "pv": (ops, "accumulate", lambda self, acc, p, v, pt: acc),
+             "max": (ops, "column_max", lambda self, s: self.layout(
+                 jnp.zeros((mgpu_decode.ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(0)))}
+  if stage in patches:
+    owner, name, fn = patches[stage]
+    saved = (owner, name, getattr(owner, name) if owner is mgpu_decode else owner.__dict__[name])
+    setattr(owner, name, fn)
+  try:
+    yield
+  finally:
+    if saved:
+      setattr(saved[0], saved[1], saved[2])
+
+
+def time_config(q, k, v, config, stage: str, *, steps: int, reps: int) -> float:
+  pos = jnp.full((q.shape[0],), k.shape[2] - 1, jnp.int32)
+
+  def attend(q, k, v):
+    return mgpu_decode.attention(q, k, v, pos, pos + 1, causal=True, scale=D ** -0.5,
+                                 kv_layout="BHTD", merge_kernel=True, config=config)[0]
+
+  jax.clear_caches()  # the kernel's jit would otherwise serve the previous variant's compile
+  with leaving_out(stage):  # the patches act while the loop is traced (its first call)
+    return time_loop(attend, q, k, v, steps=steps, reps=reps, warmup=1)
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--out", required=True)
+  p.add_argument("--keys", type=int, default=131072)
+  p.add_argument("--batch", type=int, default=1)
+  p.add_argument("--configs", default="64x3x2x2")
+  p.add_argument("--leave-out", default="none,convert,pv,max")
+  p.add_argument("--steps", type=int, default=64)
+  p.add_argument("--reps", type=int, default=5)
+  args = p.parse_args()
+  keys = jax.random.split(jax.random.key(4), 3)
+  q = jax.random.normal(keys[0], (args.batch, 1, H, D), jnp.float32).astype(jnp.bfloat16)
+  k, v = (quant.quantize(jax.random.normal(key, (args.batch, KV, args.keys, D)), jnp.int8)
+          for key in keys[1:])
+  facts = device_facts()
+  with open(args.out, "a") as out:
+    for spec in args.configs.split(","):
+      bk, stages, landing, per_core = map(int, spec.split("x")[:4])
+      config = mgpu_decode.DecodeConfig(block_kv=bk, stages=stages, landing=landing,
+                                        per_core=per_core, auto_barriers=spec.endswith("xa"))
+      for stage in args.leave_out.split(","):
+        rec = {"keys": args.keys, "batch": args.batch, "config": spec, "left_out": stage}
+        try:
+          rec["us"] = round(time_config(q, k, v, config, stage, steps=args.steps,
+                                        reps=args.reps) * 1e6, 2)
+        except Exception as e:  # noqa: BLE001 - a config that does not compile is a result
+          rec["error"] = str(e)[:300]
+        rec.update(facts)
+        print(json.dumps(rec), flush=True)
+        out.write(json.dumps(rec) + "\n")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,98 @@
+"""The products and register layouts of mgpu_decode.py's transposed products, natively (WGMMA,
+Mosaic GPU's register layouts) or in jax's Mosaic GPU interpreter (dot products of the SMEM
+tiles, no layout casts): mgpu_common.Ops for S^T = K Q^T and O^T += V^T P^T."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels.mgpu_common import LN2, NEG_INF, int_to_f32, plgpu
+
+ROWS = 16  # WGMMA's N for the products: a KV head's query rows, padded with zero rows
+
+
+class DecodeOps:
+  """A compute warpgroup's products and layouts over [bk, ROWS] score tiles and a [d, ROWS]
+  output; native: WGMMA and Mosaic's layouts, else the interpreter's stand-ins."""
+
+  def __init__(self, native: bool, bk: int, d: int):
+    self.native, self.bk, self.d = native, bk, d
+
+  def layout(self, x, layout):
+    return plgpu.layout_cast(x, layout) if self.native else x
+
+  def iota(self):
+    x = lax.broadcasted_iota(jnp.int32, (self.bk, ROWS), 0)
+    return self.layout(x, plgpu.Layout.WGMMA)
+
+  def init_state(self):
+    wgmma = plgpu.Layout.WGMMA
+    return (self.layout(jnp.zeros((self.d, ROWS), jnp.float32), wgmma),
+            self.layout(jnp.full((ROWS,), NEG_INF, jnp.float32), wgmma.reduce(0)),
+            self.layout(jnp.zeros((self.bk, ROWS), jnp.float32), wgmma))
+
+  def row_vector(self, ref):
+    """A [bk] fp32 SMEM vector (the keys' scales) in the layout of a score tile's rows."""
+    if not self.native:
+      return ref[...]
+    return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(1))
+
+  def column_vector(self, ref):
+    """A [ROWS] fp32 SMEM vector in the layout of a score tile's columns."""
+    if not self.native:
+      return ref[...]
+    return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(0))
+
+  def rows(self, x, shape):
+    return self.layout(lax.broadcast_in_dim(x, shape, [0]), plgpu.Layout.WGMMA)
+
+  def columns(self, x, shape):
+    return self.layout(lax.broadcast_in_dim(x, shape, [1]), plgpu.Layout.WGMMA)
+
+  def scores(self, k_tile, q_smem, *, after_issue):
+    """K [bk, d] . Q [ROWS, d]^T -> fp32 [bk, ROWS]; after_issue runs while the product is in
+    flight: int8 into int32, exact, then fp32 (mgpu_common.int_to_f32)."""
+    acc = jnp.int32
+    if not self.native:
+      s = lax.dot_general(k_tile[...], q_smem[...], (((1,), (1,)), ((), ())),
+                          preferred_element_type=acc)
+      plgpu.commit_smem()  # the interpreter's reads before TMA refills the slot
+      after_issue()
+    else:
+      def product(acc_ref):
+        plgpu.wgmma(acc_ref, k_tile, q_smem.transpose((1, 0)))  # Q^T: a view
+        after_issue()
+        return acc_ref[...]
+
+      s = pl.run_scoped(product, plgpu.ACC((self.bk, ROWS), acc))
+    return int_to_f32(s)
+
+  def column_max(self, s):
+    """[bk, ROWS] -> [ROWS]: across the warpgroup's warps (Mosaic's reduction scratch)."""
+    return s.max(axis=0)
+
+  def accumulate(self, acc, p, v_tile, p_tile):
+    """acc + V^T [d, bk] . P^T [bk, ROWS] in fp32, P^T (p) stored to p_tile first."""
+    p_tile[...] = p
+    plgpu.commit_smem()
+    if not self.native:
+      pv = lax.dot_general(v_tile[...], p_tile[...], (((0,), (0,)), ((), ())),
+                           preferred_element_type=jnp.float32)
+      plgpu.commit_smem()
+      return acc + pv
+
+    def product(acc_ref):
+      plgpu.wgmma(acc_ref, v_tile.transpose((1, 0)), p_tile)  # V^T: a view
+
+    return pl.run_state(product)(plgpu.ACC.init(acc))
+
+  def finish(self, acc, m, l):
+    """-> (out^T [d, ROWS] fp32, natural-log LSE [ROWS]); columns that saw no key: (0, -inf)."""
+    total = l.sum(axis=0)
+    seen = total > 0
+    safe = jnp.where(seen, total, 1.0)
+    inv = jnp.where(seen, 1.0 / safe, 0.0)
+    lse = jnp.where(seen, m * LN2 + jnp.log(safe), NEG_INF)
+    return acc * self.columns(inv, acc.shape), lse

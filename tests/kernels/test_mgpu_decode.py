@@ -1,0 +1,164 @@
+"""One-token decode over an int8 cache on the Mosaic GPU kernel (attention/mgpu_decode.py) on CPU.
+
+The kernel multiplies the keys as stored with the query rows quantized per row, as
+KernelOptions.decode_int8_products does, so the reference is the jnp route computing those
+products (reference.product_scores): scores exact in int32, the values converted exactly and
+their scales folded into the probabilities, which round to bf16 as the outputs do. In jax's
+Mosaic GPU interpreter (plain dot products of the SMEM tiles for WGMMA); the native code lowers
+to Mosaic GPU on this CPU-only jaxlib and ran on an H200 (benchmarks/results/
+mgpu_decode_check_h200.txt: LSE within 2e-6, outputs within one bf16 step).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import KernelOptions, Route, flash_attention, mgpu_common, quant
+from pallas_kernels import backend as backend_lib
+from pallas_kernels.attention import flash as fa_module
+from pallas_kernels.attention import mgpu_decode
+from pallas_kernels.backend import Variant
+from pallas_kernels.decode import split_merge
+from pallas_kernels.gpu import Tiling
+from tests.kernels.inputs import keys_shape, normal, with_outliers
+
+NO_INTERPRETER = mgpu_common.interpreter_available()
+needs_interpreter = pytest.mark.skipif(NO_INTERPRETER is not None, reason=str(NO_INTERPRETER))
+MOSAIC = Tiling(impl="mosaic")
+PRODUCTS = KernelOptions(decode_int8_products=True)
+
+
+@pytest.fixture(autouse=True)
+def _reset_interpreter():
+  yield
+  if NO_INTERPRETER is None:
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+    interpret_pallas_call.reset_gpu_interpret_mode_state()
+
+
+def _inputs(b, h, kvh, t, d, kv_layout, seed=0, kv_dtype=jnp.int8):
+  rng = np.random.default_rng(seed)
+  q = normal(rng, (b, 1, h, d), jnp.bfloat16)
+  k = with_outliers(rng, normal(rng, keys_shape(b, t, kvh, d, kv_layout)))
+  v = normal(rng, keys_shape(b, t, kvh, d, kv_layout))
+  return q, quant.quantize(k, kv_dtype), quant.quantize(v, kv_dtype)
+
+
+def _decode(q, k, v, route, kv_layout, *, causal, q_offset, kv_len, tiling=None):
+  out, lse = flash_attention(q, k, v, causal=causal, q_offset=jnp.asarray(q_offset),
+                             kv_len=jnp.asarray(kv_len), kv_layout=kv_layout, route=route,
+                             tiling=tiling)
+  return jax.block_until_ready((out.astype(jnp.float32), lse))  # one interpreted call at a time
+
+
+@needs_interpreter
+@pytest.mark.parametrize("h,kvh,d,kv_layout,causal,merge_kernel", [
+    (12, 2, 128, "BHTD", True, True),  # 6 query heads a KV head (10 zero rows), the merge kernel
+    (6, 3, 64, "BTHD", False, False),  # d 64 (its own swizzles), jnp's merge
+])
+def test_interpreted_kernel_matches_the_reference_products(h, kvh, d, kv_layout, causal,
+                                                           merge_kernel):
+  """Ragged lengths over two key splits: a sequence whose keys end inside a split's last tile
+  (the clamped, masked tile), one whose keys end before the second split starts (an empty
+  split), the query before the last key (causal) or not."""
+  t = 520
+  q, k, v = _inputs(2, h, kvh, t, d, kv_layout)
+  where = dict(causal=causal, q_offset=(518, 200), kv_len=(520, 201))
+  options = KernelOptions(decode_merge_kernel=merge_kernel)
+  got = _decode(q, k, v, Route(backend="gpu", kernels=options), kv_layout,
+                tiling=Tiling(impl="mosaic", key_splits=2), **where)
+  ref = _decode(q, k, v, Route(backend="reference", kernels=PRODUCTS), kv_layout, **where)
+  np.testing.assert_allclose(got[0], ref[0], atol=2e-2, rtol=2e-2)  # bf16 outputs
+  np.testing.assert_allclose(got[1], ref[1], atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kv_layout,d,h", [("BHTD", 128, 32), ("BTHD", 64, 16 * 8)])
+def test_native_kernel_lowers_to_mosaic_gpu(kv_layout, d, h):
+  """The transposed 8-bit and 16-bit WGMMA operands, their matching swizzles, the 8-bit
+  register layout of the values' conversion and the SMEM check, at the 8B's shape (128K keys)
+  and at 16 query heads a KV head with d 64."""
+  b, kvh, t = 1, 8, 131072
+  shape = keys_shape(b, t, kvh, d, kv_layout)
+  args = (jax.ShapeDtypeStruct((b, 1, h, d), jnp.bfloat16), jax.ShapeDtypeStruct(shape, jnp.int8),
+          jax.ShapeDtypeStruct(shape[:3] + (1,), jnp.float32), jax.ShapeDtypeStruct((b,), jnp.int32))
+
+  def f(q, values, scale, pos):
+    x = quant.Quantized(values, scale)
+    return mgpu_decode.attention(q, x, x, pos, pos + 1, causal=True, scale=d ** -0.5,
+                                 kv_layout=kv_layout, merge_kernel=True)
+
+  assert "mosaic_gpu" in jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_route_takes_the_kernel_where_asked_and_it_applies(monkeypatch):
+  """flash_attention runs mgpu_decode for one-token decode over int8 K/V where the variant asks
+  for Mosaic (a native Hopper GPU by KernelOptions.decode_impl, or a call's Tiling(impl=
+  "mosaic")), not for E4M3, several queries, or options only the Triton kernel has."""
+  monkeypatch.setattr(backend_lib, "is_hopper", lambda: True)  # a pretended native Hopper GPU
+  q, k, v = _inputs(1, 8, 2, 256, 64, "BHTD")
+  hopper = Variant("gpu", interpret=False)
+  choose = fa_module._mosaic_decode
+  assert choose(hopper, q, k, v, "BHTD", None, KernelOptions())  # the default: decode_impl
+  assert not choose(hopper, q, k, v, "BHTD", None, KernelOptions(decode_impl="triton"))
+  assert choose(hopper, q, k, v, "BHTD", MOSAIC, KernelOptions(decode_impl="triton"))
+  interpreted = Variant("gpu", interpret=True)
+  assert not choose(interpreted, q, k, v, "BHTD", None, KernelOptions())
+  assert choose(interpreted, q, k, v, "BHTD", MOSAIC, KernelOptions())
+  for options in (KernelOptions(decode_int8_products=False),
+                  KernelOptions(decode_int8_values=True), KernelOptions(decode_row_groups=True)):
+    assert not choose(hopper, q, k, v, "BHTD", None, options), options
+  _, k8, v8 = _inputs(1, 8, 2, 256, 64, "BHTD", kv_dtype=jnp.float8_e4m3fn)
+  assert not choose(hopper, q, k8, v8, "BHTD", None, KernelOptions())
+  assert not choose(hopper, jnp.concatenate([q, q], 1), k, v, "BHTD", None, KernelOptions())
+
+  calls = []
+  monkeypatch.setattr(mgpu_decode, "attention", lambda *a, **kw: calls.append(kw) or (
+      jnp.zeros_like(q), jnp.zeros(q.shape[:3], jnp.float32)))
+  flash_attention(q, k, v, causal=True, q_offset=255, kv_len=256, kv_layout="BHTD",
+                  route=Route(backend="gpu"), tiling=Tiling(impl="mosaic", key_splits=3))
+  assert [c["key_splits"] for c in calls] == [3]
+
+
+@pytest.mark.parametrize("case,why", [
+    (dict(kv_dtype=jnp.float8_e4m3fn), "int8"),
+    (dict(lq=2), "one-token"),
+    (dict(h=34), "at most 16"),
+    (dict(d=96), "head dim"),
+    (dict(t=100), "keys"),
+    (dict(t=260), "multiple of 8"),
+])
+def test_unsupported_says_why(case, why):
+  b, h, kvh, t, d = 1, case.get("h", 8), 2, case.get("t", 256), case.get("d", 64)
+  q, k, v = _inputs(b, h, kvh, t, d, "BHTD", kv_dtype=case.get("kv_dtype", jnp.int8))
+  q = jnp.concatenate([q] * case.get("lq", 1), axis=1)
+  reason = mgpu_decode.unsupported(q, k, v, kv_layout="BHTD")
+  assert reason and why in reason, reason
+  with pytest.raises(ValueError, match="mgpu_decode"):
+    mgpu_decode.attention(q, k, v, jnp.zeros(1, jnp.int32), jnp.ones(1, jnp.int32), causal=True,
+                          scale=1.0, kv_layout="BHTD", merge_kernel=False)
+
+
+def test_config_is_checked():
+  with pytest.raises(ValueError, match="block_kv"):
+    mgpu_decode.DecodeConfig(block_kv=100)
+  with pytest.raises(ValueError, match="stages"):
+    mgpu_decode.DecodeConfig(stages=1)
+  q, k, v = _inputs(1, 8, 2, 256, 128, "BHTD")
+  big = mgpu_decode.DecodeConfig(block_kv=128, stages=4, landing=4, per_core=2)
+  assert "SMEM" in mgpu_decode.unsupported(q, k, v, kv_layout="BHTD", config=big)
+
+
+def test_merge_reads_the_rows_minor_partials():
+  """split_merge with rows_minor (the kernel's [.., d, rows] partials) equals the merge of the
+  same partials laid out rows-major, by the merge kernel (interpreted) and by jnp."""
+  rng = np.random.default_rng(3)
+  outs = normal(rng, (2, 3, 4, 16, 32))  # [B, KV, P, R, d]
+  lses = normal(rng, (2, 3, 4, 16, 1))
+  for kernel in (True, False):
+    want = split_merge.merge(outs, lses, splits=3, rows=5, dtype=jnp.float32, kernel=kernel,
+                             interpret=True)
+    got = split_merge.merge(jnp.swapaxes(outs, 3, 4), lses[..., 0], splits=3, rows=5,
+                            dtype=jnp.float32, kernel=kernel, interpret=True, rows_minor=True)
+    np.testing.assert_allclose(got[0][:, :, :5], want[0][:, :, :5], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(got[1][:, :, :5], want[1][:, :, :5], rtol=1e-6, atol=1e-6)
