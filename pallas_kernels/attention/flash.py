@@ -118,10 +118,10 @@ def _attention(q, k, v, *, causal, q_offset, kv_len, scale: float, kv_layout: st
                                      scale=scale, kv_layout=kv_layout, products=eight_bit_q)
   if use_cudnn:
     return _cudnn(q, k, v, causal=causal, kv_len=kv_len, scale=scale)
-  if _mosaic_decode(variant, q, k, v, kv_layout, tiling, options):
+  if decode_config := _mosaic_decode(variant, q, k, v, kv_layout, tiling, options):
     return mgpu_decode.attention(q, k, v, q_off, kv_len, causal=causal, scale=scale,
                                  kv_layout=kv_layout, merge_kernel=options.decode_merge_kernel,
-                                 key_splits=tiling and tiling.key_splits,
+                                 key_splits=tiling and tiling.key_splits, config=decode_config,
                                  interpret=variant.interpret)
   if mosaic is not None:
     return mgpu_flash.mgpu_flash_attention(q, k, v, q_off, kv_len, causal=causal, scale=scale,
@@ -195,18 +195,23 @@ def _mosaic_config(variant, q, k, v, kv_layout, tiling, options: KernelOptions =
   return config
 
 
-def _mosaic_decode(variant, q, k, v, kv_layout, tiling, options: KernelOptions) -> bool:
-  """Whether one-token decode runs mgpu_decode (KernelOptions.decode_impl, or a per-call
-  Tiling(impl="mosaic"), where that kernel takes the call) rather than the Triton kernel: not
-  where the run asks what only the Triton kernel does (keys converted rather than multiplied as
-  stored, int8 probabilities, row groups)."""
+def _mosaic_decode(variant, q, k, v, kv_layout, tiling, options: KernelOptions):
+  """The mgpu_decode config when one-token decode runs that kernel (KernelOptions.decode_impl,
+  or a per-call Tiling(impl="mosaic"), where it takes the call), else None: the Triton kernel,
+  also where the run asks what only it does (keys converted rather than multiplied as stored,
+  int8 probabilities, row groups, a Triton tiling)."""
   if q.shape[1] != 1 or not gpu.mosaic_asked(variant, tiling, options.decode_impl):
-    return False
+    return None
+  triton_tiling = tiling is not None and tiling.impl != "mosaic" and any(
+      x is not None for x in (tiling.block_rows, tiling.block_keys, tiling.num_warps,
+                              tiling.num_stages, tiling.prefetch))
   triton_only = (options.decode_int8_products is False, options.decode_int8_values,
-                 options.decode_row_groups)
+                 options.decode_row_groups, triton_tiling)
   if any(triton_only):
-    return False
-  return mgpu_decode.unsupported(q, k, v, kv_layout=kv_layout) is None
+    return None
+  config = mgpu_decode.tiled(mgpu_decode.DEFAULT_CONFIG, tiling)
+  return config if mgpu_decode.unsupported(q, k, v, kv_layout=kv_layout, config=config) is None \
+      else None
 
 
 def _cudnn(q, k, v, *, causal, kv_len, scale):

@@ -52,7 +52,7 @@ from pallas_kernels.mgpu_common import (DTYPES, HEAD_DIMS, LOG2E, NEG_INF, inter
                                         keyrows, operand_transforms, plgpu,
                                         returns_when_done_if_interpreted, scale_rows)
 
-__all__ = ["DecodeConfig", "ROWS", "attention", "smem_bytes", "unsupported"]
+__all__ = ["DecodeConfig", "ROWS", "attention", "smem_bytes", "tiled", "unsupported"]
 
 SMEM_PER_CORE = 228 * 1024  # a Hopper core's; each CTA also takes 1 KiB the driver reserves
 REDUCTION_SCRATCH = 1024  # a [ROWS] column vector reduced across the warpgroup's 4 warps
@@ -80,6 +80,19 @@ class DecodeConfig:
 
 
 DEFAULT_CONFIG = DecodeConfig()
+
+
+def tiled(config: DecodeConfig, tiling) -> DecodeConfig:
+  """config with a per-call gpu.Tiling(impl="mosaic") applied, as gpu.mosaic_tiling does for the
+  other Mosaic kernels: block_keys and num_stages are block_kv and stages (key_splits goes to the
+  split plan); the Triton kernels' other fields are refused, not dropped."""
+  if tiling is None or tiling.impl != "mosaic":
+    return config
+  if tiling.block_rows or tiling.num_warps or tiling.prefetch:
+    raise ValueError(f"{tiling}: the Mosaic decode kernel takes block_keys, num_stages and "
+                     "key_splits (its rows are a KV head's query heads, its warps fixed)")
+  return dataclasses.replace(config, block_kv=tiling.block_keys or config.block_kv,
+                             stages=tiling.num_stages or config.stages)
 
 
 def smem_bytes(config: DecodeConfig, d: int, itemsize: int = 2) -> int:
@@ -201,7 +214,7 @@ def _entry(meta_ref, q_ref, c_ref, k_ref, ks_ref, v_ref, vs_ref, o_ref, lse_ref,
                k_scale=plgpu.SMEM((st, bk), jnp.float32),
                v_scale=plgpu.SMEM((st, bk), jnp.float32),
                v8=plgpu.SMEM((nl, bk, dims.d), eight, transforms=landed),  # as stored
-               v=plgpu.SMEM((st, bk, dims.d), dtype, transforms=narrow),  # dequantized
+               v=plgpu.SMEM((st, bk, dims.d), dtype, transforms=narrow),  # converted
                p=plgpu.SMEM((bk, ROWS), dtype, transforms=narrow))  # P^T
   ring = lambda: plgpu.Barrier(num_barriers=st)  # noqa: E731  (one arrival each)
   barriers = _Barriers(q=plgpu.Barrier(num_barriers=2), k=ring(), k_scale=ring(),
@@ -220,7 +233,7 @@ class _Smem(NamedTuple):
   k_scale: object
   v_scale: object  # the value tiles' scales, beside their keys'
   v8: object  # ring of `landing` value tiles as they land
-  v: object  # ring of `stages` value tiles dequantized by the TMA warpgroup (WGMMA's A, viewed)
+  v: object  # ring of `stages` value tiles converted by the TMA warpgroup (WGMMA's A, viewed)
   p: object
 
 
@@ -350,7 +363,7 @@ def _compute(refs, smem, barriers, *, whole, split, dims, cfg, native, dtype, b,
 
 def _step(i, state, *, masked: bool, smem, barriers, ops, factors, cfg, t, start0, end, dtype):
   """Key tile i of the split: S^T = K Q^T, the softmax update of [bk, ROWS], O^T += V^T P^T
-  (the value tile dequantized by the TMA warpgroup)."""
+  (the value tile converted by the TMA warpgroup, its scales multiplying p)."""
   acc, m, l = state  # acc [d, ROWS]; m [ROWS] (base 2); l [bk, ROWS]: p summed elementwise
   slot = lax.rem(i, jnp.int32(cfg.stages))
   plgpu.barrier_wait(barriers.k.at[slot])

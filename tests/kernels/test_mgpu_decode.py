@@ -81,7 +81,8 @@ def test_native_kernel_lowers_to_mosaic_gpu(kv_layout, d, h):
   b, kvh, t = 1, 8, 131072
   shape = keys_shape(b, t, kvh, d, kv_layout)
   args = (jax.ShapeDtypeStruct((b, 1, h, d), jnp.bfloat16), jax.ShapeDtypeStruct(shape, jnp.int8),
-          jax.ShapeDtypeStruct(shape[:3] + (1,), jnp.float32), jax.ShapeDtypeStruct((b,), jnp.int32))
+          jax.ShapeDtypeStruct(shape[:3] + (1,), jnp.float32),
+          jax.ShapeDtypeStruct((b,), jnp.int32))
 
   def f(q, values, scale, pos):
     x = quant.Quantized(values, scale)
@@ -94,7 +95,8 @@ def test_native_kernel_lowers_to_mosaic_gpu(kv_layout, d, h):
 def test_route_takes_the_kernel_where_asked_and_it_applies(monkeypatch):
   """flash_attention runs mgpu_decode for one-token decode over int8 K/V where the variant asks
   for Mosaic (a native Hopper GPU by KernelOptions.decode_impl, or a call's Tiling(impl=
-  "mosaic")), not for E4M3, several queries, or options only the Triton kernel has."""
+  "mosaic"), whose block_keys / num_stages configure it), not for E4M3, several queries, or
+  options and tilings only the Triton kernel has."""
   monkeypatch.setattr(backend_lib, "is_hopper", lambda: True)  # a pretended native Hopper GPU
   q, k, v = _inputs(1, 8, 2, 256, 64, "BHTD")
   hopper = Variant("gpu", interpret=False)
@@ -108,6 +110,16 @@ def test_route_takes_the_kernel_where_asked_and_it_applies(monkeypatch):
   for options in (KernelOptions(decode_int8_products=False),
                   KernelOptions(decode_int8_values=True), KernelOptions(decode_row_groups=True)):
     assert not choose(hopper, q, k, v, "BHTD", None, options), options
+  assert not choose(hopper, q, k, v, "BHTD", Tiling(block_keys=32), KernelOptions())  # Triton's
+  assert choose(hopper, q, k, v, "BHTD", Tiling(key_splits=4), KernelOptions())
+  asked = Tiling(impl="mosaic", block_keys=128, num_stages=2)
+  assert choose(hopper, q, k, v, "BHTD", asked, KernelOptions()) == mgpu_decode.DecodeConfig(
+      block_kv=128, stages=2)
+  # as the prefill kernels: a call the Mosaic kernel cannot take (here its SMEM) runs Triton's
+  assert not choose(hopper, q, k, v, "BHTD", Tiling(impl="mosaic", block_keys=256),
+                    KernelOptions())
+  with pytest.raises(ValueError, match="block_keys, num_stages and key_splits"):
+    choose(hopper, q, k, v, "BHTD", Tiling(impl="mosaic", num_warps=2), KernelOptions())
   _, k8, v8 = _inputs(1, 8, 2, 256, 64, "BHTD", kv_dtype=jnp.float8_e4m3fn)
   assert not choose(hopper, q, k8, v8, "BHTD", None, KernelOptions())
   assert not choose(hopper, jnp.concatenate([q, q], 1), k, v, "BHTD", None, KernelOptions())
