@@ -210,8 +210,9 @@ def _mosaic_decode(variant, q, k, v, kv_layout, tiling, options: KernelOptions):
   if any(triton_only):
     return None
   config = mgpu_decode.tiled(mgpu_decode.DEFAULT_CONFIG, tiling)
-  return config if mgpu_decode.unsupported(q, k, v, kv_layout=kv_layout, config=config) is None \
-      else None
+  if mgpu_decode.unsupported(q, k, v, kv_layout=kv_layout, config=config):
+    return None  # as _mosaic_config: a call the Mosaic kernel cannot take runs the Triton one
+  return config
 
 
 def _cudnn(q, k, v, *, causal, kv_len, scale):
