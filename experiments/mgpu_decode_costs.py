@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -48,29 +49,23 @@ def _waits_only(i, state, *, smem, barriers, cfg, **_):
 
 
 def _no_scores(self, k_tile, q_smem, *, after_issue):
-  """Scores without the key product: the value tile's dequantization only."""
+  """Scores without the key product (zeros)."""
   after_issue()
   return self.layout(jnp.zeros((self.bk, mgpu_decode.ROWS), jnp.float32), plgpu.Layout.WGMMA)
 
 
-@contextlib.contextmanager
 def leaving_out(stage: str):
-  ops, saved = mgpu_decode.DecodeOps, {}
+  """A context in which the kernel's module has `stage` left out (none: nothing patched)."""
+  ops = mgpu_decode.DecodeOps
   patches = {"convert": (mgpu_decode, "_convert", lambda *a, **k: None),
              "compute": (mgpu_decode, "_step", _waits_only),
              "scores": (ops, "scores", _no_scores),
              "pv": (ops, "accumulate", lambda self, acc, p, v, pt: acc),
              "max": (ops, "column_max", lambda self, s: self.layout(
                  jnp.zeros((mgpu_decode.ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(0)))}
-  if stage in patches:
-    owner, name, fn = patches[stage]
-    saved = (owner, name, getattr(owner, name) if owner is mgpu_decode else owner.__dict__[name])
-    setattr(owner, name, fn)
-  try:
-    yield
-  finally:
-    if saved:
-      setattr(saved[0], saved[1], saved[2])
+  if stage not in patches:
+    return contextlib.nullcontext()
+  return mock.patch.object(*patches[stage])
 
 
 def time_config(q, k, v, config, stage: str, *, steps: int, reps: int) -> float:
