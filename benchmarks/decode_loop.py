@@ -12,12 +12,14 @@ over int8 and bf16 K/V, Llama-3.1-8B's attention shape (32 query / 8 KV heads, d
 Each loop step runs flash_attention as full attention's decode does (causal, the query at the
 last position, BHTD) and feeds its output back into the query scaled by 1e-30 (a dependency, no
 change), so a step's time is the attention call's kernels (split-K and merge) and that one small
-fusion. `--label` names the tree in the records: run the same command with the previous commit's
-kernels first on the path (`git archive REV pallas_kernels | tar -x -C /tmp/before` then
-`PYTHONPATH=/tmp/before:.`) for a before / after in one machine. A variant may name `"dtype"`
-to run over that cache only. One JSON record a line: us a call (median of --reps loops of
---steps calls), the K/V bytes over that time; with --check also the call's largest differences
-from the jnp reference computing the same products (`err_out`, `err_lse`).
+fusion. `--label` names the tree in the records: for a before / after in one machine, run the
+same command again from a directory holding the previous commit's kernels (`git archive REV
+pallas_kernels | tar -x -C /tmp/before`, then `cd /tmp/before && PYTHONPATH=$REPO python -m
+benchmarks.decode_loop ...`): `python -m` puts the working directory ahead of PYTHONPATH, so a
+`PYTHONPATH=/tmp/before:.` run from the repository times the repository's kernels. A variant may
+name `"dtype"` to run over that cache only. One JSON record a line: us a call (median of --reps
+loops of --steps calls), the K/V bytes over that time; with --check also the call's largest
+differences from the jnp reference computing the same products (`err_out`, `err_lse`).
 """
 
 from __future__ import annotations

@@ -97,10 +97,10 @@ def tiled(config: DecodeConfig, tiling) -> DecodeConfig:
 
 def smem_bytes(config: DecodeConfig, d: int, itemsize: int = 2) -> int:
   """Q, the key ring (8-bit, with both scales), the value landing ring (8-bit), the converted
-  value ring, P^T, the factors, reduction scratch and barriers."""
+  value ring, P^T, reduction scratch and barriers."""
   bk, n = config.block_kv, ROWS
   return (n * d + config.stages * bk * (d + 8) + config.landing * bk * d
-          + config.stages * bk * d * itemsize + bk * n * itemsize + 128 + REDUCTION_SCRATCH + 512)
+          + config.stages * bk * d * itemsize + bk * n * itemsize + REDUCTION_SCRATCH + 512)
 
 
 def unsupported(q, k, v, *, kv_layout: str, config: DecodeConfig = DEFAULT_CONFIG) -> str | None:
@@ -149,16 +149,15 @@ def attention(q, k, v, q_offset, kv_len, *, causal: bool, scale: float, kv_layou
   # projections' (repeating the real rows took a gather of its own).
   q8 = quant.quantize(q.reshape(b, kvh, group, d), k.dtype)
   rows = ((0, 0), (0, 0), (0, ROWS - group), (0, 0))
-  # Each column's factor, in the base-2 domain of the softmax: the row's scale and `scale`.
-  # Padded to 32 floats: a TMA copy moves a multiple of 128 bytes (one a thread of the group).
-  columns = jnp.pad(q8.scale[..., 0] * (scale * LOG2E), ((0, 0), (0, 0), (0, 32 - group)))
   meta = jnp.stack([q_offset, kv_len], axis=1).astype(jnp.int32)
   (kk, ks), (vv, vs) = layout.parts(k), layout.parts(v)
   parts = split_merge.parts(splits, merge_kernel)
-  outs, lses = _kernel(meta, jnp.pad(q8.values, rows), columns, kk, scale_rows(ks, kv_layout), vv,
-                       scale_rows(vs, kv_layout), dtype=q.dtype, span=span, parts=parts,
-                       causal=causal, kv_layout=kv_layout, config=config,
-                       interpret=interpret)
+  # The rows' scales go in as they are: the kernel reads them as scalars (a padded copy for a
+  # TMA was one more XLA launch a layer, ~1.1 us at the 8B's step on an H200).
+  outs, lses = _kernel(meta, jnp.pad(q8.values, rows), q8.scale[..., 0], kk,
+                       scale_rows(ks, kv_layout), vv, scale_rows(vs, kv_layout), dtype=q.dtype,
+                       span=span, parts=parts, scale=scale, causal=causal, kv_layout=kv_layout,
+                       config=config, interpret=interpret)
   out, lse = split_merge.merge(outs, lses, splits=splits, rows=group, dtype=q.dtype,
                                kernel=merge_kernel, interpret=interpret is not False,
                                rows_minor=True)
@@ -174,18 +173,19 @@ class _Dims:
 
 
 @returns_when_done_if_interpreted
-@functools.partial(jax.jit, static_argnames=("dtype", "span", "parts", "causal", "kv_layout",
-                                             "config", "interpret"))
-def _kernel(meta, q8, columns, k, k_scale, v, v_scale, *, dtype, span, parts, causal,
+@functools.partial(jax.jit, static_argnames=("dtype", "span", "parts", "scale", "causal",
+                                             "kv_layout", "config", "interpret"))
+def _kernel(meta, q8, q_scale, k, k_scale, v, v_scale, *, dtype, span, parts, scale, causal,
             kv_layout, config, interpret=False):
   """Per-split (out^T [B, KV, parts, d, ROWS], lse [B, KV, parts, ROWS]) fp32; entries past the
-  grid's splits (parts: split_merge's power of two) are left unwritten."""
+  grid's splits (parts: split_merge's power of two) are left unwritten. q8 [B, KV, ROWS, d]
+  (zero rows past the group's), q_scale [B, KV, group]."""
   b, kvh, _, d = q8.shape
   t = k.shape[1 if kv_layout == "BTHD" else 2]
   dims = _Dims(t=t, d=d, kvh=kvh, span=span)
   native = interpret is False
   body = functools.partial(_entry, dims=dims, cfg=config, causal=causal, kv_layout=kv_layout,
-                           native=native, dtype=jnp.dtype(dtype))
+                           native=native, dtype=jnp.dtype(dtype), scale=scale)
   params = None
   if native:
     params = plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=REDUCTION_SCRATCH,
@@ -197,7 +197,7 @@ def _kernel(meta, q8, columns, k, k_scale, v, v_scale, *, dtype, span, parts, ca
                 jax.ShapeDtypeStruct((b, kvh, parts, ROWS), jnp.float32)],
       grid=(b * kvh, -(-t // span)), grid_names=("bh", "split"), num_threads=2, thread_name="wg",
       compiler_params=params, interpret=interpret_params(interpret),
-  )(meta, q8, columns, k, k_scale, v, v_scale)
+  )(meta, q8, q_scale, k, k_scale, v, v_scale)
 
 
 def _entry(meta_ref, q_ref, c_ref, k_ref, ks_ref, v_ref, vs_ref, o_ref, lse_ref, *, dims, cfg,
@@ -209,7 +209,6 @@ def _entry(meta_ref, q_ref, c_ref, k_ref, ks_ref, v_ref, vs_ref, o_ref, lse_ref,
   landed = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(64))  # _convert's chunks
   narrow = operand_transforms(dtype, ROWS)  # P^T's 32-byte rows, and the values to match
   smem = _Smem(q=plgpu.SMEM((ROWS, dims.d), eight, transforms=operand),  # quantized
-               factors=plgpu.SMEM((32,), jnp.float32),  # the columns' (ROWS of them)
                k=plgpu.SMEM((st, bk, dims.d), eight, transforms=operand),
                k_scale=plgpu.SMEM((st, bk), jnp.float32),
                v_scale=plgpu.SMEM((st, bk), jnp.float32),
@@ -217,7 +216,7 @@ def _entry(meta_ref, q_ref, c_ref, k_ref, ks_ref, v_ref, vs_ref, o_ref, lse_ref,
                v=plgpu.SMEM((st, bk, dims.d), dtype, transforms=narrow),  # converted
                p=plgpu.SMEM((bk, ROWS), dtype, transforms=narrow))  # P^T
   ring = lambda: plgpu.Barrier(num_barriers=st)  # noqa: E731  (one arrival each)
-  barriers = _Barriers(q=plgpu.Barrier(num_barriers=2), k=ring(), k_scale=ring(),
+  barriers = _Barriers(q=plgpu.Barrier(num_barriers=1), k=ring(), k_scale=ring(),
                        v_scale=ring(), v8=plgpu.Barrier(num_barriers=nl), v=ring(),
                        k_free=ring(), v_free=ring())
   refs = (meta_ref, q_ref, c_ref, (k_ref, ks_ref, v_ref, vs_ref), o_ref, lse_ref)
@@ -228,7 +227,6 @@ def _entry(meta_ref, q_ref, c_ref, k_ref, ks_ref, v_ref, vs_ref, o_ref, lse_ref,
 
 class _Smem(NamedTuple):
   q: object
-  factors: object
   k: object  # ring of `stages` key tiles, as stored (WGMMA's A)
   k_scale: object
   v_scale: object  # the value tiles' scales, beside their keys'
@@ -238,7 +236,7 @@ class _Smem(NamedTuple):
 
 
 class _Barriers(NamedTuple):
-  q: object  # Q, the factors
+  q: object  # Q
   k: object  # key tile landed; its scales, the value tile's scales
   k_scale: object
   v_scale: object
@@ -248,7 +246,7 @@ class _Barriers(NamedTuple):
   v_free: object  # value slot read (its product done)
 
 
-def _cta(refs, smem, barriers, *, dims, cfg, causal, kv_layout, native, dtype):
+def _cta(refs, smem, barriers, *, dims, cfg, causal, kv_layout, native, dtype, scale):
   """The CTA's sequence, KV head and keys: tiles [0, whole) need no mask, [whole, tiles) do."""
   meta_ref = refs[0]
   bh, split, wg = lax.axis_index("bh"), lax.axis_index("split"), lax.axis_index("wg")
@@ -267,7 +265,7 @@ def _cta(refs, smem, barriers, *, dims, cfg, causal, kv_layout, native, dtype):
   @pl.when(wg == 0)
   def _():
     _compute(refs, smem, barriers, whole=whole, split=split, dims=dims, cfg=cfg,
-             native=native, dtype=dtype, **where)
+             native=native, dtype=dtype, scale=scale, **where)
 
   @pl.when(wg == 1)
   def _():
@@ -336,17 +334,20 @@ def _convert(x8, out, *, native: bool):
     out.at[pl.ds(r, 64), pl.ds(c, 64)][...] = x.astype(out.dtype)
 
 
-def _compute(refs, smem, barriers, *, whole, split, dims, cfg, native, dtype, b, h, start0, end,
-             tiles):
+def _compute(refs, smem, barriers, *, whole, split, dims, cfg, native, dtype, scale, b, h,
+             start0, end, tiles):
   """Compute warpgroup: the online softmax over the split's tiles, then its (out^T, lse)."""
   _, q_ref, c_ref, _, o_ref, lse_ref = refs
   plgpu.copy_gmem_to_smem(q_ref.at[b, h], smem.q, barriers.q.at[0])
-  plgpu.copy_gmem_to_smem(c_ref.at[b, h], smem.factors, barriers.q.at[1])
-  plgpu.barrier_wait(barriers.q.at[0])
-  plgpu.barrier_wait(barriers.q.at[1])
   ops = DecodeOps(native, cfg.block_kv, dims.d)
-  factors = ops.columns(ops.column_vector(smem.factors.at[pl.ds(0, ROWS)]),
-                        (cfg.block_kv, ROWS))
+  # Each column's factor, in the base-2 domain of the softmax: its row's scale (read as a
+  # scalar) and `scale`; 0 for the padding columns, whose scores are dropped.
+  column = ops.layout(lax.broadcasted_iota(jnp.int32, (cfg.block_kv, ROWS), 1),
+                      plgpu.Layout.WGMMA)
+  factors = ops.layout(jnp.zeros((cfg.block_kv, ROWS), jnp.float32), plgpu.Layout.WGMMA)
+  for j in range(c_ref.shape[2]):
+    factors = jnp.where(column == j, c_ref[b, h, j] * (scale * LOG2E), factors)
+  plgpu.barrier_wait(barriers.q.at[0])
   step = functools.partial(_step, smem=smem, barriers=barriers, ops=ops, factors=factors,
                            cfg=cfg, t=dims.t, start0=start0, end=end, dtype=dtype)
   state = ops.init_state()

@@ -21,6 +21,7 @@ from pallas_kernels.attention import mgpu_decode
 from pallas_kernels.backend import Variant
 from pallas_kernels.decode import split_merge
 from pallas_kernels.gpu import Tiling
+from tests.kernels.cuda_lowering import cuda_text
 from tests.kernels.inputs import keys_shape, normal, with_outliers
 
 NO_INTERPRETER = mgpu_common.interpreter_available()
@@ -161,16 +162,38 @@ def test_config_is_checked():
   assert "SMEM" in mgpu_decode.unsupported(q, k, v, kv_layout="BHTD", config=big)
 
 
-def test_merge_reads_the_rows_minor_partials():
+@pytest.mark.parametrize("rows,d,splits,parts,dtype", [(5, 32, 3, 4, jnp.float32),
+                                                      (4, 128, 49, 64, jnp.bfloat16),
+                                                      (16, 64, 1, 1, jnp.float32)])
+def test_merge_reads_the_rows_minor_partials(rows, d, splits, parts, dtype):
   """split_merge with rows_minor (the kernel's [.., d, rows] partials) equals the merge of the
-  same partials laid out rows-major, by the merge kernel (interpreted) and by jnp."""
-  rng = np.random.default_rng(3)
-  outs = normal(rng, (2, 3, 4, 16, 32))  # [B, KV, P, R, d]
-  lses = normal(rng, (2, 3, 4, 16, 1))
+  same partials laid out rows-major, by the merge kernel (interpreted) and by jnp: NaN in the
+  unwritten splits, empty splits, a row empty in every split, channels in several blocks."""
+  rng = np.random.default_rng(rows + d)
+  outs = np.full((2, 3, parts, 16, d), np.nan, np.float32)  # [B, KV, P, R, d]
+  lses = np.full((2, 3, parts, 16, 1), np.nan, np.float32)
+  outs[:, :, :splits] = rng.standard_normal((2, 3, splits, 16, d))
+  lses[:, :, :splits] = rng.standard_normal((2, 3, splits, 16, 1)) * 3
+  lses[:, :, :splits][rng.random((2, 3, splits, 16, 1)) < 0.2] = -np.inf
+  lses[0, :, :splits, 1] = -np.inf
+  outs, lses = jnp.asarray(outs), jnp.asarray(lses)
+  # jnp's merge takes only the written splits (split_merge.parts(splits, False) of them)
+  written = outs[:, :, :splits], lses[:, :, :splits]
+  want = split_merge.merge(*written, splits=splits, rows=rows, dtype=jnp.float32, kernel=False,
+                           interpret=True)
   for kernel in (True, False):
-    want = split_merge.merge(outs, lses, splits=3, rows=5, dtype=jnp.float32, kernel=kernel,
-                             interpret=True)
-    got = split_merge.merge(jnp.swapaxes(outs, 3, 4), lses[..., 0], splits=3, rows=5,
-                            dtype=jnp.float32, kernel=kernel, interpret=True, rows_minor=True)
-    np.testing.assert_allclose(got[0][:, :, :5], want[0][:, :, :5], rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(got[1][:, :, :5], want[1][:, :, :5], rtol=1e-6, atol=1e-6)
+    o, s = (outs, lses) if kernel else written
+    got = split_merge.merge(jnp.swapaxes(o, 3, 4), s[..., 0], splits=splits, rows=rows,
+                            dtype=dtype, kernel=kernel, interpret=True, rows_minor=True)
+    tol = 2e-2 if kernel and dtype == jnp.bfloat16 else 1e-5
+    np.testing.assert_allclose(np.asarray(got[0][:, :, :rows], np.float32),
+                               want[0][:, :, :rows], rtol=tol, atol=tol)
+    np.testing.assert_allclose(got[1][:, :, :rows], want[1][:, :, :rows], rtol=1e-5, atol=1e-5)
+    assert np.isneginf(np.asarray(got[1][0, :, 1])).all()
+
+
+def test_rows_minor_merge_lowers_to_triton():
+  def call(o, s):
+    return split_merge.merge(o, s, splits=49, rows=4, dtype=jnp.bfloat16, kernel=True,
+                             interpret=False, rows_minor=True)
+  assert "triton" in cuda_text(call, jnp.ones((1, 8, 64, 128, 16)), jnp.ones((1, 8, 64, 16)))
