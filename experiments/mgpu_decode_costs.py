@@ -13,9 +13,10 @@ out (trace-time patches; every result but `none`'s is wrong, only its time count
   pv          P^T's store and the O^T += V^T P^T product;
   max         the column max across the warpgroup (the running max stays as it was);
   scores      the key product (zeros instead);
-  compute     everything the compute warpgroup does but wait for its tiles and free them.
-No GPU counters are read; a stage's time is the difference of a variant that does it and one
-that leaves it out (the device method's "time variants that leave one stage out").
+  compute     everything the compute warpgroup does but wait for its tiles and free them;
+joined by "+", several at once (compute+convert: the TMA streams alone). No GPU counters are
+read; a stage's time is the difference of a variant that does it and one that leaves it out (the
+device method's "time variants that leave one stage out").
 """
 
 from __future__ import annotations
@@ -54,8 +55,12 @@ def _no_scores(self, k_tile, q_smem, *, after_issue):
   return self.layout(jnp.zeros((self.bk, mgpu_decode.ROWS), jnp.float32), plgpu.Layout.WGMMA)
 
 
+STAGES = ("convert", "compute", "scores", "pv", "max")
+
+
 def leaving_out(stage: str):
-  """A context in which the kernel's module has `stage` left out (none: nothing patched)."""
+  """A context in which the kernel's module has `stage` left out: one of STAGES, several joined
+  by "+" (compute+convert: the TMA streams alone), or none (nothing patched)."""
   ops = mgpu_decode.DecodeOps
   patches = {"convert": (mgpu_decode, "_convert", lambda *a, **k: None),
              "compute": (mgpu_decode, "_step", _waits_only),
@@ -63,9 +68,13 @@ def leaving_out(stage: str):
              "pv": (ops, "accumulate", lambda self, acc, p, v, pt: acc),
              "max": (ops, "column_max", lambda self, s: self.layout(
                  jnp.zeros((mgpu_decode.ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(0)))}
-  if stage not in patches:
-    return contextlib.nullcontext()
-  return mock.patch.object(*patches[stage])
+  stack = contextlib.ExitStack()
+  for name in stage.split("+"):
+    if name != "none":
+      if name not in patches:
+        raise ValueError(f"--leave-out {stage!r}: {name!r} is not one of none, {', '.join(STAGES)}")
+      stack.enter_context(mock.patch.object(*patches[name]))
+  return stack
 
 
 def time_config(q, k, v, config, stage: str, *, steps: int, reps: int) -> float:

@@ -197,3 +197,31 @@ def test_rows_minor_merge_lowers_to_triton():
     return split_merge.merge(o, s, splits=49, rows=4, dtype=jnp.bfloat16, kernel=True,
                              interpret=False, rows_minor=True)
   assert "triton" in cuda_text(call, jnp.ones((1, 8, 64, 128, 16)), jnp.ones((1, 8, 64, 16)))
+
+
+def test_each_cost_variant_lowers():
+  """experiments/mgpu_decode_costs.py's variants (a stage left out, or several joined by +)
+  lower to Mosaic GPU, each to a kernel of its own (a variant that no longer compiles, or
+  whose patch no longer reaches the kernel, would time nothing or the wrong thing)."""
+  from experiments import mgpu_decode_costs
+  b, h, kvh, t, d = 1, 32, 8, 4096, 128
+  shape = keys_shape(b, t, kvh, d, "BHTD")
+  x = quant.Quantized(jax.ShapeDtypeStruct(shape, jnp.int8),
+                      jax.ShapeDtypeStruct(shape[:3] + (1,), jnp.float32))
+
+  texts = {}
+  for stage in ("none", *mgpu_decode_costs.STAGES, "compute+convert"):
+    def f(q, k, pos):  # a function of its own each time: jit's cache is keyed on it
+      return mgpu_decode.attention(q, k, k, pos, pos + 1, causal=True, scale=d ** -0.5,
+                                   kv_layout="BHTD", merge_kernel=True)
+
+    with mgpu_decode_costs.leaving_out(stage):
+      mgpu_decode._kernel.__wrapped__.clear_cache()  # else it serves another variant's trace
+      texts[stage] = jax.jit(f).trace(jax.ShapeDtypeStruct((b, 1, h, d), jnp.bfloat16), x,
+                                      jax.ShapeDtypeStruct((b,), jnp.int32)).lower(
+                                          lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in texts[stage], stage
+  mgpu_decode._kernel.__wrapped__.clear_cache()
+  assert len(set(texts.values())) == len(texts)
+  with pytest.raises(ValueError, match="not one of"):
+    mgpu_decode_costs.leaving_out("compute+nothing")
