@@ -46,16 +46,15 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import gpu, layout, quant
-from pallas_kernels.attention.mgpu_decode_ops import ROWS, DecodeOps
+from pallas_kernels.attention.mgpu_decode_ops import REDUCTION_SCRATCH, ROWS, DecodeOps, launch
 from pallas_kernels.decode import split_merge
-from pallas_kernels.mgpu_common import (DTYPES, HEAD_DIMS, LOG2E, NEG_INF, interpret_params,
-                                        keyrows, operand_transforms, plgpu,
+from pallas_kernels.mgpu_common import (DTYPES, HEAD_DIMS, LOG2E, NEG_INF, keyrows,
+                                        operand_transforms, plgpu,
                                         returns_when_done_if_interpreted, scale_rows)
 
 __all__ = ["DecodeConfig", "ROWS", "attention", "smem_bytes", "tiled", "unsupported"]
 
 SMEM_PER_CORE = 228 * 1024  # a Hopper core's; each CTA also takes 1 KiB the driver reserves
-REDUCTION_SCRATCH = 1024  # a [ROWS] column vector reduced across the warpgroup's 4 warps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,18 +185,8 @@ def _kernel(meta, q8, q_scale, k, k_scale, v, v_scale, *, dtype, span, parts, sc
   native = interpret is False
   body = functools.partial(_entry, dims=dims, cfg=config, causal=causal, kv_layout=kv_layout,
                            native=native, dtype=jnp.dtype(dtype), scale=scale)
-  params = None
-  if native:
-    params = plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=REDUCTION_SCRATCH,
-                                  lowering_semantics=plgpu.LoweringSemantics.Lane,
-                                  unsafe_no_auto_barriers=not config.auto_barriers)
-  return plgpu.kernel(
-      body,
-      out_type=[jax.ShapeDtypeStruct((b, kvh, parts, d, ROWS), jnp.float32),
-                jax.ShapeDtypeStruct((b, kvh, parts, ROWS), jnp.float32)],
-      grid=(b * kvh, -(-t // span)), grid_names=("bh", "split"), num_threads=2, thread_name="wg",
-      compiler_params=params, interpret=interpret_params(interpret),
-  )(meta, q8, q_scale, k, k_scale, v, v_scale)
+  return launch(body, b, dims, parts, config, interpret)(meta, q8, q_scale, k, k_scale, v,
+                                                          v_scale)
 
 
 def _entry(meta_ref, q_ref, c_ref, k_ref, ks_ref, v_ref, vs_ref, o_ref, lse_ref, *, dims, cfg,
@@ -246,13 +235,19 @@ class _Barriers(NamedTuple):
   v_free: object  # value slot read (its product done)
 
 
-def _cta(refs, smem, barriers, *, dims, cfg, causal, kv_layout, native, dtype, scale):
-  """The CTA's sequence, KV head and keys: tiles [0, whole) need no mask, [whole, tiles) do."""
+def _cta(refs, smem, barriers, *, dims, cfg, causal, native, dtype, scale, memory=None,
+         **memory_kw):
+  """The CTA's sequence, KV head and keys: tiles [0, whole) need no mask, [whole, tiles) do.
+  memory: the body of the warpgroups past the compute one (default `_memory`, the TMA
+  warpgroup's, called with memory_kw); meta rows of 3 entries bound the keys by their third too
+  (a 4-bit cache's residual group, read apart)."""
   meta_ref = refs[0]
   bh, split, wg = lax.axis_index("bh"), lax.axis_index("split"), lax.axis_index("wg")
   kvh = jnp.int32(dims.kvh)
   b, h = lax.div(bh, kvh), lax.rem(bh, kvh)
   q_off, kv_len = meta_ref[b, 0], meta_ref[b, 1]
+  if meta_ref.shape[1] > 2:
+    kv_len = jnp.minimum(kv_len, meta_ref[b, 2])
   bk = jnp.int32(cfg.block_kv)
   start0 = split * dims.span
   end = jnp.minimum(jnp.minimum(start0 + dims.span, kv_len), dims.t)
@@ -267,10 +262,13 @@ def _cta(refs, smem, barriers, *, dims, cfg, causal, kv_layout, native, dtype, s
     _compute(refs, smem, barriers, whole=whole, split=split, dims=dims, cfg=cfg,
              native=native, dtype=dtype, scale=scale, **where)
 
-  @pl.when(wg == 1)
+  @pl.when(wg >= 1)
   def _():
-    _memory(refs, smem, barriers, dims=dims, cfg=cfg, kv_layout=kv_layout, native=native,
-            **where)
+    if memory is None:
+      _memory(refs, smem, barriers, dims=dims, cfg=cfg, native=native, **memory_kw, **where)
+    else:  # the kernel's own warpgroups past the compute one, each told which it is
+      memory(refs, smem, barriers, wg=wg, dims=dims, cfg=cfg, native=native, **memory_kw,
+             **where)
 
 
 def _memory(refs, smem, barriers, *, dims, cfg, kv_layout, native, b, h, start0, tiles, **_):
@@ -341,12 +339,16 @@ def _compute(refs, smem, barriers, *, whole, split, dims, cfg, native, dtype, sc
   plgpu.copy_gmem_to_smem(q_ref.at[b, h], smem.q, barriers.q.at[0])
   ops = DecodeOps(native, cfg.block_kv, dims.d)
   # Each column's factor, in the base-2 domain of the softmax: its row's scale (read as a
-  # scalar) and `scale`; 0 for the padding columns, whose scores are dropped.
-  column = ops.layout(lax.broadcasted_iota(jnp.int32, (cfg.block_kv, ROWS), 1),
-                      plgpu.Layout.WGMMA)
-  factors = ops.layout(jnp.zeros((cfg.block_kv, ROWS), jnp.float32), plgpu.Layout.WGMMA)
-  for j in range(c_ref.shape[2]):
-    factors = jnp.where(column == j, c_ref[b, h, j] * (scale * LOG2E), factors)
+  # scalar; c_ref None: rows in q's dtype, none) and `scale`; 0 for the padding columns, whose
+  # scores are dropped.
+  factors = ops.layout(jnp.full((cfg.block_kv, ROWS), scale * LOG2E, jnp.float32),
+                       plgpu.Layout.WGMMA)
+  if c_ref is not None:
+    column = ops.layout(lax.broadcasted_iota(jnp.int32, (cfg.block_kv, ROWS), 1),
+                        plgpu.Layout.WGMMA)
+    factors = ops.layout(jnp.zeros((cfg.block_kv, ROWS), jnp.float32), plgpu.Layout.WGMMA)
+    for j in range(c_ref.shape[2]):
+      factors = jnp.where(column == j, c_ref[b, h, j] * (scale * LOG2E), factors)
   plgpu.barrier_wait(barriers.q.at[0])
   step = functools.partial(_step, smem=smem, barriers=barriers, ops=ops, factors=factors,
                            cfg=cfg, t=dims.t, start0=start0, end=end, dtype=dtype)
@@ -369,10 +371,13 @@ def _step(i, state, *, masked: bool, smem, barriers, ops, factors, cfg, t, start
   slot = lax.rem(i, jnp.int32(cfg.stages))
   plgpu.barrier_wait(barriers.k.at[slot])
   s = ops.scores(smem.k.at[slot], smem.q, after_issue=lambda: None)  # [bk, ROWS] fp32
-  plgpu.barrier_wait(barriers.k_scale.at[slot])
-  plgpu.barrier_wait(barriers.v_scale.at[slot])
-  s = s * ops.rows(ops.row_vector(smem.k_scale.at[slot]), s.shape) * factors
-  v_scale = ops.rows(ops.row_vector(smem.v_scale.at[slot]), s.shape)
+  v_scale = None  # tiles in q's dtype (a 4-bit cache's, dequantized by the TMA warpgroup)
+  if smem.k_scale is not None:
+    plgpu.barrier_wait(barriers.k_scale.at[slot])
+    plgpu.barrier_wait(barriers.v_scale.at[slot])
+    s = s * ops.rows(ops.row_vector(smem.k_scale.at[slot]), s.shape)
+    v_scale = ops.rows(ops.row_vector(smem.v_scale.at[slot]), s.shape)
+  s = s * factors
   plgpu.barrier_arrive(barriers.k_free.at[slot])
   if masked:  # keys seen by the clamped tile's predecessor, or past `end`
     nominal = start0 + i * cfg.block_kv
@@ -385,8 +390,9 @@ def _step(i, state, *, masked: bool, smem, barriers, ops, factors, cfg, t, start
   p = jnp.exp2(s - ops.columns(m_sub, s.shape))
   l = l * ops.columns(alpha, l.shape) + p
   plgpu.barrier_wait(barriers.v.at[slot])
-  acc = ops.accumulate(acc * ops.columns(alpha, acc.shape), (p * v_scale).astype(dtype),
-                       smem.v.at[slot], smem.p)
+  p = p if v_scale is None else p * v_scale
+  acc = ops.accumulate(acc * ops.columns(alpha, acc.shape), p.astype(dtype), smem.v.at[slot],
+                       smem.p)
   plgpu.barrier_arrive(barriers.v_free.at[slot])
   return acc, m_new, l
 

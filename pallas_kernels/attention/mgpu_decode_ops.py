@@ -1,16 +1,19 @@
 """The products and register layouts of mgpu_decode.py's transposed products, natively (WGMMA,
 Mosaic GPU's register layouts) or in jax's Mosaic GPU interpreter (dot products of the SMEM
-tiles, no layout casts): mgpu_common.Ops for S^T = K Q^T and O^T += V^T P^T."""
+tiles, no layout casts): mgpu_common.Ops for S^T = K Q^T and O^T += V^T P^T; and the launch the
+8-bit and 4-bit decode kernels share (mgpu_decode.py, mgpu_int4_decode.py)."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.mgpu_common import LN2, NEG_INF, int_to_f32, plgpu
+from pallas_kernels.mgpu_common import LN2, NEG_INF, int_to_f32, interpret_params, plgpu
 
 ROWS = 16  # WGMMA's N for the products: a KV head's query rows, padded with zero rows
+REDUCTION_SCRATCH = 1024  # a [ROWS] column vector reduced across the warpgroup's 4 warps
 
 
 class DecodeOps:
@@ -53,8 +56,8 @@ class DecodeOps:
 
   def scores(self, k_tile, q_smem, *, after_issue):
     """K [bk, d] . Q [ROWS, d]^T -> fp32 [bk, ROWS]; after_issue runs while the product is in
-    flight: int8 into int32, exact, then fp32 (mgpu_common.int_to_f32)."""
-    acc = jnp.int32
+    flight: int8 into int32, exact, then fp32 (mgpu_common.int_to_f32); 16-bit tiles in fp32."""
+    acc = jnp.int32 if k_tile.dtype == jnp.int8 else jnp.float32
     if not self.native:
       s = lax.dot_general(k_tile[...], q_smem[...], (((1,), (1,)), ((), ())),
                           preferred_element_type=acc)
@@ -67,7 +70,7 @@ class DecodeOps:
         return acc_ref[...]
 
       s = pl.run_scoped(product, plgpu.ACC((self.bk, ROWS), acc))
-    return int_to_f32(s)
+    return int_to_f32(s) if acc == jnp.int32 else s
 
   def column_max(self, s):
     """[bk, ROWS] -> [ROWS]: across the warpgroup's warps (Mosaic's reduction scratch)."""
@@ -96,3 +99,22 @@ class DecodeOps:
     inv = jnp.where(seen, 1.0 / safe, 0.0)
     lse = jnp.where(seen, m * LN2 + jnp.log(safe), NEG_INF)
     return acc * self.columns(inv, acc.shape), lse
+
+
+def launch(body, b: int, dims, parts: int, config, interpret, num_threads: int = 2):
+  """The split-K decode kernel over (batch x KV head, key split) of `num_threads` warpgroups
+  running body, its per-split (out^T [B, KV, parts, d, ROWS], lse [B, KV, parts, ROWS]) fp32.
+  dims: mgpu_decode's _Dims (keys, head dim, KV heads, keys a split); config a DecodeConfig."""
+  params = None
+  if interpret is False:
+    params = plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=REDUCTION_SCRATCH,
+                                  lowering_semantics=plgpu.LoweringSemantics.Lane,
+                                  unsafe_no_auto_barriers=not config.auto_barriers)
+  kvh, d = dims.kvh, dims.d
+  return plgpu.kernel(
+      body,
+      out_type=[jax.ShapeDtypeStruct((b, kvh, parts, d, ROWS), jnp.float32),
+                jax.ShapeDtypeStruct((b, kvh, parts, ROWS), jnp.float32)],
+      grid=(b * kvh, -(-dims.t // dims.span)), grid_names=("bh", "split"),
+      num_threads=num_threads, thread_name="wg", compiler_params=params,
+      interpret=interpret_params(interpret))
