@@ -125,12 +125,18 @@ def test_route_takes_the_kernel_where_asked_and_it_applies(monkeypatch):
   assert not choose(hopper, q, k8, v8, "BHTD", None, KernelOptions())
   assert not choose(hopper, jnp.concatenate([q, q], 1), k, v, "BHTD", None, KernelOptions())
 
+  assert key_splits_reaching(mgpu_decode, monkeypatch, q, k, v, 256) == [3]
+
+
+def key_splits_reaching(module, monkeypatch, q, k, v, t: int):
+  """The key_splits each call of module.attention got from flash_attention asked for 3 by a
+  Tiling(impl="mosaic") (a one-token decode at the last of t keys, BHTD)."""
   calls = []
-  monkeypatch.setattr(mgpu_decode, "attention", lambda *a, **kw: calls.append(kw) or (
+  monkeypatch.setattr(module, "attention", lambda *a, **kw: calls.append(kw) or (
       jnp.zeros_like(q), jnp.zeros(q.shape[:3], jnp.float32)))
-  flash_attention(q, k, v, causal=True, q_offset=255, kv_len=256, kv_layout="BHTD",
+  flash_attention(q, k, v, causal=True, q_offset=t - 1, kv_len=t, kv_layout="BHTD",
                   route=Route(backend="gpu"), tiling=Tiling(impl="mosaic", key_splits=3))
-  assert [c["key_splits"] for c in calls] == [3]
+  return [c["key_splits"] for c in calls]
 
 
 @pytest.mark.parametrize("case,why", [
