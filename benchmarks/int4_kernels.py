@@ -83,8 +83,9 @@ def check():
     ref = flash_attention(q.astype(jnp.float32), quant4.load(k, jnp.float32),
                           quant4.dequantize(v, jnp.float32), route=Route(backend="reference"),
                           **kw)
-    for name, tiles in (("kernel", True), ("copy", False)):
-      got = flash_attention(q, k, v, route=_route(tiles), **kw)
+    for name, tiles, tiling in (("kernel", True, IMPLS["tiles"]),
+                                ("mosaic", True, IMPLS["mosaic"]), ("copy", False, None)):
+      got = flash_attention(q, k, v, route=_route(tiles), tiling=tiling, **kw)
       recs.append({"check": "decode", "dtype": fmt, "route": name,
                    "out_err": _err(got[0], ref[0]), "lse_err": _err(got[1], ref[1])})
   return recs
@@ -152,18 +153,28 @@ def _progress(rec):
   print(printable(rec), file=sys.stderr, flush=True)
 
 
+def _impls():
+  """The 4-bit decode kernels time_decode runs, by route name: "tiles" int4_decode's Triton
+  kernel, "mosaic" mgpu_int4_decode (where it takes the call: else Triton's again)."""
+  from pallas_kernels.gpu import Tiling
+  return {"tiles": Tiling(impl="triton"), "mosaic": Tiling(impl="mosaic")}
+
+
+IMPLS = _impls()
+
+
 def time_decode(reps, bw):
   import jax.numpy as jnp
   recs = []
   for t in SIZES["decode"]:
     pos = jnp.asarray([t - 6])
     for dtype, route in (("bfloat16", "kernel"), ("int8", "kernel"), (FORMATS[0], "copy"),
-                         *((fmt, "tiles") for fmt in FORMATS)):
+                         *((fmt, tiles) for fmt in FORMATS for tiles in IMPLS)):
       q, k, v = _cache(4, 1, t, dtype)
       rec = {"kernel": "decode_attention", "keys": t, "dtype": dtype, "route": route}
       try:
-        recs.append(_timed_record(rec, _decode_fn(pos, _route(route == "tiles")), (q, k, v),
-                                  _nbytes(k, v), reps, bw))
+        fn = _decode_fn(pos, _route(route != "copy"), IMPLS.get(route))
+        recs.append(_timed_record(rec, fn, (q, k, v), _nbytes(k, v), reps, bw))
       except Exception as e:  # noqa: BLE001 - a route out of memory at 1M is a result
         recs.append({**rec, "error": str(e)[:300]})
       _progress(recs[-1])
@@ -200,6 +211,42 @@ def time_tiles(reps, bw):
         recs.append(_timed_record(rec, _decode_fn(pos, _route(True), tl), (q, k, v),
                                   _nbytes(k, v), reps, bw))
       except Exception as e:  # noqa: BLE001 - a tiling that does not launch is a result
+        recs.append({**rec, "error": str(e)[:300]})
+      _progress(recs[-1])
+    del q, k, v
+  return recs
+
+
+# The Mosaic 4-bit decode kernel's configs mosaic_tiles sweeps beside its default: (keys a tile,
+# dequantized tiles in flight, tiles landing ahead, CTAs a core the split plan aims at).
+MOSAIC_SWEEP = ((64, 2, 3, 2), (64, 2, 4, 1), (64, 3, 6, 1), (64, 4, 4, 1), (128, 2, 2, 1),
+                (128, 2, 3, 1))
+
+
+def time_mosaic_tiles(reps, bw):
+  """mgpu_int4_decode's default config, then MOSAIC_SWEEP's (where its SMEM fits), over one
+  4-bit cache a key count."""
+  import jax.numpy as jnp
+  from pallas_kernels.attention import mgpu_decode, mgpu_int4_decode
+  recs = []
+  for t in SIZES["tiles"]:
+    pos = jnp.asarray([t - 6])
+    q, k, v = _cache(8, 1, t, FORMATS[0])
+    for sweep in ((None,) + MOSAIC_SWEEP):
+      cfg = mgpu_int4_decode.DEFAULT_CONFIG if sweep is None else mgpu_decode.DecodeConfig(
+          block_kv=sweep[0], stages=sweep[1], landing=sweep[2], per_core=sweep[3])
+      rec = {"keys": t, "dtype": FORMATS[0], "kernel": "mgpu_int4_decode",
+             "config": "default" if sweep is None else dict(zip(
+                 ("block_kv", "stages", "landing", "per_core"), sweep))}
+      if why := mgpu_int4_decode.unsupported(q, k, v, config=cfg):
+        recs.append({**rec, "error": why})
+        continue
+      fn = jax.jit(lambda q, k, v, cfg=cfg: mgpu_int4_decode.attention(
+          q, k, v, pos, pos + 1, causal=True, scale=D ** -0.5, merge_kernel=True, config=cfg,
+          interpret=BACKEND == "gpu"))
+      try:
+        recs.append(_timed_record(rec, fn, (q, k, v), _nbytes(k, v), reps, bw))
+      except Exception as e:  # noqa: BLE001 - a config that does not launch is a result
         recs.append({**rec, "error": str(e)[:300]})
       _progress(recs[-1])
     del q, k, v
@@ -308,6 +355,7 @@ def main() -> None:
   bw = 1.0 if args.smoke else copy_bandwidth()
   cases = {"check": check, "write": check_write, "decode": lambda: time_decode(args.reps, bw),
            "tiles": lambda: time_tiles(args.reps, bw),
+           "mosaic_tiles": lambda: time_mosaic_tiles(args.reps, bw),
            "scores": lambda: time_scores(args.reps, bw),
            "chunk": lambda: time_chunk(args.reps)}
   failed = run_cases_to_json(cases, args.out, {**device_facts(), "copy_bw": bw,
