@@ -83,13 +83,15 @@ def leaving_out(stage: str):
   patches.update(keys=(mgpu_int4_tiles, "dequantize_keys", noop),
                  values=(mgpu_int4_tiles, "dequantize_values", noop),
                  residual=(mgpu_int4_decode, "_residual", _no_residual))
+  names = [name for name in stage.split("+") if name != "none"]
+  if unknown := [name for name in names if name not in patches]:
+    # refused before any patch is made: one made and never undone (the refusal leaving the
+    # stack unexited) left `compute` patched for every later trace in the process
+    raise ValueError(f"--leave-out {stage!r}: {unknown[0]!r} is not one of none, "
+                     f"{', '.join(patches)}")
   stack = contextlib.ExitStack()
-  for name in stage.split("+"):
-    if name != "none":
-      if name not in patches:
-        raise ValueError(f"--leave-out {stage!r}: {name!r} is not one of none, "
-                         f"{', '.join(patches)}")
-      stack.enter_context(mock.patch.object(*patches[name]))
+  for name in names:
+    stack.enter_context(mock.patch.object(*patches[name]))
   return stack
 
 

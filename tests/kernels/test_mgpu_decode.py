@@ -229,5 +229,7 @@ def test_each_cost_variant_lowers():
     assert "mosaic_gpu" in texts[stage], stage
   mgpu_decode._kernel.__wrapped__.clear_cache()
   assert len(set(texts.values())) == len(texts)
+  step = mgpu_decode._step
   with pytest.raises(ValueError, match="not one of"):
     mgpu_decode_costs.leaving_out("compute+nothing")
+  assert mgpu_decode._step is step  # refused before patching anything
