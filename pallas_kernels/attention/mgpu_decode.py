@@ -338,15 +338,15 @@ def _compute(refs, smem, barriers, *, whole, split, dims, cfg, native, dtype, sc
   _, q_ref, c_ref, _, o_ref, lse_ref = refs
   plgpu.copy_gmem_to_smem(q_ref.at[b, h], smem.q, barriers.q.at[0])
   ops = DecodeOps(native, cfg.block_kv, dims.d)
-  # Each column's factor, in the base-2 domain of the softmax: its row's scale (read as a
-  # scalar; c_ref None: rows in q's dtype, none) and `scale`; 0 for the padding columns, whose
-  # scores are dropped.
-  factors = ops.layout(jnp.full((cfg.block_kv, ROWS), scale * LOG2E, jnp.float32),
-                       plgpu.Layout.WGMMA)
-  if c_ref is not None:
-    column = ops.layout(lax.broadcasted_iota(jnp.int32, (cfg.block_kv, ROWS), 1),
-                        plgpu.Layout.WGMMA)
-    factors = ops.layout(jnp.zeros((cfg.block_kv, ROWS), jnp.float32), plgpu.Layout.WGMMA)
+  # Each column's factor, in the base-2 domain of the softmax: `scale`, times its row's scale
+  # (read as a scalar) for 8-bit rows, 0 for their padding columns, whose scores are dropped
+  # (c_ref None: rows in the tiles' 16-bit dtype, zero rows padding them).
+  tile = (cfg.block_kv, ROWS)
+  if c_ref is None:
+    factors = ops.layout(jnp.full(tile, scale * LOG2E, jnp.float32), plgpu.Layout.WGMMA)
+  else:
+    column = ops.layout(lax.broadcasted_iota(jnp.int32, tile, 1), plgpu.Layout.WGMMA)
+    factors = ops.layout(jnp.zeros(tile, jnp.float32), plgpu.Layout.WGMMA)
     for j in range(c_ref.shape[2]):
       factors = jnp.where(column == j, c_ref[b, h, j] * (scale * LOG2E), factors)
   plgpu.barrier_wait(barriers.q.at[0])
