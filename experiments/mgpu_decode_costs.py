@@ -34,7 +34,8 @@ import jax.numpy as jnp
 from benchmarks.decode_loop import time_loop
 from jax_longctx.app.bench_measure import device_facts
 from pallas_kernels import quant, quant4
-from pallas_kernels.attention import mgpu_decode, mgpu_int4_decode, mgpu_int4_tiles
+from pallas_kernels.attention import (mgpu_decode, mgpu_decode_compute, mgpu_decode_ops,
+                                      mgpu_int4_decode, mgpu_int4_tiles)
 from pallas_kernels.mgpu_common import plgpu
 
 H, KV, D = 32, 8, 128
@@ -72,9 +73,9 @@ INT4_STAGES = ("keys", "values", "residual", "compute", "scores", "pv", "max")  
 def leaving_out(stage: str):
   """A context in which the kernel's module has `stage` left out: one of STAGES, several joined
   by "+" (compute+convert: the TMA streams alone), or none (nothing patched)."""
-  ops = mgpu_decode.DecodeOps
+  ops = mgpu_decode_ops.DecodeOps
   patches = {"convert": (mgpu_decode, "_convert", lambda *a, **k: None),
-             "compute": (mgpu_decode, "_step", _waits_only),
+             "compute": (mgpu_decode_compute, "_step", _waits_only),
              "scores": (ops, "scores", _no_scores),
              "pv": (ops, "accumulate", lambda self, acc, p, v, pt: acc),
              "max": (ops, "column_max", lambda self, s: self.layout(

@@ -46,9 +46,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import gpu, layout, quant
-from pallas_kernels.attention.mgpu_decode_ops import REDUCTION_SCRATCH, ROWS, DecodeOps, launch
+from pallas_kernels.attention.mgpu_decode_compute import compute
+from pallas_kernels.attention.mgpu_decode_ops import REDUCTION_SCRATCH, ROWS, launch, tile_start
 from pallas_kernels.decode import split_merge
-from pallas_kernels.mgpu_common import (DTYPES, HEAD_DIMS, LOG2E, NEG_INF, keyrows,
+from pallas_kernels.mgpu_common import (DTYPES, HEAD_DIMS, keyrows,
                                         operand_transforms, plgpu,
                                         returns_when_done_if_interpreted, scale_rows)
 
@@ -64,12 +65,13 @@ class DecodeConfig:
   core the split plan aims at (gpu.split_plan); auto_barriers: Mosaic's warpgroup barriers
   around every SMEM load and store (False: only the kernel's own, at each commit_smem; safe
   here, as no thread reads SMEM it wrote and every SMEM read by the tensor cores follows a
-  commit_smem). The defaults: the best of a sweep at 512K keys and at 4 and 14 sequences of
-  128K on an H200 (BENCHMARKS.md), 72 KiB of SMEM a CTA."""
+  commit_smem). The defaults: the best of sweeps at 128K and 512K keys and at 14 sequences of
+  128K on an H200 (BENCHMARKS.md), 73 KiB of SMEM a CTA, two CTAs a core (the kernel takes 88
+  registers a thread: a third CTA of 256 threads does not fit in 64K)."""
   block_kv: int = 64
   stages: int = 2
   landing: int = 2
-  per_core: int = 3
+  per_core: int = 2
   auto_barriers: bool = False
 
   def __post_init__(self):
@@ -259,8 +261,8 @@ def _cta(refs, smem, barriers, *, dims, cfg, causal, native, dtype, scale, memor
 
   @pl.when(wg == 0)
   def _():
-    _compute(refs, smem, barriers, whole=whole, split=split, dims=dims, cfg=cfg,
-             native=native, dtype=dtype, scale=scale, **where)
+    compute(refs, smem, barriers, whole=whole, split=split, dims=dims, cfg=cfg,
+            native=native, dtype=dtype, scale=scale, **where)
 
   @pl.when(wg >= 1)
   def _():
@@ -283,7 +285,7 @@ def _memory(refs, smem, barriers, *, dims, cfg, kv_layout, native, b, h, start0,
   st, nl, bk = cfg.stages, cfg.landing, cfg.block_kv
 
   def copy(step, streams, slot):
-    start = _tile_start(start0, step, bk, dims.t)
+    start = tile_start(start0, step, bk, dims.t)
     for ref, ring, landed in streams:
       src = (keyrows(ref, kv_layout, b, h, start, bk) if ref.ndim == 4
              else ref.at[b, h, pl.ds(start, bk)])
@@ -330,74 +332,3 @@ def _convert(x8, out, *, native: bool):
     chunk = x8.at[pl.ds(r, 64), pl.ds(c, 64)]
     x = plgpu.load(chunk, (), layout=plgpu.Layout.WGMMA_8BIT) if native else chunk[...]
     out.at[pl.ds(r, 64), pl.ds(c, 64)][...] = x.astype(out.dtype)
-
-
-def _compute(refs, smem, barriers, *, whole, split, dims, cfg, native, dtype, scale, b, h,
-             start0, end, tiles):
-  """Compute warpgroup: the online softmax over the split's tiles, then its (out^T, lse)."""
-  _, q_ref, c_ref, _, o_ref, lse_ref = refs
-  plgpu.copy_gmem_to_smem(q_ref.at[b, h], smem.q, barriers.q.at[0])
-  ops = DecodeOps(native, cfg.block_kv, dims.d)
-  # Each column's factor, in the base-2 domain of the softmax: `scale`, times its row's scale
-  # (read as a scalar) for 8-bit rows, 0 for their padding columns, whose scores are dropped
-  # (c_ref None: rows in the tiles' 16-bit dtype, zero rows padding them).
-  tile = (cfg.block_kv, ROWS)
-  if c_ref is None:
-    factors = ops.layout(jnp.full(tile, scale * LOG2E, jnp.float32), plgpu.Layout.WGMMA)
-  else:
-    column = ops.layout(lax.broadcasted_iota(jnp.int32, tile, 1), plgpu.Layout.WGMMA)
-    factors = ops.layout(jnp.zeros(tile, jnp.float32), plgpu.Layout.WGMMA)
-    for j in range(c_ref.shape[2]):
-      factors = jnp.where(column == j, c_ref[b, h, j] * (scale * LOG2E), factors)
-  plgpu.barrier_wait(barriers.q.at[0])
-  step = functools.partial(_step, smem=smem, barriers=barriers, ops=ops, factors=factors,
-                           cfg=cfg, t=dims.t, start0=start0, end=end, dtype=dtype)
-  state = ops.init_state()
-  state = lax.fori_loop(0, whole, functools.partial(step, masked=False), state)
-  # The cond only skips an empty loop (as mgpu_flash's masked loop; see there).
-  state = lax.cond(whole < tiles,
-                   lambda: lax.fori_loop(whole, tiles, functools.partial(step, masked=True),
-                                         state),
-                   lambda: state)
-  out_t, lse = ops.finish(*state)
-  o_ref.at[b, h, split][...] = out_t
-  lse_ref.at[b, h, split][...] = lse
-
-
-def _step(i, state, *, masked: bool, smem, barriers, ops, factors, cfg, t, start0, end, dtype):
-  """Key tile i of the split: S^T = K Q^T, the softmax update of [bk, ROWS], O^T += V^T P^T
-  (the value tile converted by the TMA warpgroup, its scales multiplying p)."""
-  acc, m, l = state  # acc [d, ROWS]; m [ROWS] (base 2); l [bk, ROWS]: p summed elementwise
-  slot = lax.rem(i, jnp.int32(cfg.stages))
-  plgpu.barrier_wait(barriers.k.at[slot])
-  s = ops.scores(smem.k.at[slot], smem.q, after_issue=lambda: None)  # [bk, ROWS] fp32
-  v_scale = None  # tiles in q's dtype (a 4-bit cache's, dequantized by the TMA warpgroup)
-  if smem.k_scale is not None:
-    plgpu.barrier_wait(barriers.k_scale.at[slot])
-    plgpu.barrier_wait(barriers.v_scale.at[slot])
-    s = s * ops.rows(ops.row_vector(smem.k_scale.at[slot]), s.shape)
-    v_scale = ops.rows(ops.row_vector(smem.v_scale.at[slot]), s.shape)
-  s = s * factors
-  plgpu.barrier_arrive(barriers.k_free.at[slot])
-  if masked:  # keys seen by the clamped tile's predecessor, or past `end`
-    nominal = start0 + i * cfg.block_kv
-    key = _tile_start(start0, i, cfg.block_kv, t) + ops.iota()
-    s = jnp.where((key >= nominal) & (key < end), s, NEG_INF)
-  m_new = jnp.maximum(m, ops.column_max(s))
-  # A column that has seen no key keeps m = -inf; subtract 0 then (its p are all 0), not -inf.
-  m_sub = jnp.where(m_new == NEG_INF, 0.0, m_new) if masked else m_new
-  alpha = jnp.exp2(m - m_sub)
-  p = jnp.exp2(s - ops.columns(m_sub, s.shape))
-  l = l * ops.columns(alpha, l.shape) + p
-  plgpu.barrier_wait(barriers.v.at[slot])
-  p = p if v_scale is None else p * v_scale
-  acc = ops.accumulate(acc * ops.columns(alpha, acc.shape), p.astype(dtype), smem.v.at[slot],
-                       smem.p)
-  plgpu.barrier_arrive(barriers.v_free.at[slot])
-  return acc, m_new, l
-
-
-def _tile_start(start0, i, bk: int, t: int):
-  """The first key of the split's tile i, clamped to end at T (keys below start0 + i * bk in
-  it were seen by the tile before and are masked)."""
-  return jnp.minimum(start0 + i * bk, t - bk)

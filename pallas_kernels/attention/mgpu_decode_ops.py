@@ -13,7 +13,9 @@ from jax.experimental import pallas as pl
 from pallas_kernels.mgpu_common import LN2, NEG_INF, int_to_f32, interpret_params, plgpu
 
 ROWS = 16  # WGMMA's N for the products: a KV head's query rows, padded with zero rows
-REDUCTION_SCRATCH = 1024  # a [ROWS] column vector reduced across the warpgroup's 4 warps
+# A [ROWS] column vector reduced across the warpgroup's 4 warps: 2 KiB hold both of a thread's
+# 2-float registers at once, so Mosaic syncs the warpgroup twice a reduction, not four times.
+REDUCTION_SCRATCH = 2048
 
 
 class DecodeOps:
@@ -118,3 +120,9 @@ def launch(body, b: int, dims, parts: int, config, interpret, num_threads: int =
       grid=(b * kvh, -(-dims.t // dims.span)), grid_names=("bh", "split"),
       num_threads=num_threads, thread_name="wg", compiler_params=params,
       interpret=interpret_params(interpret))
+
+
+def tile_start(start0, i, bk: int, t: int):
+  """The first key of a split's tile i (the split starting at key start0), clamped to end at T
+  (keys below start0 + i * bk in it were seen by the tile before and are masked)."""
+  return jnp.minimum(start0 + i * bk, t - bk)

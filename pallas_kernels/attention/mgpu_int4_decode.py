@@ -245,7 +245,7 @@ def _streams(streams, *, cfg, t, start0, tiles, native):
   st, nl, bk = cfg.stages, cfg.landing, cfg.block_kv
 
   def copy(step, slot, sources, landing, landed, *_):
-    for src, dst, bar in zip(sources(mgpu_decode._tile_start(start0, step, bk, t)), landing,
+    for src, dst, bar in zip(sources(mgpu_decode_ops.tile_start(start0, step, bk, t)), landing,
                              landed):
       plgpu.copy_gmem_to_smem(src, dst.at[slot], bar.at[slot])
 

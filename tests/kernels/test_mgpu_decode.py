@@ -17,7 +17,7 @@ import pytest
 from pallas_kernels import KernelOptions, Route, flash_attention, mgpu_common, quant
 from pallas_kernels import backend as backend_lib
 from pallas_kernels.attention import flash as fa_module
-from pallas_kernels.attention import mgpu_decode
+from pallas_kernels.attention import mgpu_decode, mgpu_decode_compute
 from pallas_kernels.backend import Variant
 from pallas_kernels.decode import split_merge
 from pallas_kernels.gpu import Tiling
@@ -229,7 +229,7 @@ def test_each_cost_variant_lowers():
     assert "mosaic_gpu" in texts[stage], stage
   mgpu_decode._kernel.__wrapped__.clear_cache()
   assert len(set(texts.values())) == len(texts)
-  step = mgpu_decode._step
+  step = mgpu_decode_compute._step
   with pytest.raises(ValueError, match="not one of"):
     mgpu_decode_costs.leaving_out("compute+nothing")
-  assert mgpu_decode._step is step  # refused before patching anything
+  assert mgpu_decode_compute._step is step  # refused before patching anything
