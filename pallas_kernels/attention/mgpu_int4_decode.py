@@ -6,7 +6,7 @@ streams its tiles' codes (two a byte) and their scales and zero points (per chan
 group of G tokens; per row and value group) by TMA into its landing ring and dequantizes each
 tile into its ring in fp16 (code * scale + zero, one packed fma: mgpu_int4_tiles.py). The
 compute warpgroup's chain is then 16-bit decode (S^T = K Q^T, the softmax, O^T += V^T P^T on
-WGMMA), mgpu_decode's `_compute`, with the queries rounded to fp16 and no quantization launch.
+WGMMA), mgpu_decode_compute's, with the queries rounded to fp16 and no quantization launch.
 
 Why dequantize rather than fold the scales into the query as int4_decode.py does: a tile of
 keys spans key groups, each its own folded query, and a value tile's channels four value
