@@ -8,7 +8,8 @@ where it is issued. Running the products beside the chain, as FlashAttention-3's
 intra-warpgroup overlap does (the next tile's key product issued before this tile's softmax;
 this tile's value product waited for only at the next tile's), measured no faster here
 (BENCHMARKS.md, "The int8 decode kernel at two CTAs a core"): the chain is not the products'
-latency.
+latency. Its column max is a large part of it: Mosaic's cross-warp reduction syncs the
+warpgroup twice, and a second such reduction a tile (the sum kept as a vector) cost 15-21%.
 """
 
 from __future__ import annotations
