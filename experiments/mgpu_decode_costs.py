@@ -78,7 +78,7 @@ def leaving_out(stage: str):
              "compute": (mgpu_decode_compute, "_step", _waits_only),
              "scores": (ops, "scores", _no_scores),
              "pv": (ops, "accumulate", lambda self, acc, p, v, pt: acc),
-             "max": (ops, "column_max", lambda self, s: self.layout(
+             "max": (ops, "column_max", lambda self, s, exchange: self.layout(
                  jnp.zeros((mgpu_decode.ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(0)))}
   noop = lambda *a, **k: None  # noqa: E731
   patches.update(keys=(mgpu_int4_tiles, "dequantize_keys", noop),

@@ -19,8 +19,7 @@ products are turned around, the keys being many and the rows few:
   streams the key tiles and both scales into a ring, and the value tiles into a landing ring
   that it converts into the value ring: the conversion runs beside the compute warpgroup's
   chain (products, softmax, products), not in it. The column max crosses the compute
-  warpgroup's warps through Mosaic's reduction scratch, which two compute warpgroups of one CTA
-  would share.
+  warpgroup's warps by warp shuffles and one exchange through SMEM (DecodeOps.column_max).
 
 Split-K over the grid (batch x kv head, key split), each split's (out^T [d, ROWS], lse [ROWS])
 merged as the Triton kernel's (split_merge, rows_minor). One query token a sequence at position
@@ -38,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import math
 from typing import NamedTuple
 
 import jax
@@ -47,7 +47,8 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import gpu, layout, quant
 from pallas_kernels.attention.mgpu_decode_compute import compute
-from pallas_kernels.attention.mgpu_decode_ops import REDUCTION_SCRATCH, ROWS, launch, tile_start
+from pallas_kernels.attention.mgpu_decode_ops import (EXCHANGE, REDUCTION_SCRATCH, ROWS, launch,
+                                                     tile_start)
 from pallas_kernels.decode import split_merge
 from pallas_kernels.mgpu_common import (DTYPES, HEAD_DIMS, keyrows,
                                         operand_transforms, plgpu,
@@ -66,8 +67,10 @@ class DecodeConfig:
   around every SMEM load and store (False: only the kernel's own, at each commit_smem; safe
   here, as no thread reads SMEM it wrote and every SMEM read by the tensor cores follows a
   commit_smem). The defaults: the best of sweeps at 128K and 512K keys and at 14 sequences of
-  128K on an H200 (BENCHMARKS.md), 73 KiB of SMEM a CTA, two CTAs a core (the kernel takes 88
-  registers a thread: a third CTA of 256 threads does not fit in 64K)."""
+  128K on an H200 (BENCHMARKS.md), 72 KiB of SMEM a CTA, two CTAs a core. The kernel takes 80
+  registers a thread, so a third CTA of 256 threads just fits (3 x 256 x 80 of 64K): 1.6% faster
+  at 14 sequences, but one register more and the plan's third CTA runs as a second wave (88
+  registers did: 1.25x slower at 128K), so two."""
   block_kv: int = 64
   stages: int = 2
   landing: int = 2
@@ -101,7 +104,8 @@ def smem_bytes(config: DecodeConfig, d: int, itemsize: int = 2) -> int:
   value ring, P^T, reduction scratch and barriers."""
   bk, n = config.block_kv, ROWS
   return (n * d + config.stages * bk * (d + 8) + config.landing * bk * d
-          + config.stages * bk * d * itemsize + bk * n * itemsize + REDUCTION_SCRATCH + 512)
+          + config.stages * bk * d * itemsize + bk * n * itemsize + REDUCTION_SCRATCH
+          + 4 * math.prod(EXCHANGE) + 512)
 
 
 def unsupported(q, k, v, *, kv_layout: str, config: DecodeConfig = DEFAULT_CONFIG) -> str | None:
@@ -205,7 +209,8 @@ def _entry(meta_ref, q_ref, c_ref, k_ref, ks_ref, v_ref, vs_ref, o_ref, lse_ref,
                v_scale=plgpu.SMEM((st, bk), jnp.float32),
                v8=plgpu.SMEM((nl, bk, dims.d), eight, transforms=landed),  # as stored
                v=plgpu.SMEM((st, bk, dims.d), dtype, transforms=narrow),  # converted
-               p=plgpu.SMEM((bk, ROWS), dtype, transforms=narrow))  # P^T
+               p=plgpu.SMEM((bk, ROWS), dtype, transforms=narrow),  # P^T
+               exchange=plgpu.SMEM(EXCHANGE, jnp.float32))
   ring = lambda: plgpu.Barrier(num_barriers=st)  # noqa: E731  (one arrival each)
   barriers = _Barriers(q=plgpu.Barrier(num_barriers=1), k=ring(), k_scale=ring(),
                        v_scale=ring(), v8=plgpu.Barrier(num_barriers=nl), v=ring(),
@@ -224,6 +229,7 @@ class _Smem(NamedTuple):
   v8: object  # ring of `landing` value tiles as they land
   v: object  # ring of `stages` value tiles converted by the TMA warpgroup (WGMMA's A, viewed)
   p: object
+  exchange: object  # the column max's (DecodeOps.column_max)
 
 
 class _Barriers(NamedTuple):

@@ -8,8 +8,10 @@ where it is issued. Running the products beside the chain, as FlashAttention-3's
 intra-warpgroup overlap does (the next tile's key product issued before this tile's softmax;
 this tile's value product waited for only at the next tile's), measured no faster here
 (BENCHMARKS.md, "The int8 decode kernel at two CTAs a core"): the chain is not the products'
-latency. Its column max is a large part of it: Mosaic's cross-warp reduction syncs the
-warpgroup twice, and a second such reduction a tile (the sum kept as a vector) cost 15-21%.
+latency. Its column max is a large part of it: a second cross-warp reduction a tile (the sum
+kept as a vector) cost 15-21%, and the column max by warp shuffles and one exchange through
+SMEM (DecodeOps.column_max), where Mosaic's reduction syncs the warpgroup twice, took the
+kernel from 88 to 80 registers and 1.5-3.6% off its time.
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ def _step(i, state, *, masked: bool, smem, barriers, ops, factors, cfg, t, start
     nominal = start0 + i * cfg.block_kv
     key = tile_start(start0, i, cfg.block_kv, t) + ops.iota()
     s = jnp.where((key >= nominal) & (key < end), s, NEG_INF)
-  m_new = jnp.maximum(m, ops.column_max(s))
+  m_new = jnp.maximum(m, ops.column_max(s, smem.exchange.at[lax.rem(i, 2)]))
   # A column that has seen no key keeps m = -inf; subtract 0 then (its p are all 0), not -inf.
   m_sub = jnp.where(m_new == NEG_INF, 0.0, m_new) if masked else m_new
   alpha = jnp.exp2(m - m_sub)

@@ -13,8 +13,9 @@ from jax.experimental import pallas as pl
 from pallas_kernels.mgpu_common import LN2, NEG_INF, int_to_f32, interpret_params, plgpu
 
 ROWS = 16  # WGMMA's N for the products: a KV head's query rows, padded with zero rows
-# A [ROWS] column vector reduced across the warpgroup's 4 warps: 2 KiB hold both of a thread's
-# 2-float registers at once, so Mosaic syncs the warpgroup twice a reduction, not four times.
+# Mosaic's scratch for a [ROWS] column vector reduced across the warpgroup's 4 warps (the sum
+# in DecodeOps.finish; the chain's column max has its own exchange): 2 KiB hold both of a
+# thread's 2-float registers at once, so Mosaic syncs the warpgroup twice, not four times.
 REDUCTION_SCRATCH = 2048
 
 
@@ -74,9 +75,12 @@ class DecodeOps:
       s = pl.run_scoped(product, plgpu.ACC((self.bk, ROWS), acc))
     return int_to_f32(s) if acc == jnp.int32 else s
 
-  def column_max(self, s):
-    """[bk, ROWS] -> [ROWS]: across the warpgroup's warps (Mosaic's reduction scratch)."""
-    return s.max(axis=0)
+  def column_max(self, s, exchange):
+    """[bk, ROWS] -> [ROWS]: each column's max across the warpgroup's 4 warps. Natively by warp
+    shuffles and one exchange through `exchange` ([4, ROWS] fp32 SMEM; consecutive calls must
+    alternate two buffers): one warpgroup barrier where Mosaic's reduction, its scratch shared
+    by every reduction, syncs twice, and the chain's column max is a large part of its time."""
+    return _column_max(s, exchange) if self.native else s.max(axis=0)
 
   def accumulate(self, acc, p, v_tile, p_tile):
     """acc + V^T [d, bk] . P^T [bk, ROWS] in fp32, P^T (p) stored to p_tile first."""
@@ -101,6 +105,52 @@ class DecodeOps:
     inv = jnp.where(seen, 1.0 / safe, 0.0)
     lse = jnp.where(seen, m * LN2 + jnp.log(safe), NEG_INF)
     return acc * self.columns(inv, acc.shape), lse
+
+
+EXCHANGE = (2, 4, ROWS)  # column_max's two alternating [warps, ROWS] fp32 buffers
+
+
+def _column_max(s, exchange):
+  """DecodeOps.column_max natively (inline Mosaic GPU). In the WGMMA layout a thread holds two
+  adjacent columns of each 8-column block, in two rows of each 8-row block of its warp's 16;
+  the 8 lanes sharing lane % 4 hold the same columns."""
+  import jax.experimental.mosaic.gpu as mgpu
+  import numpy as np
+  from jax._src.lib.mlir import ir
+  from jax._src.lib.mlir.dialects import arith, vector
+
+  wgmma = plgpu.Layout.WGMMA
+  columns = wgmma.reduce(0)
+
+  @plgpu.inline_mgpu(arg_types=(wgmma, plgpu.RefType()),
+                     return_type=plgpu.ShapeDtypeStruct((ROWS,), jnp.float32, layout=columns))
+  def column_max(ctx, x, ref):
+    del ctx
+    i32, index = ir.IntegerType.get_signless(32), ir.IndexType.get()
+    as_index = lambda v: arith.index_cast(index, v)  # noqa: E731
+    lane = arith.remui(mgpu.thread_idx(), mgpu.c(32, i32))
+    warp = arith.remui(mgpu.warp_idx(sync=True), mgpu.c(4, i32))
+    pair = arith.muli(arith.remui(lane, mgpu.c(4, i32)), mgpu.c(2, i32))
+    blocks = {}  # column block -> this thread's max of its two columns there
+    for idx, reg in np.ndenumerate(x.registers):  # idx[1]: the 8-column block
+      blocks[idx[1]] = reg if idx[1] not in blocks else arith.maximumf(blocks[idx[1]], reg)
+    starts = {}
+    for j, reg in blocks.items():
+      for distance in (4, 8, 16):  # the 8 lanes of the same columns
+        reg = arith.maximumf(reg, mgpu.utils.shfl_bfly(reg, distance))
+      starts[j] = as_index(arith.addi(mgpu.c(8 * j, i32), pair))
+      vector.store(reg, ref, [as_index(warp), starts[j]])
+    mgpu.utils.warpgroup_barrier()  # the 4 warps' maxima stored
+    out_layout = mgpu.WGMMA_LAYOUT.reduce((0,))
+    out = np.empty(out_layout.registers_shape((ROWS,)), dtype=object)
+    vec = ir.VectorType.get((2,), ir.F32Type.get())
+    for j, start in starts.items():
+      parts = [vector.load(vec, ref, [as_index(mgpu.c(w, i32)), start]) for w in range(4)]
+      out[j, 0, 0] = arith.maximumf(arith.maximumf(parts[0], parts[1]),
+                                    arith.maximumf(parts[2], parts[3]))
+    return mgpu.FragmentedArray(_registers=out, _layout=out_layout, _is_signed=None)
+
+  return column_max(s, exchange)
 
 
 def launch(body, b: int, dims, parts: int, config, interpret, num_threads: int = 2):

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 from typing import NamedTuple
 
 import jax
@@ -58,7 +59,7 @@ def smem_bytes(config: mgpu_decode.DecodeConfig, d: int, nv: int, itemsize: int 
   bk, st, nl = config.block_kv, config.stages, config.landing
   landing = nl * (bk * d + 2 * 4 * (d * bk // 32 + bk * nv))  # key groups of >= 32 tokens
   return (ROWS * d * itemsize + landing + 2 * st * bk * d * itemsize + bk * ROWS * itemsize
-          + mgpu_decode_ops.REDUCTION_SCRATCH + 512)
+          + mgpu_decode_ops.REDUCTION_SCRATCH + 4 * math.prod(mgpu_decode_ops.EXCHANGE) + 512)
 
 
 def unsupported(q, k, v, *, config: mgpu_decode.DecodeConfig = DEFAULT_CONFIG) -> str | None:
@@ -187,7 +188,8 @@ def _entry(meta_ref, q_ref, kc_ref, ka_ref, kz_ref, vc_ref, va_ref, vz_ref, o_re
   smem = dict(q=plgpu.SMEM((ROWS, d), tile, transforms=operand_transforms(tile, d)),
               k=plgpu.SMEM((st, bk, d), tile, transforms=operand_transforms(tile, d)),
               v=plgpu.SMEM((st, bk, d), tile, transforms=narrow),
-              p=plgpu.SMEM((bk, ROWS), tile, transforms=narrow))
+              p=plgpu.SMEM((bk, ROWS), tile, transforms=narrow),
+              exchange=plgpu.SMEM(mgpu_decode_ops.EXCHANGE, jnp.float32))
   key_scales = (nl, bk // key_group, d)
   value_scales = (nl, bk, va_ref.shape[-1])
   landing = tuple(_Landing(plgpu.SMEM((nl, bk, d // 2), jnp.uint8, transforms=tr),
