@@ -233,3 +233,17 @@ def test_each_cost_variant_lowers():
   with pytest.raises(ValueError, match="not one of"):
     mgpu_decode_costs.leaving_out("compute+nothing")
   assert mgpu_decode_compute._step is step  # refused before patching anything
+
+
+def test_column_max_reads_the_wgmma_layout_as_it_is():
+  """DecodeOps.column_max's native code (inline Mosaic GPU, run only on a GPU) indexes the score
+  tile's registers by the WGMMA layout's structure: a [64, 16] tile's registers (1, 2 column
+  blocks, ..., 2 row blocks, ...), 2 floats each, lanes 4 to a row with lane % 4 the column pair,
+  warps on the rows; its [16] result 2 registers of 2. A jax whose layout differs fails here,
+  not silently on the GPU."""
+  import jax.experimental.mosaic.gpu as mgpu
+  layout = mgpu.WGMMA_LAYOUT
+  assert layout.registers_shape((64, 16)) == (1, 2, 1, 1, 2, 1, 1, 1, 1)
+  assert layout.tiling.tiles == ((64, 8), (16, 8), (8, 8), (2,))
+  assert (layout.warp_dims, layout.lane_dims, layout.vector_dim) == ((-7,), (-3, -2), -1)
+  assert layout.reduce((0,)).registers_shape((mgpu_decode.ROWS,)) == (2, 1, 1)
