@@ -13,7 +13,7 @@ import dataclasses
 IMPLS = ("mosaic", "triton")
 TOPK_SELECTIONS = ("exact", "max_only")
 TOPK_FEW_ROWS = ("blocks", "blocks_jnp", "kernel")
-TOPK_MANY_ROWS = ("segments", "kernel")
+TOPK_MANY_ROWS = ("segments", "columns", "kernel")
 EIGHT_BIT_TOPK = ("auto", "products", "dequantize")
 
 
@@ -110,10 +110,12 @@ class KernelOptions:
   # H200); "kernel" runs the fused Triton kernel's running set.
   topk_few_rows: str = "blocks"
   # topk_scores' prefill chunks on the Mosaic kernel, top_k > 1: "segments" keeps each row's k
-  # best segments of 16 keys and scores their keys again (topk_segments.py); "kernel" keeps the
-  # k best keys in the kernel's running set (its selection rounds). top_k = 1 keeps its running
-  # argmax either way.
-  topk_many_rows: str = "segments"
+  # best segments of 16 keys and scores their keys again (topk_segments.py); "columns" the same
+  # for strided segments, k for each of a row's 8 columns, with no shuffles or warpgroup-wide
+  # tests (mgpu_select._select_columns; "segments" where k > 8); "kernel" keeps the k best keys
+  # in the kernel's running set (its selection rounds). top_k = 1 keeps its running argmax
+  # either way.
+  topk_many_rows: str = "columns"
   # A prefill chunk over an 8-bit cache on a GPU: the cache (this layer's, this device's share)
   # is dequantized to the queries' dtype and the chunk runs the bf16 route (Mosaic, else cuDNN)
   # when that copy takes at most this many bytes; else the 8-bit flash kernel reads the cache

@@ -62,12 +62,12 @@ TEST_FIRST_SPAN = 262144  # keys per split past which "segments" tests before in
 REDUCTION_SCRATCH = 128
 
 
-def smem_bytes(config: Config, d: int, kp: int, itemsize: int = 2) -> int:
+def smem_bytes(config: Config, d: int, kp: int, itemsize: int = 2, width: int = 1) -> int:
   """Q of both compute warpgroups, the K ring (with 8-bit keys, itemsize 1, their scales' ring),
-  the output sets, barriers and scratch."""
+  the output sets (`width` a row: mgpu_select.set_width), barriers and scratch."""
   tiles = COMPUTE_WGS * config.block_q * d + config.stages * config.block_kv * d
   scales = config.stages * config.block_kv * 4 if itemsize == 1 else 0
-  return (tiles * itemsize + scales + 2 * COMPUTE_WGS * kp * config.block_q * 4 + 1024
+  return (tiles * itemsize + scales + 2 * COMPUTE_WGS * kp * config.block_q * 4 * width + 1024
           + REDUCTION_SCRATCH)
 
 
@@ -100,6 +100,7 @@ class _Dims:
   kvh: int
   span: int  # keys per split, a multiple of block_kv
   kp: int  # running set size (= top_k)
+  width: int  # a row's sets (mgpu_select.set_width)
 
 
 @returns_when_done_if_interpreted
@@ -119,7 +120,9 @@ def mgpu_topk_scores(qr, k, bounds, *, kp: int, span: int, splits: int, scale: f
   diagnostic: slot 0 holds the row's running max, the rest stays empty; "segments": each split's
   kp best segments of `segment` keys, as (max score, first key) sorted best first, T a multiple
   of `segment`: stage 1 of topk_segments.py; test_first: see mgpu_select.selection, None: by
-  span). interpret / native as in mgpu_flash.
+  span); "columns": each split's kp best strided segments (mgpu_select._select_columns, windows
+  of `segment` keys) of each of a row's 8 columns, the returned last axis kp * 8, T a multiple
+  of `segment`. interpret / native as in mgpu_flash.
 
   8-bit keys (quant.Quantized, int8 or E4M3): the rows of qr are quantized alike (one scale per
   row, as the keys) and the tiles multiply on the 8-bit tensor cores (int8 into exact int32,
@@ -139,18 +142,21 @@ def mgpu_topk_scores(qr, k, bounds, *, kp: int, span: int, splits: int, scale: f
   else:
     inputs = (qr, k)
   cta_rows = COMPUTE_WGS * config.block_q
+  strided = selection in ("segments", "columns")
   if (rp % cta_rows or t < config.block_kv or span % config.block_kv or span * splits < t
-      or (selection == "segments" and (t % segment or config.block_kv % segment))):
+      or (strided and (t % segment or config.block_kv % segment))):
     raise ValueError(f"mgpu_topk_scores: rows {rp} / keys {t} / span {span} x {splits} do not fit "
                      f"{config} (selection {selection!r}, segment {segment})")
-  dims = _Dims(t=t, d=d, kvh=kvh, span=span, kp=kp)
+  width = mgpu_select.set_width(selection)
+  dims = _Dims(t=t, d=d, kvh=kvh, span=span, kp=kp, width=width)
   body = functools.partial(_entry, dims=dims, cfg=config,
                            scale=None if eight_bit else scale, kv_layout=kv_layout,
                            native=native, dtype=qr.dtype,
                            select=mgpu_select.selection(selection, kp, segment,
                                                         span > TEST_FIRST_SPAN
                                                         if test_first is None else test_first))
-  shape = (b, kvh, splits, kp, rp)  # rows minor: one TMA box per warpgroup and set slot
+  # rows minor (then a row's sets): one TMA box per warpgroup
+  shape = (b, kvh, splits, kp, rp) + ((width,) if width > 1 else ())
   vals, idx = plgpu.kernel(
       body,
       out_type=[jax.ShapeDtypeStruct(shape, jnp.float32), jax.ShapeDtypeStruct(shape, jnp.int32)],
@@ -160,7 +166,8 @@ def mgpu_topk_scores(qr, k, bounds, *, kp: int, span: int, splits: int, scale: f
                        else compiler_params(config, reduction_scratch_bytes=REDUCTION_SCRATCH)),
       interpret=interpret_params(interpret),
   )(bounds.astype(jnp.int32), *inputs)
-  vals, idx = jnp.swapaxes(vals, 3, 4), jnp.swapaxes(idx, 3, 4)
+  vals, idx = (jnp.moveaxis(x, 3, -1).reshape(b, kvh, splits, rp, kp * width)
+               for x in (vals, idx))
   if eight_bit:  # the rows' own factors, left out of the selection
     vals = vals * (q_scale if scale is None else q_scale * scale)[:, :, None, :, None]
   return vals, idx
@@ -173,8 +180,9 @@ def _entry(bounds_ref, q_ref, k_ref, *refs, dims, cfg, dtype, **kw):
   eight_bit = len(refs) == 3
   smem = (plgpu.SMEM((COMPUTE_WGS, cfg.block_q, dims.d), dtype, transforms=tiled),  # Q
           plgpu.SMEM((cfg.stages, cfg.block_kv, dims.d), dtype, transforms=tiled),  # K ring
-          plgpu.SMEM((COMPUTE_WGS, dims.kp, cfg.block_q), jnp.float32),  # output scores
-          plgpu.SMEM((COMPUTE_WGS, dims.kp, cfg.block_q), jnp.int32),  # output keys
+          plgpu.SMEM(out := (COMPUTE_WGS, dims.kp, cfg.block_q) + ((dims.width,) if
+                             dims.width > 1 else ()), jnp.float32),  # output scores
+          plgpu.SMEM(out, jnp.int32),  # output keys
           *([plgpu.SMEM((cfg.stages, cfg.block_kv), jnp.float32)] if eight_bit else []))
   barriers = (plgpu.Barrier(num_barriers=COMPUTE_WGS),  # Q of each compute warpgroup
               plgpu.Barrier(num_barriers=cfg.stages),  # K slot filled
@@ -240,9 +248,10 @@ def _consumer(refs, smem, barriers, *, wg, row0, b, h, lo, hi, tiles, dims, cfg,
   plgpu.copy_gmem_to_smem(q_ref.at[b, h, pl.ds(row0, cfg.block_q)], q_tile, q_loaded.at[wg])
   plgpu.barrier_wait(q_loaded.at[wg])
   ops = Ops(native, cfg, dims.d)
-  row = plgpu.Layout.WGMMA.reduce(1)
-  state = ([ops.layout(jnp.full((cfg.block_q,), NEG_INF, jnp.float32), row)] * dims.kp,
-           [ops.layout(jnp.full((cfg.block_q,), -1 - j, jnp.int32), row)
+  sets, where = (((cfg.block_q, dims.width), plgpu.Layout.WGMMA) if dims.width > 1
+                 else ((cfg.block_q,), plgpu.Layout.WGMMA.reduce(1)))
+  state = ([ops.layout(jnp.full(sets, NEG_INF, jnp.float32), where)] * dims.kp,
+           [ops.layout(jnp.full(sets, -1 - j, jnp.int32), where)
             for j in range(dims.kp)])  # empty: distinct negative keys, so one slot is the worst
   sync_turn = functools.partial(rendezvous, turn)
   pl.when(wg == 1)(sync_turn)  # warpgroup 0 goes first; from here on they alternate

@@ -9,7 +9,8 @@ On Hopper, prefill chunks (at least MOSAIC_MIN_ROWS rows per kv head) can run th
 kernel of mgpu_topk.py instead (KernelOptions.topk_impl, or tiling.impl="mosaic" per call); its
 output has the Triton kernel's layout, so the splits are merged the same way. For top_k > 1 it
 keeps each row's best segments of keys rather than keys, which topk_segments.py resolves
-(KernelOptions.topk_many_rows). On the GPU, few
+(KernelOptions.topk_many_rows: contiguous segments, or strided ones, a set for each of a row's
+8 columns, whose update needs no shuffles). On the GPU, few
 rows (decode; no tiling asked) go to topk_blocks.py unless KernelOptions.topk_few_rows is
 "kernel": there the scores are stored, which a decode step can afford.
 """
@@ -25,7 +26,8 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import backend as backend_lib
 from pallas_kernels import gpu, layout, online_softmax, quant, quant4, read, reference, tpu
-from pallas_kernels.topk import mgpu_topk, topk_blocks, topk_segments, topk_tile
+from pallas_kernels.mgpu_common import SMEM_LIMIT
+from pallas_kernels.topk import mgpu_select, mgpu_topk, topk_blocks, topk_segments, topk_tile
 from pallas_kernels.options import DEFAULT, KernelOptions
 from pallas_kernels.route import Route
 
@@ -196,8 +198,8 @@ def _finish(vals, idx, top_k: int, lq: int, h: int, ordered: bool = False):
 
 def _finish_mosaic(q, k, bounds, top_k, config, *, scale, kv_layout, tiling, options, variant):
   """topk_scores' result from the Mosaic kernel (bf16 keys, or 8-bit on its tensor cores)."""
-  segments = (options.topk_many_rows == "segments" and options.topk_selection == "exact"
-              and top_k > 1)
+  segments = (options.topk_many_rows if options.topk_many_rows != "kernel"
+              and options.topk_selection == "exact" and top_k > 1 else None)
   vals, idx, ordered = _mosaic(q, k, bounds, top_k, config, scale=scale, kv_layout=kv_layout,
                                key_splits=tiling.key_splits if tiling else None,
                                selection=options.topk_selection, segments=segments,
@@ -218,8 +220,9 @@ def _mosaic_config(variant, q, k, rows: int, top_k: int, tiling, keys: int | Non
 def _mosaic(q, k, bounds, top_k, config, *, scale, kv_layout, key_splits, selection, segments,
             variant):
   """The Mosaic kernel's candidates [B, KV, S, R, top_k] and whether they are already the
-  final order; with `segments` (and keys that fit) its segments, resolved to keys by
-  topk_segments (one part, best first)."""
+  final order; with `segments` ("segments" or "columns": KernelOptions.topk_many_rows; None)
+  and keys that fit, its segments, resolved to keys by topk_segments (one part, best first).
+  "columns" runs as "segments" where its sets do not fit (top_k, SMEM)."""
   b, _, h, _ = q.shape
   kvh = k.shape[2 if kv_layout == "BTHD" else 1]
   bk = config.block_kv
@@ -234,16 +237,24 @@ def _mosaic(q, k, bounds, top_k, config, *, scale, kv_layout, key_splits, select
                                 key_splits or max(1, backend_lib.num_cores() // programs),
                                 per_core=1)
   qr = layout.q_rows(q, kvh, rows_padded)
-  segments = segments and topk_segments.fits(tk, bk)
+  window = topk_segments.column_window(tk, bk, top_k)
+  if segments == "columns" and not (
+      window and mgpu_topk.smem_bytes(config, q.shape[3], top_k,
+                                      1 if quant.is_quantized(k) else 2,
+                                      width=mgpu_select.COLUMNS) <= SMEM_LIMIT):
+    segments = "segments"
+  if segments == "segments" and not topk_segments.fits(tk, bk):
+    segments = None
   vals, idx = mgpu_topk.mgpu_topk_scores(
       qr, kk, bounds, kp=top_k, span=span, splits=splits, scale=scale, kv_layout=kv_layout,
-      config=config, selection="segments" if segments else selection,
-      segment=topk_segments.SEGMENT, interpret=variant.interpret)
+      config=config, selection=segments or selection,
+      segment=window if segments == "columns" else topk_segments.SEGMENT,
+      interpret=variant.interpret)
   if not segments:
     return vals, idx, False
-  vals, idx = topk_segments.keys_of_segments(qr, kk, bounds, vals, idx, top_k, scale=scale,
-                                             kv_layout=kv_layout,
-                                             interpret=variant.interpret_arg())
+  vals, idx = topk_segments.keys_of_segments(
+      qr, kk, bounds, vals, idx, top_k, scale=scale, kv_layout=kv_layout,
+      interpret=variant.interpret_arg(), window=window if segments == "columns" else None)
   return vals, idx, True
 
 

@@ -8,6 +8,12 @@ slice of one row reduction, and inserting it into a sorted set of k is row-vecto
 pass over the tile. Stage 2 (this module, `best_keys`: one Pallas kernel) scores the k
 segments' k * SEGMENT keys again, gathered from the cache, and takes the top k among them.
 
+Strided segments (stage 1's selection "columns", the default): a segment is the keys of one
+window of 64 whose index is c mod 8, for one of the 8 columns c of WGMMA's accumulator blocks,
+so that a thread holds all of its keys' scores: its max is elementwise maxima of the thread's own
+registers, with no shuffles across lanes and no test across the warpgroup, and each (row,
+column) keeps a set. Stage 2 then scores kp + 7 segments a row (`keys_of_segments` says why).
+
 Exact, ties included (the argument of topk_blocks.py): order keys by (score desc, index asc) and
 segments by (max desc, first key asc), which stage 1 keeps (a segment enters after the kept ones
 it does not beat strictly, and of a tile's equal maxima the first enters first) and the merge of
@@ -27,8 +33,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels import gpu, layout
-from pallas_kernels.topk import topk_tile
+from pallas_kernels import gpu, layout, quant
+from pallas_kernels.topk import mgpu_select, topk_tile
 
 SQ = gpu.SQ
 NEG_INF = float("-inf")
@@ -43,28 +49,91 @@ RESCORE_ROWS = 1
 RESCORE_WARPS = 1
 
 
-def fits(keys: int, block_kv: int) -> bool:
-  """Whether stage 1 can cut these keys into segments: its tiles (and the clamped last one)
-  must start on segment boundaries."""
-  return keys % SEGMENT == 0 and block_kv % SEGMENT == 0
+# Strided segments (stage 1's selection "columns"): windows of COLUMN_WINDOW keys, a segment the
+# window's keys of one column mod 8 (COLUMN_WINDOW / 8 keys a segment), each row keeping its kp
+# best of each column's; at most COLUMN_MAX_KP (its sets are 2 * kp register tiles a row).
+# On an H200 (512 queries x 128K / 1M keys, top 4): windows of 64 beat 32 (int8 1.13 / 6.68 ms
+# against 1.16 / 8.23) and 128 (stage 2's 176 keys a row: 6.66 ms at 128K).
+COLUMN_WINDOW = 64
+COLUMN_MAX_KP = 8
+
+
+def fits(keys: int, block_kv: int, segment: int = SEGMENT) -> bool:
+  """Whether stage 1 can cut these keys into segments (windows) of `segment` keys: its tiles
+  (and the clamped last one) must start on segment boundaries."""
+  return keys % segment == 0 and block_kv % segment == 0
+
+
+def column_window(keys: int, block_kv: int, top_k: int) -> int | None:
+  """The window of strided segments for these keys and tiles: COLUMN_WINDOW, else 64 (each
+  segment 8 keys), else None (they do not fit: contiguous segments then)."""
+  if top_k > COLUMN_MAX_KP:
+    return None
+  return next((w for w in (COLUMN_WINDOW, 64) if fits(keys, block_kv, w)), None)
 
 
 def keys_of_segments(qr, k, bounds, seg_vals, seg_firsts, top_k: int, *, scale, kv_layout: str,
-                     interpret):
+                     interpret, window: int | None = None):
   """Stage 2. qr [B, KV, R, d]; k (kv_layout); bounds [B, 2] (lo, hi); seg_vals / seg_firsts
-  [B, KV, S, R, kp]: stage 1's segments per key split. Returns (scores fp32, keys int32)
-  [B, KV, 1, R, top_k] best first, unfilled (-inf, -1): one "split" for topk._finish."""
-  b, kvh, splits, rp, kp = seg_vals.shape
-  firsts = jnp.moveaxis(seg_firsts, 2, 3).reshape(b, kvh, rp, splits * kp)
-  if splits > 1:  # the kp best of all splits' segments, (max desc, first asc)
-    vals = jnp.moveaxis(seg_vals, 2, 3).reshape(b, kvh, rp, splits * kp)
-    _, firsts = topk_tile.finish(vals, firsts, kp)
-  keys = (firsts[..., None] + jnp.arange(SEGMENT, dtype=jnp.int32)).reshape(b, kvh, rp, -1)
+  [B, KV, S, R, kp]: stage 1's segments per key split (window: strided segments of that
+  window, [B, KV, S, R, kp * 8], stage 1's "columns"). Returns (scores fp32, keys int32)
+  [B, KV, 1, R, top_k] best first, unfilled (-inf, -1): one "split" for topk._finish.
+
+  Strided segments: their kp + 7 best by (max desc, first asc) over all columns and splits hold
+  the top kp keys, ties included. A key x of the top kp lies in a segment X; of the segments
+  ahead of X, each holds a key that precedes x (the argument above: a higher score, or the
+  same score in an earlier window), at most kp - 1 in all, but for the segments of X's own
+  window (another column, whose keys interleave with X's), at most 7. Each column's set kept
+  X, by the same argument within one column, whose windows are in key order."""
+  b, kvh, splits, rp, n = seg_vals.shape
+  columns = window is not None
+  kp = n // mgpu_select.COLUMNS if columns else n
+  keep, length, stride = ((kp + mgpu_select.COLUMNS - 1, window // mgpu_select.COLUMNS,
+                           mgpu_select.COLUMNS) if columns else (kp, SEGMENT, 1))
+  firsts = jnp.moveaxis(seg_firsts, 2, 3).reshape(b, kvh, rp, splits * n)
+  if firsts.shape[-1] > keep:  # the best of all splits' (and columns') segments
+    vals = jnp.moveaxis(seg_vals, 2, 3).reshape(b, kvh, rp, splits * n)
+    _, firsts = topk_tile.finish(vals, firsts, keep)
+  offsets = stride * jnp.arange(length, dtype=jnp.int32)
+  keys = (firsts[..., None] + offsets).reshape(b, kvh, rp, -1)
   lo, hi = bounds[:, 0, None, None, None], bounds[:, 1, None, None, None]
-  ok = jnp.repeat(firsts >= 0, SEGMENT, axis=-1) & (keys >= lo) & (keys < hi)
-  v, i = best_keys(qr, k, jnp.where(ok, keys, -1), top_k, scale=scale, kv_layout=kv_layout,
-                   interpret=interpret)
+  ok = jnp.repeat(firsts >= 0, length, axis=-1) & (keys >= lo) & (keys < hi)
+  keys = jnp.where(ok, keys, -1)
+  pad = layout.next_pow2(keys.shape[-1]) - keys.shape[-1]  # Triton blocks: powers of two
+  keys = jnp.pad(keys, ((0, 0),) * 3 + ((0, pad),), constant_values=-1)
+  if not gpu.triton_indexable(k):  # 2^31 keys' elements or more: gathered by XLA
+    v, i = best_keys_xla(qr, k, keys, top_k, scale=scale, kv_layout=kv_layout)
+    return v[:, :, None], i[:, :, None]
+  # more candidates than a warp holds well: 8-bit keys (with their scales) on 4 warps (on an
+  # H200, 128 candidates a row of 8-bit keys: 0.27 ms on one warp, 0.12 on four)
+  warps = 4 if keys.shape[-1] > 64 and quant.is_quantized(k) else RESCORE_WARPS
+  v, i = best_keys(qr, k, keys, top_k, scale=scale, kv_layout=kv_layout,
+                   interpret=interpret, warps=warps)
   return v[:, :, None], i[:, :, None]
+
+
+@functools.partial(jax.jit, static_argnames=("top_k", "scale", "kv_layout"))
+def best_keys_xla(qr, k, keys, top_k: int, *, scale, kv_layout: str):
+  """best_keys by XLA (64-bit indexing: keys of 2^31 elements or more, which the Triton kernel
+  cannot index): each (sequence, KV head) gathers its rows' candidates in turn (lax.map: one
+  [R, n, d] gather alive at a time), scores them in fp32, and keeps the top_k (score desc, key
+  asc)."""
+  b, kvh, rp, _ = keys.shape
+  values, k_scale = layout.parts(k)
+  t = values.shape[1 if kv_layout == "BTHD" else 2]
+
+  def head(bh):
+    i, h = bh // kvh, bh % kvh
+    idx = jnp.clip(keys[i, h], 0, t - 1)  # [R, n]
+    kt = (values[i, idx, h] if kv_layout == "BTHD" else values[i, h, idx]).astype(jnp.float32)
+    if k_scale is not None:
+      kt = kt * (k_scale[i, idx, h] if kv_layout == "BTHD" else k_scale[i, h, idx])[..., None]
+    s = jnp.einsum("rd,rnd->rn", qr[i, h].astype(jnp.float32), kt)
+    s = jnp.where(keys[i, h] >= 0, s if scale is None else s * scale, NEG_INF)
+    return topk_tile.finish(s, keys[i, h], top_k)
+
+  v, i = lax.map(head, jnp.arange(b * kvh))
+  return v.reshape(b, kvh, rp, top_k), i.reshape(b, kvh, rp, top_k)
 
 
 @functools.partial(jax.jit, static_argnames=("top_k", "scale", "kv_layout", "interpret", "rows",

@@ -64,7 +64,19 @@ CASES = {
                                  mosaic(stages=3, key_splits=2)),
     # no GQA; top 1; 128-key tiles; the second sequence has a single candidate
     "g1_d64_top1": (2, 64, 2, 2, 200, 64, 1, "BTHD", (200, 6), 5, 0, mosaic(block_kv=128)),
+    # 128-key tiles over 2 key splits: "columns" in two windows a tile
+    "g4_d64_top4_bthd_384": (2, 16, 4, 1, 384, 64, 4, "BTHD", (384, 171), 5, 17,
+                             mosaic(block_kv=128, key_splits=2)),
+    # 64-key tiles: "columns" in one window a tile; top 8, the other layout
+    "g4_d128_top8_bhtd_320": (1, 16, 4, 1, 320, 128, 8, "BHTD", None, 70, 3, mosaic()),
 }
+
+
+def windows(t, block_kv, top_k, many_rows):
+  """The strided segments' window topk_scores runs these with (None: not "columns")."""
+  if many_rows != "columns" or top_k == 1:
+    return None
+  return topk_segments.column_window(t, block_kv, top_k)
 
 
 def segment_stages(monkeypatch):
@@ -73,7 +85,7 @@ def segment_stages(monkeypatch):
   stage2 = topk_segments.keys_of_segments
 
   def spy(*args, **kw):
-    calls.append(1)
+    calls.append(kw.get("window"))
     return stage2(*args, **kw)
 
   monkeypatch.setattr(topk_segments, "keys_of_segments", spy)
@@ -92,8 +104,13 @@ def test_mgpu_topk_matches_reference_in_interpreter(case, many_rows, monkeypatch
   v, i = assert_exact(q, k, top_k, tiling, KernelOptions(topk_many_rows=many_rows),
                       valid_len=None if valid is None else jnp.asarray(valid),
                       exclude_prefix=prefix, exclude_suffix=suffix, kv_layout=kv_layout)
-  # segments run where asked, for top_k > 1, when the keys are a multiple of 16
-  assert bool(calls) == (many_rows == "segments" and top_k > 1 and t % 16 == 0)
+  # segments run where asked, for top_k > 1, when the keys are a multiple of 16; strided ones
+  # where the keys and tiles are a multiple of their window, else contiguous ones
+  window = windows(t, tiling.block_keys, top_k, many_rows)
+  assert bool(calls) == (many_rows != "kernel" and top_k > 1 and t % 16 == 0)
+  assert calls in ([], [window])
+  assert window or many_rows != "columns" or case not in ("g4_d64_top4_bthd_384",
+                                                          "g4_d128_top8_bhtd_320")
   hi = (t if valid is None else np.asarray(valid)[:, None, None, None]) - suffix
   assert np.all((i == -1) | ((i >= prefix) & (i < hi))), "an excluded key was selected"
   if case == "g1_d64_top1":  # sequence 1 has the single candidate key 5
@@ -109,6 +126,21 @@ def test_mgpu_topk_ties_go_to_lowest_index(many_rows):
   k = jnp.tile(small_ints(rng, (1, 37, 1, 64)), (1, 12, 1, 1))[:, :416]
   q = small_ints(rng, (1, 16, 4, 64))
   v, i = assert_exact(q, k, 16, mosaic(key_splits=2), KernelOptions(topk_many_rows=many_rows))
+  tied = v[..., 1:] == v[..., :-1]
+  assert tied.any() and np.all(i[..., 1:][tied] > i[..., :-1][tied])
+
+
+@needs_interpreter
+@pytest.mark.parametrize("block_kv,splits", [(64, 2), (128, 1)])  # 1 / 2 windows a tile
+def test_columns_ties_go_to_lowest_index(block_kv, splits):
+  """Strided segments over 29 distinct keys repeated: equal maxima in one window's columns,
+  whose keys interleave, and across windows and splits; top 8, the most "columns" keeps."""
+  rng = np.random.default_rng(19)
+  k = jnp.tile(small_ints(rng, (1, 29, 1, 64)), (1, 18, 1, 1))[:, :512]
+  q = small_ints(rng, (1, 16, 4, 64))
+  assert windows(512, block_kv, 8, "columns") == topk_segments.COLUMN_WINDOW
+  v, i = assert_exact(q, k, 8, mosaic(block_kv=block_kv, key_splits=splits),
+                      KernelOptions(topk_many_rows="columns"), exclude_prefix=2)
   tied = v[..., 1:] == v[..., :-1]
   assert tied.any() and np.all(i[..., 1:][tied] > i[..., :-1][tied])
 
@@ -189,7 +221,8 @@ def test_routing_on_a_hopper_gpu(monkeypatch):
 
 LOWERINGS = [(128, "BTHD", 4, None, "exact"), (64, "BHTD", 16, "warpgroup", "exact"),
              (128, "BHTD", 1, "lane", "exact"), (128, "BTHD", 4, "warpgroup", "segments"),
-             (128, "BHTD", 4, "lane", "segments")]
+             (128, "BHTD", 4, "lane", "segments"), (128, "BTHD", 4, None, "columns"),
+             (64, "BHTD", 8, "warpgroup", "columns")]
 
 
 @pytest.mark.parametrize("d,kv_layout,kp,semantics,selection", LOWERINGS)
@@ -205,7 +238,8 @@ def test_native_kernel_lowers_to_mosaic_gpu(d, kv_layout, kp, semantics, selecti
 
   def f(qr, k, bounds):
     return mgpu_topk.mgpu_topk_scores(qr, k, bounds, kp=kp, span=t // 2, splits=2, scale=d ** -0.5,
-                               kv_layout=kv_layout, config=config, selection=selection)
+                               kv_layout=kv_layout, config=config, selection=selection,
+                               segment=128 if selection == "columns" else 16)
 
   text = jax.jit(f).trace(qr, k, bounds).lower(lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text
@@ -274,3 +308,30 @@ def test_segments_with_the_warpgroup_test_lower_to_mosaic_gpu():
       test_first=True)
   assert "mosaic_gpu" in jax.jit(f).trace(qr, k, bounds).lower(
       lowering_platforms=("cuda",)).as_text()
+
+
+def test_segments_stage2_by_xla_selects_as_the_kernel(monkeypatch):
+  """Keys of 2^31 elements or more go to stage 2 by XLA (the Triton kernel's int32 offsets
+  would overflow): here the limit lowered so that these keys pass it; the same picks, ties by
+  lower key, as the Triton kernel (interpreted), both layouts and 8-bit keys."""
+  from pallas_kernels import gpu, quant
+  rng = np.random.default_rng(23)
+  b, kvh, rows, d, t, n = 2, 2, 16, 64, 96, 32
+  qr = small_ints(rng, (b, kvh, rows, d))
+  keys = np.stack([rng.permutation(t)[:n] for _ in range(b * kvh * rows)]).reshape(b, kvh, rows, n)
+  keys[..., 3:6] = -1
+  keys = jnp.asarray(keys, jnp.int32)
+  for kv_layout in ("BTHD", "BHTD"):
+    k = small_ints(rng, keys_shape(b, t, kvh, d, kv_layout))
+    for kk in (k, quant.quantize(k, "int8")):
+      want = topk_segments.best_keys(qr, kk, keys, 4, scale=0.5, kv_layout=kv_layout,
+                                     interpret=True)
+      got = topk_segments.best_keys_xla(qr, kk, keys, 4, scale=0.5, kv_layout=kv_layout)
+      # integer keys: exact; 8-bit ones times their scales: the sums' order differs, which may
+      # swap two picks whose scores differ in the last bit
+      order = (lambda x: x) if kk is k else (lambda x: np.sort(x, axis=-1))  # noqa: E731
+      np.testing.assert_array_equal(order(np.asarray(got[1])), order(np.asarray(want[1])))
+      np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]),
+                                 rtol=0 if kk is k else 1e-6)
+  monkeypatch.setattr(gpu, "MAX_TRITON_ELEMENTS", k.size - 1)
+  assert not gpu.triton_indexable(k) and gpu.triton_indexable(k[:, :, :1])

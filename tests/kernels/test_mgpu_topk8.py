@@ -72,7 +72,8 @@ def run(q, k, top_k, options=KernelOptions(topk_eight_bit="products"), tiling=MO
 @INTERPRETER_HANGS
 @needs_interpreter
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("top_k,many_rows", [(1, "segments"), (4, "segments"), (4, "kernel")])
+@pytest.mark.parametrize("top_k,many_rows", [(1, "segments"), (4, "segments"), (4, "columns"),
+                                            (4, "kernel")])
 def test_exact_scores_equal_the_reference(dtype, top_k, many_rows):
   rng = np.random.default_rng(top_k + len(dtype))
   b, lq, h, kvh, t, d = 2, 16, 4, 1, 304, 64
@@ -152,7 +153,9 @@ def test_the_option_picks_the_route(monkeypatch, choice, calls):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("d,kv_layout,kp,selection", [(128, "BTHD", 1, "exact"),
                                                       (128, "BHTD", 4, "segments"),
-                                                      (64, "BTHD", 4, "exact")])
+                                                      (64, "BTHD", 4, "exact"),
+                                                      (128, "BTHD", 4, "columns"),
+                                                      (128, "BHTD", 8, "columns")])
 def test_native_kernel_lowers_to_mosaic_gpu(dtype, d, kv_layout, kp, selection):
   """8-bit WGMMA operands (tiling and swizzle by the byte width), the s32 accumulator and its
   conversion, the scale ring: lowered at the benchmark's shapes; Mosaic's SMEM check runs."""
@@ -165,8 +168,9 @@ def test_native_kernel_lowers_to_mosaic_gpu(dtype, d, kv_layout, kp, selection):
   def f(qr, values, scale, bounds):
     return mgpu_topk.mgpu_topk_scores(qr, quant.Quantized(values, scale), bounds, kp=kp,
                                       span=t // 2, splits=2, scale=d ** -0.5,
-                                      kv_layout=kv_layout, config=mgpu_topk.DEFAULT_CONFIG,
-                                      selection=selection)
+                                      kv_layout=kv_layout, config=mgpu_topk.EIGHT_BIT_CONFIG,
+                                      selection=selection,
+                                      segment=128 if selection == "columns" else 16)
 
   assert "mosaic_gpu" in jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 

@@ -1,0 +1,112 @@
+"""topk_scores with strided segments ("columns") against contiguous ones ("segments"), and the
+rescoring stage alone, in one run.
+
+    python -m experiments.topk_columns --out $OUT/topk_columns.jsonl [--keys 131072,1048576]
+
+512 queries x `keys` keys, 32 query / 8 KV heads, d=128, top 4 (ReAttention's scoring of a
+prefill chunk), keys bf16, int8 and E4M3 (8-bit on the tensor cores), normal random inputs:
+  time      median ms of topk_scores after warm-up per (keys, KernelOptions.topk_many_rows,
+            window of the strided segments);
+  agree     int8 at 32K keys: the share of (query, head) rows whose chosen set equals the
+            dequantize-first reference's, per selection (the quantized queries reorder near-ties,
+            which stage 2's exact scores of more candidates undo);
+  stage2    topk_segments.best_keys alone: 2,048 rows a KV head at 128K keys, 64 or 128
+            candidates a row, on 1, 2 or 4 warps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import jax
+import jax.numpy as jnp
+
+from jax_longctx.app.bench_kernels import normal
+from jax_longctx.app.bench_measure import device_facts, timed
+from pallas_kernels import Route, quant, topk_scores
+from pallas_kernels.options import KernelOptions
+from pallas_kernels.topk import topk_segments
+
+H, KV, D, LQ = 32, 8, 128, 512
+
+
+def route(many_rows):
+  return Route(backend="gpu", kernels=KernelOptions(topk_eight_bit="products",
+                                                    topk_many_rows=many_rows))
+
+
+def emit(out, rec):
+  print(json.dumps(rec), flush=True)
+  out.write(json.dumps(rec) + "\n")
+  out.flush()
+
+
+def stage2(out, key, args):
+  kq, kk, kc = jax.random.split(key, 3)
+  t = 131072
+  qr = normal(kq, (1, KV, 2048, D))
+  kf = normal(kk, (1, t, KV, D), jnp.float32)
+  for name, k in (("int8", quant.quantize(kf, "int8")), ("bf16", kf.astype(jnp.bfloat16))):
+    for n in (64, 128):
+      cand = jax.random.randint(kc, (1, KV, 2048, n), 0, t, jnp.int32)
+      for warps in (1, 2, 4):
+        fn = jax.jit(lambda qr, k, c, w=warps: topk_segments.best_keys(
+            qr, k, c, 4, scale=0.1, kv_layout="BTHD", interpret=False, warps=w))
+        emit(out, {"case": "stage2", "keys": name, "n": n, "warps": warps,
+                   "ms": timed(fn, qr, k, cand, reps=args.reps, inner=3) * 1e3})
+
+
+def agree(out, key):
+  kq, kk = jax.random.split(key)
+  q = normal(kq, (1, LQ, H, D))
+  k = quant.quantize(normal(kk, (1, 32768, KV, D), jnp.float32), "int8")
+  ri = topk_scores(q, k, 4, scale=D ** -0.5, route=Route(backend="reference"))[1]
+  for many_rows in ("segments", "columns"):
+    i = topk_scores(q, k, 4, scale=D ** -0.5, route=route(many_rows))[1]
+    emit(out, {"case": "agree", "keys": "int8", "kv_len": 32768, "many_rows": many_rows,
+               "rows_equal": float(jnp.mean(jnp.all(jnp.sort(i, -1) == jnp.sort(ri, -1), -1)))})
+
+
+def times(out, key, args):
+  windows = [int(w) for w in args.windows.split(",")]
+  for t in (int(x) for x in args.keys.split(",")):
+    kq, kk = jax.random.split(jax.random.fold_in(key, t))
+    q = normal(kq, (1, LQ, H, D))
+    kf = normal(kk, (1, t, KV, D), jnp.float32)
+    keys = {"bf16": kf.astype(jnp.bfloat16), "int8": quant.quantize(kf, "int8"),
+            "float8_e4m3fn": quant.quantize(kf, "float8_e4m3fn")}
+    del kf
+    for name, k in keys.items():
+      for many_rows, window in [("segments", None)] + [("columns", w) for w in windows]:
+        if window:
+          topk_segments.COLUMN_WINDOW = window
+        fn = jax.jit(lambda q, k, r=route(many_rows): topk_scores(q, k, 4, scale=D ** -0.5,
+                                                                  route=r))
+        ms = timed(fn, q, k, reps=args.reps, inner=3) * 1e3
+        emit(out, {"case": "time", "kv_len": t, "keys": name, "many_rows": many_rows,
+                   "window": window, "top_k": 4, "ms": ms,
+                   "tflops": 2 * LQ * t * D * H / ms / 1e9})
+    del keys
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--out", required=True)
+  p.add_argument("--keys", default="131072,524288,1048576")
+  p.add_argument("--windows", default=str(topk_segments.COLUMN_WINDOW))
+  p.add_argument("--reps", type=int, default=5)
+  p.add_argument("--cases", default="agree,time,stage2")
+  args = p.parse_args()
+  key = jax.random.PRNGKey(0)
+  window = topk_segments.COLUMN_WINDOW
+  with open(args.out, "w") as out:
+    emit(out, {"facts": device_facts()})
+    for case in args.cases.split(","):
+      {"agree": lambda: agree(out, key), "time": lambda: times(out, key, args),
+       "stage2": lambda: stage2(out, key, args)}[case]()
+      topk_segments.COLUMN_WINDOW = window
+
+
+if __name__ == "__main__":
+  main()
