@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -106,6 +107,19 @@ def tile_loop(first, last, load, step, init, prefetch: bool):
     return step(j, cur, carry), nxt
 
   return lax.fori_loop(first, last, body, (init, load(first)))[0]
+
+
+# Pallas' Triton lowering computes a block's element offsets in int32: an operand of 2^31
+# elements or more faults. Measured on an H200: the cache-write and gathered kernels over an
+# int8 cache [1, 8, 2M + 64, 128] (ReAttention's decode at 2M tokens of the 3B shape) raised
+# an illegal address; the Mosaic kernels (TMA: 64-bit addresses) ran.
+MAX_TRITON_ELEMENTS = 2**31 - 1
+
+
+def triton_indexable(*arrays) -> bool:
+  """Whether every array (a quant.Quantized counts by its parts) has fewer than 2^31 elements,
+  as a Triton kernel taking it whole needs; where not, the callers take another route."""
+  return all(x.size <= MAX_TRITON_ELEMENTS for x in jax.tree_util.tree_leaves(arrays))
 
 
 def whole_keys_spec(kv_layout: str, t: int, d: int, kvh: int):

@@ -133,6 +133,16 @@ def _attention(q, k, v, *, causal, q_offset, kv_len, scale: float, kv_layout: st
     return mgpu_flash.mgpu_flash_attention(q, k, v, q_off, kv_len, causal=causal, scale=scale,
                                                kv_layout=kv_layout, config=mosaic,
                                                interpret=variant.interpret)
+  if variant.kind == "gpu" and not gpu.triton_indexable(k, v):
+    # Past the Triton kernels' int32 offsets: one query token by XLA ([B, H, T] scores), a
+    # chunk refused (its scores would be [B, H, Lq, T]).
+    if lq > 1:
+      raise ValueError(f"flash_attention: {lq} queries over a cache of 2^31 elements or more "
+                       f"(k {k.shape}: past the Triton kernels' int32 offsets) and no Mosaic or "
+                       "cuDNN kernel takes the call; shard the cache over the mesh's `ctx` axis "
+                       "or run on a Hopper GPU (its Mosaic kernels address by TMA)")
+    return reference.flash_attention(q, k, v, causal=causal, q_offset=q_off, kv_len=kv_len,
+                                     scale=scale, kv_layout=kv_layout, products=eight_bit_q)
 
   rows = lq * (h // kvh)
   bm = min(max(16, layout.next_pow2(rows)), 128)

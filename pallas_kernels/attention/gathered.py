@@ -25,6 +25,7 @@ the rotation in fp32 took 19.1 with 128-key tiles and 17.8 with 64 (BENCHMARKS.m
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -99,6 +100,19 @@ def gathered_attention(q, k, v, indices, valid=None, *, scale: float | None = No
   variant, options = route.variant(), route.kernels
   if variant.kind == "tpu":
     tpu.check_kv_dtype(k)
+  if variant.kind == "gpu" and not gpu.triton_indexable(k, v):
+    # The Triton kernel cannot index this cache (gpu.triton_indexable): XLA gathers the rows
+    # (64-bit indexing) and the kernel reads them (the whole cache dequantized by the
+    # reference took 372 ms a step of 4 layers at 2M tokens on an H200).
+    within = (indices >= 0) & (indices < t)
+    picked = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), indices.shape)
+    k_rows, v_rows = (_rows(x, jnp.where(within, indices, 0), kv_layout) for x in (k, v))
+    if key_offset is not None:  # [KV, d], stored in BHTD as [1, KV, 1, d]
+      k_rows = dataclasses.replace(k_rows, offset=key_offset[None, :, None, :])
+    return gathered_attention(q, k_rows, v_rows, picked, valid & within, scale=scale,
+                              kv_layout="BHTD", key_rope_freqs=key_rope_freqs,
+                              key_positions=None if key_rope_freqs is None else key_positions,
+                              route=route, tiling=tiling)
   if variant.kind == "reference":
     return reference.gathered_attention(q, k, v, indices, valid, scale=scale, kv_layout=kv_layout,
                                         key_rope_freqs=key_rope_freqs,
@@ -148,6 +162,16 @@ def gathered_attention(q, k, v, indices, valid=None, *, scale: float | None = No
     lse = lse[..., 0]
   out = layout.from_rows(out, lq, h).astype(q.dtype)
   return out, layout.from_rows(lse, lq, h)
+
+
+def _rows(x, indices, kv_layout: str):
+  """x's rows (keys or values, 8-bit with their scales) at indices [B, KV, n] as BHTD [B, KV, n,
+  w], by XLA's gather."""
+  if quant.is_quantized(x):
+    return quant.Quantized(_rows(x.values, indices, kv_layout), _rows(x.scale, indices, kv_layout))
+  b, kvh, _ = indices.shape
+  bi, hi = jnp.arange(b)[:, None, None], jnp.arange(kvh)[None, :, None]
+  return x[bi, indices, hi] if kv_layout == "BTHD" else x[bi, hi, indices]
 
 
 def _rope_table(freqs, positions, dtype):

@@ -43,14 +43,15 @@ def reference(k_cache, v_cache, positions, k_new, v_new):
 def write_one_token(k_cache, v_cache, positions, k_new, v_new, *, route: Route):
   """As `reference`; on GPU (`route.cache_write_backend`) one in-place kernel (the caches are
   updated where they lie when the caller's buffers can be reused, as inside a jitted step whose
-  old cache is dead); with no cache-write backend, the reference."""
+  old cache is dead); with no cache-write backend, or a cache of 2^31 elements or more (which the
+  Triton kernel cannot index: gpu.triton_indexable), the reference."""
   b, kvh, _, d = k_cache.shape
   quantized = layout.check_kv(k_cache, v_cache)
   if k_new.shape != (b, kvh, d) or v_new.shape != k_new.shape or positions.shape != (b,):
     raise ValueError(f"k_new {k_new.shape} / v_new {v_new.shape} must be [B, KV, d] = "
                      f"{(b, kvh, d)} and positions {positions.shape} [B]")
   variant = backend_lib.resolve(route.cache_write_backend or "reference")
-  if variant.kind != "gpu":
+  if variant.kind != "gpu" or not gpu.triton_indexable(k_cache, v_cache):
     return reference(k_cache, v_cache, positions, k_new, v_new)
   pos = positions.astype(jnp.int32).reshape(b, 1)
   if quantized and k_cache.offset is None and v_cache.offset is None:

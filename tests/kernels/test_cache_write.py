@@ -93,3 +93,4 @@ def test_write_kernel_lowers_to_triton(quantized):
     return cache_write._write(pos, rows, caches, interpret=False, quantize=bool(quantized))
   text = cuda_text(call, jnp.zeros((1, 1), jnp.int32), rows, caches)
   assert "triton" in text and text.count("#stablehlo.output_operand_alias<") == len(caches)
+
