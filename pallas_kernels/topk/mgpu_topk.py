@@ -142,9 +142,9 @@ def mgpu_topk_scores(qr, k, bounds, *, kp: int, span: int, splits: int, scale: f
   else:
     inputs = (qr, k)
   cta_rows = COMPUTE_WGS * config.block_q
-  strided = selection in ("segments", "columns")
+  segmented = selection in ("segments", "columns")
   if (rp % cta_rows or t < config.block_kv or span % config.block_kv or span * splits < t
-      or (strided and (t % segment or config.block_kv % segment))):
+      or (segmented and (t % segment or config.block_kv % segment))):
     raise ValueError(f"mgpu_topk_scores: rows {rp} / keys {t} / span {span} x {splits} do not fit "
                      f"{config} (selection {selection!r}, segment {segment})")
   width = mgpu_select.set_width(selection)

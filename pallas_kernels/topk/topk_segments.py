@@ -65,11 +65,10 @@ def fits(keys: int, block_kv: int, segment: int = SEGMENT) -> bool:
 
 
 def column_window(keys: int, block_kv: int, top_k: int) -> int | None:
-  """The window of strided segments for these keys and tiles: COLUMN_WINDOW, else 64 (each
-  segment 8 keys), else None (they do not fit: contiguous segments then)."""
-  if top_k > COLUMN_MAX_KP:
-    return None
-  return next((w for w in (COLUMN_WINDOW, 64) if fits(keys, block_kv, w)), None)
+  """The window of strided segments for these keys, tiles and top_k: COLUMN_WINDOW, or None
+  where they do not fit (contiguous segments then)."""
+  fit = top_k <= COLUMN_MAX_KP and fits(keys, block_kv, COLUMN_WINDOW)
+  return COLUMN_WINDOW if fit else None
 
 
 def keys_of_segments(qr, k, bounds, seg_vals, seg_firsts, top_k: int, *, scale, kv_layout: str,
