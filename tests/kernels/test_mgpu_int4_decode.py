@@ -59,8 +59,10 @@ def test_interpreted_kernel_matches_the_dequantized_cache(block_keys, merge):
   copy = flash_attention(q, keys, values, route=REFERENCE, **kw)
   assert got[0].dtype == q.dtype and got[0].shape == q.shape
   # outputs, LSE: the kernel rounds each key group's scales and zero points to fp16 (an outlier
-  # channel's zero point of ~50 is 0.03 off there), the copy rounds every key to bf16
-  for i, tol in ((0, 4e-2), (1, 3e-2)):
+  # channel's zero point of ~50 is 0.03 off there), the copy rounds every key to bf16. Outputs
+  # moved by that rounding: 0.018-0.049 over five draws of these inputs (0.049 this one under
+  # numpy 2.4; the Triton kernel, whose scales stay fp32, 0.013-0.025; the copy 0.053-0.128)
+  for i, tol in ((0, 6e-2), (1, 3e-2)):
     assert _error(got[i], want[i]) <= min(tol, _error(copy[i], want[i])), i
 
 
