@@ -85,3 +85,32 @@ def test_a_kernel_row_sets_each_case_beside_its_anchor():
   flash = {"name": "flash_prefill", "kv_len": 16384, "ours_ms": 2.0, "cudnn_ms": 1.5}
   assert bench.kernel_row(flash).endswith("| 2.0000 | cuDNN | 1.5000 | 0.75x |")
   assert bench.kernel_row({"name": "check_topk"}) == "| check_topk |  | checked | | | |"
+
+
+def test_a_filled_cache_decodes_on_the_program_of_the_first_loop():
+  """--fill-cache over an 8-bit cache of pre-RoPE keys (ReAttention's, with a key offset): every
+  buffer committed, as the decode loop's outputs are, so the timed loops run the first loop's
+  program (an uncommitted offset compiled it again, and one timed loop then read as ~0.4 s a
+  step at 2M tokens)."""
+  import jax
+
+  from jax_longctx.app.bench_decode import filled_cache
+  from jax_longctx.core.options import RunOptions
+  from jax_longctx.methods import get
+  from jax_longctx.model import random_params
+  from jax_longctx.run.generation import Sampling, decode_loop, row_keys
+  from tests.conftest import tiny_config
+
+  cfg = tiny_config(num_heads=4, num_kv_heads=2, head_dim=64)
+  method = get("reattention", n_global=4, n_local=32, span=4, clip=4, chunk=16)
+  options = RunOptions(kv_dtype="int8")
+  cache = filled_cache(cfg, method, 2, 128, 256, options)
+  assert any(getattr(s.k, "offset", None) is not None for s in cache.state)
+  assert all(x.committed for x in jax.tree.leaves(cache))
+  params, last = random_params(cfg), jax.numpy.zeros((2, cfg.vocab_size))
+  kw = dict(cfg=cfg, method=method, max_new_tokens=3, sampling=Sampling(), options=options)
+  stops = jax.numpy.asarray([-1], jax.numpy.int32)
+  compiled = decode_loop._cache_size()
+  for _ in range(2):
+    _, _, cache = decode_loop(params, cache, last, stops, row_keys(0, 2), **kw)
+  assert decode_loop._cache_size() == compiled + 1

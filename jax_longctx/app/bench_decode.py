@@ -115,7 +115,8 @@ def filled_cache(cfg, method, batch: int, ctx: int, cache_len: int, options):
   from jax_longctx.run import sharding
   from pallas_kernels import quant4
 
-  cache = sharding.empty_cache(cfg, method, batch, cache_len, 4096, options)
+  chunk = method.prefill_chunk or options.prefill_chunk  # as a prefill would make the cache
+  cache = sharding.empty_cache(cfg, method, batch, cache_len, chunk, options)
   keys = iter(jax.random.split(jax.random.key(1), len(jax.tree.leaves(cache)) + 1))
 
   @functools.lru_cache(maxsize=None)
@@ -142,7 +143,10 @@ def filled_cache(cfg, method, batch: int, ctx: int, cache_len: int, options):
 
   def one(x):
     if isinstance(x, Quantized):  # 8-bit values of any magnitude, scales of a bf16 K's rows
-      return dataclasses.replace(x, values=drawn(x.values), scale=constant(x.scale, 0.02))
+      # (a pre-RoPE key buffer's offset, which the model sets every step, kept but committed)
+      return dataclasses.replace(x, values=drawn(x.values), scale=constant(x.scale, 0.02),
+                                 offset=None if x.offset is None
+                                 else jax.device_put(x.offset, x.offset.sharding))
     if isinstance(x, quant4.Int4):  # any codes; ranges of a bf16 K's values
       return dataclasses.replace(x, codes=drawn(x.codes), scale=constant(x.scale, 0.004),
                                  zero=constant(x.zero, -0.03))
