@@ -10,8 +10,10 @@ prefill chunk), keys bf16, int8 and E4M3 (8-bit on the tensor cores), normal ran
   agree     int8 at 32K keys: the share of (query, head) rows whose chosen set equals the
             dequantize-first reference's, per selection (the quantized queries reorder near-ties,
             which stage 2's exact scores of more candidates undo);
-  stage2    topk_segments.best_keys alone: 2,048 rows a KV head at 128K keys, 64 or 128
-            candidates a row, on 1, 2 or 4 warps.
+  stage2    topk_segments.best_keys alone: 2,048 rows a KV head at 128K keys, 64, 128 or
+            256 candidates a row, on 1, 2, 4 or 8 warps;
+  parts     "columns" at the longest `keys` with its insertions replaced by a running max
+            (results meaningless): what the sorted sets' upkeep costs.
 """
 
 from __future__ import annotations
@@ -26,14 +28,14 @@ from jax_longctx.app.bench_kernels import normal
 from jax_longctx.app.bench_measure import device_facts, timed
 from pallas_kernels import Route, quant, topk_scores
 from pallas_kernels.options import KernelOptions
-from pallas_kernels.topk import topk_segments
+from pallas_kernels.topk import mgpu_select, topk_segments
 
 H, KV, D, LQ = 32, 8, 128, 512
 
 
-def route(many_rows):
-  return Route(backend="gpu", kernels=KernelOptions(topk_eight_bit="products",
-                                                    topk_many_rows=many_rows))
+def route(many_rows, window=0):
+  return Route(backend="gpu", kernels=KernelOptions(
+      topk_eight_bit="products", topk_many_rows=many_rows, topk_column_window=window or 0))
 
 
 def emit(out, rec):
@@ -48,9 +50,9 @@ def stage2(out, key, args):
   qr = normal(kq, (1, KV, 2048, D))
   kf = normal(kk, (1, t, KV, D), jnp.float32)
   for name, k in (("int8", quant.quantize(kf, "int8")), ("bf16", kf.astype(jnp.bfloat16))):
-    for n in (64, 128):
+    for n in (64, 128, 256):
       cand = jax.random.randint(kc, (1, KV, 2048, n), 0, t, jnp.int32)
-      for warps in (1, 2, 4):
+      for warps in (1, 2, 4, 8):
         fn = jax.jit(lambda qr, k, c, w=warps: topk_segments.best_keys(
             qr, k, c, 4, scale=0.1, kv_layout="BTHD", interpret=False, warps=w))
         emit(out, {"case": "stage2", "keys": name, "n": n, "warps": warps,
@@ -78,11 +80,10 @@ def times(out, key, args):
             "float8_e4m3fn": quant.quantize(kf, "float8_e4m3fn")}
     del kf
     for name, k in keys.items():
-      for many_rows, window in [("segments", None)] + [("columns", w) for w in windows]:
-        if window:
-          topk_segments.COLUMN_WINDOW = window
-        fn = jax.jit(lambda q, k, r=route(many_rows): topk_scores(q, k, 4, scale=D ** -0.5,
-                                                                  route=r))
+      for many_rows, window in ([("segments", None)] if "segments" in args.selections else []) + [
+          ("columns", w) for w in windows if "columns" in args.selections]:
+        fn = jax.jit(lambda q, k, r=route(many_rows, window): topk_scores(
+            q, k, 4, scale=D ** -0.5, route=r))
         ms = timed(fn, q, k, reps=args.reps, inner=3) * 1e3
         emit(out, {"case": "time", "kv_len": t, "keys": name, "many_rows": many_rows,
                    "window": window, "top_k": 4, "ms": ms,
@@ -90,22 +91,43 @@ def times(out, key, args):
     del keys
 
 
+def parts(out, key, args):
+  t = max(int(x) for x in args.keys.split(","))
+  kq, kk = jax.random.split(jax.random.fold_in(key, t))
+  q = normal(kq, (1, LQ, H, D))
+  kf = normal(kk, (1, t, KV, D), jnp.float32)
+  keys = {"bf16": kf.astype(jnp.bfloat16), "int8": quant.quantize(kf, "int8")}
+  del kf
+  insert = mgpu_select._insert
+  for upkeep in ("sorted sets", "running max only"):
+    if upkeep != "sorted sets":
+      mgpu_select._insert = lambda vals, firsts, m, first: (  # noqa: E731
+          [jax.numpy.maximum(vals[0], m)] + vals[1:], firsts)
+    jax.clear_caches()
+    for name, k in keys.items():
+      fn = jax.jit(lambda q, k: topk_scores(q, k, 4, scale=D ** -0.5, route=route("columns")))
+      emit(out, {"case": "parts", "kv_len": t, "keys": name, "upkeep": upkeep,
+                 "ms": timed(fn, q, k, reps=args.reps, inner=3) * 1e3})
+  mgpu_select._insert = insert
+  jax.clear_caches()
+
+
 def main():
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--out", required=True)
   p.add_argument("--keys", default="131072,524288,1048576")
-  p.add_argument("--windows", default=str(topk_segments.COLUMN_WINDOW))
+  p.add_argument("--windows", default="0", help="KernelOptions.topk_column_window values "
+                 "(0: the default, by the key axis)")
+  p.add_argument("--selections", default="segments,columns")
   p.add_argument("--reps", type=int, default=5)
   p.add_argument("--cases", default="agree,time,stage2")
   args = p.parse_args()
   key = jax.random.PRNGKey(0)
-  window = topk_segments.COLUMN_WINDOW
   with open(args.out, "w") as out:
     emit(out, {"facts": device_facts()})
     for case in args.cases.split(","):
       {"agree": lambda: agree(out, key), "time": lambda: times(out, key, args),
-       "stage2": lambda: stage2(out, key, args)}[case]()
-      topk_segments.COLUMN_WINDOW = window
+       "stage2": lambda: stage2(out, key, args), "parts": lambda: parts(out, key, args)}[case]()
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ IMPLS = ("mosaic", "triton")
 TOPK_SELECTIONS = ("exact", "max_only")
 TOPK_FEW_ROWS = ("blocks", "blocks_jnp", "kernel")
 TOPK_MANY_ROWS = ("segments", "columns", "kernel")
+COLUMN_WINDOWS = (0, 32, 64, 128)
 EIGHT_BIT_TOPK = ("auto", "products", "dequantize")
 
 
@@ -116,6 +117,10 @@ class KernelOptions:
   # in the kernel's running set (its selection rounds). top_k = 1 keeps its running argmax
   # either way.
   topk_many_rows: str = "columns"
+  # "columns"' window of keys (a strided segment: its keys of one column mod 8): 0 picks by the
+  # key axis (topk_segments.column_window: 64, 128 from COLUMN_LONG_KEYS keys); else 32, 64 or
+  # 128 (one that does not divide the kernel's key tile runs as "segments").
+  topk_column_window: int = 0
   # A prefill chunk over an 8-bit cache on a GPU: the cache (this layer's, this device's share)
   # is dequantized to the queries' dtype and the chunk runs the bf16 route (Mosaic, else cuDNN)
   # when that copy takes at most this many bytes; else the 8-bit flash kernel reads the cache
@@ -179,6 +184,9 @@ class KernelOptions:
       raise ValueError(f"topk_few_rows={self.topk_few_rows!r} must be one of {TOPK_FEW_ROWS}")
     if self.topk_many_rows not in TOPK_MANY_ROWS:
       raise ValueError(f"topk_many_rows={self.topk_many_rows!r} must be one of {TOPK_MANY_ROWS}")
+    if self.topk_column_window not in COLUMN_WINDOWS:
+      raise ValueError(f"topk_column_window={self.topk_column_window!r} must be one of "
+                       f"{COLUMN_WINDOWS} (0: by the key axis)")
     for field in ("prefill_dequantize_bytes", "topk_dequantize_bytes"):
       value = getattr(self, field)
       if not isinstance(value, int) or value < 0:

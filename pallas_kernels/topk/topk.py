@@ -203,7 +203,7 @@ def _finish_mosaic(q, k, bounds, top_k, config, *, scale, kv_layout, tiling, opt
   vals, idx, ordered = _mosaic(q, k, bounds, top_k, config, scale=scale, kv_layout=kv_layout,
                                key_splits=tiling.key_splits if tiling else None,
                                selection=options.topk_selection, segments=segments,
-                               variant=variant)
+                               window=options.topk_column_window, variant=variant)
   return _finish(vals, idx, top_k, q.shape[1], q.shape[2], ordered)
 
 
@@ -218,11 +218,12 @@ def _mosaic_config(variant, q, k, rows: int, top_k: int, tiling, keys: int | Non
 
 
 def _mosaic(q, k, bounds, top_k, config, *, scale, kv_layout, key_splits, selection, segments,
-            variant):
+            window, variant):
   """The Mosaic kernel's candidates [B, KV, S, R, top_k] and whether they are already the
   final order; with `segments` ("segments" or "columns": KernelOptions.topk_many_rows; None)
   and keys that fit, its segments, resolved to keys by topk_segments (one part, best first).
-  "columns" runs as "segments" where its sets do not fit (top_k, SMEM)."""
+  "columns" runs as "segments" where its sets do not fit (top_k, SMEM); window: its
+  KernelOptions.topk_column_window."""
   b, _, h, _ = q.shape
   kvh = k.shape[2 if kv_layout == "BTHD" else 1]
   bk = config.block_kv
@@ -237,7 +238,7 @@ def _mosaic(q, k, bounds, top_k, config, *, scale, kv_layout, key_splits, select
                                 key_splits or max(1, backend_lib.num_cores() // programs),
                                 per_core=1)
   qr = layout.q_rows(q, kvh, rows_padded)
-  window = topk_segments.column_window(tk, bk, top_k)
+  window = topk_segments.column_window(tk, bk, top_k, window)
   if segments == "columns" and not (
       window and mgpu_topk.smem_bytes(config, q.shape[3], top_k,
                                       1 if quant.is_quantized(k) else 2,

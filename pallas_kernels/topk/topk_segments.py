@@ -17,11 +17,12 @@ column) keeps a set. Stage 2 then scores kp + 7 segments a row (`keys_of_segment
 Exact, ties included (the argument of topk_blocks.py): order keys by (score desc, index asc) and
 segments by (max desc, first key asc), which stage 1 keeps (a segment enters after the kept ones
 it does not beat strictly, and of a tile's equal maxima the first enters first) and the merge of
-key splits keeps (topk_tile.finish sorts by both). A key x of the true top-k lies in one of the k first segments: otherwise each
-of them holds a key that precedes x (a higher score, or the same score in an earlier segment),
-k keys in all. Stage 2 takes of equal scores the lowest key. Its product runs in fp32 like the
-kernel's WGMMA but in another order: on scores equal to the last bit (integer inputs, the
-tests) the result is the reference's; elsewhere it is exact up to that summation order.
+key splits keeps (topk_tile.finish sorts by both). A key x of the true top-k lies in one of the
+k first segments: otherwise each of them holds a key that precedes x (a higher score, or the
+same score in an earlier segment), k keys in all. Stage 2 takes of equal scores the lowest
+key. Its product runs in fp32 like the kernel's WGMMA but in another order: on scores equal to
+the last bit (integer inputs, the tests) the result is the reference's; elsewhere it is exact
+up to that summation order.
 """
 
 from __future__ import annotations
@@ -53,9 +54,23 @@ RESCORE_WARPS = 1
 # window's keys of one column mod 8 (COLUMN_WINDOW / 8 keys a segment), each row keeping its kp
 # best of each column's; at most COLUMN_MAX_KP (its sets are 2 * kp register tiles a row).
 # On an H200 (512 queries x 128K / 1M keys, top 4): windows of 64 beat 32 (int8 1.13 / 6.68 ms
-# against 1.16 / 8.23) and 128 (stage 2's 176 keys a row: 6.66 ms at 128K).
+# against 1.16 / 8.23). Windows of 128 halve the sets' upkeep (a quarter of the kernel at 1M
+# keys) and double stage 2's candidates (176 a row, padded to 256: 0.24 ms int8, 0.33 bf16, on
+# 8 warps): level at 128K keys, 12-14% faster at 512K and 1M (int8 2.91 / 5.57 ms against 3.31 /
+# 6.42, bf16 3.72 / 7.28 against 4.11 / 8.47): COLUMN_WINDOW_LONG from COLUMN_LONG_KEYS keys.
 COLUMN_WINDOW = 64
+COLUMN_WINDOW_LONG = 128
+COLUMN_LONG_KEYS = 1 << 19
 COLUMN_MAX_KP = 8
+
+
+def rescore_warps(candidates: int, eight_bit: bool) -> int:
+  """best_keys' warps for `candidates` keys a row (on an H200, 2,048 rows a KV head: 64
+  candidates on one warp 0.07-0.08 ms; 128 of 8-bit keys on four 0.12 (one: 0.28), of bf16 on
+  eight 0.14 (one: 0.17); 256 on eight 0.24 / 0.33 (four: 0.26 / 0.42))."""
+  if candidates <= 64:
+    return RESCORE_WARPS
+  return 4 if candidates <= 128 and eight_bit else 8
 
 
 def fits(keys: int, block_kv: int, segment: int = SEGMENT) -> bool:
@@ -64,11 +79,12 @@ def fits(keys: int, block_kv: int, segment: int = SEGMENT) -> bool:
   return keys % segment == 0 and block_kv % segment == 0
 
 
-def column_window(keys: int, block_kv: int, top_k: int) -> int | None:
-  """The window of strided segments for these keys, tiles and top_k: COLUMN_WINDOW, or None
-  where they do not fit (contiguous segments then)."""
-  fit = top_k <= COLUMN_MAX_KP and fits(keys, block_kv, COLUMN_WINDOW)
-  return COLUMN_WINDOW if fit else None
+def column_window(keys: int, block_kv: int, top_k: int, window: int = 0) -> int | None:
+  """The window of strided segments for these keys, tiles and top_k (window: KernelOptions.
+  topk_column_window, 0: COLUMN_WINDOW, or COLUMN_WINDOW_LONG from COLUMN_LONG_KEYS keys), or
+  None where they do not fit (contiguous segments then)."""
+  window = window or (COLUMN_WINDOW_LONG if keys >= COLUMN_LONG_KEYS else COLUMN_WINDOW)
+  return window if top_k <= COLUMN_MAX_KP and fits(keys, block_kv, window) else None
 
 
 def keys_of_segments(qr, k, bounds, seg_vals, seg_firsts, top_k: int, *, scale, kv_layout: str,
@@ -103,11 +119,8 @@ def keys_of_segments(qr, k, bounds, seg_vals, seg_firsts, top_k: int, *, scale, 
   if not gpu.triton_indexable(k):  # 2^31 keys' elements or more: gathered by XLA
     v, i = best_keys_xla(qr, k, keys, top_k, scale=scale, kv_layout=kv_layout)
     return v[:, :, None], i[:, :, None]
-  # more candidates than a warp holds well: 8-bit keys (with their scales) on 4 warps (on an
-  # H200, 128 candidates a row of 8-bit keys: 0.27 ms on one warp, 0.12 on four)
-  warps = 4 if keys.shape[-1] > 64 and quant.is_quantized(k) else RESCORE_WARPS
-  v, i = best_keys(qr, k, keys, top_k, scale=scale, kv_layout=kv_layout,
-                   interpret=interpret, warps=warps)
+  v, i = best_keys(qr, k, keys, top_k, scale=scale, kv_layout=kv_layout, interpret=interpret,
+                   warps=rescore_warps(keys.shape[-1], quant.is_quantized(k)))
   return v[:, :, None], i[:, :, None]
 
 

@@ -72,6 +72,21 @@ CASES = {
 }
 
 
+def test_columns_windows_widen_on_long_key_axes():
+  """64-key windows, 128 from COLUMN_LONG_KEYS keys (or as asked), None where the tiles or
+  top_k do not fit; stage 2 spreads more candidates over more warps."""
+  long = topk_segments.COLUMN_LONG_KEYS
+  assert topk_segments.column_window(long - 256, 256, 4) == 64
+  assert topk_segments.column_window(long, 256, 4) == 128
+  assert topk_segments.column_window(long, 256, 4, window=64) == 64
+  assert topk_segments.column_window(long, 64, 4) is None  # a 128-key window in 64-key tiles
+  assert topk_segments.column_window(512, 128, 9) is None
+  assert [topk_segments.rescore_warps(n, True) for n in (64, 128, 256)] == [1, 4, 8]
+  assert [topk_segments.rescore_warps(n, False) for n in (64, 128, 256)] == [1, 8, 8]
+  with pytest.raises(ValueError, match="topk_column_window"):
+    KernelOptions(topk_column_window=256)
+
+
 def windows(t, block_kv, top_k, many_rows):
   """The strided segments' window topk_scores runs these with (None: not "columns")."""
   if many_rows != "columns" or top_k == 1:
@@ -131,16 +146,20 @@ def test_mgpu_topk_ties_go_to_lowest_index(many_rows):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("block_kv,splits", [(64, 2), (128, 1)])  # 1 / 2 windows a tile
-def test_columns_ties_go_to_lowest_index(block_kv, splits):
+@pytest.mark.parametrize("block_kv,splits,window", [
+    (64, 2, 0), (128, 1, 0),  # windows of 64: 1 / 2 a tile
+    (128, 2, 128)])  # windows of 128, segments of 16 keys: stage 2 rescores 176 keys a row
+def test_columns_ties_go_to_lowest_index(block_kv, splits, window, monkeypatch):
   """Strided segments over 29 distinct keys repeated: equal maxima in one window's columns,
   whose keys interleave, and across windows and splits; top 8, the most "columns" keeps."""
   rng = np.random.default_rng(19)
   k = jnp.tile(small_ints(rng, (1, 29, 1, 64)), (1, 18, 1, 1))[:, :512]
   q = small_ints(rng, (1, 16, 4, 64))
-  assert windows(512, block_kv, 8, "columns") == topk_segments.COLUMN_WINDOW
+  calls = segment_stages(monkeypatch)
   v, i = assert_exact(q, k, 8, mosaic(block_kv=block_kv, key_splits=splits),
-                      KernelOptions(topk_many_rows="columns"), exclude_prefix=2)
+                      KernelOptions(topk_many_rows="columns", topk_column_window=window),
+                      exclude_prefix=2)
+  assert calls == [window or topk_segments.COLUMN_WINDOW]
   tied = v[..., 1:] == v[..., :-1]
   assert tied.any() and np.all(i[..., 1:][tied] > i[..., :-1][tied])
 
