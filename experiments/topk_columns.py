@@ -13,7 +13,11 @@ prefill chunk), keys bf16, int8 and E4M3 (8-bit on the tensor cores), normal ran
   stage2    topk_segments.best_keys alone: 2,048 rows a KV head at 128K keys, 64, 128 or
             256 candidates a row, on 1, 2, 4 or 8 warps;
   parts     "columns" at the longest `keys` with its insertions replaced by a running max
-            (results meaningless): what the sorted sets' upkeep costs.
+            (results meaningless): what the sorted sets' upkeep costs;
+  splits    KernelOptions.topk_balanced_splits on and off at the longest `keys` for the query /
+            KV heads of the 3B shape (24 / 8) and Qwen2.5-Coder-1.5B (12 / 2), bf16 and int8,
+            and on integer inputs (every score exact) whether the balanced result equals the
+            reference's.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import json
 import jax
 import jax.numpy as jnp
 
-from jax_longctx.app.bench_kernels import normal
+from jax_longctx.app.bench_kernels import normal, small_ints
 from jax_longctx.app.bench_measure import device_facts, timed
 from pallas_kernels import Route, quant, topk_scores
 from pallas_kernels.options import KernelOptions
@@ -112,6 +116,31 @@ def parts(out, key, args):
   jax.clear_caches()
 
 
+def splits(out, key, args):
+  t = max(int(x) for x in args.keys.split(","))
+  for h, kv in ((24, 8), (12, 2)):
+    kq, kk = jax.random.split(jax.random.fold_in(key, h))
+    q = normal(kq, (1, LQ, h, D))
+    kf = normal(kk, (1, t, kv, D), jnp.float32)
+    keys = {"bf16": kf.astype(jnp.bfloat16), "int8": quant.quantize(kf, "int8")}
+    del kf
+    for name, k in keys.items():
+      for balanced in (True, False):
+        r = Route(backend="gpu", kernels=KernelOptions(topk_eight_bit="products",
+                                                       topk_balanced_splits=balanced))
+        fn = jax.jit(lambda q, k, r=r: topk_scores(q, k, 4, scale=D ** -0.5, route=r))
+        emit(out, {"case": "splits", "kv_len": t, "heads": h, "kv_heads": kv, "keys": name,
+                   "balanced": balanced, "ms": timed(fn, q, k, reps=args.reps, inner=3) * 1e3})
+    del keys
+    qi = small_ints(kq, (2, LQ, h, D)).astype(jnp.bfloat16)
+    ki = small_ints(kk, (2, 65536, kv, D)).astype(jnp.bfloat16)
+    kw = dict(valid_len=jnp.array([65536, 40000]), exclude_prefix=100, exclude_suffix=4096)
+    got = topk_scores(qi, ki, 4, route=route("columns"), **kw)
+    want = topk_scores(qi, ki, 4, route=Route(backend="reference"), **kw)
+    emit(out, {"case": "splits_exact", "heads": h, "kv_heads": kv,
+               "equal": bool(jnp.all(got[1] == want[1]) & jnp.all(got[0] == want[0]))})
+
+
 def main():
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--out", required=True)
@@ -127,7 +156,8 @@ def main():
     emit(out, {"facts": device_facts()})
     for case in args.cases.split(","):
       {"agree": lambda: agree(out, key), "time": lambda: times(out, key, args),
-       "stage2": lambda: stage2(out, key, args), "parts": lambda: parts(out, key, args)}[case]()
+       "stage2": lambda: stage2(out, key, args), "parts": lambda: parts(out, key, args),
+       "splits": lambda: splits(out, key, args)}[case]()
 
 
 if __name__ == "__main__":

@@ -121,6 +121,12 @@ class KernelOptions:
   # key axis (topk_segments.column_window: 64, 128 from COLUMN_LONG_KEYS keys); else 32, 64 or
   # 128 (one that does not divide the kernel's key tile runs as "segments").
   topk_column_window: int = 0
+  # topk_scores' prefill rows on the Mosaic kernel: key splits that share each sequence's
+  # candidates' tiles equally, as many as fill the GPU's cores in whole waves
+  # (gpu.wave_splits), rather than splits of the key axis within one wave. The kernel runs a
+  # CTA a core: ReAttention's rows of the 3B shape (24 query / 8 KV heads, 512-token chunks)
+  # are 96 CTAs, 73% of an H200's 132 cores in one wave; Qwen2.5-Coder-1.5B's (12 / 2) 48, 36%.
+  topk_balanced_splits: bool = True
   # A prefill chunk over an 8-bit cache on a GPU: the cache (this layer's, this device's share)
   # is dequantized to the queries' dtype and the chunk runs the bf16 route (Mosaic, else cuDNN)
   # when that copy takes at most this many bytes; else the 8-bit flash kernel reads the cache

@@ -98,19 +98,21 @@ class _Dims:
   t: int  # keys in the array (>= block_kv)
   d: int
   kvh: int
-  span: int  # keys per split, a multiple of block_kv
+  span: int  # keys per split, a multiple of block_kv (balanced: unused)
   kp: int  # running set size (= top_k)
   width: int  # a row's sets (mgpu_select.set_width)
+  splits: int
+  balanced: bool  # the splits share each sequence's candidates' tiles, not the key axis
 
 
 @returns_when_done_if_interpreted
 @functools.partial(jax.jit, static_argnames=("kp", "span", "splits", "scale", "kv_layout",
                                              "config", "selection", "segment", "test_first",
-                                             "interpret", "native"))
+                                             "balanced", "interpret", "native"))
 def mgpu_topk_scores(qr, k, bounds, *, kp: int, span: int, splits: int, scale: float | None,
                      kv_layout: str = "BTHD", config: Config = DEFAULT_CONFIG,
                      selection: str = "exact", segment: int = 16,
-                     test_first: bool | None = None, interpret=False,
+                     test_first: bool | None = None, balanced: bool = False, interpret=False,
                      native: bool | None = None):
   """qr [B, KV, R, d] (R a multiple of 2 * block_q); k [B, T, KV, d] or [B, KV, T, d] with
   T >= block_kv; bounds int32 [B, 2]: candidates lo <= t < hi (hi <= T). span * splits >= T.
@@ -122,7 +124,10 @@ def mgpu_topk_scores(qr, k, bounds, *, kp: int, span: int, splits: int, scale: f
   of `segment`: stage 1 of topk_segments.py; test_first: see mgpu_select.selection, None: by
   span); "columns": each split's kp best strided segments (mgpu_select._select_columns, windows
   of `segment` keys) of each of a row's 8 columns, the returned last axis kp * 8, T a multiple
-  of `segment`. interpret / native as in mgpu_flash.
+  of `segment`. balanced: split s takes the s-th of `splits` equal runs of the tiles holding
+  its sequence's candidates [lo, hi) (span unused), rather than keys [s * span, (s + 1) * span):
+  as many CTAs as asked share whatever candidates a call has. interpret / native as in
+  mgpu_flash.
 
   8-bit keys (quant.Quantized, int8 or E4M3): the rows of qr are quantized alike (one scale per
   row, as the keys) and the tiles multiply on the 8-bit tensor cores (int8 into exact int32,
@@ -148,7 +153,8 @@ def mgpu_topk_scores(qr, k, bounds, *, kp: int, span: int, splits: int, scale: f
     raise ValueError(f"mgpu_topk_scores: rows {rp} / keys {t} / span {span} x {splits} do not fit "
                      f"{config} (selection {selection!r}, segment {segment})")
   width = mgpu_select.set_width(selection)
-  dims = _Dims(t=t, d=d, kvh=kvh, span=span, kp=kp, width=width)
+  dims = _Dims(t=t, d=d, kvh=kvh, span=span, kp=kp, width=width, splits=splits,
+               balanced=balanced)
   body = functools.partial(_entry, dims=dims, cfg=config,
                            scale=None if eight_bit else scale, kv_layout=kv_layout,
                            native=native, dtype=qr.dtype,
@@ -202,9 +208,17 @@ def _cta(refs, smem, barriers, *, dims, cfg, **kw):
   b, h = lax.div(bh, kvh), lax.rem(bh, kvh)
   lo, hi = refs[0][b, 0], refs[0][b, 1]
   bk = jnp.int32(cfg.block_kv)
-  g0 = lax.axis_index("split") * (dims.span // cfg.block_kv)  # the split's first tile
-  end = jnp.minimum(hi, (g0 * bk) + dims.span)  # candidates of this split: [max(lo, g0*bk), end)
-  first = jnp.maximum(g0, lax.div(jnp.maximum(lo, 0), bk))
+  split = lax.axis_index("split")
+  lo_tile = lax.div(jnp.maximum(lo, 0), bk)
+  if dims.balanced:  # the split's share of the tiles holding candidates
+    per = lax.div(jnp.maximum(lax.div(hi + bk - 1, bk) - lo_tile, 0) + dims.splits - 1,
+                  jnp.int32(dims.splits))
+    g0 = lo_tile + split * per
+  else:
+    per = jnp.int32(dims.span // cfg.block_kv)
+    g0 = split * per  # the split's first tile
+  end = jnp.minimum(hi, (g0 + per) * bk)  # candidates of this split: [max(lo, g0*bk), end)
+  first = jnp.maximum(g0, lo_tile)
   last = jnp.maximum(lax.div(end + bk - 1, bk), first)
   plain_lo = jnp.clip(lax.div(lo + bk - 1, bk), first, last)
   plain_hi = jnp.clip(lax.div(jnp.maximum(end, 0), bk), plain_lo, last)

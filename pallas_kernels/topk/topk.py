@@ -203,7 +203,8 @@ def _finish_mosaic(q, k, bounds, top_k, config, *, scale, kv_layout, tiling, opt
   vals, idx, ordered = _mosaic(q, k, bounds, top_k, config, scale=scale, kv_layout=kv_layout,
                                key_splits=tiling.key_splits if tiling else None,
                                selection=options.topk_selection, segments=segments,
-                               window=options.topk_column_window, variant=variant)
+                               window=options.topk_column_window,
+                               balanced=options.topk_balanced_splits, variant=variant)
   return _finish(vals, idx, top_k, q.shape[1], q.shape[2], ordered)
 
 
@@ -218,25 +219,31 @@ def _mosaic_config(variant, q, k, rows: int, top_k: int, tiling, keys: int | Non
 
 
 def _mosaic(q, k, bounds, top_k, config, *, scale, kv_layout, key_splits, selection, segments,
-            window, variant):
+            window, balanced, variant):
   """The Mosaic kernel's candidates [B, KV, S, R, top_k] and whether they are already the
   final order; with `segments` ("segments" or "columns": KernelOptions.topk_many_rows; None)
   and keys that fit, its segments, resolved to keys by topk_segments (one part, best first).
   "columns" runs as "segments" where its sets do not fit (top_k, SMEM); window: its
-  KernelOptions.topk_column_window."""
+  KernelOptions.topk_column_window; balanced: KernelOptions.topk_balanced_splits."""
   b, _, h, _ = q.shape
   kvh = k.shape[2 if kv_layout == "BTHD" else 1]
   bk = config.block_kv
   rows_padded = layout.round_up(q.shape[1] * (h // kvh), 2 * config.block_q)
   kk = layout.pad_keys(k, kv_layout, bk)
   tk = kk.shape[1 if kv_layout == "BTHD" else 2]
-  # One CTA per SM at a time (SMEM), and at most one wave of them unless asked: key splits
-  # that make a second, partial wave ran slower on an H200 (512 queries x 32K-512K keys, 8 kv
-  # heads: 128 CTAs, 1 split 1.08-1.19x faster than 2), and each split's set starts empty.
+  # One CTA per SM at a time (SMEM). Balanced splits share each sequence's candidate tiles
+  # among as many CTAs as fill the cores' waves (gpu.wave_splits); else at most one wave of
+  # them unless asked: key splits over the key axis that make a second, partial wave ran slower
+  # on an H200 (512 queries x 32K-512K keys, 8 kv heads: 128 CTAs, 1 split 1.08-1.19x faster
+  # than 2), and each split's set starts empty.
   programs = b * kvh * rows_padded // (2 * config.block_q)
-  span, splits = gpu.split_plan(programs, tk, bk,
-                                key_splits or max(1, backend_lib.num_cores() // programs),
-                                per_core=1)
+  if balanced:
+    splits = key_splits or gpu.wave_splits(programs, tk, bk)
+    span = layout.round_up(tk, bk)
+  else:
+    span, splits = gpu.split_plan(programs, tk, bk,
+                                  key_splits or max(1, backend_lib.num_cores() // programs),
+                                  per_core=1)
   qr = layout.q_rows(q, kvh, rows_padded)
   window = topk_segments.column_window(tk, bk, top_k, window)
   if segments == "columns" and not (
@@ -249,7 +256,7 @@ def _mosaic(q, k, bounds, top_k, config, *, scale, kv_layout, key_splits, select
   vals, idx = mgpu_topk.mgpu_topk_scores(
       qr, kk, bounds, kp=top_k, span=span, splits=splits, scale=scale, kv_layout=kv_layout,
       config=config, selection=segments or selection,
-      segment=window if segments == "columns" else topk_segments.SEGMENT,
+      segment=window if segments == "columns" else topk_segments.SEGMENT, balanced=balanced,
       interpret=variant.interpret)
   if not segments:
     return vals, idx, False

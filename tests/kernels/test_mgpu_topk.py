@@ -165,6 +165,35 @@ def test_columns_ties_go_to_lowest_index(block_kv, splits, window, monkeypatch):
 
 
 @needs_interpreter
+@pytest.mark.parametrize("balanced", [True, False])
+def test_balanced_splits_share_the_candidates_tiles(balanced, monkeypatch):
+  """3 splits over two sequences whose candidates are a part of the key axis ([5, 458) and
+  [5, 200): prefix, suffix and lengths excluded): balanced splits cut each one's candidate tiles
+  in 3 (the last short, some splits of the shorter one empty), the others the key axis; both
+  exact."""
+  rng = np.random.default_rng(23)
+  k = small_ints(rng, (2, 512, 2, 64))
+  q = small_ints(rng, (2, 16, 8, 64))
+  seen = []
+  kernel = mgpu_topk.mgpu_topk_scores
+  monkeypatch.setattr(mgpu_topk, "mgpu_topk_scores",
+                      lambda *a, **kw: seen.append((kw["splits"], kw["balanced"])) or kernel(
+                          *a, **kw))
+  assert_exact(q, k, 4, mosaic(key_splits=3), KernelOptions(topk_balanced_splits=balanced),
+               valid_len=jnp.asarray([512, 254]), exclude_prefix=5, exclude_suffix=54)
+  assert seen == [(3, balanced)]
+
+
+def test_wave_splits_fill_the_cores_waves(monkeypatch):
+  from pallas_kernels import backend, gpu
+  monkeypatch.setattr(backend, "num_cores", lambda: 132)
+  t = 1 << 20
+  assert [gpu.wave_splits(p, t, 256) for p in (128, 96, 48, 8)] == [1, 4, 8, 16]
+  assert gpu.wave_splits(96, 4096, 256) == 4  # at most one split per 4 tiles
+  assert gpu.wave_splits(48, 2048, 256) == 2  # none fills 95%: the fuller of 1 and 2
+
+
+@needs_interpreter
 def test_mgpu_topk_float_inputs():
   rng = np.random.default_rng(3)
   q, k = normal(rng, (1, 16, 4, 128), jnp.bfloat16), normal(rng, (1, 272, 1, 128), jnp.bfloat16)
