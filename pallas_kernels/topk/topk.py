@@ -239,7 +239,7 @@ def _mosaic(q, k, bounds, top_k, config, *, scale, kv_layout, key_splits, select
   programs = b * kvh * rows_padded // (2 * config.block_q)
   if balanced:
     splits = key_splits or gpu.wave_splits(programs, tk, bk)
-    span = layout.round_up(tk, bk)
+    span = layout.round_up(-(-tk // splits), bk)  # a split's keys at most (the kernel's check)
   else:
     span, splits = gpu.split_plan(programs, tk, bk,
                                   key_splits or max(1, backend_lib.num_cores() // programs),
