@@ -122,6 +122,31 @@ def triton_indexable(*arrays) -> bool:
   return all(x.size <= MAX_TRITON_ELEMENTS for x in jax.tree_util.tree_leaves(arrays))
 
 
+def words(x):
+  """x [..., d] (int8 or bf16) as int32 words [..., d / per], per = 4 / itemsize elements a
+  word (a bitcast: the same bytes), so that a Triton kernel taking it whole indexes `per` times
+  fewer elements (triton_indexable); `from_words` reads them back in a kernel."""
+  per = 4 // x.dtype.itemsize
+  return lax.bitcast_convert_type(x.reshape(*x.shape[:-1], x.shape[-1] // per, per), jnp.int32)
+
+
+def from_words(w, dtype) -> list:
+  """In a kernel: words [..., c] of `words` over `dtype` (int8, bf16) as fp32 parts [..., c],
+  part j holding the elements per * i + j, exactly (bytes sign-extended by shifts; a bf16 is
+  the high half of its fp32)."""
+  if jnp.dtype(dtype) == jnp.int8:
+    return [jnp.right_shift(jnp.left_shift(w, 24 - 8 * j), 24).astype(jnp.float32)
+            for j in range(4)]
+  return [lax.bitcast_convert_type(jnp.left_shift(w, 16), jnp.float32),
+          lax.bitcast_convert_type(w & jnp.int32(-65536), jnp.float32)]
+
+
+def in_word_order(x, per: int):
+  """x [..., d] reordered as from_words' parts: elements j, per + j, 2 per + j, ... for j = 0,
+  then 1, ..."""
+  return jnp.swapaxes(x.reshape(*x.shape[:-1], -1, per), -1, -2).reshape(x.shape)
+
+
 def whole_keys_spec(kv_layout: str, t: int, d: int, kvh: int):
   """The whole key axis of one (batch, kv head) as a ref, for grids (batch*kv_head, ...)."""
   if kv_layout == "BTHD":

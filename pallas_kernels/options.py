@@ -127,6 +127,12 @@ class KernelOptions:
   # CTA a core: ReAttention's rows of the 3B shape (24 query / 8 KV heads, 512-token chunks)
   # are 96 CTAs, 73% of an H200's 132 cores in one wave; Qwen2.5-Coder-1.5B's (12 / 2) 48, 36%.
   topk_balanced_splits: bool = True
+  # topk_scores' rescoring of segments (topk_segments.best_keys) over keys of 2^31 elements or
+  # more (ReAttention's int8 cache of the 3B shape at 2M tokens), which Triton's int32 offsets
+  # cannot index: the Triton kernel over the keys as int32 words (int8 and bf16 keys; 4 / 2
+  # times fewer elements) rather than XLA's gathers a KV head at a time. Off: checked on the
+  # CPU (interpreted, and its lowering for CUDA), not yet run on a GPU.
+  topk_rescore_words: bool = False
   # A prefill chunk over an 8-bit cache on a GPU: the cache (this layer's, this device's share)
   # is dequantized to the queries' dtype and the chunk runs the bf16 route (Mosaic, else cuDNN)
   # when that copy takes at most this many bytes; else the 8-bit flash kernel reads the cache

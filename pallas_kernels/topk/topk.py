@@ -204,7 +204,8 @@ def _finish_mosaic(q, k, bounds, top_k, config, *, scale, kv_layout, tiling, opt
                                key_splits=tiling.key_splits if tiling else None,
                                selection=options.topk_selection, segments=segments,
                                window=options.topk_column_window,
-                               balanced=options.topk_balanced_splits, variant=variant)
+                               balanced=options.topk_balanced_splits,
+                               words=options.topk_rescore_words, variant=variant)
   return _finish(vals, idx, top_k, q.shape[1], q.shape[2], ordered)
 
 
@@ -219,12 +220,13 @@ def _mosaic_config(variant, q, k, rows: int, top_k: int, tiling, keys: int | Non
 
 
 def _mosaic(q, k, bounds, top_k, config, *, scale, kv_layout, key_splits, selection, segments,
-            window, balanced, variant):
+            window, balanced, words, variant):
   """The Mosaic kernel's candidates [B, KV, S, R, top_k] and whether they are already the
   final order; with `segments` ("segments" or "columns": KernelOptions.topk_many_rows; None)
   and keys that fit, its segments, resolved to keys by topk_segments (one part, best first).
   "columns" runs as "segments" where its sets do not fit (top_k, SMEM); window: its
-  KernelOptions.topk_column_window; balanced: KernelOptions.topk_balanced_splits."""
+  KernelOptions.topk_column_window; balanced: KernelOptions.topk_balanced_splits; words:
+  KernelOptions.topk_rescore_words."""
   b, _, h, _ = q.shape
   kvh = k.shape[2 if kv_layout == "BTHD" else 1]
   bk = config.block_kv
@@ -262,7 +264,8 @@ def _mosaic(q, k, bounds, top_k, config, *, scale, kv_layout, key_splits, select
     return vals, idx, False
   vals, idx = topk_segments.keys_of_segments(
       qr, kk, bounds, vals, idx, top_k, scale=scale, kv_layout=kv_layout,
-      interpret=variant.interpret_arg(), window=window if segments == "columns" else None)
+      interpret=variant.interpret_arg(), window=window if segments == "columns" else None,
+      words=words)
   return vals, idx, True
 
 

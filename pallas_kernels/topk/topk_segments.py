@@ -88,11 +88,13 @@ def column_window(keys: int, block_kv: int, top_k: int, window: int = 0) -> int 
 
 
 def keys_of_segments(qr, k, bounds, seg_vals, seg_firsts, top_k: int, *, scale, kv_layout: str,
-                     interpret, window: int | None = None):
+                     interpret, window: int | None = None, words: bool = False):
   """Stage 2. qr [B, KV, R, d]; k (kv_layout); bounds [B, 2] (lo, hi); seg_vals / seg_firsts
   [B, KV, S, R, kp]: stage 1's segments per key split (window: strided segments of that
   window, [B, KV, S, R, kp * 8], stage 1's "columns"). Returns (scores fp32, keys int32)
-  [B, KV, 1, R, top_k] best first, unfilled (-inf, -1): one "split" for topk._finish.
+  [B, KV, 1, R, top_k] best first, unfilled (-inf, -1): one "split" for topk._finish. Keys of
+  2^31 elements or more: best_keys over their int32 words where `words` (KernelOptions.
+  topk_rescore_words) and `packable`, else best_keys_xla.
 
   Strided segments: their kp + 7 best by (max desc, first asc) over all columns and splits hold
   the top kp keys, ties included. A key x of the top kp lies in a segment X; of the segments
@@ -116,12 +118,23 @@ def keys_of_segments(qr, k, bounds, seg_vals, seg_firsts, top_k: int, *, scale, 
   keys = jnp.where(ok, keys, -1)
   pad = layout.next_pow2(keys.shape[-1]) - keys.shape[-1]  # Triton blocks: powers of two
   keys = jnp.pad(keys, ((0, 0),) * 3 + ((0, pad),), constant_values=-1)
-  if not gpu.triton_indexable(k):  # 2^31 keys' elements or more: gathered by XLA
+  packed = not gpu.triton_indexable(k)  # 2^31 keys' elements or more
+  if packed and not (words and packable(k)):  # gathered by XLA
     v, i = best_keys_xla(qr, k, keys, top_k, scale=scale, kv_layout=kv_layout)
     return v[:, :, None], i[:, :, None]
   v, i = best_keys(qr, k, keys, top_k, scale=scale, kv_layout=kv_layout, interpret=interpret,
-                   warps=rescore_warps(keys.shape[-1], quant.is_quantized(k)))
+                   warps=rescore_warps(keys.shape[-1], quant.is_quantized(k)), packed=packed)
   return v[:, :, None], i[:, :, None]
+
+
+def packable(k) -> bool:
+  """Whether best_keys(packed=True) reads these keys: int8 or bf16 whose int32 words a Triton
+  kernel can index."""
+  values = layout.parts(k)[0]
+  per = 4 // values.dtype.itemsize
+  return (values.dtype in (jnp.int8, jnp.bfloat16) and values.shape[-1] % per == 0
+          and gpu.triton_indexable(jax.ShapeDtypeStruct((values.size // per,), jnp.int32),
+                                   layout.parts(k)[1]))
 
 
 @functools.partial(jax.jit, static_argnames=("top_k", "scale", "kv_layout"))
@@ -149,30 +162,46 @@ def best_keys_xla(qr, k, keys, top_k: int, *, scale, kv_layout: str):
 
 
 @functools.partial(jax.jit, static_argnames=("top_k", "scale", "kv_layout", "interpret", "rows",
-                                             "warps"))
+                                             "warps", "packed"))
 def best_keys(qr, k, keys, top_k: int, *, scale, kv_layout: str, interpret,
-              rows: int = RESCORE_ROWS, warps: int = RESCORE_WARPS):
+              rows: int = RESCORE_ROWS, warps: int = RESCORE_WARPS, packed: bool = False):
   """The top_k of each row's own candidate keys by q.k (times scale): qr [B, KV, R, d], keys
   int32 [B, KV, R, n] (distinct; -1: no candidate) -> (scores fp32, keys int32) [B, KV, R,
   top_k], best first, equal scores by lower key, unfilled (-inf, -1). One program per `rows`
   rows (`warps` warps); each row's keys are gathered from the cache by pointer loads, reduced
   against its query in fp32 and selected in registers (top_k passes over n scores). 8-bit k
-  (quant.Quantized): each gathered key times its scale, as the dequantize-first reference."""
+  (quant.Quantized): each gathered key times its scale, as the dequantize-first reference.
+  packed (int8 or bf16 keys): the kernel takes the keys as int32 words (gpu.words), 4 / 2 times
+  fewer elements, so caches of 2^31 elements or more stay within Triton's int32 offsets; the
+  products are the same but summed in another order, the keys' scales applied after."""
   b, kvh, rp, d = qr.shape
   n = keys.shape[-1]
   t = k.shape[1 if kv_layout == "BTHD" else 2]
   width = layout.next_pow2(top_k)  # Triton blocks: powers of 2
   k, k_scale = layout.parts(k)
+  stored = k.dtype
+  if packed:
+    k, qr = gpu.words(k), gpu.in_word_order(qr, 4 // stored.itemsize)
+  w = k.shape[-1]
+
+  def scores(q_ref, k_ref, ks_ref, r, at):
+    """Row r's q . k over the gathered keys `at` (clipped), fp32."""
+    if not packed:
+      kt = k_ref[at, :].astype(jnp.float32)  # [n, d]: a gather
+      if ks_ref is not None:
+        kt = kt * ks_ref[at][:, None]
+      return jnp.sum(kt * q_ref[r, :].astype(jnp.float32)[None, :], axis=1)
+    parts = gpu.from_words(k_ref[at, :], stored)  # [n, w] each: a gather of words
+    s = sum(jnp.sum(p * q_ref[r, pl.ds(j * w, w)].astype(jnp.float32)[None, :], axis=1)
+            for j, p in enumerate(parts))
+    return s if ks_ref is None else s * ks_ref[at]
 
   def kernel(q_ref, keys_ref, k_ref, *refs):
     ks_ref, v_out, i_out = refs if k_scale is not None else (None, *refs)
     slot = lax.broadcasted_iota(jnp.int32, (width,), 0)
     for r in range(rows):
       key = keys_ref[r, :]
-      kt = k_ref[jnp.clip(key, 0, t - 1), :].astype(jnp.float32)  # [n, d]: a gather
-      if ks_ref is not None:
-        kt = kt * ks_ref[jnp.clip(key, 0, t - 1)][:, None]
-      s = jnp.sum(kt * q_ref[r, :].astype(jnp.float32)[None, :], axis=1)
+      s = scores(q_ref, k_ref, ks_ref, r, jnp.clip(key, 0, t - 1))
       s = jnp.where(key >= 0, s if scale is None else s * scale, NEG_INF)
       vals, idx = jnp.full((width,), NEG_INF, jnp.float32), jnp.full((width,), -1, jnp.int32)
       for j in range(top_k):
@@ -187,7 +216,7 @@ def best_keys(qr, k, keys, top_k: int, *, scale, kv_layout: str, interpret,
   block = lambda m: pl.BlockSpec((SQ, SQ, rows, m), lambda bh, r: (bh // kvh, bh % kvh, r, 0))  # noqa: E731
   v, i = gpu.pallas_call(
       kernel, interpret, num_warps=warps, num_stages=1, grid=(b * kvh, rp // rows),
-      in_specs=[gpu.row_spec(kvh, rows, d), block(n), gpu.whole_keys_spec(kv_layout, t, d, kvh),
+      in_specs=[gpu.row_spec(kvh, rows, d), block(n), gpu.whole_keys_spec(kv_layout, t, w, kvh),
                 *([gpu.whole_scales_spec(kv_layout, t, kvh)] if k_scale is not None else [])],
       out_specs=[block(width), block(width)],
       out_shape=[jax.ShapeDtypeStruct((b, kvh, rp, width), jnp.float32),

@@ -87,3 +87,57 @@ def test_flash_attention_past_the_triton_limit(monkeypatch):
   with pytest.raises(ValueError, match="int32 offsets"):
     flash_attention(normal(rng, (b, 8, 4, d), jnp.bfloat16), k, v, route=Route(backend="gpu"),
                     causal=True, kv_layout="BHTD")
+
+
+@pytest.mark.parametrize("stored", ["int8", "bfloat16", "float8_e4m3fn"])
+def test_rescoring_reads_the_keys_as_words_past_the_limit(stored, monkeypatch):
+  """topk_segments' stage 2 over keys of 2^31 elements or more: with KernelOptions'
+  topk_rescore_words, the Triton kernel over the keys as int32 words (int8, bf16: 4 / 2 times
+  fewer elements), which equals the kernel over the keys as stored (interpreted; integer keys:
+  every score exact) and lowers for CUDA; without it, or for E4M3, XLA's gathers."""
+  from pallas_kernels import gpu
+  from pallas_kernels.topk import topk_segments as ts
+
+  rng = np.random.default_rng(37)
+  b, kvh, r, t, d = 2, 2, 8, 96, 64
+  ints = jnp.asarray(rng.integers(-5, 6, (b, t, kvh, d)), jnp.float32)
+  k = (ints.astype(jnp.bfloat16) if stored == "bfloat16" else  # 8-bit, scale 1: exact
+       quant.Quantized(ints.astype(stored), jnp.ones((b, t, kvh, 1), jnp.float32)))
+  qr = jnp.asarray(rng.integers(-3, 4, (b, kvh, r, d)), jnp.bfloat16)
+  keys = jnp.asarray(np.argsort(rng.random((b, kvh, r, t)), -1)[..., :16], jnp.int32)
+  keys = keys.at[..., 5].set(-1)  # no candidate (best_keys alone, below)
+  kw = dict(scale=0.5, kv_layout="BTHD", interpret=True)
+  monkeypatch.setattr(gpu, "MAX_TRITON_ELEMENTS", layout_values(k).size - 1)
+  routes = []
+  for name in ("best_keys", "best_keys_xla"):
+    monkeypatch.setattr(ts, name, spy(getattr(ts, name), routes, name))
+  # stage 1's output: 4 contiguous segments of 16 keys a row, some past the candidates' end
+  firsts = jnp.asarray(np.argsort(rng.random((b, kvh, 1, r, t // 16)), -1)[..., :4] * 16,
+                       jnp.int32)
+  got = [ts.keys_of_segments(qr, k, jnp.asarray([[0, t - 8]] * b), -firsts.astype(jnp.float32),
+                             firsts, 4, words=words, **kw) for words in (True, False)]
+  for g, w in zip(*got):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+  packable = stored != "float8_e4m3fn"
+  assert routes == [("best_keys", packable)] * packable + [("best_keys_xla", None)] * (
+      2 - packable)
+  if packable:
+    plain = ts.best_keys(qr, k, keys, 4, **kw)
+    words = ts.best_keys(qr, k, keys, 4, packed=True, **kw)
+    for p, w in zip(plain, words):
+      np.testing.assert_array_equal(np.asarray(p), np.asarray(w))
+    lowered = jax.jit(lambda q, k, c: ts.best_keys(
+        q, k, c, 4, scale=0.5, kv_layout="BTHD", interpret=False, packed=True)).trace(
+            qr, k, keys).lower(lowering_platforms=("cuda",)).as_text()
+    assert "triton" in lowered.lower()
+
+
+def layout_values(k):
+  return k.values if isinstance(k, quant.Quantized) else k
+
+
+def spy(fn, calls, name):
+  def wrapped(*a, **kw):
+    calls.append((name, kw.get("packed") if name == "best_keys" else None))
+    return fn(*a, **kw)
+  return wrapped
