@@ -95,7 +95,7 @@ def test_rescoring_reads_the_keys_as_words_past_the_limit(stored, monkeypatch):
   topk_rescore_words, the Triton kernel over the keys as int32 words (int8, bf16: 4 / 2 times
   fewer elements), which equals the kernel over the keys as stored (interpreted; integer keys:
   every score exact) and lowers for CUDA; without it, or for E4M3, XLA's gathers."""
-  from pallas_kernels import gpu
+  from pallas_kernels import gpu, layout
   from pallas_kernels.topk import topk_segments as ts
 
   rng = np.random.default_rng(37)
@@ -107,7 +107,7 @@ def test_rescoring_reads_the_keys_as_words_past_the_limit(stored, monkeypatch):
   keys = jnp.asarray(np.argsort(rng.random((b, kvh, r, t)), -1)[..., :16], jnp.int32)
   keys = keys.at[..., 5].set(-1)  # no candidate (best_keys alone, below)
   kw = dict(scale=0.5, kv_layout="BTHD", interpret=True)
-  monkeypatch.setattr(gpu, "MAX_TRITON_ELEMENTS", layout_values(k).size - 1)
+  monkeypatch.setattr(gpu, "MAX_TRITON_ELEMENTS", layout.parts(k)[0].size - 1)
   routes = []
   for name in ("best_keys", "best_keys_xla"):
     monkeypatch.setattr(ts, name, spy(getattr(ts, name), routes, name))
@@ -130,10 +130,6 @@ def test_rescoring_reads_the_keys_as_words_past_the_limit(stored, monkeypatch):
         q, k, c, 4, scale=0.5, kv_layout="BTHD", interpret=False, packed=True)).trace(
             qr, k, keys).lower(lowering_platforms=("cuda",)).as_text()
     assert "triton" in lowered.lower()
-
-
-def layout_values(k):
-  return k.values if isinstance(k, quant.Quantized) else k
 
 
 def spy(fn, calls, name):
