@@ -17,7 +17,12 @@ prefill chunk), keys bf16, int8 and E4M3 (8-bit on the tensor cores), normal ran
   splits    KernelOptions.topk_balanced_splits on and off at the longest `keys` for the query /
             KV heads of the 3B shape (24 / 8) and Qwen2.5-Coder-1.5B (12 / 2), bf16 and int8,
             and on integer inputs (every score exact) whether the balanced result equals the
-            reference's.
+            reference's;
+  words     stage 2 over keys of 2^31 elements (2M keys of 8 KV heads): XLA's gathers
+            (best_keys_xla, the route by default) against the Triton kernel over the keys as
+            int32 words (KernelOptions.topk_rescore_words), int8 and bf16, 1,536 rows a KV head
+            (a 512-token chunk of 24 / 8 heads) and 256 candidates a row; and on integer inputs
+            whether the two agree exactly.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from pallas_kernels.options import KernelOptions
 from pallas_kernels.topk import mgpu_select, topk_segments
 
 H, KV, D, LQ = 32, 8, 128, 512
+WORDS_KEYS = 1 << 21  # 2^31 elements over 8 KV heads of 128
 
 
 def route(many_rows, window=0):
@@ -141,6 +147,39 @@ def splits(out, key, args):
                "equal": bool(jnp.all(got[1] == want[1]) & jnp.all(got[0] == want[0]))})
 
 
+def words(out, key, args):
+  t, rows, n = WORDS_KEYS, 1536, 256
+  kq, kk = jax.random.split(key)
+  # distinct candidates a row (steps of 8,191 < t / 255), some rows short of n (-1)
+  start = jax.random.randint(kq, (1, KV, rows, 1), 0, t, jnp.int32)
+  cand = (start + 8191 * jnp.arange(n, dtype=jnp.int32)) % t
+  cand = jnp.where(jnp.arange(n) < n - (start % 40), cand, -1)
+  for exact in (False, True):
+    qr = (small_ints(kq, (1, KV, rows, D)) if exact else normal(kq, (1, KV, rows, D))
+          ).astype(jnp.bfloat16)
+    kf = (small_ints(kk, (1, t, KV, D)) if exact else normal(kk, (1, t, KV, D))
+          ).astype(jnp.float32)
+    for name in ("int8", "bf16"):
+      k = (kf.astype(jnp.bfloat16) if name == "bf16" else  # integers at scale 1: exact
+           quant.Quantized(kf.astype(jnp.int8), jnp.ones((1, t, KV, 1), jnp.float32)) if exact
+           else quant.quantize(kf, "int8"))
+      xla = jax.jit(lambda qr, k, c: topk_segments.best_keys_xla(
+          qr, k, c, 4, scale=None, kv_layout="BTHD"))
+      tri = jax.jit(lambda qr, k, c, w=topk_segments.rescore_warps(n, name == "int8"): (
+          topk_segments.best_keys(qr, k, c, 4, scale=None, kv_layout="BTHD", interpret=False,
+                                  warps=w, packed=True)))
+      if exact:
+        a, b = xla(qr, k, cand), tri(qr, k, cand)
+        emit(out, {"case": "words_exact", "keys": name, "equal": bool(
+            jnp.all(a[0] == b[0]) & jnp.all(a[1] == b[1]))})
+      else:
+        for route_name, fn in (("xla", xla), ("words", tri)):
+          emit(out, {"case": "words", "kv_len": t, "keys": name, "route": route_name,
+                     "ms": timed(fn, qr, k, cand, reps=args.reps, inner=3) * 1e3})
+      del k
+    del kf
+
+
 def main():
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--out", required=True)
@@ -157,7 +196,7 @@ def main():
     for case in args.cases.split(","):
       {"agree": lambda: agree(out, key), "time": lambda: times(out, key, args),
        "stage2": lambda: stage2(out, key, args), "parts": lambda: parts(out, key, args),
-       "splits": lambda: splits(out, key, args)}[case]()
+       "splits": lambda: splits(out, key, args), "words": lambda: words(out, key, args)}[case]()
 
 
 if __name__ == "__main__":

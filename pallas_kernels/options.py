@@ -130,9 +130,10 @@ class KernelOptions:
   # topk_scores' rescoring of segments (topk_segments.best_keys) over keys of 2^31 elements or
   # more (ReAttention's int8 cache of the 3B shape at 2M tokens), which Triton's int32 offsets
   # cannot index: the Triton kernel over the keys as int32 words (int8 and bf16 keys; 4 / 2
-  # times fewer elements) rather than XLA's gathers a KV head at a time. Off: checked on the
-  # CPU (interpreted, and its lowering for CUDA), not yet run on a GPU.
-  topk_rescore_words: bool = False
+  # times fewer elements) rather than XLA's gathers a KV head at a time: on an H200, 1,536 rows
+  # of 256 candidates over 2M int8 keys of 8 heads in 0.23 ms against 0.84, the same result on
+  # integer inputs; ReAttention's 2M prefill (3B shape, 4 layers) 1.09x. Off: XLA's gathers.
+  topk_rescore_words: bool = True
   # A prefill chunk over an 8-bit cache on a GPU: the cache (this layer's, this device's share)
   # is dequantized to the queries' dtype and the chunk runs the bf16 route (Mosaic, else cuDNN)
   # when that copy takes at most this many bytes; else the 8-bit flash kernel reads the cache
