@@ -99,7 +99,7 @@ def child(args) -> dict:
   prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, c).tolist()
   marks = {}
 
-  def on_chunk(i, n, last):
+  def on_chunk(i, n, last, _cache):
     if i == 0 or i == n - 1 or (i + 1) % max(1, n // 20) == 0:
       jax.block_until_ready(last)
       now = time.perf_counter()

@@ -125,3 +125,29 @@ def test_bf16_runs_and_stays_close(tiny):
   p16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), params)
   out = _uncached(cfg16, p16, ids)
   assert np.max(np.abs(out - ref)) < 0.05 * np.max(np.abs(ref)) + 0.05
+
+
+@pytest.mark.parametrize("name", ["full", "reattention", "snapkv"])
+@pytest.mark.parametrize("placed", [False, True])
+def test_decode_loop_compiles_during_the_prefill(tiny, name, placed):
+  """`generate` compiles the decode loop on a host thread after the first of several prompt
+  chunks (DecodeAhead), and the loop's call runs that program: no compile on the caller's
+  thread, whether the weights lie committed on a device (as loaded on a GPU) or not. SnapKV,
+  whose end of prefill makes a smaller cache, compiles it after the prefill. The tokens are
+  those of the same prompts in one chunk, which compiles nothing ahead."""
+  import jax
+  from tests.helpers.compiles import compiled_on
+  from tests.test_methods import _method
+
+  cfg, params = tiny
+  params = jax.device_put(params, jax.devices()[0]) if placed else params
+  rng = np.random.default_rng(11)
+  prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (29, 19)]
+  method = _method(name, 24)
+  run = lambda chunk: generate(params, cfg, prompts, method, max_new_tokens=5,  # noqa: E731
+                               cache_len=64, options=RunOptions(prefill_chunk=chunk)).tokens
+  with compiled_on("decode_loop") as threads:
+    chunked = run(8)
+  ahead = not method.ends_prefill and (method.prefill_chunk or 8) < 29
+  assert threads == (["compile-ahead"] if ahead else ["MainThread"])
+  assert chunked == run(64)

@@ -187,7 +187,7 @@ def measure_decode(s: DecodeSetting) -> dict:
   import numpy as np
 
   from jax_longctx.methods import get, parse_method_args
-  from jax_longctx.run.generation import Sampling, decode_loop, prefill, row_keys
+  from jax_longctx.run.generation import DecodeAhead, Sampling, decode_loop, loop_inputs, prefill
 
   method = get(s.method, **parse_method_args(s.method_args))
   options = run_options(mesh=s.mesh, kv_dtype=s.kv_dtype, chunk=min(s.chunk, s.context),
@@ -213,13 +213,18 @@ def measure_decode(s: DecodeSetting) -> dict:
   # the timed prefill holds no per-token host work
   prompts = np.random.default_rng(0).integers(0, cfg.vocab_size, (b, ctx)).astype(np.int32)
 
+  kw = dict(cfg=cfg, method=method, max_new_tokens=s.new_tokens, sampling=Sampling(),
+            options=options)
+  ahead = {}
+
   def run_prefill(time_first: bool):
     """(cache, last, seconds, host enqueue seconds, seconds of the first chunk). time_first:
-    the first chunk (which compiles) is waited for and left out of the seconds."""
+    the first chunk (which compiles) is waited for and left out of the seconds. The decode loop
+    compiles on a host thread meanwhile (`DecodeAhead`), as `generate` runs it."""
     clock = {"t0": time.perf_counter(), "host": 0.0, "first": 0.0}
     clock["prev"] = clock["t0"]
 
-    def on_chunk(i, n, last):
+    def on_chunk(i, n, last, _cache):
       now = time.perf_counter()
       clock["host"] += now - clock["prev"]  # the call returned before the device was done
       if (i == 0 and time_first) or (n >= 64 and i % (n // 8) == 0):
@@ -230,13 +235,13 @@ def measure_decode(s: DecodeSetting) -> dict:
           stage(f"prefill chunk {i}/{n}, {time.perf_counter() - clock['t0']:.1f}s")
       clock["prev"] = time.perf_counter()
 
+    ahead["loop"] = DecodeAhead(params, **kw, then=on_chunk)
     cache, last = prefill(params, cfg, prompts, method, cache_len=cache_len, options=options,
-                          on_chunk=on_chunk)
+                          on_chunk=ahead["loop"])
     jax.block_until_ready((cache, last))
     seconds = time.perf_counter() - clock["t0"] - clock["first"]
     return cache, last, seconds, clock["host"], clock["first"]
 
-  n_chunks = -(-ctx // chunk)
   if s.fill_cache:  # no prefill: random K/V in the cache, every row at the context's length
     cache = filled_cache(cfg, method, b, ctx, cache_len, options)
     last = jnp.zeros((b, cfg.vocab_size))
@@ -253,17 +258,19 @@ def measure_decode(s: DecodeSetting) -> dict:
     timed_tokens = ctx - chunk
   stage(f"prefill {prefill_s:.1f}s (compile run {first:.1f}s)")
   cache_bytes = sum(x.nbytes for x in jax.tree.leaves(cache))
-  stops = jnp.asarray([-1], jnp.int32)
   state = {"cache": cache}
-  kw = dict(cfg=cfg, method=method, max_new_tokens=s.new_tokens, sampling=Sampling(),
-            options=options)
 
-  def decode():
-    out, _, state["cache"] = decode_loop(params, state["cache"], last, stops, row_keys(0, b), **kw)
+  def decode():  # as generation.decode calls the loop
+    out, _, state["cache"] = decode_loop(params, *loop_inputs(state["cache"], last, Sampling(), ()),
+                                         **kw)
     jax.block_until_ready(out)
 
+  t0 = time.perf_counter()
+  if "loop" in ahead:
+    ahead["loop"].wait()
+  ahead_wait_s = time.perf_counter() - t0
   if os.environ.get("JAX_LONGCTX_DUMP_HLO"):  # where XLA copies buffers shows there
-    compiled = decode_loop.lower(params, cache, last, stops, row_keys(0, b), **kw).compile()
+    compiled = decode_loop.lower(params, *loop_inputs(cache, last, Sampling(), ()), **kw).compile()
     dump = os.path.join(os.environ["JAX_LONGCTX_DUMP_HLO"], f"{s.label or s.method}_{ctx}.hlo.txt")
     with open(dump, "w") as f:
       f.write(compiled.as_text())
@@ -271,7 +278,9 @@ def measure_decode(s: DecodeSetting) -> dict:
   t0 = time.perf_counter()
   decode()
   decode_compile_s = time.perf_counter() - t0
-  stage(f"decode compile+run {decode_compile_s:.1f}s")
+  compiled_ahead = "loop" in ahead and ahead["loop"].compile is not None
+  stage(f"decode {'run (compiled during the prefill)' if compiled_ahead else 'compile+run'} "
+        f"{decode_compile_s:.1f}s")
   med, times = median_time(decode, warmup=0, reps=s.reps)
   per_token = med / (s.new_tokens - 1)
   wbytes, kvbytes = bytes_per_token(cfg, ctx, b, options.kv_dtype)
@@ -293,7 +302,8 @@ def measure_decode(s: DecodeSetting) -> dict:
           "prefill_host_enqueue_s": host_s, "prefill_first_chunk_s": first,
           "prefill_flops_per_token": prefill_flops_per_token(cfg, ctx) * 1e12,
           "decode_ms": per_token * 1e3, "decode_times_s": times,
-          "decode_compile_s": decode_compile_s,
+          "decode_compile_s": decode_compile_s, "decode_compiled_ahead": compiled_ahead,
+          "decode_ahead_wait_s": ahead_wait_s,
           **({"kernels_per_token": kernels} if kernels is not None else {}),
           "weight_bytes": wbytes, "kv_bytes": kvbytes, "peak_bytes": jax_peak_bytes(),
           "device_count": len(devices),

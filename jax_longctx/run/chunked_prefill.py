@@ -78,8 +78,9 @@ def read_chunks(params, cfg: LlamaConfig, method: Method, cache: Cache, rows, le
                 desc: str = "prefill"):
   """Rows (token id lists, checked by the caller) into `cache`, `chunk` tokens a step.
   before_chunk(cache) -> cache runs before each step (CItruS' instruction passes); on_chunk(i,
-  n, last) after chunk i of n is dispatched (benchmarks time chunks through it). A progress bar
-  on stderr (`desc`) for prompts of many chunks. Returns (cache, last-token logits [B, V])."""
+  n, last, cache) after chunk i of n is dispatched (benchmarks time chunks through it;
+  `DecodeAhead`). A progress bar on stderr (`desc`) for prompts of many chunks. Returns (cache,
+  last-token logits [B, V])."""
   n_chunks = -(-max(lengths) // chunk)
   tokens = padded(rows, n_chunks * chunk)
   last = jnp.zeros((len(rows), cfg.vocab_size), jnp.float32)
@@ -91,7 +92,7 @@ def read_chunks(params, cfg: LlamaConfig, method: Method, cache: Cache, rows, le
     cache, last = prefill_step(params, tokens[:, c * chunk:(c + 1) * chunk], jnp.int32(c * chunk),
                                plen, cache, last, cfg=cfg, method=method, options=options)
     if on_chunk is not None:
-      on_chunk(c, n_chunks, last)
+      on_chunk(c, n_chunks, last, cache)
   return cache, last
 
 

@@ -26,8 +26,8 @@ from jax_longctx.core.options import DEFAULT, RunOptions
 from jax_longctx.methods.base import Method, get
 from jax_longctx.model import forward
 from jax_longctx.run import sharding
-from jax_longctx.run.generation import (GenerationError, GenerationResult, Sampling, decode,
-                                        prefill, teacher_forced_nll)
+from jax_longctx.run.generation import (DecodeAhead, GenerationError, GenerationResult, Sampling,
+                                        decode, prefill, teacher_forced_nll)
 from jax_longctx.run.sharding import HostBatch, mesh_step
 
 __all__ = ["continuation_nll", "generate", "uncached_logits"]
@@ -69,10 +69,15 @@ def generate(params, cfg: LlamaConfig, prompts: Sequence[Sequence[int]], method:
     cache_len = max(lengths, default=0) + max(max_new_tokens, 1)
   cache_len = -(-cache_len // unit) * unit
   t0 = time.perf_counter()
+  # the decode loop compiles on a host thread while the prompt's chunks run
+  ahead = DecodeAhead(params, cfg, method, max_new_tokens=max_new_tokens, sampling=sampling,
+                      stop_tokens=stop_tokens, options=options)
   cache, last = prefill(params, cfg, prompts, method, cache_len=cache_len,
-                        decode_room=max_new_tokens, instructions=instructions, options=options)
+                        decode_room=max_new_tokens, instructions=instructions, options=options,
+                        on_chunk=ahead)
   jax.block_until_ready(last)
   t1 = time.perf_counter()
+  ahead.wait()
   rows, cache = decode(params, cfg, cache, last, method, max_new_tokens=max_new_tokens,
                        sampling=sampling, stop_tokens=stop_tokens, options=options)
   cache = host.cache(cache)

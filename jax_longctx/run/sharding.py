@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import threading
 from typing import Callable, Sequence
 
 import jax
@@ -58,9 +59,10 @@ def mesh_step(*, inputs, outputs, donate: Sequence[str] = (), static: Sequence[s
   arguments `donate`), run per device under shard_map when `options` (a static keyword, its
   default the body's) has a mesh that splits anything. inputs: the kind of each array argument
   by its name, e.g. `{"params": "params", "tokens": (ROWS,), "cache": "cache"}`; outputs: one
-  kind, or a tuple of kinds for a tuple of outputs (the module's doc). Both are checked against the body's signature when
-  it is decorated. Every input but the weights is put on the mesh as its kind says
-  (`_placed_arg`), so a step fed its own outputs compiles once."""
+  kind, or a tuple of kinds for a tuple of outputs (the module's doc). Both are checked against
+  the body's signature when it is decorated. Every input but the weights is put on the mesh as
+  its kind says (`_placed_arg`), so a step fed its own outputs compiles once. The step's
+  `compile_ahead(*args, **kw)` compiles it on a host thread for such arguments (`Ahead`)."""
 
   def wrap(body: Callable):
     signature = inspect.signature(body)
@@ -85,10 +87,58 @@ def mesh_step(*, inputs, outputs, donate: Sequence[str] = (), static: Sequence[s
         args = tuple(_placed_arg(a, kind, mesh) for a, kind in zip(args, kinds, strict=True))
       return jitted(*args, **kw)
 
+    def compile_ahead(*args, **kw) -> Ahead:
+      """Compiles the step on a host thread for arguments like `args` (jit's programs are keyed
+      by shapes, types and layouts, not values), so a later call with such arrays runs at once.
+      The abstract values are taken before this returns: `args` may be donated after it."""
+      mesh = kw.get("options", default).mesh
+      on_mesh = isinstance(mesh, Mesh) and not one_device(mesh)
+      abstract = tuple(_abstract_arg(a, kind, mesh if on_mesh else None)
+                       for a, kind in zip(args, kinds, strict=True))
+      return Ahead(lambda: jitted.lower(*abstract, **kw).compile())
+
     call.lower, call.trace, call._cache_size = jitted.lower, jitted.trace, jitted._cache_size
+    call.compile_ahead = compile_ahead
     return call
 
   return wrap
+
+
+class Ahead(threading.Thread):
+  """A compile running on a host thread (`mesh_step`'s compile_ahead); `wait` before the call
+  it prepares, or that call compiles the program again alongside it. A failure is kept in
+  `error`: the call itself raises it where it is made."""
+
+  def __init__(self, compile_fn: Callable):
+    super().__init__(daemon=True, name="compile-ahead")
+    self._compile, self.error = compile_fn, None
+    self.start()
+
+  def run(self):
+    try:
+      self._compile()
+    except Exception as e:  # noqa: BLE001 (raised again by the call, in its own thread)
+      self.error = e
+
+  def wait(self) -> None:
+    self.join()
+
+
+def _abstract_arg(arg, kind, mesh):
+  """What jit keys a call by for `arg`: each leaf's shape, type and layout as the call will
+  pass it (on a mesh, laid out as its kind says; else its own layout if committed)."""
+  if mesh is not None and kind != "params":
+    return jax.tree.map(lambda x, s: _abstract(x, NamedSharding(mesh, s)), arg,
+                        _in_spec(kind, arg, mesh), is_leaf=lambda x: isinstance(x, P))
+  return jax.tree.map(lambda x: _abstract(x, x.sharding if getattr(x, "committed", False)
+                                          else None), arg)
+
+
+def _abstract(x, sharding):
+  if not isinstance(x, jax.Array):  # host values are passed as they are
+    return x
+  return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding,
+                              weak_type=getattr(x, "weak_type", False))
 
 
 def _kinds_by_argument(body, signature, inputs, static) -> tuple:
