@@ -15,8 +15,9 @@ FIELDS = {"impl", "model", "context", "batch", "new_tokens", "method", "method_a
           "in_use_after_params_per_device", "params_bytes_per_device", "weights_bytes_total",
           "resident_bytes", "prefill_tok_s", "prefill_warmup", "prefill_chunk", "prefill_s",
           "prefill_host_enqueue_s", "prefill_first_chunk_s", "decode_ms", "decode_times_s",
-          "decode_compile_s", "weight_bytes", "kv_bytes", "peak_bytes", "device_count",
-          "peak_bytes_per_device", "variant", "device", "platform", "jax", "python"}
+          "decode_compile_s", "decode_compiled_ahead", "decode_ahead_wait_s", "weight_bytes",
+          "kv_bytes", "peak_bytes", "device_count", "peak_bytes_per_device", "variant", "device",
+          "platform", "jax", "python"}
 
 
 def test_a_tiny_shape_on_cpu(tmp_path, capsys, monkeypatch):
@@ -36,6 +37,7 @@ def test_a_tiny_shape_on_cpu(tmp_path, capsys, monkeypatch):
   assert FIELDS <= set(rec), FIELDS - set(rec)
   assert "error" not in rec and rec["shape"] == ["num_layers=2", "vocab_size=1024"]
   assert len(rec["decode_times_s"]) == 2 and rec["prefill_chunk"] == 128
+  assert rec["decode_compiled_ahead"]  # two chunks: the loop compiled during the warm-up prefill
   assert rec["platform"] == "cpu" and rec["jax"]
 
 

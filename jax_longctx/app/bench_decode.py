@@ -217,10 +217,11 @@ def measure_decode(s: DecodeSetting) -> dict:
             options=options)
   ahead = {}
 
-  def run_prefill(time_first: bool):
+  def run_prefill(time_first: bool, compile_decode: bool):
     """(cache, last, seconds, host enqueue seconds, seconds of the first chunk). time_first:
-    the first chunk (which compiles) is waited for and left out of the seconds. The decode loop
-    compiles on a host thread meanwhile (`DecodeAhead`), as `generate` runs it."""
+    the first chunk (which compiles) is waited for and left out of the seconds. compile_decode:
+    the decode loop compiles on a host thread meanwhile (`DecodeAhead`), as `generate` runs it
+    (the first prefill only: a warm, timed one has no thread beside it)."""
     clock = {"t0": time.perf_counter(), "host": 0.0, "first": 0.0}
     clock["prev"] = clock["t0"]
 
@@ -235,9 +236,11 @@ def measure_decode(s: DecodeSetting) -> dict:
           stage(f"prefill chunk {i}/{n}, {time.perf_counter() - clock['t0']:.1f}s")
       clock["prev"] = time.perf_counter()
 
-    ahead["loop"] = DecodeAhead(params, **kw, then=on_chunk)
+    hook = on_chunk
+    if compile_decode:
+      ahead["loop"] = hook = DecodeAhead(params, **kw, then=on_chunk)
     cache, last = prefill(params, cfg, prompts, method, cache_len=cache_len, options=options,
-                          on_chunk=ahead["loop"])
+                          on_chunk=hook)
     jax.block_until_ready((cache, last))
     seconds = time.perf_counter() - clock["t0"] - clock["first"]
     return cache, last, seconds, clock["host"], clock["first"]
@@ -249,12 +252,12 @@ def measure_decode(s: DecodeSetting) -> dict:
     first = prefill_s = host_s = 0.0
     timed_tokens = 0
   elif s.warmup_prefill:  # a whole prefill compiles; the next one is timed, every chunk of it
-    cache, last, first, _, _ = run_prefill(False)
+    cache, last, first, _, _ = run_prefill(False, True)
     del cache, last
-    cache, last, prefill_s, host_s, _ = run_prefill(False)
+    cache, last, prefill_s, host_s, _ = run_prefill(False, False)
     timed_tokens = ctx
   else:  # very long prompts: the first chunk compiles and is left out of the timing
-    cache, last, prefill_s, host_s, first = run_prefill(True)
+    cache, last, prefill_s, host_s, first = run_prefill(True, True)
     timed_tokens = ctx - chunk
   stage(f"prefill {prefill_s:.1f}s (compile run {first:.1f}s)")
   cache_bytes = sum(x.nbytes for x in jax.tree.leaves(cache))
