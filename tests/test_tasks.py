@@ -3,7 +3,7 @@
 import pytest
 
 from jax_longctx.app import tasks
-from jax_longctx.app.tasks import Sample, TaskError, parse_length
+from jax_longctx.app.tasks import Sample, TaskError, base, parse_length
 
 LENGTHS = (600, 2000)
 
@@ -84,6 +84,57 @@ def test_no_prompt_runs_past_the_length_asked(tok, name):
     s = task.make(tok, length, 0.5, seed=1, chat=chat)
     n = len(s.expected) if name == "ppl" else len(tok.encode(s.prompt))
     assert n == s.n_tokens <= length, (name, length, chat)
+
+
+def _every_count(monkeypatch):
+  """fit_length as it searched before counts were settled from others: every n it visits
+  encoded, nothing placed ahead."""
+  monkeypatch.setattr(base._Counts, "reaches", lambda self, n, t: self.exact(n) >= t)
+  monkeypatch.setattr(base._Counts, "bracket", lambda self, guess, thresholds: None)
+
+
+class _Wiggly:
+  """A tokenizer whose count of prompt n is ~n + 90, stepping back by up to 40 tokens at
+  some n (as a needle moved to another boundary can): monotone only up to a few tokens."""
+
+  def encode(self, text: str) -> list[int]:
+    n = int(text)
+    return [0] * (n + 90 - (n * 7919) % 41)
+
+
+@pytest.mark.parametrize("tolerance", [0.005, 0.0])
+@pytest.mark.parametrize("length", [95, 500, 3778, 9295, 12_345, 77_777, 2_097_152])
+def test_fitting_finds_the_prompt_that_counting_every_step_finds(monkeypatch, length, tolerance):
+  """Every answer settled from other counts is the exact count's, and so is the prompt found."""
+  tok, build = _Wiggly(), str
+  answers, reaches = [], base._Counts.reaches
+
+  def checked(self, n, t):
+    answers.append((reaches(self, n, t), len(tok.encode(build(n))) >= t))
+    return answers[-1][0]
+  monkeypatch.setattr(base._Counts, "reaches", checked)
+  fast = base.fit_length(tok, length, build, length // 2, tolerance)
+  assert all(got == exact for got, exact in answers), answers
+  _every_count(monkeypatch)
+  assert base.fit_length(tok, length, build, length // 2, tolerance) == fast
+
+
+@pytest.mark.parametrize("name", ["passkey", "niah_multikey", "chain_of_key"])
+def test_fitting_a_real_prompt_encodes_less_and_builds_the_same(tok, monkeypatch, name):
+  builds = []
+  real = base._Counts.exact
+
+  def counted(self, n):
+    if n not in self.texts:
+      builds.append(n)
+    return real(self, n)
+  monkeypatch.setattr(base._Counts, "exact", counted)
+  task = tasks.get(name)
+  fast = task.make(tok, 12_000, 0.3, seed=5, chat=True)
+  n_fast, builds[:] = len(builds), []
+  _every_count(monkeypatch)
+  assert task.make(tok, 12_000, 0.3, seed=5, chat=True) == fast
+  assert n_fast < len(builds), (n_fast, len(builds))
 
 
 def test_a_length_too_short_for_the_prompt_is_one_clear_line(tok):
