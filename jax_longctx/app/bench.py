@@ -13,7 +13,11 @@ prompt after one that compiles. The anchors, on an NVIDIA GPU: `of bound` is the
 (bytes of weights + KV cache read per step, over the device-to-device copy bandwidth measured
 in the same run) over the measured step; `of GEMM` the prefill's FLOP rate over a dense bf16
 GEMM's measured then (every device's, on a mesh); `--impls hf` times transformers on the same
-shape. Each row is a line of --out (JSONL), with the device and the JAX version.
+shape. Both count what full attention does (the whole cache read a step; dense causal attention's
+FLOPs), so a method that reads or computes less (ReAttention's few keys a step; its 8-bit scoring
+at twice the bf16 rate) can pass 100%: there they say how far it runs past full attention's
+bound, not how near its own. Each row is a line of --out (JSONL), with the device and the JAX
+version.
 """
 
 from __future__ import annotations
