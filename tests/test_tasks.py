@@ -95,7 +95,7 @@ def _every_count(monkeypatch):
 
 class _Wiggly:
   """A tokenizer whose count of prompt n is ~n + 90, stepping back by up to 40 tokens at
-  some n (as a needle moved to another boundary can): monotone only up to a few tokens."""
+  some n (as a needle moved to another boundary can, by less): monotone only within the margin."""
 
   def encode(self, text: str) -> list[int]:
     n = int(text)
