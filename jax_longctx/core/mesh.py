@@ -127,6 +127,18 @@ def axis_size(mesh, axis: str) -> int:
   return int(mesh.shape[axis])
 
 
+def without_ctx(spec):
+  """The mesh's data x model devices of its first context shard (ctx=1; None stays None): where
+  a step that does not split the context runs on a mesh that does (the key smoothing's
+  calibration pass, full attention over 1K tokens, on a run's mesh for mesh ReAttention)."""
+  from jax.sharding import Mesh
+
+  mesh = make_mesh(spec)
+  if axis_size(mesh, "ctx") == 1:
+    return mesh
+  return Mesh(np.take(mesh.devices, [0], axis=mesh.axis_names.index("ctx")), mesh.axis_names)
+
+
 def one_device(mesh) -> bool:
   """Whether `mesh` splits nothing: None, or a mesh of one device."""
   return mesh is None or mesh.size == 1

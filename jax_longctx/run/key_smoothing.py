@@ -35,13 +35,13 @@ import jax.numpy as jnp
 
 from jax_longctx.core.config import LlamaConfig
 from jax_longctx.core.errors import LongctxError
-from jax_longctx.core.mesh import ModelShards, make_mesh
+from jax_longctx.core.mesh import ModelShards, make_mesh, without_ctx
 from jax_longctx.core.options import DEFAULT, RunOptions
 from jax_longctx.core.rope import inv_freq, rotate
 from jax_longctx.methods.base import get
 from jax_longctx.model.placement import place_leaf
 from jax_longctx.run.generation import prefill
-from jax_longctx.run.sharding import HostBatch, placed
+from jax_longctx.run.sharding import HostBatch, placed, restrict
 
 STRENGTH = 0.5  # SmoothQuant's alpha between keys (1: keys evened out) and queries (0: nothing)
 _MAX_EXPONENT = 24  # |log2 s|: a channel of zeros (RMS 0) gets 2^-24, not 0
@@ -106,7 +106,11 @@ def smooth_keys(params, cfg: LlamaConfig, ids, options: RunOptions = DEFAULT,
     raise LongctxError(f"key smoothing strength must lie in [0, 1], got {strength}")
   if options.mesh is not None:
     params = placed(params, cfg, options.mesh)  # once: the calibration runs on these
-  stats = cache_stats(params, cfg, ids, options)
+  # Full attention does not split the context: on a mesh with a ctx axis (mesh ReAttention's)
+  # the pass runs on the first context shard's devices, on the weights they already hold.
+  part = without_ctx(options.mesh)
+  stats = cache_stats(params if part is options.mesh else restrict(params, part), cfg, ids,
+                      options.replace(mesh=part))
   s = smoothing_from_rms(stats["pair_rms"], strength)
   kv = ((key_offset(stats["key_mean"], s), stats["value_mean"],
          key_offset(stats["pre_rope_key_mean"], s)) if offsets else None)

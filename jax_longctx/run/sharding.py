@@ -296,6 +296,20 @@ def placed(params, cfg: LlamaConfig, mesh):
   return place(params, cfg, mesh)
 
 
+def restrict(tree, part: Mesh):
+  """A tree of arrays placed on a mesh, as arrays of `part`, a part of it whose devices hold
+  whole copies (core.mesh.without_ctx; the arrays split along none of the axes cut): the
+  shards its devices hold, as they lie, nothing copied."""
+  devices = set(part.devices.flat)
+
+  def one(x):
+    shards = [s.data for s in x.addressable_shards if s.device in devices]
+    return jax.make_array_from_single_device_arrays(
+        x.shape, NamedSharding(part, x.sharding.spec), shards)
+
+  return jax.tree.map(one, tree)
+
+
 @functools.lru_cache(maxsize=8)
 def _placed_shapes(cfg: LlamaConfig, mesh, fused: bool):
   return abstract_model(ModelShards.of(cfg, mesh).placed(cfg), fused)[1]
@@ -310,4 +324,4 @@ def check_layer_mesh(method: Method, options: RunOptions) -> None:
 
 
 __all__ = ["HostBatch", "check_layer_mesh", "empty_cache", "mesh_step", "on_one_device",
-           "placed"]
+           "placed", "restrict"]

@@ -192,7 +192,8 @@ def quantized_int4():
 def smoothed():
   """Key smoothing and KV offsets calibrated on a mesh whose KV heads are copied (gqa, 2 KV
   heads, on model=4): what one device calibrates (each copy of a head the same), and with it
-  the int8 cache's tokens, logits and cache as one device's."""
+  the int8 cache's tokens, logits and cache as one device's; calibrated on a mesh with a ctx
+  axis, the same, and mesh ReAttention's int8 run with it as on ctx alone."""
   cfg, params = _model("gqa")
   ids = _prompts(cfg, (40,), seed=6)[0]
   one, cfg_one = smooth_keys(params, cfg, ids)
@@ -217,6 +218,21 @@ def smoothed():
             for p, o in ((one, opts.replace(mesh=None)), (many, opts))]
     assert runs[0].tokens == runs[1].tokens, name
     same_state(runs[0].cache.state, runs[1].cache.state, f"{name} smoothed int8")
+  # A mesh that splits the context (mesh ReAttention's, ctx 2 x model 2: no KV head copied):
+  # the calibration (full attention) runs on one context shard's devices, as one device's.
+  on_ctx, cfg_ctx = smooth_keys(params, cfg, ids, RunOptions(mesh="ctx=2,model=2"))
+  assert cfg_ctx == cfg_one
+  for i, layer in one["layers"].items():
+    for name in ("k_smooth", "k_offset", "v_offset", "k_offset_before_rope"):
+      np.testing.assert_allclose(np.asarray(on_ctx["layers"][i]["attn"][name]),
+                                 np.asarray(layer["attn"][name]), rtol=1e-5, atol=1e-6,
+                                 err_msg=f"{name} {i} on ctx")
+  m = get("reattention_mesh", n_global=2, n_local=8, span=2, clip=3, top_k=2, chunk=4)
+  runs = [generate(p, cfg_one, docs[:2], m, max_new_tokens=NEW, cache_len=CACHE_LEN,
+                   options=RunOptions(mesh=mesh, kv_dtype="int8"))
+          for p, mesh in ((one, "ctx=2"), (on_ctx, "ctx=2,model=2"))]
+  assert runs[0].tokens == runs[1].tokens
+  same_state(runs[0].cache.state, runs[1].cache.state, "reattention_mesh smoothed int8")
 
 
 def mesh_methods(kv_dtype=None, only=None):
