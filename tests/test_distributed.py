@@ -71,22 +71,27 @@ def test_mesh_method_across_two_processes_matches_one(two_process_runs, method):
 
 def test_eval_as_two_processes(tmp_path):
   """`jax-longctx eval --coordinator ...` as 2 processes x 2 CPU devices, as one process per GPU
-  would run it: Star's mesh spans both processes' 4 devices, and only process 0 writes. The
-  cache is empty, so the processes first convert the model (it once deadlocked there)."""
+  would run it: Star's and mesh ReAttention's meshes span both processes' 4 devices, and only
+  process 0 writes. The cache is empty, so the processes first convert the model (it once
+  deadlocked there). The int8 cache: the load calibrates key smoothing on the first context
+  shard's devices, all of them process 0's (it once refused a mesh with a ctx axis)."""
   import json
   port, out = _free_port(), tmp_path / "eval"
   env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", JAX_LONGCTX_CACHE=str(tmp_path),
              XLA_FLAGS=xla_flags("--xla_force_host_platform_device_count=2"))
   cmd = [sys.executable, "-m", "jax_longctx", "eval", "--model", "default", "--task",
-         "passkey", "--chat", "--methods", "star", "--lengths", "1k", "--samples", "1",
-         "--out", str(out), "--coordinator", f"localhost:{port}", "--num-processes", "2"]
+         "passkey", "--chat", "--methods", "star,reattention_mesh", "--kv-dtype", "int8",
+         "--method-arg", "reattention_mesh.n_local=512", "--method-arg", "reattention_mesh.clip=63",
+         "--lengths", "1k", "--samples", "1", "--out", str(out), "--coordinator",
+         f"localhost:{port}", "--num-processes", "2"]
   procs = [subprocess.Popen(cmd + ["--process-id", str(i)], cwd=ROOT, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE) for i in range(2)]
   outs = [p.communicate(timeout=600) for p in procs]
   for p, (_, err) in zip(procs, outs):
     assert p.returncode == 0, err[-3000:]
   records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
-  assert len(records) == 1 and records[0]["devices"] == 4
+  assert len(records) == 2 and all(r["devices"] == 4 for r in records)
+  assert {r["method"] for r in records} == {"star", "reattention_mesh"}
   assert (out / "summary.md").exists()
 
 
