@@ -25,7 +25,8 @@ def test_a_tiny_shape_on_cpu(tmp_path, capsys, monkeypatch):
   out = tmp_path / "bench.jsonl"
   status = main(["bench", "--model", "smollm2-135m", "--shape", "num_layers=2",
                  "--shape", "vocab_size=1024", "--contexts", "256", "--batches", "1",
-                 "--reps", "2", "--new-tokens", "4", "--chunk", "128", "--out", str(out)])
+                 "--reps", "2", "--new-tokens", "4", "--chunk", "128", "--prefill-profile", "1",
+                 "--out", str(out)])
   assert status == 0, capsys.readouterr().err[-3000:]
   lines = capsys.readouterr().out.splitlines()
   assert lines[:2] == [HEADER, "|---|---|---|---|---|---|"]
@@ -39,6 +40,28 @@ def test_a_tiny_shape_on_cpu(tmp_path, capsys, monkeypatch):
   assert len(rec["decode_times_s"]) == 2 and rec["prefill_chunk"] == 128
   assert rec["decode_compiled_ahead"]  # two chunks: the loop compiled during the warm-up prefill
   assert rec["platform"] == "cpu" and rec["jax"]
+  # the timed prefill's second chunk traced; the CPU's XLA work is host events, no device kernels
+  assert rec["prefill_profiled_chunks"] == 1 and rec["prefill_kernels_per_chunk"] == []
+
+
+def test_traced_kernels_are_per_unit_and_per_device(tmp_path):
+  """A trace of 2 units on two GPUs: each kernel's microseconds and launches a unit a device;
+  host events and a third, idle device count for nothing."""
+  import gzip
+
+  from jax_longctx.app.bench_measure import traced_kernel_times
+  meta = [{"ph": "M", "name": "process_name", "pid": pid, "args": {"name": name}}
+          for pid, name in ((1, "/device:GPU:0"), (2, "/device:GPU:1"), (3, "/device:GPU:2"),
+                            (9, "/host:CPU"))]
+  kernels = [("topk", 1, 30.0), ("topk", 1, 34.0), ("topk", 2, 32.0), ("topk", 2, 32.0),
+             ("gemm", 1, 10.0), ("gemm", 2, 6.0), ("python", 9, 500.0)]
+  events = meta + [{"ph": "X", "name": n, "pid": pid, "ts": 0, "dur": d} for n, pid, d in kernels]
+  (tmp_path / "plugins").mkdir()
+  with gzip.open(tmp_path / "plugins" / "perfetto_trace.json.gz", "wt") as f:
+    json.dump({"traceEvents": events}, f)
+  rows = traced_kernel_times(str(tmp_path), units=2)
+  assert rows == [{"kernel": "topk", "launches": 1.0, "us": 32.0},
+                  {"kernel": "gemm", "launches": 0.5, "us": 4.0}]
 
 
 def _args(*argv):

@@ -17,7 +17,9 @@ shape. Both count what full attention does (the whole cache read a step; dense c
 FLOPs), so a method that reads or computes less (ReAttention's few keys a step; its 8-bit scoring
 at twice the bf16 rate) can pass 100%: there they say how far it runs past full attention's
 bound, not how near its own. Each row is a line of --out (JSONL), with the device and the JAX
-version.
+version. Where the time goes: `--kernel-profile N` records a decode step's N longest device
+kernels (a traced loop after the timed ones), `--prefill-profile K` the timed prefill's last K
+chunks' (`prefill_kernels_per_chunk`; the trace lies inside the prefill's timing).
 """
 
 from __future__ import annotations
@@ -84,6 +86,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
   p.add_argument("--kernel-profile", type=int, default=0, metavar="N",
                  help="record the N longest device kernels of a decode step (a traced loop "
                       "after the timed ones)")
+  p.add_argument("--prefill-profile", type=int, default=0, metavar="K",
+                 help="trace the timed prefill's last K chunks: the device kernels' microseconds "
+                      "a chunk, the --kernel-profile N longest (16 if not given); the trace and "
+                      "a wait for the chunks before it lie inside the prefill's timing")
   p.add_argument("--new-tokens", type=int, default=64, help="decode steps a timed loop")
   p.add_argument("--reps", type=int, default=3, help="timed runs; the median is reported")
   p.add_argument("--chunk", type=int, default=4096, help="prefill chunk (tokens)")
@@ -105,7 +111,8 @@ def settings(args) -> list[DecodeSetting]:
   common = dict(model=args.model, shape=args.shape, new_tokens=args.new_tokens, reps=args.reps,
                 chunk=args.chunk, warmup_prefill=args.warmup_prefill,
                 fill_cache=args.fill_cache, key_smoothing=args.key_smoothing,
-                kernel_profile=args.kernel_profile, run_options=args.run_option,
+                kernel_profile=args.kernel_profile, prefill_profile=args.prefill_profile,
+                run_options=args.run_option,
                 decode_tiling=args.decode_tiling or "")
   runs = [("hf", "full", "", "") if impl == "hf" else ("jax", m, mesh, kv)
           for impl in args.impls.split(",")

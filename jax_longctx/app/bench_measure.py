@@ -187,8 +187,6 @@ def device_kernel_times(run, calls: int, per_call: int = 1) -> list[dict]:
   """Device kernels that `run()` launches, from a profiler trace of `calls` runs: name, launches
   and microseconds per unit (a run does `per_call` units, e.g. layers) and per device (a run
   over several devices: their mean), longest first."""
-  import glob
-  import gzip
   import tempfile
 
   import jax
@@ -197,8 +195,19 @@ def device_kernel_times(run, calls: int, per_call: int = 1) -> list[dict]:
     with jax.profiler.trace(d, create_perfetto_trace=True):
       for _ in range(calls):
         run()
-    path = glob.glob(f"{d}/**/perfetto_trace.json.gz", recursive=True)[0]
-    events = json.load(gzip.open(path))
+    return traced_kernel_times(d, calls * per_call)
+
+
+def traced_kernel_times(trace_dir: str, units: int) -> list[dict]:
+  """The device kernels of the perfetto trace a `jax.profiler.trace(trace_dir,
+  create_perfetto_trace=True)` wrote: name, launches and microseconds per unit (the trace held
+  `units` of them on each device) and per device that ran a kernel, longest first. On the CPU,
+  whose XLA work is host events, none."""
+  import glob
+  import gzip
+
+  path = glob.glob(f"{trace_dir}/**/perfetto_trace.json.gz", recursive=True)[0]
+  events = json.load(gzip.open(path))
   events = events["traceEvents"] if isinstance(events, dict) else events
   device = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
             and str(e["args"].get("name", "")).startswith("/device:")}
@@ -208,7 +217,7 @@ def device_kernel_times(run, calls: int, per_call: int = 1) -> list[dict]:
     if e.get("ph") == "X" and e.get("pid") in device and "dur" in e:
       total.setdefault(e["name"], []).append(float(e["dur"]))
       busy.add(e["pid"])
-  units = calls * per_call * max(len(busy), 1)
+  units = units * max(len(busy), 1)
   rows = [{"kernel": name[:120], "launches": len(d) / units, "us": sum(d) / units}
           for name, d in total.items()]
   return sorted(rows, key=lambda r: -r["us"])
