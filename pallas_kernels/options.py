@@ -127,6 +127,10 @@ class KernelOptions:
   # CTA a core: ReAttention's rows of the 3B shape (24 query / 8 KV heads, 512-token chunks)
   # are 96 CTAs, 73% of an H200's 132 cores in one wave; Qwen2.5-Coder-1.5B's (12 / 2) 48, 36%.
   topk_balanced_splits: bool = True
+  # Those prefill rows' key splits, fixed (a benchmark's knob: the plan's cost against its
+  # waves' fill, e.g. the 1.5B's 48 CTAs at 8 splits against 4-6); 0: the plan's own
+  # (gpu.wave_splits when balanced, else one wave's). A call's Tiling.key_splits comes first.
+  topk_key_splits: int = 0
   # topk_scores' rescoring of segments (topk_segments.best_keys) over keys of 2^31 elements or
   # more (ReAttention's int8 cache of the 3B shape at 2M tokens), which Triton's int32 offsets
   # cannot index: the Triton kernel over the keys as int32 words (int8 and bf16 keys; 4 / 2
@@ -200,6 +204,9 @@ class KernelOptions:
     if self.topk_column_window not in COLUMN_WINDOWS:
       raise ValueError(f"topk_column_window={self.topk_column_window!r} must be one of "
                        f"{COLUMN_WINDOWS} (0: by the key axis)")
+    if not isinstance(self.topk_key_splits, int) or self.topk_key_splits < 0:
+      raise ValueError(f"topk_key_splits={self.topk_key_splits!r} must be a count >= 0 (0: the "
+                       "plan's own)")
     for field in ("prefill_dequantize_bytes", "topk_dequantize_bytes"):
       value = getattr(self, field)
       if not isinstance(value, int) or value < 0:

@@ -40,3 +40,12 @@ def test_an_unknown_field_is_one_line():
   with pytest.raises(SystemExit, match="--run-option add_norm=auto: RunOptions has no field "
                                        "'add_norm'"):
     option_fields(RunOptions, ["add_norm=auto"], "--run-option")
+
+
+def test_a_value_of_the_wrong_type_is_one_line():
+  from pallas_kernels import KernelOptions
+  assert option_fields(KernelOptions, ["topk_key_splits=4"], "--kernel-option") == {
+      "topk_key_splits": 4}
+  with pytest.raises(SystemExit, match="--kernel-option topk_key_splits=four: topk_key_splits "
+                                       "takes an integer"):
+    option_fields(KernelOptions, ["topk_key_splits=four"], "--kernel-option")

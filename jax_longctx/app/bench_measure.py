@@ -150,7 +150,11 @@ def option_fields(cls, pairs, flag: str, default=None) -> dict:
     elif current is None:
       fields[key] = int(value) if value.lstrip("-").isdigit() else value
     else:
-      fields[key] = type(current)(value)
+      try:
+        fields[key] = type(current)(value)
+      except ValueError:
+        kind = {int: "an integer", float: "a number"}.get(type(current), type(current).__name__)
+        raise SystemExit(f"{flag} {pair}: {key} takes {kind}") from None
   return fields
 
 

@@ -201,7 +201,8 @@ def _finish_mosaic(q, k, bounds, top_k, config, *, scale, kv_layout, tiling, opt
   segments = (options.topk_many_rows if options.topk_many_rows != "kernel"
               and options.topk_selection == "exact" and top_k > 1 else None)
   vals, idx, ordered = _mosaic(q, k, bounds, top_k, config, scale=scale, kv_layout=kv_layout,
-                               key_splits=tiling.key_splits if tiling else None,
+                               key_splits=(tiling.key_splits if tiling else None)
+                               or options.topk_key_splits or None,
                                selection=options.topk_selection, segments=segments,
                                window=options.topk_column_window,
                                balanced=options.topk_balanced_splits,

@@ -165,12 +165,12 @@ def test_columns_ties_go_to_lowest_index(block_kv, splits, window, monkeypatch):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("balanced", [True, False])
-def test_balanced_splits_share_the_candidates_tiles(balanced, monkeypatch):
+@pytest.mark.parametrize("balanced,asked_by", [(True, "option"), (False, "tiling")])
+def test_balanced_splits_share_the_candidates_tiles(balanced, asked_by, monkeypatch):
   """3 splits over two sequences whose candidates are a part of the key axis ([5, 458) and
   [5, 200): prefix, suffix and lengths excluded): balanced splits cut each one's candidate tiles
   in 3 (the last short, some splits of the shorter one empty), the others the key axis; both
-  exact."""
+  exact. The 3 asked by the call's Tiling or by KernelOptions.topk_key_splits."""
   rng = np.random.default_rng(23)
   k = small_ints(rng, (2, 512, 2, 64))
   q = small_ints(rng, (2, 16, 8, 64))
@@ -179,9 +179,16 @@ def test_balanced_splits_share_the_candidates_tiles(balanced, monkeypatch):
   monkeypatch.setattr(mgpu_topk, "mgpu_topk_scores",
                       lambda *a, **kw: seen.append((kw["splits"], kw["balanced"])) or kernel(
                           *a, **kw))
-  assert_exact(q, k, 4, mosaic(key_splits=3), KernelOptions(topk_balanced_splits=balanced),
+  by_tiling = asked_by == "tiling"
+  assert_exact(q, k, 4, mosaic(key_splits=3 if by_tiling else None),
+               KernelOptions(topk_balanced_splits=balanced, topk_key_splits=0 if by_tiling else 3),
                valid_len=jnp.asarray([512, 254]), exclude_prefix=5, exclude_suffix=54)
   assert seen == [(3, balanced)]
+
+
+def test_key_splits_option_is_a_count():
+  with pytest.raises(ValueError, match="topk_key_splits=-1 must be a count"):
+    KernelOptions(topk_key_splits=-1)
 
 
 def test_wave_splits_fill_the_cores_waves(monkeypatch):
