@@ -4,6 +4,8 @@ record's fields), and the table's rows and the anchors' shares from records like
 import argparse
 import json
 
+import pytest
+
 from jax_longctx.app import bench
 from jax_longctx.app.cli import main
 
@@ -26,6 +28,7 @@ def test_a_tiny_shape_on_cpu(tmp_path, capsys, monkeypatch):
   status = main(["bench", "--model", "smollm2-135m", "--shape", "num_layers=2",
                  "--shape", "vocab_size=1024", "--contexts", "256", "--batches", "1",
                  "--reps", "2", "--new-tokens", "4", "--chunk", "128", "--prefill-profile", "1",
+                 "--prefill-profile-at", "0.5",
                  "--out", str(out)])
   assert status == 0, capsys.readouterr().err[-3000:]
   lines = capsys.readouterr().out.splitlines()
@@ -40,8 +43,10 @@ def test_a_tiny_shape_on_cpu(tmp_path, capsys, monkeypatch):
   assert len(rec["decode_times_s"]) == 2 and rec["prefill_chunk"] == 128
   assert rec["decode_compiled_ahead"]  # two chunks: the loop compiled during the warm-up prefill
   assert rec["platform"] == "cpu" and rec["jax"]
-  # the timed prefill's second chunk traced; the CPU's XLA work is host events, no device kernels
+  # the timed prefill's second chunk traced (half way, but never the first); the CPU's XLA work
+  # is host events, no device kernels
   assert rec["prefill_profiled_chunks"] == 1 and rec["prefill_kernels_per_chunk"] == []
+  assert rec["prefill_profile_at"] == 0.5 and rec["prefill_busy_us_per_chunk"] is None
 
 
 def test_traced_kernels_are_per_unit_and_per_device(tmp_path):
@@ -62,6 +67,64 @@ def test_traced_kernels_are_per_unit_and_per_device(tmp_path):
   rows = traced_kernel_times(str(tmp_path), units=2)
   assert rows == [{"kernel": "topk", "launches": 1.0, "us": 32.0},
                   {"kernel": "gemm", "launches": 0.5, "us": 4.0}]
+
+
+def test_traced_busy_is_the_union_of_kernels_over_their_span(tmp_path):
+  """Per unit and device: the span from the first kernel's start to the last one's end, and the
+  time some kernel ran, overlaps once (a kernel inside another's time adds nothing)."""
+  from jax_longctx.app.bench_measure import traced_busy
+  _trace(tmp_path, [("a", 1, 0.0, 10.0), ("b", 1, 5.0, 10.0), ("c", 1, 6.0, 2.0),
+                    ("d", 1, 30.0, 10.0), ("a", 2, 100.0, 20.0), ("b", 2, 105.0, 5.0),
+                    ("python", 9, 0.0, 500.0)])
+  # GPU 0: busy 0-15 and 30-40 (25) over 0-40; GPU 1: 20 over 20; two units
+  assert traced_busy(str(tmp_path), units=2) == {"span_us": 15.0, "busy_us": 11.25}
+
+
+def test_traced_busy_without_device_kernels(tmp_path):
+  from jax_longctx.app.bench_measure import traced_busy
+  _trace(tmp_path, [("python", 9, 0.0, 500.0)])
+  assert traced_busy(str(tmp_path), units=1) == {"span_us": None, "busy_us": None}
+
+
+def _trace(tmp_path, kernels):
+  """A perfetto trace of (name, pid, start, duration) events: pids 1-2 GPUs, 9 the host."""
+  import gzip
+  meta = [{"ph": "M", "name": "process_name", "pid": pid, "args": {"name": name}}
+          for pid, name in ((1, "/device:GPU:0"), (2, "/device:GPU:1"), (9, "/host:CPU"))]
+  events = meta + [{"ph": "X", "name": n, "pid": pid, "ts": ts, "dur": d}
+                   for n, pid, ts, d in kernels]
+  (tmp_path / "plugins").mkdir()
+  with gzip.open(tmp_path / "plugins" / "perfetto_trace.json.gz", "wt") as f:
+    json.dump({"traceEvents": events}, f)
+
+
+def test_chunk_trace_spans_the_chunks_asked(monkeypatch):
+  """K chunks ending at the fraction `at` of the prompt's chunks: traced from the wait after
+  chunk begin to the wait after chunk end; never the first chunk; fewer where there are fewer."""
+  import jax
+
+  from jax_longctx.app.bench_measure import ChunkTrace
+  calls = []
+  monkeypatch.setattr(jax.profiler, "start_trace", lambda *a, **k: calls.append("start"))
+  monkeypatch.setattr(jax.profiler, "stop_trace", lambda: calls.append("stop"))
+
+  def run(count, at, n):
+    calls.clear()
+    trace = ChunkTrace(count, at)
+    for i in range(n):
+      calls.append(i)  # chunk i runs, then the prefill calls its hook
+      trace(i, n, None)
+    trace.close()
+    if "start" not in calls:
+      return trace.chunks, []
+    return trace.chunks, calls[calls.index("start") + 1:calls.index("stop")]
+
+  assert run(3, 1.0, 11) == (3, [8, 9, 10])
+  assert run(3, 0.5, 11) == (3, [3, 4, 5])
+  assert run(20, 0.5, 11) == (5, [1, 2, 3, 4, 5])  # all but the first, up to the fraction's
+  assert run(2, 1.0, 1) == (0, [])  # one chunk: nothing traced
+  with pytest.raises(ValueError, match="prefill-profile-at 0"):
+    ChunkTrace(2, 0.0)
 
 
 def _args(*argv):

@@ -19,7 +19,10 @@ at twice the bf16 rate) can pass 100%: there they say how far it runs past full 
 bound, not how near its own. Each row is a line of --out (JSONL), with the device and the JAX
 version. Where the time goes: `--kernel-profile N` records a decode step's N longest device
 kernels (a traced loop after the timed ones), `--prefill-profile K` the timed prefill's last K
-chunks' (`prefill_kernels_per_chunk`; the trace lies inside the prefill's timing).
+chunks' (`prefill_kernels_per_chunk`; the trace lies inside the prefill's timing), with how busy
+the devices were over them (`prefill_busy_us_per_chunk` of `prefill_span_us_per_chunk`: the rest
+is idle time between kernels); `--prefill-profile-at F` ends those chunks at that fraction of
+the prompt.
 """
 
 from __future__ import annotations
@@ -90,6 +93,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                  help="trace the timed prefill's last K chunks: the device kernels' microseconds "
                       "a chunk, the --kernel-profile N longest (16 if not given); the trace and "
                       "a wait for the chunks before it lie inside the prefill's timing")
+  p.add_argument("--prefill-profile-at", type=float, default=1.0, metavar="F",
+                 help="--prefill-profile's K chunks end at this fraction of the prompt's chunks "
+                      "(default 1: the last); e.g. 0.25 where the key axes are a quarter long")
   p.add_argument("--new-tokens", type=int, default=64, help="decode steps a timed loop")
   p.add_argument("--reps", type=int, default=3, help="timed runs; the median is reported")
   p.add_argument("--chunk", type=int, default=4096, help="prefill chunk (tokens)")
@@ -112,6 +118,7 @@ def settings(args) -> list[DecodeSetting]:
                 chunk=args.chunk, warmup_prefill=args.warmup_prefill,
                 fill_cache=args.fill_cache, key_smoothing=args.key_smoothing,
                 kernel_profile=args.kernel_profile, prefill_profile=args.prefill_profile,
+                prefill_profile_at=args.prefill_profile_at,
                 run_options=args.run_option,
                 decode_tiling=args.decode_tiling or "")
   runs = [("hf", "full", "", "") if impl == "hf" else ("jax", m, mesh, kv)

@@ -15,12 +15,11 @@ import functools
 import json
 import os
 import sys
-import tempfile
 import time
 
-from jax_longctx.app.bench_measure import (bytes_on, device_facts, device_kernel_times,
-                                           jax_peak_bytes, median_time, option_fields,
-                                           run_options, traced_kernel_times)
+from jax_longctx.app.bench_measure import (ChunkTrace, bytes_on, device_facts,
+                                           device_kernel_times, jax_peak_bytes, median_time,
+                                           option_fields, run_options)
 from jax_longctx.app.bench_process import child_result
 
 
@@ -46,6 +45,7 @@ class DecodeSetting:
   key_smoothing: bool = False
   kernel_profile: int = 0
   prefill_profile: int = 0
+  prefill_profile_at: float = 1.0
   kernel_options: list = dataclasses.field(default_factory=list)
   run_options: list = dataclasses.field(default_factory=list)
   decode_tiling: str = ""
@@ -219,13 +219,12 @@ def measure_decode(s: DecodeSetting) -> dict:
             options=options)
   ahead = {}
 
-  def run_prefill(time_first: bool, compile_decode: bool, trace_dir: str | None = None):
+  def run_prefill(time_first: bool, compile_decode: bool, trace: ChunkTrace | None = None):
     """(cache, last, seconds, host enqueue seconds, seconds of the first chunk). time_first:
     the first chunk (which compiles) is waited for and left out of the seconds. compile_decode:
     the decode loop compiles on a host thread meanwhile (`DecodeAhead`), as `generate` runs it
-    (the first prefill only: a warm, timed one has no thread beside it). trace_dir: the last
-    s.prefill_profile chunks (all but the first at most) traced there, after a wait for the
-    chunks before them; their count in profile["chunks"]."""
+    (the first prefill only: a warm, timed one has no thread beside it). trace: a `ChunkTrace`
+    (--prefill-profile) told of every chunk."""
     clock = {"t0": time.perf_counter(), "host": 0.0, "first": 0.0}
     clock["prev"] = clock["t0"]
 
@@ -238,10 +237,8 @@ def measure_decode(s: DecodeSetting) -> dict:
           clock["first"] = time.perf_counter() - clock["t0"]
         if n >= 64:  # long prefills (1M) show where they are
           stage(f"prefill chunk {i}/{n}, {time.perf_counter() - clock['t0']:.1f}s")
-      if trace_dir and i == max(0, n - 1 - s.prefill_profile) < n - 1:  # the next chunks traced
-        jax.block_until_ready(last)
-        jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
-        profile["chunks"] = n - 1 - i
+      if trace:
+        trace(i, n, last)
       clock["prev"] = time.perf_counter()
 
     hook = on_chunk
@@ -251,13 +248,12 @@ def measure_decode(s: DecodeSetting) -> dict:
                           on_chunk=hook)
     jax.block_until_ready((cache, last))
     seconds = time.perf_counter() - clock["t0"] - clock["first"]
-    if profile.get("chunks"):
-      jax.profiler.stop_trace()
+    if trace:
+      trace.close(last)
     return cache, last, seconds, clock["host"], clock["first"]
 
-  # --prefill-profile: the last prefill run's last chunks traced (inside its timing)
-  profile, trace = {}, tempfile.TemporaryDirectory() if s.prefill_profile else None
-  trace_dir = trace.name if trace else None
+  # --prefill-profile: chunks of the timed prefill run traced (inside its timing)
+  trace = ChunkTrace(s.prefill_profile, s.prefill_profile_at) if s.prefill_profile else None
   if s.fill_cache:  # no prefill: random K/V in the cache, every row at the context's length
     cache = filled_cache(cfg, method, b, ctx, cache_len, options)
     last = jnp.zeros((b, cfg.vocab_size))
@@ -267,15 +263,12 @@ def measure_decode(s: DecodeSetting) -> dict:
   elif s.warmup_prefill:  # a whole prefill compiles; the next one is timed, every chunk of it
     cache, last, first, _, _ = run_prefill(False, True)
     del cache, last
-    cache, last, prefill_s, host_s, _ = run_prefill(False, False, trace_dir)
+    cache, last, prefill_s, host_s, _ = run_prefill(False, False, trace)
     timed_tokens = ctx
   else:  # very long prompts: the first chunk compiles and is left out of the timing
-    cache, last, prefill_s, host_s, first = run_prefill(True, True, trace_dir)
+    cache, last, prefill_s, host_s, first = run_prefill(True, True, trace)
     timed_tokens = ctx - chunk
-  if profile.get("chunks"):
-    profile["kernels"] = traced_kernel_times(trace_dir, profile["chunks"])[:s.kernel_profile or 16]
-  if trace:
-    trace.cleanup()
+  profile = trace.report(s.kernel_profile or 16) if trace else {}
   stage(f"prefill {prefill_s:.1f}s (compile run {first:.1f}s)")
   cache_bytes = sum(x.nbytes for x in jax.tree.leaves(cache))
   state = {"cache": cache}
@@ -325,9 +318,7 @@ def measure_decode(s: DecodeSetting) -> dict:
           "decode_compile_s": decode_compile_s, "decode_compiled_ahead": compiled_ahead,
           "decode_ahead_wait_s": ahead_wait_s,
           **({"kernels_per_token": kernels} if kernels is not None else {}),
-          **({"prefill_profiled_chunks": profile.get("chunks", 0),
-              "prefill_kernels_per_chunk": profile.get("kernels", [])}
-             if s.prefill_profile else {}),
+          **profile,
           "weight_bytes": wbytes, "kv_bytes": kvbytes, "peak_bytes": jax_peak_bytes(),
           "device_count": len(devices),
           "peak_bytes_per_device": [(d.memory_stats() or {}).get("peak_bytes_in_use")

@@ -202,11 +202,10 @@ def device_kernel_times(run, calls: int, per_call: int = 1) -> list[dict]:
     return traced_kernel_times(d, calls * per_call)
 
 
-def traced_kernel_times(trace_dir: str, units: int) -> list[dict]:
-  """The device kernels of the perfetto trace a `jax.profiler.trace(trace_dir,
-  create_perfetto_trace=True)` wrote: name, launches and microseconds per unit (the trace held
-  `units` of them on each device) and per device that ran a kernel, longest first. On the CPU,
-  whose XLA work is host events, none."""
+def _device_kernels(trace_dir: str) -> list[tuple]:
+  """(device pid, kernel name, start us, duration us) of every device kernel in the perfetto
+  trace a `jax.profiler.trace(trace_dir, create_perfetto_trace=True)` wrote. On the CPU, whose
+  XLA work is host events, none."""
   import glob
   import gzip
 
@@ -215,13 +214,89 @@ def traced_kernel_times(trace_dir: str, units: int) -> list[dict]:
   events = events["traceEvents"] if isinstance(events, dict) else events
   device = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
             and str(e["args"].get("name", "")).startswith("/device:")}
+  return [(e["pid"], e["name"], float(e.get("ts", 0.0)), float(e["dur"])) for e in events
+          if e.get("ph") == "X" and e.get("pid") in device and "dur" in e]
+
+
+def traced_kernel_times(trace_dir: str, units: int) -> list[dict]:
+  """The device kernels of a trace (`_device_kernels`): name, launches and microseconds per
+  unit (the trace held `units` of them on each device) and per device that ran a kernel,
+  longest first."""
+  kernels = _device_kernels(trace_dir)
   total: dict[str, list[float]] = {}
-  busy = set()  # devices that ran a kernel: a one-device run on a host of several lists them all
-  for e in events:
-    if e.get("ph") == "X" and e.get("pid") in device and "dur" in e:
-      total.setdefault(e["name"], []).append(float(e["dur"]))
-      busy.add(e["pid"])
-  units = units * max(len(busy), 1)
+  for _, name, _, dur in kernels:
+    total.setdefault(name, []).append(dur)
+  # devices that ran a kernel: a one-device run on a host of several lists them all
+  units = units * max(len({k[0] for k in kernels}), 1)
   rows = [{"kernel": name[:120], "launches": len(d) / units, "us": sum(d) / units}
           for name, d in total.items()]
   return sorted(rows, key=lambda r: -r["us"])
+
+
+def traced_busy(trace_dir: str, units: int) -> dict:
+  """How full the devices were over a trace of `units` units: `span_us`, the first kernel's
+  start to the last one's end, and `busy_us`, the time some kernel ran (overlaps counted once),
+  per unit and per device that ran a kernel; span less busy is the devices' idle time between
+  kernels (launch gaps, host waits). None for each where no device kernel ran."""
+  by_device: dict[int, list[tuple[float, float]]] = {}
+  for pid, _, ts, dur in _device_kernels(trace_dir):
+    by_device.setdefault(pid, []).append((ts, ts + dur))
+  if not by_device:
+    return {"span_us": None, "busy_us": None}
+  span = busy = 0.0
+  for spans in by_device.values():
+    spans.sort()
+    span += max(stop for _, stop in spans) - spans[0][0]
+    end = spans[0][0]
+    for start, stop in spans:  # the union of the intervals, in start order
+      busy += max(0.0, stop - max(start, end))
+      end = max(end, stop)
+  n = units * len(by_device)
+  return {"span_us": span / n, "busy_us": busy / n}
+
+
+class ChunkTrace:
+  """A prefill's `on_chunk` part (`--prefill-profile`) that traces `count` consecutive chunks
+  ending at the fraction `at` of the prompt's chunks (1: the last; the first chunk, which
+  compiles, never), waiting for the device at both ends so the trace holds those chunks' work
+  alone; `report` reads the trace into a record's fields and deletes it."""
+
+  def __init__(self, count: int, at: float = 1.0):
+    import tempfile
+    if not 0 < at <= 1:
+      raise ValueError(f"--prefill-profile-at {at}: a fraction of the prompt's chunks, in (0, 1]")
+    self._dir = tempfile.TemporaryDirectory()
+    self.count, self.at, self.chunks, self.live = count, at, 0, False
+
+  def __call__(self, i: int, n: int, last) -> None:
+    import jax
+    end = min(n - 1, max(1, round(self.at * (n - 1))))
+    begin = max(0, end - self.count)  # traced: the chunks after `begin`, up to `end`
+    if i == begin < end and not self.chunks:
+      jax.block_until_ready(last)
+      jax.profiler.start_trace(self._dir.name, create_perfetto_trace=True)
+      self.chunks, self.live = end - begin, True
+    elif i == end and self.live:
+      self.close(last)
+
+  def close(self, last=None) -> None:
+    import jax
+    if self.live:
+      jax.block_until_ready(last)
+      jax.profiler.stop_trace()
+      self.live = False
+
+  def report(self, kernels: int) -> dict:
+    """The traced chunks: how many, where, the `kernels` longest device kernels a chunk, and a
+    chunk's span and busy microseconds (`traced_busy`)."""
+    fields = {"prefill_profiled_chunks": self.chunks, "prefill_profile_at": self.at,
+              "prefill_kernels_per_chunk": [], "prefill_span_us_per_chunk": None,
+              "prefill_busy_us_per_chunk": None}
+    if self.chunks:
+      busy = traced_busy(self._dir.name, self.chunks)
+      fields.update(prefill_kernels_per_chunk=traced_kernel_times(self._dir.name,
+                                                                  self.chunks)[:kernels],
+                    prefill_span_us_per_chunk=busy["span_us"],
+                    prefill_busy_us_per_chunk=busy["busy_us"])
+    self._dir.cleanup()
+    return fields
