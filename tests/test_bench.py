@@ -133,6 +133,13 @@ def _args(*argv):
   return p.parse_args(list(argv))
 
 
+@pytest.mark.parametrize("value", ["0", "1.5", "half"])
+def test_prefill_profile_at_outside_the_prompt_is_refused_at_parse(value, capsys):
+  with pytest.raises(SystemExit):
+    _args("--prefill-profile-at", value)
+  assert "not a fraction of the prompt in (0, 1]" in capsys.readouterr().err
+
+
 def test_settings_cover_the_grid_and_route_options_by_label():
   runs = bench.settings(_args("--contexts", "32768,131072", "--batches", "1,8",
                               "--methods", "full,snap:snapkv", "--method-arg", "snap.budget=4096",

@@ -47,6 +47,17 @@ _ANCHORS = (("anchor_ms", "einsum + top_k"), ("cudnn_ms", "cuDNN"), ("dense_ms",
 _SHAPE = ("q_len", "kv_len", "length", "chunk", "top_k", "selected", "route")
 
 
+def _fraction(text: str) -> float:
+  """A fraction in (0, 1], for --prefill-profile-at."""
+  try:
+    value = float(text)
+  except ValueError:
+    value = -1.0
+  if not 0 < value <= 1:
+    raise argparse.ArgumentTypeError(f"{text!r} is not a fraction of the prompt in (0, 1]")
+  return value
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
   p.add_argument("what", nargs="?", choices=["model", "kernels"], default="model",
                  help="a model's prefill and decode, or the Pallas kernels against their "
@@ -93,7 +104,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                  help="trace the timed prefill's last K chunks: the device kernels' microseconds "
                       "a chunk, the --kernel-profile N longest (16 if not given); the trace and "
                       "a wait for the chunks before it lie inside the prefill's timing")
-  p.add_argument("--prefill-profile-at", type=float, default=1.0, metavar="F",
+  p.add_argument("--prefill-profile-at", type=_fraction, default=1.0, metavar="F",
                  help="--prefill-profile's K chunks end at this fraction of the prompt's chunks "
                       "(default 1: the last); e.g. 0.25 where the key axes are a quarter long")
   p.add_argument("--new-tokens", type=int, default=64, help="decode steps a timed loop")
