@@ -39,7 +39,8 @@ EIGHT_BIT = (jnp.int8, jnp.float8_e4m3fn)
 # An int32 x with |x| < 2^22 is exact in fp32 as bits(x + MAGIC) - MAGIC_F: the sum's low 23
 # bits are the mantissa of 1.5 * 2^23 + x. An integer add and a float subtract, both at the full
 # rate, where cvt.rn.f32.s32 runs at a quarter of it (an 8-bit product of d <= 128 terms is at
-# most 128 * 127 * 127 < 2^21 in magnitude).
+# most 128 * 127 * 127 < 2^21 in magnitude). The top-k's subtract and key scale as one fma
+# (bits * a - MAGIC_F * a) issued 8.5% fewer instructions but ran 6% slower at 1M keys (H200).
 MAGIC = 0x4B400000
 MAGIC_F = 12582912.0
 

@@ -14,7 +14,9 @@ heads of the kv group (layout.q_rows), so one K tile serves the whole group.
 - The warpgroups alternate (a shared `turn` barrier, as in FA3): one selects while the other's
   product runs. The "some row" test reduces a row vector across the warpgroup's four warps
   through an SMEM scratch that Mosaic gives both warpgroups at the same address; the turns make
-  the two selections mutually exclusive, so they never use it at the same time.
+  the two selections mutually exclusive, so they never use it at the same time. The strided
+  "columns" selection uses no scratch, yet without turns it ran slower (1M keys on an H200:
+  bf16 14%, int8 4%, E4M3 7%): the alternation is the schedule, not only the scratch's guard.
 
 Exactness (ties to the lowest key, as the reference's lax.top_k): a CTA visits its keys in
 increasing order (tiles in order, and within a tile equal maxima leave by increasing key), and a
