@@ -3,6 +3,7 @@ code (shared/UPSTREAM.md): selection, GQA pairing, the layer output, positions, 
 
 import collections
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -10,7 +11,9 @@ import pytest
 from jax_longctx.ops.cache import KVCache
 from jax_longctx.methods import AttnContext, MethodError, get
 from jax_longctx.methods.reattention import ReAttention
-from jax_longctx.methods.reattention_scope import (PAIRWISE_MAX_VOTES, most_voted_counted,
+from jax_longctx.methods.reattention_scope import (HISTOGRAM_MAX_SLOTS_PER_VOTE, PAIRWISE_MAX_VOTES,
+                                                   WHOLE_PICK_MIN_CLIP,
+                                                   most_voted, most_voted_counted,
                                                    most_voted_pairwise, most_voted_sorted,
                                                    select_scope)
 from jax_longctx.core.options import RunOptions
@@ -120,6 +123,33 @@ def test_vote_counting_by_pairs_or_histogram_equals_by_sorting(seed):
     counted = most_voted_counted(votes, clip, slots, block=block, direct_max=direct,
                                  pairwise_max=pairs_max)
     np.testing.assert_array_equal(np.asarray(counted), np.asarray(sorted_))
+
+
+def test_vote_counting_with_one_top_k_over_the_histogram_equals_by_sorting():
+  """A large clip on the GPU picks the histogram's most counted by one lax.top_k over its slots
+  (whole_pick_clip): the same kept tokens as sorting the votes, count ties to the lower token,
+  holes and rows with fewer distinct tokens than clip included."""
+  rng = np.random.default_rng(7)
+  slots = 20000  # past what the pairs compare on the GPU (clip x 16-slot blocks > 4,096)
+  votes = np.asarray(rng.integers(-1, slots, (3, 2 * PAIRWISE_MAX_VOTES)), np.int32)
+  votes[2, 100:] = rng.integers(0, 200, 2 * PAIRWISE_MAX_VOTES - 100)  # < clip distinct tokens
+  votes = jnp.asarray(votes)
+  clip = WHOLE_PICK_MIN_CLIP + 44
+  whole = most_voted(votes, clip, slots, pairwise_max=4096, whole_pick_clip=WHOLE_PICK_MIN_CLIP)
+  np.testing.assert_array_equal(np.asarray(whole), np.asarray(most_voted_sorted(votes, clip)))
+  np.testing.assert_array_equal(np.asarray(whole), np.asarray(most_voted(votes, clip, slots)))
+
+  def top_ks(**kw):  # lax.top_k calls in the program: one over all slots, or through blocks
+    return str(jax.make_jaxpr(lambda v: most_voted(v, clip, slots, pairwise_max=4096, **kw))(
+        votes)).count(" top_k[")
+  assert top_ks(whole_pick_clip=WHOLE_PICK_MIN_CLIP) == 1 < top_ks()
+  # past the histogram's slots a vote for the block maxima, but within the whole pick's
+  slots = (HISTOGRAM_MAX_SLOTS_PER_VOTE + 16) * votes.shape[1]
+  whole = jax.jit(lambda v: most_voted(v, clip, slots, pairwise_max=4096,
+                                       whole_pick_clip=WHOLE_PICK_MIN_CLIP))
+  assert "scatter-add" in str(whole.trace(votes).jaxpr)  # counted, not sorted
+  np.testing.assert_array_equal(np.asarray(whole(votes)),
+                                np.asarray(most_voted_sorted(votes, clip)))
 
 
 def test_upstream_gqa_pairing_would_select_other_tokens():

@@ -100,21 +100,29 @@ PAIRWISE_MAX_VOTES = 1024
 # a pick of the most counted instead of sorting the votes (a prefill chunk's 65,536 votes on an
 # H200: 29-99 us against 129-175 up to 1M slots, 16 a vote, the most measured; BENCHMARKS.md).
 HISTOGRAM_MAX_SLOTS_PER_VOTE = 64
+# Picked by one `lax.top_k` (whole_pick_clip), the histogram stays ahead of the sort further: at
+# 2M slots, Qwen2.5-Coder-1.5B's 24,576 votes (85 slots a vote), 124 us against 139-164 (an H200).
+WHOLE_PICK_MAX_SLOTS_PER_VOTE = 96
 
 
-def most_voted(votes, clip: int, n_tokens: int | None = None, pairwise_max: int = 0):
+def most_voted(votes, clip: int, n_tokens: int | None = None, pairwise_max: int = 0,
+               whole_pick_clip: int = 0):
   """The `clip` most voted token indices per row, ascending; ties to the lower index.
 
   votes [B, V] (-1 = none; else < n_tokens when that is given) -> kept [B, clip] int32, _NONE
   where fewer distinct tokens got votes. O(V^2) by comparing pairs when V is small, a histogram
   over n_tokens slots when the cache is short against the votes, else O(V log V) by sorting
   (all give the same tokens; tests/test_reattention.py). pairwise_max: most_voted_counted's
-  (`pairwise_items(route)`).
+  (`pairwise_items(route)`); whole_pick_clip: from this clip on (0: never) the histogram's most
+  counted are picked by one `lax.top_k` over all its slots (`whole_pick_clip(route)`).
   """
   if votes.shape[1] <= PAIRWISE_MAX_VOTES:
     return most_voted_pairwise(votes, clip)
-  if n_tokens is not None and n_tokens <= HISTOGRAM_MAX_SLOTS_PER_VOTE * votes.shape[1]:
-    return most_voted_counted(votes, clip, n_tokens, pairwise_max=pairwise_max)
+  whole = bool(whole_pick_clip) and clip >= whole_pick_clip
+  per_vote = WHOLE_PICK_MAX_SLOTS_PER_VOTE if whole else HISTOGRAM_MAX_SLOTS_PER_VOTE
+  if n_tokens is not None and n_tokens <= per_vote * votes.shape[1]:
+    return most_voted_counted(votes, clip, n_tokens, pairwise_max=pairwise_max,
+                              direct_max=n_tokens if whole else COUNT_DIRECT_MAX)
   return most_voted_sorted(votes, clip)
 
 
@@ -166,11 +174,26 @@ def most_voted_counted(votes, clip: int, n_tokens: int, *, block: int = COUNT_BL
 
 
 def pairwise_items(route: pallas_kernels.Route) -> int:
-  """most_voted_counted's pairwise_max for a run's kernel route: on the GPU kernels the pairs' reductions were the
-  fastest measured (BENCHMARKS.md); on a 2-core CPU they ran far slower than top_k (20,000
-  votes over 8K-100K slots: 19-138 ms, another job running, against 0.3-0.5 ms), and the TPU
-  is not measured: both take top_k."""
+  """most_voted_counted's pairwise_max for a run's kernel route: on the GPU kernels the pairs'
+  reductions were the fastest measured (BENCHMARKS.md); on a 2-core CPU they ran far slower
+  than top_k (20,000 votes over 8K-100K slots: 19-138 ms, another job running, against 0.3-0.5
+  ms), and the TPU is not measured: both take top_k."""
   return PAIRWISE_MAX_ITEMS if route.on_gpu else 0
+
+
+# On the GPU a clip this large picks the histogram's most counted by one `lax.top_k` (one radix
+# sort of the slots) rather than through block maxima, whose top_k over the blocks and over the
+# clip's blocks' slots grow with the clip: a chunk of Qwen2.5-Coder-1.5B's (24,576 votes, clip
+# 511) at 1M slots 118 / 102 us against 176 / 173 (spread / clustered votes, an H200); at the
+# 3B shape's clip of 127 (65,536 votes) the two ran level at 1M slots and the blocks faster at
+# 128K (73 against 104-118 us). BENCHMARKS.md, "The vote count at Qwen2.5-Coder-1.5B's shape".
+WHOLE_PICK_MIN_CLIP = 256
+
+
+def whole_pick_clip(route: pallas_kernels.Route) -> int:
+  """most_voted's whole_pick_clip for a run's kernel route: WHOLE_PICK_MIN_CLIP on the GPU
+  kernels, where it was measured; 0 (the block maxima) on the CPU and the TPU."""
+  return WHOLE_PICK_MIN_CLIP if route.on_gpu else 0
 
 
 def best_in_order(value, item, live, n: int):
@@ -287,7 +310,7 @@ def scope_from_votes(votes, q_pos, seq_end, hi, *, n_global: int, n_local: int, 
   """The `clip` most voted tokens as spans, between the global and the local part (votes
   [B, V], from `vote` or from the devices' candidates merged; every vote < n_tokens, the
   cache's slots, when that is given)."""
-  kept = most_voted(votes, clip, n_tokens, pairwise_items(route))
+  kept = most_voted(votes, clip, n_tokens, pairwise_items(route), whole_pick_clip(route))
   first, count = span_runs(kept, jnp.int32(n_global), hi, span)
   return assemble(first, count, n_global, n_local, n_global + clip * span + n_local, seq_end,
                   q_pos[:, 0])
