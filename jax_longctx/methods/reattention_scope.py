@@ -184,9 +184,10 @@ def pairwise_items(route: pallas_kernels.Route) -> int:
 # On the GPU a clip this large picks the histogram's most counted by one `lax.top_k` (one radix
 # sort of the slots) rather than through block maxima, whose top_k over the blocks and over the
 # clip's blocks' slots grow with the clip: a chunk of Qwen2.5-Coder-1.5B's (24,576 votes, clip
-# 511) at 1M slots 118 / 102 us against 176 / 173 (spread / clustered votes, an H200); at the
-# 3B shape's clip of 127 (65,536 votes) the two ran level at 1M slots and the blocks faster at
-# 128K (73 against 104-118 us). BENCHMARKS.md, "The vote count at Qwen2.5-Coder-1.5B's shape".
+# 511) at 128K / 512K / 1M slots 88-106 / 89 / 102-118 us against 136 / 155 / 173-176 (an
+# H200; its 1M prefill at 4 layers 1.04x); at the 3B shape's clip of 127 (65,536 votes) the two
+# ran level at 1M slots and the blocks faster at 128K (73 against 104-118 us). BENCHMARKS.md,
+# "The vote count at Qwen2.5-Coder-1.5B's shape".
 WHOLE_PICK_MIN_CLIP = 256
 
 
