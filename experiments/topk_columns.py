@@ -6,7 +6,10 @@ rescoring stage alone, in one run.
 512 queries x `keys` keys, 32 query / 8 KV heads, d=128, top 4 (ReAttention's scoring of a
 prefill chunk), keys bf16, int8 and E4M3 (8-bit on the tensor cores), normal random inputs:
   time      median ms of topk_scores after warm-up per (keys, KernelOptions.topk_many_rows,
-            window of the strided segments);
+            window of the strided segments, --variants: KernelOptions / Tiling of the Mosaic
+            kernel, e.g. its compute warpgroups), with the config that ran;
+  exact     integer inputs (every score exact): each variant's indices and scores against the
+            reference's, bf16 and int8 keys (the GPU check of the kernel's forms);
   agree     int8 at 32K keys: the share of (query, head) rows whose chosen set equals the
             dequantize-first reference's, per selection (the quantized queries reorder near-ties,
             which stage 2's exact scores of more candidates undo);
@@ -28,6 +31,8 @@ prefill chunk), keys bf16, int8 and E4M3 (8-bit on the tensor cores), normal ran
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import itertools
 import json
 
 import jax
@@ -36,16 +41,27 @@ import jax.numpy as jnp
 from jax_longctx.app.bench_kernels import normal, small_ints
 from jax_longctx.app.bench_measure import device_facts, timed
 from pallas_kernels import Route, quant, topk_scores
+from pallas_kernels.gpu import Tiling
 from pallas_kernels.options import KernelOptions
 from pallas_kernels.topk import mgpu_select, topk_segments
+from pallas_kernels.topk import topk as topk_module
 
 H, KV, D, LQ = 32, 8, 128, 512
 WORDS_KEYS = 1 << 21  # 2^31 elements over 8 KV heads of 128
 
 
-def route(many_rows, window=0):
+def route(many_rows, window=0, **options):
   return Route(backend="gpu", kernels=KernelOptions(
-      topk_eight_bit="products", topk_many_rows=many_rows, topk_column_window=window or 0))
+      topk_eight_bit="products", topk_many_rows=many_rows, topk_column_window=window or 0,
+      **options))
+
+
+def variants(args) -> dict:
+  """--variants: name -> {"options": KernelOptions fields, "tiling": Tiling fields (impl
+  "mosaic")}; {"kept": {}} when not given."""
+  named = json.loads(args.variants) if args.variants else {"kept": {}}
+  return {name: (v.get("options", {}), Tiling(impl="mosaic", **v["tiling"]) if v.get("tiling")
+                 else None) for name, v in named.items()}
 
 
 def emit(out, rec):
@@ -69,15 +85,43 @@ def stage2(out, key, args):
                    "ms": timed(fn, qr, k, cand, reps=args.reps, inner=3) * 1e3})
 
 
-def agree(out, key):
+def agree(out, key, args):
   kq, kk = jax.random.split(key)
   q = normal(kq, (1, LQ, H, D))
   k = quant.quantize(normal(kk, (1, 32768, KV, D), jnp.float32), "int8")
   ri = topk_scores(q, k, 4, scale=D ** -0.5, route=Route(backend="reference"))[1]
-  for many_rows in ("segments", "columns"):
-    i = topk_scores(q, k, 4, scale=D ** -0.5, route=route(many_rows))[1]
+  for many_rows, (label, (options, tiling)) in itertools.product(("segments", "columns"),
+                                                                 variants(args).items()):
+    i = topk_scores(q, k, 4, scale=D ** -0.5, route=route(many_rows, **options),
+                    tiling=tiling)[1]
     emit(out, {"case": "agree", "keys": "int8", "kv_len": 32768, "many_rows": many_rows,
+               "variant": label,
                "rows_equal": float(jnp.mean(jnp.all(jnp.sort(i, -1) == jnp.sort(ri, -1), -1)))})
+
+
+def exact(out, key, args):
+  """Integer inputs (every score exact; int8 keys and the queries' 8-bit rows at scale 1, one
+  query channel at +-127): each --variants' result against the
+  reference, indices and scores equal: 2 sequences of 65,536 and 40,000 keys, a prefix and a
+  suffix excluded, 512 queries, top 4."""
+  kq, kk = jax.random.split(key)
+  t = 65536
+  q = small_ints(kq, (2, LQ, H, D)).astype(jnp.float32)
+  q = q.at[..., 5].set(127 * jnp.sign(q[..., 5])).astype(jnp.bfloat16)  # 8-bit rows at scale 1
+  kf = small_ints(kk, (2, t, KV, D)).astype(jnp.float32)
+  kw = dict(valid_len=jnp.array([t, 40000]), exclude_prefix=7, exclude_suffix=300)
+  want = topk_scores(q, kf.astype(jnp.bfloat16), 4, route=Route(backend="reference"), **kw)
+  keys = {"bf16": kf.astype(jnp.bfloat16),
+          "int8": quant.Quantized(kf.astype(jnp.int8), jnp.ones((2, t, KV, 1), jnp.float32))}
+  for (name, k), (label, (options, tiling)) in itertools.product(keys.items(),
+                                                                 variants(args).items()):
+    r = route("columns", **options)
+    got = topk_scores(q, k, 4, route=r, tiling=tiling, **kw)
+    config = topk_module._mosaic_config(r.variant(), q, k, LQ * H // KV, 4, tiling, keys=t,
+                                        options=r.kernels)
+    emit(out, {"case": "exact", "keys": name, "variant": label,
+               "config": config and dataclasses.asdict(config),
+               "equal": bool(jnp.all(got[1] == want[1]) & jnp.all(got[0] == want[0]))})
 
 
 def times(out, key, args):
@@ -90,14 +134,23 @@ def times(out, key, args):
             "float8_e4m3fn": quant.quantize(kf, "float8_e4m3fn")}
     del kf
     for name, k in keys.items():
-      for many_rows, window in ([("segments", None)] if "segments" in args.selections else []) + [
-          ("columns", w) for w in windows if "columns" in args.selections]:
-        fn = jax.jit(lambda q, k, r=route(many_rows, window): topk_scores(
-            q, k, 4, scale=D ** -0.5, route=r))
+      for (many_rows, window), (label, (options, tiling)) in itertools.product(
+          ([("segments", None)] if "segments" in args.selections else []) + [
+              ("columns", w) for w in windows if "columns" in args.selections],
+          variants(args).items()):
+        r = route(many_rows, window, **options)
+        config = topk_module._mosaic_config(r.variant(), q, k, LQ * H // KV, 4, tiling, keys=t,
+                                            options=r.kernels)
+        rec = {"case": "time", "kv_len": t, "keys": name, "many_rows": many_rows,
+               "window": window, "top_k": 4, "variant": label,
+               "config": config and dataclasses.asdict(config)}
+        if config is None:  # the Mosaic kernel cannot take it: not timed (Triton would run)
+          emit(out, dict(rec, unsupported=True))
+          continue
+        fn = jax.jit(lambda q, k, r=r, tiling=tiling: topk_scores(
+            q, k, 4, scale=D ** -0.5, route=r, tiling=tiling))
         ms = timed(fn, q, k, reps=args.reps, inner=3) * 1e3
-        emit(out, {"case": "time", "kv_len": t, "keys": name, "many_rows": many_rows,
-                   "window": window, "top_k": 4, "ms": ms,
-                   "tflops": 2 * LQ * t * D * H / ms / 1e9})
+        emit(out, dict(rec, ms=ms, tflops=2 * LQ * t * D * H / ms / 1e9))
     del keys
 
 
@@ -187,16 +240,19 @@ def main():
   p.add_argument("--windows", default="0", help="KernelOptions.topk_column_window values "
                  "(0: the default, by the key axis)")
   p.add_argument("--selections", default="segments,columns")
+  p.add_argument("--variants", default="", help='JSON: name -> {"options": {KernelOptions '
+                 'fields}, "tiling": {Tiling fields}} (agree, time), e.g. \'{"two": {}, '
+                 '"three": {"options": {"topk_warpgroups": 3}}}\'')
   p.add_argument("--reps", type=int, default=5)
   p.add_argument("--cases", default="agree,time,stage2")
   args = p.parse_args()
   key = jax.random.PRNGKey(0)
   with open(args.out, "w") as out:
     emit(out, {"facts": device_facts()})
+    cases = {"agree": agree, "exact": exact, "time": times, "stage2": stage2, "parts": parts,
+             "splits": splits, "words": words}
     for case in args.cases.split(","):
-      {"agree": lambda: agree(out, key), "time": lambda: times(out, key, args),
-       "stage2": lambda: stage2(out, key, args), "parts": lambda: parts(out, key, args),
-       "splits": lambda: splits(out, key, args), "words": lambda: words(out, key, args)}[case]()
+      cases[case](out, key, args)
 
 
 if __name__ == "__main__":

@@ -38,7 +38,8 @@ class Tiling:
   prefetch: load the next key tile before working on the current one (GPU).
   impl: which GPU kernel for flash attention / topk_scores, "mosaic" (Hopper: mgpu_flash /
   mgpu_topk) or "triton"; with "mosaic", block_rows / block_keys / num_stages are its block_q /
-  block_kv / stages (key_splits stays the key splits for topk_scores).
+  block_kv / stages and num_warps its compute warps (8 or, for the top-k, 12), key_splits stays
+  the key splits for topk_scores.
   """
   block_rows: int | None = None
   block_keys: int | None = None
@@ -73,12 +74,14 @@ def mosaic_asked(variant, tiling, default: str) -> bool:
 
 def mosaic_tiling(config, tiling):
   """A Mosaic kernel's config with a per-call Tiling(impl="mosaic") applied: its block_rows,
-  block_keys and num_stages are the kernel's block_q, block_kv and stages then."""
+  block_keys and num_stages are the kernel's block_q, block_kv and stages then, and num_warps
+  its compute warps (4 a warpgroup)."""
   if tiling is None or tiling.impl != "mosaic":
     return config
   return dataclasses.replace(config, block_q=tiling.block_rows or config.block_q,
                              block_kv=tiling.block_keys or config.block_kv,
-                             stages=tiling.num_stages or config.stages)
+                             stages=tiling.num_stages or config.stages,
+                             warpgroups=(tiling.num_warps or 4 * config.warpgroups) // 4)
 
 
 def fitting_block_keys(block_keys: int, *, block_rows: int, d: int, itemsize: int,

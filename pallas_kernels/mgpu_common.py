@@ -1,7 +1,7 @@
 """What the Mosaic GPU kernels (mgpu_flash.py, mgpu_topk.py) share besides their bodies: the
 Config and the checks of what they can run, the compiler / interpreter parameters across JAX
-versions, the key tiles and the ring that streams them, and Ops, the few operations that differ
-between the GPU and jax's Mosaic GPU interpreter on CPU.
+versions, the key tiles and the ring that streams them, Ops, the few operations that differ
+between the GPU and jax's Mosaic GPU interpreter on CPU, and Turns, the compute warpgroups' order.
 
 JAX 0.10 -> 0.11 differences met here: the default lowering semantics changed from Lane to
 Warpgroup (Config.semantics pins one; None keeps the version's default); `transpose_ref` is
@@ -47,13 +47,15 @@ MAGIC_F = 12582912.0
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-  """block_q: query rows per compute warpgroup (a CTA covers 2 * block_q); block_kv: keys per
-  tile; stages: K/V tiles in flight; semantics: Mosaic GPU lowering, "lane" | "warpgroup" |
-  None (this JAX's default: lane in 0.10, warpgroup since 0.11)."""
+  """block_q: query rows per compute warpgroup (a CTA covers warpgroups * block_q); block_kv:
+  keys per tile; stages: K/V tiles in flight; semantics: Mosaic GPU lowering, "lane" |
+  "warpgroup" | None (this JAX's default: lane in 0.10, warpgroup since 0.11); warpgroups: the
+  compute warpgroups a CTA, 2 or 3 (3: the top-k kernel only, mgpu_topk.py says when)."""
   block_q: int = 64
   block_kv: int = 128
   stages: int = 2
   semantics: str | None = None
+  warpgroups: int = COMPUTE_WGS
 
   def __post_init__(self):
     if self.block_q % 64 or self.block_kv % 64:
@@ -63,6 +65,8 @@ class Config:
       raise ValueError(f"stages {self.stages} must be at least 2 (load one tile, use another)")
     if self.semantics not in (None, "lane", "warpgroup"):
       raise ValueError(f"semantics {self.semantics!r} must be None, 'lane' or 'warpgroup'")
+    if self.warpgroups not in (2, 3):
+      raise ValueError(f"warpgroups {self.warpgroups} must be 2 or 3")
 
 
 def smem_bytes(config: Config, d: int, itemsize: int = 2, quantized: bool = False) -> int:
@@ -91,6 +95,8 @@ def unsupported(q, k, v, *, kv_layout: str, config: Config) -> str | None:
     return f"dtypes {q.dtype}/{k.dtype}/{v.dtype}: needs q, k, v all bf16 or all fp16"
   if d not in HEAD_DIMS:
     return f"head dim {d} not in {HEAD_DIMS}"
+  if config.warpgroups != COMPUTE_WGS:
+    return f"{config.warpgroups} compute warpgroups: flash attention runs {COMPUTE_WGS}"
   if lq < config.block_q or t < config.block_kv:
     return f"{lq} queries / {t} keys: needs at least block_q={config.block_q} / " \
            f"block_kv={config.block_kv}"
@@ -334,3 +340,50 @@ class Ops:
     inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
     lse = jnp.where(seen, m * LN2 + jnp.log(jnp.where(seen, l, 1.0)), NEG_INF)
     return acc * rows(inv, acc.shape), lse
+
+
+class Turns:
+  """The compute warpgroups' order of work on the tensor cores, by their `turn` barrier
+  (`barrier(n)`; mgpu_topk.py's).
+  Two (FlashAttention-3's alternation): a rendezvous after each product's issue and after each
+  selection, so one warpgroup selects while the other's product runs, and their selections,
+  which may reduce across warps through Mosaic's one scratch, never overlap. Three or more: a
+  token passed round them at each issue (warpgroup i issues a tile's product after i - 1 did,
+  warpgroup 0 after the last did the previous tile's), the selections free."""
+
+  def __init__(self, turn, wg, n: int):
+    self.turn, self.wg, self.n = turn, wg, n
+
+  @staticmethod
+  def barrier(n: int):
+    return (plgpu.Barrier(num_arrivals=2) if n == 2
+            else plgpu.Barrier(num_arrivals=1, num_barriers=n))
+
+  def _meet(self):
+    rendezvous(self.turn)
+
+  def start(self):
+    if self.n == 2:  # warpgroup 0 goes first; from here on they alternate
+      pl.when(self.wg == 1)(self._meet)
+    else:  # the token starts at warpgroup 0
+      pl.when(self.wg == self.n - 1)(lambda: plgpu.barrier_arrive(self.turn.at[0]))
+
+  def before_issue(self):
+    if self.n > 2:
+      plgpu.barrier_wait(self.turn.at[self.wg])
+
+  def after_issue(self):
+    if self.n == 2:
+      self._meet()
+    else:
+      plgpu.barrier_arrive(self.turn.at[lax.rem(self.wg + 1, self.n)])
+
+  def after_selection(self):
+    if self.n == 2:  # selection done: the other warpgroup's turn
+      self._meet()
+
+  def end(self):
+    if self.n == 2:
+      pl.when(self.wg == 0)(self._meet)
+    else:  # the last pass of the token, to warpgroup 0, taken (every phase is seen)
+      pl.when(self.wg == 0)(lambda: plgpu.barrier_wait(self.turn.at[0]))

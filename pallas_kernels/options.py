@@ -121,6 +121,13 @@ class KernelOptions:
   # key axis (topk_segments.column_window: 64, 128 from COLUMN_LONG_KEYS keys); else 32, 64 or
   # 128 (one that does not divide the kernel's key tile runs as "segments").
   topk_column_window: int = 0
+  # The Mosaic top-k kernel's compute warpgroups under "columns" (a top_k > 1 prefill chunk): 2
+  # alternate as FlashAttention-3's, one selecting while the other's product runs; 3 issue
+  # their products in turn and select at once (mgpu_topk.THREE_WARPGROUPS). 0: by the keys, 3
+  # over bf16 / fp16 (1.09-1.21x faster on an H200), 2 over 8-bit (whose products take half the
+  # time: 3 ran 1.0-1.15x slower) and in jax's interpreter. Other selections reduce across warps
+  # through one scratch and run 2 whatever is asked here.
+  topk_warpgroups: int = 0
   # topk_scores' prefill rows on the Mosaic kernel: key splits that share each sequence's
   # candidates' tiles equally, as many as fill the GPU's cores in whole waves
   # (gpu.wave_splits), rather than splits of the key axis within one wave. The kernel runs a
@@ -204,6 +211,9 @@ class KernelOptions:
     if self.topk_column_window not in COLUMN_WINDOWS:
       raise ValueError(f"topk_column_window={self.topk_column_window!r} must be one of "
                        f"{COLUMN_WINDOWS} (0: by the key axis)")
+    if self.topk_warpgroups not in (0, 2, 3):
+      raise ValueError(f"topk_warpgroups={self.topk_warpgroups!r} must be 0 (by the keys), 2 "
+                       "or 3")
     if not isinstance(self.topk_key_splits, int) or self.topk_key_splits < 0:
       raise ValueError(f"topk_key_splits={self.topk_key_splits!r} must be a count >= 0 (0: the "
                        "plan's own)")

@@ -198,8 +198,7 @@ def _finish(vals, idx, top_k: int, lq: int, h: int, ordered: bool = False):
 
 def _finish_mosaic(q, k, bounds, top_k, config, *, scale, kv_layout, tiling, options, variant):
   """topk_scores' result from the Mosaic kernel (bf16 keys, or 8-bit on its tensor cores)."""
-  segments = (options.topk_many_rows if options.topk_many_rows != "kernel"
-              and options.topk_selection == "exact" and top_k > 1 else None)
+  segments = _stage1(options, top_k)
   vals, idx, ordered = _mosaic(q, k, bounds, top_k, config, scale=scale, kv_layout=kv_layout,
                                key_splits=(tiling.key_splits if tiling else None)
                                or options.topk_key_splits or None,
@@ -210,13 +209,49 @@ def _finish_mosaic(q, k, bounds, top_k, config, *, scale, kv_layout, tiling, opt
   return _finish(vals, idx, top_k, q.shape[1], q.shape[2], ordered)
 
 
+def _stage1(options: KernelOptions, top_k: int) -> str | None:
+  """The segments the Mosaic kernel keeps, as asked ("segments", "columns"; None: keys)."""
+  return (options.topk_many_rows if options.topk_many_rows != "kernel"
+          and options.topk_selection == "exact" and top_k > 1 else None)
+
+
+def _selection(config, segments, keys: int, top_k: int, d: int, eight_bit: bool,
+               window: int = 0):
+  """(segments as they run, window): "columns" runs as "segments" where its sets do not fit
+  (top_k, SMEM) or no window divides the tiles; "segments" as keys where its segments do not fit
+  the key axis (padded to a tile at least). window: KernelOptions.topk_column_window."""
+  tk = max(keys, config.block_kv)
+  window = topk_segments.column_window(tk, config.block_kv, top_k, window)
+  if segments == "columns" and not (
+      window and mgpu_topk.smem_bytes(config, d, top_k, 1 if eight_bit else 2,
+                                      width=mgpu_select.COLUMNS) <= SMEM_LIMIT):
+    segments = "segments"
+  if segments == "segments" and not topk_segments.fits(tk, config.block_kv):
+    segments = None
+  return segments, window
+
+
 def _mosaic_config(variant, q, k, rows: int, top_k: int, tiling, keys: int | None = None,
                    options: KernelOptions = DEFAULT):
-  """The Mosaic GPU kernel's Config when it serves this call, else None (the Triton kernel)."""
+  """The Mosaic GPU kernel's Config when it serves this call, else None (the Triton kernel).
+  Three compute warpgroups where asked (a call's Tiling.num_warps 12, else KernelOptions.
+  topk_warpgroups, by default over 16-bit keys on the GPU) and "columns" runs; else two."""
   if not gpu.mosaic_asked(variant, tiling, options.topk_impl) or rows < MOSAIC_MIN_ROWS:
     return None
-  config = gpu.mosaic_tiling(mgpu_topk.EIGHT_BIT_CONFIG if quant.is_quantized(k)
+  eight_bit = quant.is_quantized(k)
+  config = gpu.mosaic_tiling(mgpu_topk.EIGHT_BIT_CONFIG if eight_bit
                              else mgpu_topk.DEFAULT_CONFIG, tiling)
+  # Interpreted (tests on a CPU), two unless asked: jax's interpreter runs each warpgroup as a
+  # thread whose barrier waits hold one of the CPU client's workers, and a CTA of four starved
+  # on one device of a 2-core machine (a top-8 case hung every time; tests/helpers/
+  # mgpu_topk_three_checks.py runs them on 8 devices' workers).
+  asked = (tiling.num_warps // 4 if tiling is not None and tiling.impl == "mosaic"
+           and tiling.num_warps else options.topk_warpgroups
+           or (2 if eight_bit or variant.interpret else 3))
+  three = gpu.mosaic_tiling(mgpu_topk.THREE_WARPGROUPS[eight_bit], tiling)
+  if asked == 3 and _selection(three, _stage1(options, top_k), keys or three.block_kv, top_k,
+                               q.shape[3], eight_bit, options.topk_column_window)[0] == "columns":
+    config = three
   return None if mgpu_topk.unsupported(q, k, top_k, config=config, keys=keys) else config
 
 
@@ -225,21 +260,23 @@ def _mosaic(q, k, bounds, top_k, config, *, scale, kv_layout, key_splits, select
   """The Mosaic kernel's candidates [B, KV, S, R, top_k] and whether they are already the
   final order; with `segments` ("segments" or "columns": KernelOptions.topk_many_rows; None)
   and keys that fit, its segments, resolved to keys by topk_segments (one part, best first).
-  "columns" runs as "segments" where its sets do not fit (top_k, SMEM); window: its
+  "columns" runs as "segments" where its sets do not fit (`_selection`); window: its
   KernelOptions.topk_column_window; balanced: KernelOptions.topk_balanced_splits; words:
   KernelOptions.topk_rescore_words."""
   b, _, h, _ = q.shape
   kvh = k.shape[2 if kv_layout == "BTHD" else 1]
   bk = config.block_kv
-  rows_padded = layout.round_up(q.shape[1] * (h // kvh), 2 * config.block_q)
   kk = layout.pad_keys(k, kv_layout, bk)
   tk = kk.shape[1 if kv_layout == "BTHD" else 2]
+  segments, window = _selection(config, segments, tk, top_k, q.shape[3], quant.is_quantized(k),
+                                window)
+  rows_padded = layout.round_up(q.shape[1] * (h // kvh), config.warpgroups * config.block_q)
   # One CTA per SM at a time (SMEM). Balanced splits share each sequence's candidate tiles
   # among as many CTAs as fill the cores' waves (gpu.wave_splits); else at most one wave of
   # them unless asked: key splits over the key axis that make a second, partial wave ran slower
   # on an H200 (512 queries x 32K-512K keys, 8 kv heads: 128 CTAs, 1 split 1.08-1.19x faster
   # than 2), and each split's set starts empty.
-  programs = b * kvh * rows_padded // (2 * config.block_q)
+  programs = b * kvh * rows_padded // (config.warpgroups * config.block_q)
   if balanced:
     splits = key_splits or gpu.wave_splits(programs, tk, bk)
     span = layout.round_up(-(-tk // splits), bk)  # a split's keys at most (the kernel's check)
@@ -248,14 +285,6 @@ def _mosaic(q, k, bounds, top_k, config, *, scale, kv_layout, key_splits, select
                                   key_splits or max(1, backend_lib.num_cores() // programs),
                                   per_core=1)
   qr = layout.q_rows(q, kvh, rows_padded)
-  window = topk_segments.column_window(tk, bk, top_k, window)
-  if segments == "columns" and not (
-      window and mgpu_topk.smem_bytes(config, q.shape[3], top_k,
-                                      1 if quant.is_quantized(k) else 2,
-                                      width=mgpu_select.COLUMNS) <= SMEM_LIMIT):
-    segments = "segments"
-  if segments == "segments" and not topk_segments.fits(tk, bk):
-    segments = None
   vals, idx = mgpu_topk.mgpu_topk_scores(
       qr, kk, bounds, kp=top_k, span=span, splits=splits, scale=scale, kv_layout=kv_layout,
       config=config, selection=segments or selection,

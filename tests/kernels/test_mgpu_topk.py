@@ -12,12 +12,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import Route, layout, mgpu_common, topk_scores
+from pallas_kernels import Route, layout, mgpu_common, quant, topk_scores
 from pallas_kernels.topk import mgpu_topk, topk_segments
 from pallas_kernels.topk import topk as ts_module
 from pallas_kernels.backend import Variant
 from pallas_kernels.gpu import Tiling
 from pallas_kernels.options import TOPK_MANY_ROWS, KernelOptions
+from tests.conftest import run_on_eight_devices
 from tests.kernels.inputs import keys_shape, normal, small_ints
 
 NO_INTERPRETER = mgpu_common.interpreter_available()
@@ -33,9 +34,9 @@ def _reset_interpreter():
     interpret_pallas_call.reset_gpu_interpret_mode_state()
 
 
-def mosaic(block_kv=64, stages=2, key_splits=None):
+def mosaic(block_kv=64, stages=2, key_splits=None, warpgroups=None):
   return Tiling(impl="mosaic", block_rows=64, block_keys=block_kv, num_stages=stages,
-                key_splits=key_splits)
+                key_splits=key_splits, num_warps=warpgroups and 4 * warpgroups)
 
 
 def assert_exact(q, k, top_k, tiling, options=KernelOptions(), **kw):
@@ -146,22 +147,34 @@ def test_mgpu_topk_ties_go_to_lowest_index(many_rows):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("block_kv,splits,window", [
-    (64, 2, 0), (128, 1, 0),  # windows of 64: 1 / 2 a tile
-    (128, 2, 128)])  # windows of 128, segments of 16 keys: stage 2 rescores 176 keys a row
-def test_columns_ties_go_to_lowest_index(block_kv, splits, window, monkeypatch):
+@pytest.mark.parametrize("block_kv,splits,window,warpgroups", [
+    (64, 2, 0, None), (128, 1, 0, None),  # windows of 64: 1 / 2 a tile
+    (128, 2, 128, None)])  # windows of 128, segments of 16 keys: stage 2 rescores 176 keys a row
+def test_columns_ties_go_to_lowest_index(block_kv, splits, window, warpgroups, monkeypatch):
   """Strided segments over 29 distinct keys repeated: equal maxima in one window's columns,
-  whose keys interleave, and across windows and splits; top 8, the most "columns" keeps."""
+  whose keys interleave, and across windows and splits; top 8, the most "columns" keeps (on
+  two compute warpgroups here; tests/helpers/mgpu_topk_three_checks.py runs it on three)."""
   rng = np.random.default_rng(19)
   k = jnp.tile(small_ints(rng, (1, 29, 1, 64)), (1, 18, 1, 1))[:, :512]
   q = small_ints(rng, (1, 16, 4, 64))
   calls = segment_stages(monkeypatch)
-  v, i = assert_exact(q, k, 8, mosaic(block_kv=block_kv, key_splits=splits),
+  v, i = assert_exact(q, k, 8, mosaic(block_kv=block_kv, key_splits=splits,
+                                      warpgroups=warpgroups),
                       KernelOptions(topk_many_rows="columns", topk_column_window=window),
                       exclude_prefix=2)
   assert calls == [window or topk_segments.COLUMN_WINDOW]
   tied = v[..., 1:] == v[..., :-1]
   assert tied.any() and np.all(i[..., 1:][tied] > i[..., :-1][tied])
+
+
+@needs_interpreter
+@pytest.mark.parametrize("name", ["bf16", "int8_parts", "ties", "races"])
+def test_three_warpgroups_in_the_interpreter(name, request):
+  """Three compute warpgroups in the interpreter (tests/helpers/mgpu_topk_three_checks.py), in a
+  process of 8 fake CPU devices: jax's interpreter runs each warpgroup as a thread whose barrier
+  waits hold one of the CPU client's workers, and on one device of a 2-core machine a CTA of
+  four starved (a top-8 case hung every time; on 8 devices it passed)."""
+  run_on_eight_devices("tests.helpers.mgpu_topk_three_checks", name, request)
 
 
 @needs_interpreter
@@ -234,9 +247,9 @@ def test_pipeline_has_no_races():
   rng = np.random.default_rng(11)
   q, k = small_ints(rng, (1, 32, 4, 64)), small_ints(rng, (1, 256, 1, 64))
   bounds = jnp.array([[3, 250]], jnp.int32)
-  vals, idx = mgpu_topk.mgpu_topk_scores(layout.q_rows(q, 1, 128), k, bounds, kp=4, span=256, splits=1,
-                                         scale=None, config=mgpu_topk.Config(64, 64, 2),
-                                  interpret=InterpretGPUParams(detect_races=True))
+  vals, idx = mgpu_topk.mgpu_topk_scores(layout.q_rows(q, 1, 128), k, bounds, kp=4, span=256,
+                                         splits=1, scale=None, config=mgpu_topk.Config(64, 64, 2),
+                                         interpret=InterpretGPUParams(detect_races=True))
   jax.block_until_ready(idx)
   assert not interpret_pallas_call.get_races().races_found
   v, i = ts_module._finish(vals, idx, 4, 32, 4)
@@ -270,14 +283,49 @@ def test_routing_on_a_hopper_gpu(monkeypatch):
   assert ts_module._mosaic_config(native, q, k, 64, 4, None, options=triton) is None
   mosaic = KernelOptions(topk_impl="mosaic")
   assert ts_module._mosaic_config(native, q, k, 64, 4, None, options=mosaic) == \
-      mgpu_topk.DEFAULT_CONFIG
+      mgpu_topk.THREE_WARPGROUPS[False]  # bf16 keys, "columns": three compute warpgroups
   assert ts_module._mosaic_config(native, q, k, 64, 4, Tiling(impl="triton")) is None
+
+
+def test_compute_warpgroups_by_keys_selection_and_ask(monkeypatch):
+  """Three compute warpgroups over 16-bit keys under "columns" on the GPU; two over 8-bit keys,
+  for other selections (top-1's argmax, "segments", "kernel"), in the interpreter, and where
+  asked (KernelOptions.topk_warpgroups, a call's Tiling.num_warps first); a call asking three
+  for a selection that reduces across warps is refused in one line."""
+  monkeypatch.setattr(ts_module.backend_lib, "is_hopper", lambda: True)
+  native, interp = Variant("gpu", False), Variant("gpu", True)
+  q, k = jnp.zeros((1, 64, 4, 64), jnp.bfloat16), jnp.zeros((1, 4096, 1, 64), jnp.bfloat16)
+  k8 = quant.quantize(k, "int8")
+  three, two, eight = (mgpu_topk.THREE_WARPGROUPS[False], mgpu_topk.DEFAULT_CONFIG,
+                       mgpu_topk.EIGHT_BIT_CONFIG)
+
+  def cfg(variant, k, top_k, tiling=None, **options):
+    return ts_module._mosaic_config(variant, q, k, 256, top_k, tiling, keys=4096,
+                                    options=KernelOptions(**options))
+
+  assert cfg(native, k, 4) == three and cfg(native, k8, 4) == eight
+  assert cfg(native, k8, 4, topk_warpgroups=3) == mgpu_topk.THREE_WARPGROUPS[True]
+  assert cfg(native, k, 4, topk_warpgroups=2) == two
+  assert cfg(native, k, 1) == two  # the running argmax reduces across warps
+  assert cfg(native, k, 4, topk_many_rows="segments") == two
+  assert cfg(native, k, 4, topk_many_rows="kernel") == two
+  assert cfg(interp, k, 4, Tiling(impl="mosaic")) == two
+  assert cfg(interp, k, 4, Tiling(impl="mosaic", num_warps=12)).warpgroups == 3
+  assert cfg(native, k, 4, Tiling(impl="mosaic", num_warps=8), topk_warpgroups=3) == two
+  with pytest.raises(ValueError, match="topk_warpgroups=4 must be"):
+    KernelOptions(topk_warpgroups=4)
+  with pytest.raises(ValueError, match="warpgroups 1 must be 2 or 3"):
+    cfg(native, k, 4, Tiling(impl="mosaic", num_warps=4))
+  with pytest.raises(ValueError, match="3 compute warpgroups run only the selections"):
+    topk_scores(q, k, 1, route=Route(backend="gpu"), tiling=Tiling(impl="mosaic", num_warps=12))
 
 
 LOWERINGS = [(128, "BTHD", 4, None, "exact"), (64, "BHTD", 16, "warpgroup", "exact"),
              (128, "BHTD", 1, "lane", "exact"), (128, "BTHD", 4, "warpgroup", "segments"),
              (128, "BHTD", 4, "lane", "segments"), (128, "BTHD", 4, None, "columns"),
-             (64, "BHTD", 8, "warpgroup", "columns")]
+             (64, "BHTD", 8, "warpgroup", "columns"),
+             # three compute warpgroups: 256-key tiles in 128-key parts (the default), and whole
+             (128, "BTHD", 4, None, "columns3"), (64, "BHTD", 8, "lane", "columns3_128")]
 
 
 @pytest.mark.parametrize("d,kv_layout,kp,semantics,selection", LOWERINGS)
@@ -285,11 +333,16 @@ def test_native_kernel_lowers_to_mosaic_gpu(d, kv_layout, kp, semantics, selecti
   """The GPU code (WGMMA, layout casts, the cross-warp "any" reduction in the while loop) lowers
   to a Mosaic GPU custom call on this CPU-only jaxlib, at the benchmark's shapes; Mosaic's own
   SMEM check runs too."""
-  b, kvh, rows, t = 1, 8, 2048, 131072
+  three = selection.startswith("columns3")
+  b, kvh, rows, t = 1, 8, 2112 if three else 2048, 131072  # a multiple of 192 / 128 rows
   qr = jax.ShapeDtypeStruct((b, kvh, rows, d), jnp.bfloat16)
   k = jax.ShapeDtypeStruct(keys_shape(b, t, kvh, d, kv_layout), jnp.bfloat16)
   bounds = jax.ShapeDtypeStruct((b, 2), jnp.int32)
   config = mgpu_topk.Config(64, 128, 4, semantics=semantics)
+  if three:
+    config = mgpu_topk.Config(64, 128 if selection.endswith("128") else 256, 2,
+                              semantics=semantics, warpgroups=3)
+    selection = "columns"
 
   def f(qr, k, bounds):
     return mgpu_topk.mgpu_topk_scores(qr, k, bounds, kp=kp, span=t // 2, splits=2, scale=d ** -0.5,

@@ -155,11 +155,16 @@ def test_the_option_picks_the_route(monkeypatch, choice, calls):
                                                       (128, "BHTD", 4, "segments"),
                                                       (64, "BTHD", 4, "exact"),
                                                       (128, "BTHD", 4, "columns"),
-                                                      (128, "BHTD", 8, "columns")])
+                                                      (128, "BHTD", 8, "columns"),
+                                                      (128, "BTHD", 4, "columns3")])
 def test_native_kernel_lowers_to_mosaic_gpu(dtype, d, kv_layout, kp, selection):
   """8-bit WGMMA operands (tiling and swizzle by the byte width), the s32 accumulator and its
-  conversion, the scale ring: lowered at the benchmark's shapes; Mosaic's SMEM check runs."""
-  b, kvh, rows, t = 1, 8, 2048, 131072
+  conversion, the scale ring: lowered at the benchmark's shapes; Mosaic's SMEM check runs.
+  columns3: three compute warpgroups, each 256-key tile's products and scales in 128-key parts."""
+  config = mgpu_topk.EIGHT_BIT_CONFIG
+  if selection == "columns3":
+    config, selection = mgpu_topk.THREE_WARPGROUPS[True], "columns"
+  b, kvh, rows, t = 1, 8, 192 * 11 if config.warpgroups == 3 else 2048, 131072
   shape = keys_shape(b, t, kvh, d, kv_layout)
   args = (jax.ShapeDtypeStruct((b, kvh, rows, d), jnp.bfloat16), jax.ShapeDtypeStruct(shape, dtype),
           jax.ShapeDtypeStruct(shape[:3] + (1,), jnp.float32),
@@ -168,7 +173,7 @@ def test_native_kernel_lowers_to_mosaic_gpu(dtype, d, kv_layout, kp, selection):
   def f(qr, values, scale, bounds):
     return mgpu_topk.mgpu_topk_scores(qr, quant.Quantized(values, scale), bounds, kp=kp,
                                       span=t // 2, splits=2, scale=d ** -0.5,
-                                      kv_layout=kv_layout, config=mgpu_topk.EIGHT_BIT_CONFIG,
+                                      kv_layout=kv_layout, config=config,
                                       selection=selection,
                                       segment=128 if selection == "columns" else 16)
 
