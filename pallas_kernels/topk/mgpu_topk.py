@@ -21,9 +21,10 @@ the query heads of the kv group (layout.q_rows), so one K tile serves the whole 
 - Config.warpgroups = 3 (selections without cross-warp reductions: "columns", "max_only"):
   three compute warpgroups of block_q rows issue their products in turn (a token passed round
   them at each issue), and their selections run free of each other: two select while the
-  third's product runs. With 8-bit keys the products take half the bf16 time and the selection
-  of a tile is the longer part (Nsight Compute: the tensor pipe half idle), so two warpgroups
-  alternating wait on it. The registers of three (152 a thread) hold 128-key score tiles.
+  third's product runs. On an H200 bf16 ran 1.12-1.16x faster so; the 8-bit kernels, whose
+  products take half the time but whose issue slots are already 48-65% busy, level to 1.15x
+  slower, so they keep two (KernelOptions.topk_warpgroups). A thread's 152 registers then hold
+  128-key score tiles: a longer tile is multiplied in parts (product_keys).
 
 Exactness (ties to the lowest key, as the reference's lax.top_k): a CTA visits its keys in
 increasing order (tiles in order, and within a tile equal maxima leave by increasing key), and a
@@ -68,10 +69,10 @@ DEFAULT_CONFIG = Config(block_q=64, block_kv=128, stages=4)  # not yet tuned on 
 EIGHT_BIT_CONFIG = Config(block_q=64, block_kv=256, stages=4)
 # Three compute warpgroups under "columns" (KernelOptions.topk_warpgroups), by 16-bit / 8-bit
 # keys: 256-key tiles multiplied in 128-key parts (product_keys). 512 queries, top 4, on an
-# H200 (BENCHMARKS.md "Three compute warpgroups"): bf16 at 128K / 1M keys 1.069 / 6.32 ms
-# against 1.17-1.18 / 7.27-7.68 on two (128-key tiles, 4 stages), 1.099 / 6.84 at 128-key tiles;
-# int8 1.01 / 5.66 against 0.95 / 5.65, E4M3 0.96 / 5.53 against 0.84 / 5.08-5.25: 8-bit keys
-# keep two.
+# H200 (BENCHMARKS.md "Three compute warpgroups in the top-k"): bf16 at 128K / 1M keys 1.069 /
+# 6.32 ms against 1.17-1.18 / 7.27-7.68 on two (128-key tiles, 4 stages), 1.099 / 6.84 at
+# 128-key tiles; int8 1.01 / 5.66 against 0.95 / 5.65, E4M3 0.96 / 5.53 against 0.84 /
+# 5.08-5.25: 8-bit keys keep two.
 THREE_WARPGROUPS = {False: Config(block_q=64, block_kv=256, stages=2, warpgroups=3),
                     True: Config(block_q=64, block_kv=256, stages=4, warpgroups=3)}
 MAX_TOP_K = 32  # 2 * top_k row vectors stay in registers
